@@ -1,0 +1,3 @@
+from tidyrl.cli import main
+
+raise SystemExit(main())
