@@ -8,8 +8,15 @@ docstring says "per process".
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import math
+import os
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
+
+import yaml
 
 ALGORITHMS = ("grpo", "rloo")
 """Algorithms this version can train."""
@@ -169,3 +176,352 @@ class Config:
     """Options of algorithm: grpo."""
     rloo: RLOOConfig = field(default_factory=RLOOConfig)
     """Options of algorithm: rloo."""
+
+
+# --------------------------------------------------------------------------
+# Loading, overrides, validation, saving.
+#
+# YAML (or a dict) -> apply_overrides -> config_from_dict (keys and types)
+# -> validate (values). Every step reports all of its problems at once, each
+# naming the dotted key (`train.learning_rate`, `rewards.0.weight`) that the
+# YAML file and the `section.key=value` overrides use.
+# --------------------------------------------------------------------------
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+SCALE_REWARDS = ("group", "batch", "none")
+
+# Names transformers.get_scheduler knows but tidyrl cannot drive: it steps the
+# schedule once per optimizer step with no metric, and has no field for
+# scheduler-specific arguments yet.
+UNSUPPORTED_SCHEDULERS = {
+    "reduce_lr_on_plateau": "it steps on a metric, not once per optimizer step",
+    "greedy": "it steps on a metric, not once per optimizer step",
+    "cosine_with_min_lr": "it needs min_lr through scheduler arguments, which tidyrl has no field for",
+    "cosine_warmup_with_min_lr": "it needs min_lr through scheduler arguments, which tidyrl has no field for",
+    "warmup_stable_decay": "it needs decay lengths through scheduler arguments, which tidyrl has no field for",
+}
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid. `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+def load_config(source: Union[Config, dict, str, os.PathLike], overrides: Sequence[str] = ()) -> Config:
+    """A validated Config from a Config (copied), a dict, or a YAML file path, with `key=value` overrides applied."""
+    if isinstance(source, Config):
+        data = _to_data(source)
+    elif isinstance(source, dict):
+        data = source
+    elif isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError([f"config file not found: {os.fspath(source)}"]) from None
+        except yaml.YAMLError as e:
+            raise ConfigError([f"{os.fspath(source)} is not valid YAML: {e}"]) from None
+        data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError([f"{os.fspath(source)} must hold a mapping of keys, got {type(data).__name__}"])
+    else:
+        raise TypeError(f"load_config takes a Config, a dict or a path, got {type(source).__name__}")
+    cfg = config_from_dict(apply_overrides(data, overrides))
+    validate(cfg)
+    return cfg
+
+
+def config_base_dir(source) -> Optional[str]:
+    """The folder of a YAML config path (to resolve relative paths in it); None for a dict or Config."""
+    if isinstance(source, (str, os.PathLike)):
+        return os.path.dirname(os.path.abspath(os.fspath(source)))
+    return None
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """A copy of `data` with `key=value`, `section.key=value` or `rewards.0.weight=2` overrides applied.
+
+    Values are parsed as YAML (`8` -> int, `true` -> bool, `null` -> None,
+    `[a, b]` -> list); a value that is not valid YAML stays a string. Missing
+    sections are created; `rewards.<len>.key=value` appends a new reward.
+    """
+    data = _copy_tree(data)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(
+                [f"override {item!r} is not of the form key=value, section.key=value or rewards.0.weight=2"]
+            )
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node = data
+        for depth, part in enumerate(parts):
+            where = ".".join(parts[:depth]) or "the top level"
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) > len(node):
+                    raise ConfigError([f"override {item!r}: {where} is a list of {len(node)}; "
+                                       f"use an index from 0 to {len(node)} (to append)"])
+                part = int(part)
+                if part == len(node):
+                    node.append({})
+            elif not isinstance(node, dict):
+                raise ConfigError([f"override {item!r}: {where} is a value, not a section"])
+            if depth == len(parts) - 1:
+                node[part] = value
+            else:
+                if isinstance(node, dict) and node.get(part) is None:  # missing or an empty YAML section
+                    node[part] = [] if parts[depth + 1].isdigit() else {}
+                node = node[part]
+    return data
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build the typed Config from plain data, checking keys and types (not values: see `validate`)."""
+    problems: list[str] = []
+    cfg = _build(Config, data, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Check the values of a Config; raise ConfigError listing every problem, each with its dotted key."""
+    problems: list[str] = []
+    _build(Config, _to_data(cfg), "", problems)  # types first: the checks below compare numbers
+    if problems:
+        raise ConfigError(problems)
+
+    def need(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            problems.append(f"{key}: {message}")
+
+    need(cfg.algorithm in ALGORITHMS, "algorithm", f"{cfg.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    need(cfg.model != "", "model", "set the policy: a local Hugging Face model folder or a hub id")
+    need(cfg.tokenizer != "", "tokenizer", "set a tokenizer folder or hub id, or null to use `model`")
+    need(cfg.model_dtype in MODEL_DTYPES, "model_dtype", f"{cfg.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+    need(cfg.output_dir != "", "output_dir", "set the folder the run writes to")
+    need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
+    need(cfg.resume_from is None, "resume_from", "resuming is not supported in this version; set it to null")
+    need(cfg.data.path != "", "data.path", "set the prompt file (.jsonl .json .parquet .csv) or a saved datasets folder")
+    need(cfg.data.prompt_column != "", "data.prompt_column", "set the column holding the prompt")
+
+    need(len(cfg.rewards) > 0, "rewards", "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
+    for i, reward in enumerate(cfg.rewards):
+        key = f"rewards.{i}"
+        if (reward.function is None) == (reward.model is None):
+            problems.append(f"{key}: set exactly one of `function` and `model`")
+        elif reward.model is not None:
+            problems.append(f"{key}.model: reward models are not supported in this version; use a reward function")
+        elif isinstance(reward.function, str):
+            module, sep, name = reward.function.rpartition(":")
+            need(bool(sep and module and name), f"{key}.function",
+                 f"{reward.function!r} is not of the form package.module:function or path/to/file.py:function")
+        else:
+            need(callable(reward.function), f"{key}.function",
+                 f"must be a 'module:function' string or a callable, got {type(reward.function).__name__}")
+        need(math.isfinite(reward.weight), f"{key}.weight", f"must be a finite number, got {reward.weight}")
+        need(reward.name != "", f"{key}.name", "must not be empty; use null for the function's name")
+
+    r, t = cfg.rollout, cfg.train
+    for name in ("prompts_per_rollout", "generation_batch_size", "forward_batch_size"):
+        need(getattr(r, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(r, name)}")
+    need(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+         "must be >= 2 for grpo and rloo: a group of one completion has no baseline, so its advantage is 0; "
+         f"got {r.samples_per_prompt}")
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    need(0 <= r.min_new_tokens <= r.max_new_tokens, "rollout.min_new_tokens",
+         f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {r.min_new_tokens}")
+    need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1] (1 = off), got {r.top_p}")
+    need(r.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {r.top_k}")
+
+    if (t.rollouts is None) == (t.dataset_epochs is None):
+        problems.append("train: set exactly one of train.rollouts and train.dataset_epochs "
+                        f"(got rollouts={t.rollouts}, dataset_epochs={t.dataset_epochs})")
+    need(t.rollouts is None or t.rollouts >= 1, "train.rollouts", f"must be >= 1, got {t.rollouts}")
+    need(t.dataset_epochs is None or (math.isfinite(t.dataset_epochs) and t.dataset_epochs > 0),
+         "train.dataset_epochs", f"must be a number > 0, got {t.dataset_epochs}")
+    for name in ("epochs_per_rollout", "minibatches_per_epoch", "micro_batch_size"):
+        need(getattr(t, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(t, name)}")
+    need(t.learning_rate >= 0, "train.learning_rate", f"must be >= 0, got {t.learning_rate}")
+    need(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    need(0 <= t.warmup_ratio < 1, "train.warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}")
+    need(not (t.warmup_steps > 0 and t.warmup_ratio > 0), "train.warmup_steps",
+         f"set train.warmup_steps ({t.warmup_steps}) or train.warmup_ratio ({t.warmup_ratio}), not both")
+    need(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    need(0 <= t.adam_beta1 < 1, "train.adam_beta1", f"must be in [0, 1), got {t.adam_beta1}")
+    need(0 <= t.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {t.adam_beta2}")
+    need(t.adam_epsilon > 0, "train.adam_epsilon", f"must be > 0, got {t.adam_epsilon}")
+    need(t.max_grad_norm >= 0, "train.max_grad_norm", f"must be >= 0 (0 = no clipping), got {t.max_grad_norm}")
+    from transformers.trainer_utils import SchedulerType  # lazily: `import tidyrl` stays light
+
+    schedulers = [s.value for s in SchedulerType if s.value not in UNSUPPORTED_SCHEDULERS]
+    if t.lr_scheduler in UNSUPPORTED_SCHEDULERS:
+        problems.append(f"train.lr_scheduler: {t.lr_scheduler!r} is not supported because "
+                        f"{UNSUPPORTED_SCHEDULERS[t.lr_scheduler]}; use one of {', '.join(schedulers)}")
+    else:
+        need(t.lr_scheduler in schedulers, "train.lr_scheduler",
+             f"{t.lr_scheduler!r} is not a scheduler name; use one of {', '.join(schedulers)}")
+
+    if cfg.algorithm in ALGORITHMS:
+        section: PolicyLossConfig = getattr(cfg, cfg.algorithm)
+        a = cfg.algorithm
+        need(section.clip_eps > 0, f"{a}.clip_eps", f"must be > 0, got {section.clip_eps}")
+        need(section.clip_eps_high is None or section.clip_eps_high > 0, f"{a}.clip_eps_high",
+             f"must be > 0, or null to use clip_eps, got {section.clip_eps_high}")
+        need(section.loss_aggregation in LOSS_AGGREGATIONS, f"{a}.loss_aggregation",
+             f"{section.loss_aggregation!r} is not one of {', '.join(LOSS_AGGREGATIONS)}")
+        need(section.kl_coef >= 0, f"{a}.kl_coef", f"must be >= 0 (0 = no KL term), got {section.kl_coef}")
+        need(section.kl_estimator in KL_ESTIMATORS, f"{a}.kl_estimator",
+             f"{section.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+        if isinstance(section, GRPOConfig):
+            need(section.scale_rewards in SCALE_REWARDS, "grpo.scale_rewards",
+                 f"{section.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+
+    log = cfg.log
+    need(log.log_every >= 1, "log.log_every", f"must be >= 1 (optimizer steps), got {log.log_every}")
+    need(log.save_every >= 0, "log.save_every", f"must be >= 0 (0 = only the final model), got {log.save_every}")
+    need(log.keep_last >= 1, "log.keep_last", f"must be >= 1, got {log.keep_last}")
+    need(log.samples_per_rollout >= 0, "log.samples_per_rollout", f"must be >= 0, got {log.samples_per_rollout}")
+    if problems:
+        raise ConfigError(problems)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain data for YAML, in field order; a callable reward function becomes "python:<module>.<qualname>"."""
+
+    def leaf(value):
+        if callable(value):
+            return f"python:{value.__module__}.{value.__qualname__}"
+        return value
+
+    return _to_data(cfg, leaf)
+
+
+def save_config(cfg: Config, path: Union[str, os.PathLike]) -> None:
+    """Write `cfg` as YAML, keys in field order."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, allow_unicode=True)
+
+
+# --- helpers ---------------------------------------------------------------
+
+
+def _to_data(obj, leaf=lambda value: value):
+    """Dataclasses -> dicts and lists -> lists, recursively; other values through `leaf` (not copied)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_data(getattr(obj, f.name), leaf) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_data(v, leaf) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_data(v, leaf) for k, v in obj.items()}
+    return leaf(obj)
+
+
+def _copy_tree(obj):
+    """Copy the dicts and lists of plain data; leaves are shared."""
+    if isinstance(obj, dict):
+        return {k: _copy_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_tree(v) for v in obj]
+    return obj
+
+
+def _all_keys(cls, prefix: str = "") -> list[str]:
+    """Every dotted key of a config class (list items as `rewards.0.weight`)."""
+    keys = []
+    for name, hint in typing.get_type_hints(cls).items():
+        key = prefix + name
+        keys.append(key)
+        if dataclasses.is_dataclass(hint):
+            keys += _all_keys(hint, key + ".")
+        elif typing.get_origin(hint) is list:
+            keys += _all_keys(typing.get_args(hint)[0], key + ".0.")
+    return keys
+
+
+def _suggest(key: str, section_keys: list[str]) -> str:
+    """' did you mean ...?' for an unknown dotted key: the same section first, then any section."""
+    prefix, _, name = key.rpartition(".")
+    prefix = prefix + "." if prefix else ""
+    close = difflib.get_close_matches(name, section_keys, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean `{prefix}{close[0]}`?"
+    everywhere = _all_keys(Config)
+    leaves = sorted({k.rpartition(".")[2] for k in everywhere})
+    close = difflib.get_close_matches(name, leaves, n=1, cutoff=0.6)
+    if close:
+        found = [k for k in everywhere if k.rpartition(".")[2] == close[0]]
+        return "; did you mean " + " or ".join(f"`{k}`" for k in found) + "?"
+    return f"; valid keys here: {', '.join(section_keys)}"
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return (text[:60] + "...") if len(text) > 60 else text
+
+
+def _build(cls, data, prefix: str, problems: list[str]):
+    """An instance of the config class `cls` from a mapping, appending key and type problems."""
+    where = prefix[:-1] or "the top level"
+    if isinstance(data, cls):
+        data = {f.name: getattr(data, f.name) for f in dataclasses.fields(cls)}
+    if data is None:  # an empty YAML section: all defaults
+        data = {}
+    if not isinstance(data, dict):
+        problems.append(f"{where} must be a mapping of keys, got {_show(data)}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in hints:
+            problems.append(f"unknown key `{key}`{_suggest(key, list(hints))}")
+            continue
+        values[name] = _coerce(hints[name], value, key, problems)
+    return cls(**values)
+
+
+def _coerce(hint, value, key: str, problems: list[str]):
+    """`value` as the annotated type `hint`, or the value unchanged with a problem appended."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Union:  # Optional[X]
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if hint is Any:
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key + ".", problems)
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, (list, tuple)):
+            problems.append(f"{key} must be a list, got {_show(value)}")
+            return []
+        return [_coerce(args[0], v, f"{key}.{i}", problems) for i, v in enumerate(value)]
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and not isinstance(value, bool):
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-5` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    if hint is str and isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
+    problems.append(f"{key} must be {expected}, got {_show(value)} ({type(value).__name__})")
+    return value
+

@@ -1,0 +1,177 @@
+"""Policy losses and their aggregation into one scalar per micro-batch.
+
+Pure tensor functions (no model, no config). The training loop calls, per
+micro-batch,
+
+    loss_BT, clipped_BT = clipped_policy_loss(logprobs_BT, old_logprobs_BT, adv_B, clip_eps)
+    loss_BT = loss_BT + kl_coef * kl_per_token(...)      # GRPO: KL in the loss
+    loss = aggregate_loss(loss_BT, mask_BT, mode, normaliser)
+    loss.backward()
+
+with `normaliser = loss_normaliser(mode, ...)` computed once for the whole
+optimizer mini-batch (all micro-batches, all processes). See
+`aggregate_loss` for why that makes gradient accumulation and the number of
+processes invisible to the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
+"""Valid values of `loss_normaliser` / `aggregate_loss` mode (config key `<algorithm>.loss_aggregation`)."""
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; valid values: {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def _masked_sum(values_BT: Tensor, mask_BT: Tensor, dim: int | None = None) -> Tensor:
+    # where() rather than values * mask: padding positions may hold inf/NaN
+    # (e.g. an exp() ratio on pad logits), and NaN * 0 is NaN.
+    masked_BT = torch.where(mask_BT.bool(), values_BT, torch.zeros((), dtype=values_BT.dtype, device=values_BT.device))
+    return masked_BT.sum() if dim is None else masked_BT.sum(dim=dim)
+
+
+def clipped_policy_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages: Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped surrogate, per token, as a loss to minimise.
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7,
+    used per token by GRPO (Shao et al. 2024, DeepSeekMath, eq. 3):
+
+        ratio_t = exp(logp_t - old_logp_t)
+        loss_t  = -min(ratio_t * A,  clip(ratio_t, 1 - clip_eps, 1 + clip_eps_high) * A)
+
+    `clip_eps_high` > `clip_eps` is DAPO's clip-higher (Yu et al. 2025,
+    "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", §3.1):
+    a looser upper bound lets low-probability tokens with positive advantage
+    grow, which counters entropy collapse. It defaults to `clip_eps`.
+
+    The clipped branch is the active minimum exactly when
+    (ratio < 1 - clip_eps and A < 0) or (ratio > 1 + clip_eps_high and A > 0);
+    there the loss is constant in logp and its gradient is zero. When
+    old_logprobs are the detached current log-probs (one optimizer step per
+    rollout, E * M == 1) the ratio is 1, nothing is clipped and the gradient
+    is the plain policy gradient -A * grad(logp).
+
+    Args:
+        logprobs_BT: [B, T] log-probs of the sampled tokens under the current policy (with grad).
+        old_logprobs_BT: [B, T] log-probs under the policy that generated the rollout
+            (detached here: a constant of the objective).
+        advantages: [B] (one per sequence, broadcast over T) or [B, T]; detached here.
+        clip_eps: lower clipping range, ratio >= 1 - clip_eps.
+        clip_eps_high: upper clipping range, ratio <= 1 + clip_eps_high; None = clip_eps.
+
+    Returns:
+        (loss_BT, clipped_BT): [B, T] per-token loss (unmasked: aggregate with
+        `aggregate_loss`) and a [B, T] bool tensor marking tokens where the
+        clipped branch is active (for the `clip_fraction` metric).
+    """
+    if clip_eps_high is None:
+        clip_eps_high = clip_eps
+    if clip_eps < 0 or clip_eps_high < 0:
+        raise ValueError(f"clip_eps and clip_eps_high must be >= 0, got {clip_eps} and {clip_eps_high}")
+    adv_BT = advantages.detach()
+    if adv_BT.dim() == 1:
+        adv_BT = adv_BT.unsqueeze(-1)  # (B, 1): same advantage for every token of a sequence
+    adv_BT = adv_BT.to(logprobs_BT.dtype)
+
+    ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT.detach())
+    unclipped_loss_BT = -ratio_BT * adv_BT
+    clipped_loss_BT = -ratio_BT.clamp(1.0 - clip_eps, 1.0 + clip_eps_high) * adv_BT
+    # -min(a, b) == max(-a, -b): the pessimistic (larger) loss wins.
+    loss_BT = torch.maximum(unclipped_loss_BT, clipped_loss_BT)
+
+    with torch.no_grad():
+        clipped_BT = ((ratio_BT < 1.0 - clip_eps) & (adv_BT < 0)) | ((ratio_BT > 1.0 + clip_eps_high) & (adv_BT > 0))
+    return loss_BT, clipped_BT
+
+
+def loss_normaliser(mode: str, *, num_tokens: int | float, num_sequences: int, max_new_tokens: int) -> float:
+    """The denominator of the loss for one whole optimizer mini-batch.
+
+    All counts are for the whole mini-batch: summed over its micro-batches
+    and over all processes (e.g. with an all-reduce of the token count).
+
+        token_mean     ->  num_tokens                       (mean over all completion tokens; DAPO §3.3)
+        sequence_mean  ->  num_sequences                    (mean over sequences of per-sequence token means;
+                                                             GRPO as written, Shao et al. 2024 eq. 3)
+        constant       ->  num_sequences * max_new_tokens   (Dr. GRPO, Liu et al. 2025: a constant that
+                                                             does not depend on completion lengths)
+
+    A count of zero (an empty mini-batch) gives 1, so the loss is 0, not NaN.
+
+    Returns:
+        The normaliser, a positive float, to pass to `aggregate_loss`.
+    """
+    _check_mode(mode)
+    if mode == "token_mean":
+        denominator = float(num_tokens)
+    elif mode == "sequence_mean":
+        denominator = float(num_sequences)
+    else:
+        denominator = float(num_sequences * max_new_tokens)
+    return max(denominator, 1.0)
+
+
+def aggregate_loss(loss_BT: Tensor, mask_BT: Tensor, mode: str, normaliser: float) -> Tensor:
+    """Reduce per-token losses of one micro-batch to its share of the mini-batch loss.
+
+        token_mean, constant:  sum_{i,t} loss_{i,t} mask_{i,t} / normaliser
+        sequence_mean:         sum_i [ sum_t loss_{i,t} mask_{i,t} / max(1, sum_t mask_{i,t}) ] / normaliser
+
+    with `normaliser = loss_normaliser(mode, ...)` of the whole optimizer
+    mini-batch. Key property: both formulas are a sum over tokens (or
+    sequences) divided by a number fixed for the mini-batch, so they are
+    additive. Splitting the mini-batch into micro-batches (gradient
+    accumulation) and processes (data parallel, whose gradients are summed),
+    calling this on each part with the same normaliser and summing the results
+    gives exactly the loss, hence the gradient, of the whole mini-batch in one
+    piece. A per-micro-batch mean would instead weight tokens of short
+    micro-batches more, and the gradient would change with `micro_batch_size`
+    and the number of processes.
+
+    Note for the caller: DDP averages gradients over the W processes, so the
+    loop multiplies this loss by W to keep the sum; nor may anything divide it
+    by the number of accumulation steps (the normaliser already accounts for it).
+
+    Args:
+        loss_BT: [B, T] per-token loss.
+        mask_BT: [B, T] 1 (or True) for completion tokens, 0 for padding.
+        mode: "token_mean", "sequence_mean" or "constant".
+        normaliser: from `loss_normaliser` for the whole optimizer mini-batch.
+
+    Returns:
+        Scalar tensor.
+    """
+    _check_mode(mode)
+    if mode == "sequence_mean":
+        tokens_B = mask_BT.to(loss_BT.dtype).sum(dim=-1).clamp(min=1.0)
+        return (_masked_sum(loss_BT, mask_BT, dim=-1) / tokens_B).sum() / normaliser
+    return _masked_sum(loss_BT, mask_BT) / normaliser
+
+
+def masked_mean(values_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Mean of `values_BT` over positions where `mask_BT` is 1; 0 when the mask is empty.
+
+    A helper for metrics (KL, entropy, clip fraction over completion tokens).
+
+    Args:
+        values_BT: [B, T] values (bool values are counted as 0/1).
+        mask_BT: [B, T] 1 (or True) for positions to include.
+
+    Returns:
+        Scalar tensor (float32 for bool or integer values).
+    """
+    if not values_BT.is_floating_point():
+        values_BT = values_BT.float()
+    count = mask_BT.bool().sum().clamp(min=1).to(values_BT.dtype)
+    return _masked_sum(values_BT, mask_BT) / count

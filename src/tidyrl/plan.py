@@ -1,0 +1,302 @@
+"""The batch plan: sizes in, every derived number out. Pure Python, no torch.
+
+Glossary (DESIGN.md §2). All sizes are global (summed over the W processes)
+unless marked "per process".
+
+    P  prompts_per_rollout     distinct prompts drawn for one rollout
+    k  samples_per_prompt      completions generated per prompt (the group)
+    R  episodes per rollout    R = P * k completions
+    E  epochs_per_rollout      passes over one rollout's R episodes
+    M  minibatches_per_epoch   each pass is split into M mini-batches,
+                               one optimizer step each
+    m  micro_batch_size        completions per forward/backward, per process
+                               (a memory knob only)
+    W  world_size              number of processes (`--num-processes`)
+    N  num_prompts             size of the prompt set
+
+Formulas:
+
+    optimizer steps per rollout   = E * M
+    episodes per mini-batch       = R / M            (global)
+                                  = R / (M * W)      (per process)
+    gradient accumulation steps   = R / (M * W * m)  (derived, never set)
+    rollouts                      = given, or ceil(dataset_epochs * N / P)
+                                    (floor with drop_last)
+    total optimizer steps         = rollouts * E * M
+    total episodes                = rollouts * R
+    warmup steps                  = given, or ceil(warmup_ratio * total steps)
+
+Every division above must be exact; a size that does not divide is rejected
+with an error naming the config keys and listing the valid values, never
+rounded. `rollouts` and the warmup are computed with exact fractions (from the
+decimal the user wrote), so 0.1 epochs of 30 prompts is 3 rollouts, not 4.
+
+m and W change how the work is split, never these totals (except that they
+must divide the mini-batch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tidyrl.config import Config
+
+
+class PlanError(ValueError):
+    """The sizes do not add up. `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid batch plan:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every number of a run, derived once from the sizes (see the module docstring)."""
+
+    # The keys of plan.json (DESIGN.md §5), in its order.
+    world_size: int
+    """W: number of processes."""
+    prompts_per_rollout: int
+    """P: distinct prompts per rollout (global)."""
+    samples_per_prompt: int
+    """k: completions per prompt."""
+    episodes_per_rollout: int
+    """R = P * k completions per rollout (global)."""
+    epochs_per_rollout: int
+    """E: passes over one rollout's episodes."""
+    minibatches_per_epoch: int
+    """M: optimizer steps per pass."""
+    optimizer_steps_per_rollout: int
+    """E * M."""
+    micro_batch_size: int
+    """m: completions per forward/backward, per process."""
+    gradient_accumulation_steps: int
+    """R / (M * W * m): micro-batches per optimizer step, per process."""
+    rollouts: int
+    """Number of rollouts of the run."""
+    total_optimizer_steps: int
+    """rollouts * E * M: the LR schedule's and the progress bar's length."""
+    total_episodes: int
+    """rollouts * R completions generated over the run."""
+    warmup_steps: int
+    """LR warmup length in optimizer steps."""
+    # Extras.
+    num_prompts: int | None
+    """N: size of the prompt set (None when unknown)."""
+    episodes_per_minibatch: int
+    """R / M completions per optimizer step (global)."""
+    episodes_per_minibatch_per_process: int
+    """R / (M * W) completions per optimizer step, per process."""
+    episodes_per_rollout_per_process: int
+    """R / W completions per rollout, per process."""
+
+    def to_dict(self) -> dict:
+        """Plain dict in field order: the plan.json keys first, then the extras."""
+        return asdict(self)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _listing(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _exact(x) -> Fraction:
+    """The decimal the user wrote, exactly: 0.1 -> 1/10 (not 3602879701896397/2**55)."""
+    return Fraction(str(x)) if isinstance(x, float) else Fraction(x)
+
+
+def make_plan(
+    *,
+    prompts_per_rollout: int,
+    samples_per_prompt: int,
+    epochs_per_rollout: int = 1,
+    minibatches_per_epoch: int = 1,
+    micro_batch_size: int,
+    world_size: int = 1,
+    rollouts: int | None = None,
+    dataset_epochs: float | None = None,
+    num_prompts: int | None = None,
+    drop_last: bool = False,
+    warmup_steps: int = 0,
+    warmup_ratio: float = 0.0,
+) -> Plan:
+    """Derive the plan, or raise PlanError listing every problem found.
+
+    Give exactly one of `rollouts` and `dataset_epochs`; `dataset_epochs`
+    needs `num_prompts` (N).
+    """
+    P, k, E, M, m, W = (
+        prompts_per_rollout,
+        samples_per_prompt,
+        epochs_per_rollout,
+        minibatches_per_epoch,
+        micro_batch_size,
+        world_size,
+    )
+
+    # 1. Types and ranges: nothing below makes sense until these hold.
+    problems = []
+    sizes = {
+        "rollout.prompts_per_rollout": P,
+        "rollout.samples_per_prompt": k,
+        "train.epochs_per_rollout": E,
+        "train.minibatches_per_epoch": M,
+        "train.micro_batch_size": m,
+        "--num-processes (world size)": W,
+    }
+    for key, value in sizes.items():
+        if not _is_int(value) or value < 1:
+            problems.append(f"{key} must be an integer >= 1, got {value!r}")
+    if rollouts is not None and (not _is_int(rollouts) or rollouts < 1):
+        problems.append(f"train.rollouts must be an integer >= 1, got {rollouts!r}")
+    if dataset_epochs is not None and (
+        not _is_number(dataset_epochs) or not math.isfinite(dataset_epochs) or dataset_epochs <= 0
+    ):
+        problems.append(f"train.dataset_epochs must be a number > 0, got {dataset_epochs!r}")
+    if num_prompts is not None and (not _is_int(num_prompts) or num_prompts < 1):
+        problems.append(f"the prompt set must hold at least one prompt, got num_prompts={num_prompts!r}")
+    if not _is_int(warmup_steps) or warmup_steps < 0:
+        problems.append(f"train.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    if not _is_number(warmup_ratio) or not 0 <= warmup_ratio < 1:
+        problems.append(f"train.warmup_ratio must be a number in [0, 1), got {warmup_ratio!r}")
+    if not isinstance(drop_last, bool):
+        problems.append(f"train.drop_last must be true or false, got {drop_last!r}")
+    if problems:
+        raise PlanError(problems)
+
+    # 2. Length of training.
+    R = P * k
+    if (rollouts is None) == (dataset_epochs is None):
+        problems.append(
+            "set exactly one of train.rollouts and train.dataset_epochs "
+            f"(got rollouts={rollouts!r}, dataset_epochs={dataset_epochs!r})"
+        )
+    elif dataset_epochs is not None:
+        if num_prompts is None:
+            problems.append(
+                f"train.dataset_epochs={dataset_epochs} needs the prompt set size N to count rollouts; "
+                "load the data first or set train.rollouts instead"
+            )
+        else:
+            exact = _exact(dataset_epochs) * num_prompts / P
+            rounding = "floor" if drop_last else "ceil"
+            rollouts = math.floor(exact) if drop_last else math.ceil(exact)
+            if rollouts == 0:
+                problems.append(
+                    f"train.dataset_epochs={dataset_epochs} of N={num_prompts} prompts with "
+                    f"rollout.prompts_per_rollout={P} gives {rounding}({dataset_epochs}*{num_prompts}/{P}) = 0 "
+                    "rollouts (train.drop_last=true); raise train.dataset_epochs, lower "
+                    "rollout.prompts_per_rollout, or set train.drop_last=false"
+                )
+
+    # 3. Divisibility, outermost first: a later check only makes sense once
+    #    the earlier quotient is a whole number.
+    RPk = f"R = P*k = {P}*{k} = {R}"
+    if R % M:
+        problems.append(
+            f"train.minibatches_per_epoch={M} does not divide the {RPk} episodes of a rollout "
+            f"(rollout.prompts_per_rollout * rollout.samples_per_prompt); "
+            f"valid values: {_listing(_divisors(R))}"
+        )
+    elif (R // M) % W:
+        valid_m = [d for d in _divisors(R) if R % (d * W) == 0]
+        fix_m = (
+            f"with {W} processes, valid train.minibatches_per_epoch: {_listing(valid_m)}"
+            if valid_m
+            else f"no train.minibatches_per_epoch works with {W} processes, since {W} does not divide "
+            f"R = {R}; change rollout.prompts_per_rollout or rollout.samples_per_prompt"
+        )
+        problems.append(
+            f"--num-processes={W} (world size) does not divide the R/M = {R}/{M} = {R // M} episodes "
+            f"of a mini-batch ({RPk}, train.minibatches_per_epoch={M}); "
+            f"valid process counts: {_listing(_divisors(R // M))}; {fix_m}"
+        )
+    elif (R // (M * W)) % m:
+        per_process = R // (M * W)
+        problems.append(
+            f"train.micro_batch_size={m} does not divide the R/(M*W) = {R}/({M}*{W}) = {per_process} "
+            f"episodes each process handles per mini-batch ({RPk}, train.minibatches_per_epoch={M}, "
+            f"--num-processes={W}); valid values: {_listing(_divisors(per_process))}"
+        )
+
+    # 4. Warmup, over the total optimizer steps.
+    if warmup_steps > 0 and warmup_ratio > 0:
+        problems.append(
+            f"set train.warmup_steps ({warmup_steps}) or train.warmup_ratio ({warmup_ratio}), not both"
+        )
+    total_steps = rollouts * E * M if rollouts else None
+    if total_steps is not None:
+        if warmup_ratio > 0:
+            # As transformers does: ceil(ratio * total), but on the exact decimal.
+            warmup_steps = math.ceil(_exact(warmup_ratio) * total_steps)
+        if warmup_steps > total_steps:
+            problems.append(
+                f"train.warmup_steps={warmup_steps} exceeds the {total_steps} optimizer steps of the run "
+                f"(rollouts*E*M = {rollouts}*{E}*{M}); valid values: 0 to {total_steps}"
+            )
+    if problems:
+        raise PlanError(problems)
+
+    return Plan(
+        world_size=W,
+        prompts_per_rollout=P,
+        samples_per_prompt=k,
+        episodes_per_rollout=R,
+        epochs_per_rollout=E,
+        minibatches_per_epoch=M,
+        optimizer_steps_per_rollout=E * M,
+        micro_batch_size=m,
+        gradient_accumulation_steps=R // (M * W * m),
+        rollouts=rollouts,
+        total_optimizer_steps=total_steps,
+        total_episodes=rollouts * R,
+        warmup_steps=warmup_steps,
+        num_prompts=num_prompts,
+        episodes_per_minibatch=R // M,
+        episodes_per_minibatch_per_process=R // (M * W),
+        episodes_per_rollout_per_process=R // W,
+    )
+
+
+def plan_from_config(cfg: Config, num_prompts: int | None, world_size: int = 1) -> Plan:
+    """The plan of a config, for a prompt set of `num_prompts` prompts and `world_size` processes."""
+    return make_plan(
+        prompts_per_rollout=cfg.rollout.prompts_per_rollout,
+        samples_per_prompt=cfg.rollout.samples_per_prompt,
+        epochs_per_rollout=cfg.train.epochs_per_rollout,
+        minibatches_per_epoch=cfg.train.minibatches_per_epoch,
+        micro_batch_size=cfg.train.micro_batch_size,
+        world_size=world_size,
+        rollouts=cfg.train.rollouts,
+        dataset_epochs=cfg.train.dataset_epochs,
+        num_prompts=num_prompts,
+        drop_last=cfg.train.drop_last,
+        warmup_steps=cfg.train.warmup_steps,
+        warmup_ratio=cfg.train.warmup_ratio,
+    )
+
+
+def epochs_done(plan: Plan, rollouts_done: int) -> float | None:
+    """Fractional passes over the prompt set after `rollouts_done` rollouts: rollouts_done * P / N.
+
+    None when the prompt set size N is unknown. This is the `epoch` of metrics.jsonl.
+    """
+    if plan.num_prompts is None:
+        return None
+    return rollouts_done * plan.prompts_per_rollout / plan.num_prompts

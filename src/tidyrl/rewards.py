@@ -1,0 +1,371 @@
+"""Reward functions: load them from the config, call them, combine them.
+
+A reward function scores a batch of completions:
+
+    def exact_match(prompts, completions, completion_ids, answer, **kwargs) -> list[float | None]
+
+It is called with keyword arguments only: `prompts` (the raw prompt of each
+sample: a string or a list of chat messages), `completions` (decoded text),
+`completion_ids` (token ids), and one list per other dataset column. A
+function that takes `**kwargs` receives every column; one with a fixed
+signature receives only the arguments it names. It returns one score per
+completion; `None` means "this function does not score this sample". The
+reward of a sample is the weighted sum over the functions that scored it
+(DESIGN §3, step 4).
+
+Reward models (`rewards[i].model`) are reserved and not supported yet.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+
+class RewardError(RuntimeError):
+    """A reward function could not be loaded or returned something unusable."""
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+@dataclass
+class RewardFunction:
+    """One configured reward function: its metric name (`reward/<name>`), the callable, its weight."""
+
+    name: str
+    fn: Callable
+    weight: float
+    accepts: Optional[frozenset] = field(default=None, init=False, repr=False, compare=False)
+    """Keyword arguments `fn` accepts; None when it takes **kwargs (or cannot be inspected): it gets all."""
+    required: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+    """Keyword arguments `fn` needs (no default)."""
+
+    def __post_init__(self):
+        # inspect.signature once per function, not on every call.
+        try:
+            parameters = inspect.signature(self.fn).parameters.values()
+        except (TypeError, ValueError):  # some builtins and C callables have no signature
+            return
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            self.accepts = None
+        else:
+            keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            self.accepts = frozenset(p.name for p in parameters if p.kind in keyword_kinds)
+        self.required = frozenset(
+            p.name
+            for p in parameters
+            if p.default is inspect.Parameter.empty
+            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        )
+
+
+def load_reward_function(
+    spec: str | Callable, base_dir: str | None = None, *, key: str = "rewards[i].function"
+) -> Callable:
+    """Resolve a reward-function spec to a callable.
+
+    `spec` is `package.module:function` (imported), `path/to/file.py:function`
+    (loaded from the file; a relative path is looked up in the current
+    directory first, then in `base_dir`, the folder of the YAML config), or a
+    callable, returned as is. `key` names the config entry in error messages.
+    """
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str):
+        raise RewardError(f"{key} = {spec!r} must be a string 'module:function' or 'file.py:function', or a callable.")
+    target, colon, attribute = spec.rpartition(":")
+    if not colon or not target or not attribute:
+        raise RewardError(
+            f"{key} = {spec!r} must name the function after a colon: "
+            "'package.module:function' or 'path/to/file.py:function'."
+        )
+    if _looks_like_path(target):
+        module = _load_module_from_file(target, base_dir, spec, key)
+    else:
+        module = _import_module(target, spec, key)
+
+    if not hasattr(module, attribute):
+        available = _callables_in(module)
+        close = difflib.get_close_matches(attribute, available, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise RewardError(
+            f"{key} = {spec!r}: module {target!r} has no attribute {attribute!r}. "
+            f"Callables available in it: {available or 'none'}.{hint}"
+        )
+    fn = getattr(module, attribute)
+    if not callable(fn):
+        raise RewardError(f"{key} = {spec!r}: {attribute!r} is a {type(fn).__name__}, not a callable.")
+    return fn
+
+
+def _looks_like_path(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def _import_module(name: str, spec: str, key: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and (name == error.name or name.startswith(error.name + ".")):
+            raise RewardError(
+                f"{key} = {spec!r}: module {name!r} not found ({error}). Install it or add its folder to "
+                "PYTHONPATH, or name a file instead: 'path/to/file.py:function'."
+            ) from error
+        raise RewardError(f"{key} = {spec!r}: importing module {name!r} failed: {type(error).__name__}: {error}") from error
+    except Exception as error:
+        raise RewardError(f"{key} = {spec!r}: importing module {name!r} failed: {type(error).__name__}: {error}") from error
+
+
+def _load_module_from_file(target: str, base_dir: str | None, spec: str, key: str):
+    target = os.path.expanduser(target)
+    candidates = [target] if os.path.isabs(target) else [os.path.join(os.getcwd(), target)]
+    if base_dir is not None and not os.path.isabs(target):
+        candidates.append(os.path.join(base_dir, target))
+    path = next((c for c in candidates if os.path.isfile(c)), None)
+    if path is None:
+        raise RewardError(f"{key} = {spec!r}: file {target!r} not found; looked at {candidates}.")
+    path = os.path.realpath(path)
+
+    # A unique module name per file: two files called rewards.py do not clash,
+    # and loading the same file twice reuses the module (shared module state).
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    module_name = f"_tidyrl_reward_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:10]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardError(f"{key} = {spec!r}: {path!r} cannot be loaded as a Python module (is it a .py file?).")
+    module = importlib.util.module_from_spec(module_spec)
+    # Registered before running it (dataclasses and pickling look the module up);
+    # its folder is on sys.path while it runs, so it can import files next to it.
+    sys.modules[module_name] = module
+    folder = os.path.dirname(path)
+    sys.path.insert(0, folder)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as error:
+        del sys.modules[module_name]
+        if not isinstance(error, Exception):
+            raise
+        raise RewardError(f"{key} = {spec!r}: importing {path!r} failed: {type(error).__name__}: {error}") from error
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    return module
+
+
+def _callables_in(module) -> list[str]:
+    """Public callables of a module, those defined in it first choice."""
+    public = {n: v for n, v in vars(module).items() if not n.startswith("_") and callable(v)}
+    own = sorted(n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__)
+    return own or sorted(public)
+
+
+def build_reward_functions(reward_cfgs: list, base_dir: str | None = None) -> list[RewardFunction]:
+    """`RewardConfig` entries -> `RewardFunction`s with unique metric names.
+
+    The name is `cfg.name`, else the part after ':' of the spec, else the
+    callable's `__name__`; repeated names get `_2`, `_3`, ... in order.
+    """
+    functions: list[RewardFunction] = []
+    used: set[str] = set()
+    for i, cfg in enumerate(reward_cfgs):
+        if getattr(cfg, "model", None) is not None:
+            raise RewardError(
+                f"reward models are not supported in this version (rewards[{i}].model = {cfg.model!r}). "
+                "Score completions with a reward function instead (rewards[i].function)."
+            )
+        if cfg.function is None:
+            raise RewardError(f"rewards[{i}] sets no function: give rewards[{i}].function = 'module:function' or 'file.py:function'.")
+        weight = cfg.weight
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise RewardError(f"rewards[{i}].weight = {weight!r} must be a finite number.")
+        fn = load_reward_function(cfg.function, base_dir, key=f"rewards[{i}].function")
+
+        if cfg.name:
+            name = str(cfg.name)
+        elif isinstance(cfg.function, str):
+            name = cfg.function.rpartition(":")[2]
+        else:
+            name = getattr(fn, "__name__", None) or type(fn).__name__
+            if name.startswith("<"):  # <lambda>
+                name = "reward"
+        unique, n = name, 1
+        while unique in used:
+            n += 1
+            unique = f"{name}_{n}"
+        used.add(unique)
+        functions.append(RewardFunction(name=unique, fn=fn, weight=float(weight)))
+    return functions
+
+
+# ---------------------------------------------------------------------------
+# Scoring
+
+
+@dataclass
+class RewardResult:
+    """Rewards of one batch of N samples."""
+
+    total: list[float]
+    """(N,) weighted sum over the functions that scored each sample."""
+    per_function: dict[str, list[float | None]]
+    """name -> (N,) raw (unweighted) score, None where the function gave none."""
+
+    def means(self) -> dict[str, float | None]:
+        """name -> mean raw score over the samples it scored (None if it scored none): `reward/<name>`."""
+        means: dict[str, float | None] = {}
+        for name, scores in self.per_function.items():
+            scored = [s for s in scores if s is not None]
+            means[name] = sum(scored) / len(scored) if scored else None
+        return means
+
+
+ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""The keyword arguments every reward function is offered besides the dataset columns."""
+
+
+def compute_rewards(
+    funcs: list[RewardFunction],
+    *,
+    prompts: list,
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+) -> RewardResult:
+    """Call each reward function on the batch and combine: total = sum of weight * score.
+
+    Raises `RewardError` naming the function (and the sample) when a function
+    raises, returns the wrong number of scores or a non-finite / non-numeric
+    score, and when a sample is scored by no function at all.
+    """
+    n = len(completions)
+    if len(prompts) != n or len(completion_ids) != n:
+        raise ValueError(f"prompts ({len(prompts)}), completions ({n}) and completion_ids ({len(completion_ids)}) differ in length")
+    for column, values in columns.items():
+        if column in ARGUMENTS:
+            raise RewardError(
+                f"the dataset column {column!r} has the name of a reward-function argument "
+                f"({', '.join(ARGUMENTS)}); rename that column in data.path."
+            )
+        if len(values) != n:
+            raise ValueError(f"column {column!r} has {len(values)} values for {n} completions")
+    if not funcs:
+        raise RewardError("no reward functions: add at least one entry to `rewards` in the config.")
+
+    offered = {"prompts": list(prompts), "completions": list(completions), "completion_ids": list(completion_ids)}
+    offered.update({column: list(values) for column, values in columns.items()})
+
+    per_function: dict[str, list[float | None]] = {}
+    for func in funcs:
+        kwargs = _kwargs_for(func, offered)
+        try:
+            raw = func.fn(**kwargs)
+        except Exception as error:
+            _raise_on_failing_sample(func, kwargs, offered, n, error)
+        per_function[func.name] = _check_scores(func, raw, n)
+
+    total: list[float] = []
+    for j in range(n):
+        scored = [(func, per_function[func.name][j]) for func in funcs if per_function[func.name][j] is not None]
+        if not scored:
+            raise RewardError(
+                f"sample {j} ({_sample_text(offered, j)}) got no score: every reward function "
+                f"({', '.join(f.name for f in funcs)}) returned None for it. "
+                "Make at least one function score every sample."
+            )
+        total.append(sum(func.weight * score for func, score in scored))
+    return RewardResult(total=total, per_function=per_function)
+
+
+def _kwargs_for(func: RewardFunction, offered: dict[str, list]) -> dict[str, list]:
+    """The keyword arguments `func` accepts: all of them with **kwargs, else only those it names."""
+    # Fresh lists per function: one function mutating its inputs cannot change another's.
+    kwargs = {name: list(values) for name, values in offered.items() if func.accepts is None or name in func.accepts}
+    missing = sorted(func.required - set(kwargs))
+    if missing:
+        columns = [c for c in offered if c not in ARGUMENTS]
+        raise RewardError(
+            f"reward function {func.name!r} requires argument(s) {missing}, which are neither "
+            f"{', '.join(ARGUMENTS)} nor dataset columns (columns: {columns}). "
+            "Add the column to the prompt data or give the argument a default."
+        )
+    return kwargs
+
+
+def _raise_on_failing_sample(
+    func: RewardFunction, kwargs: dict[str, list], offered: dict[str, list], n: int, batch_error: Exception
+):
+    """The function raised on the batch: call it on each sample alone to name the culprit."""
+    for j in range(n):
+        single = {name: [values[j]] for name, values in kwargs.items()}
+        try:
+            func.fn(**single)
+        except Exception as error:
+            raise RewardError(
+                f"reward function {func.name!r} raised on sample {j} ({_sample_text(offered, j)}): "
+                f"{type(error).__name__}: {error}"
+            ) from error
+    raise RewardError(
+        f"reward function {func.name!r} raised on the batch of {n} samples, but on no sample alone: "
+        f"{type(batch_error).__name__}: {batch_error}"
+    ) from batch_error
+
+
+def _check_scores(func: RewardFunction, raw: Any, n: int) -> list[float | None]:
+    if hasattr(raw, "ndim") and hasattr(raw, "tolist"):  # numpy array or torch tensor
+        if raw.ndim != 1:
+            raise RewardError(
+                f"reward function {func.name!r} returned an array of shape {tuple(raw.shape)}; "
+                f"expected one score per completion (a list or 1-D array of {n})."
+            )
+        raw = raw.tolist()
+    if not isinstance(raw, (list, tuple)):
+        raise RewardError(
+            f"reward function {func.name!r} returned a {type(raw).__name__}; "
+            f"expected a list of {n} scores (float or None), one per completion."
+        )
+    if len(raw) != n:
+        raise RewardError(
+            f"reward function {func.name!r} returned the wrong number of scores: expected {n}, got {len(raw)}."
+        )
+    scores: list[float | None] = []
+    for j, value in enumerate(raw):
+        if value is None:
+            scores.append(None)
+            continue
+        number = value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
+        if isinstance(number, bool) or not isinstance(number, numbers.Real):
+            raise RewardError(
+                f"reward function {func.name!r} returned {value!r} for sample {j}; "
+                "a score must be a number (int or float, not bool) or None."
+            )
+        number = float(number)
+        if not math.isfinite(number):
+            raise RewardError(
+                f"reward function {func.name!r} returned {value!r} for sample {j}; a score must be finite (not NaN or inf)."
+            )
+        scores.append(number)
+    return scores
+
+
+def _sample_text(offered: dict[str, list], j: int) -> str:
+    return f"prompt: {_short(offered['prompts'][j])}, completion: {_short(offered['completions'][j])}"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,36 @@
+"""Shared fixtures: a tiny local model folder (no downloads) and a prompt file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from tidyrl.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, hidden_size=32, num_layers=2,
+                           num_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_and_tokenizer(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    words = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach"]
+    with open(path, "w") as f:
+        for w in words:
+            f.write(json.dumps({"prompt": f"{w}:", "word": w}) + "\n")
+    return path

@@ -1,0 +1,165 @@
+"""Generation and scoring: EOS handling, sampling options, keyed sampling, chunked log-probs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tidyrl.rollout import (Rollout, filter_logits, generate, left_pad, sample_seed, score_logprobs,
+                            eos_token_ids)
+
+PAD, EOS, EOS2, V = 0, 2, 3, 12
+
+
+class ScriptedLM(torch.nn.Module):
+    """A stand-in causal LM: the row whose prompt starts with token s emits SCRIPTS[s] (logit +50 on the
+    scripted token, 0 elsewhere), through the same call signature the decode loop uses."""
+
+    def __init__(self, scripts: dict[int, list[int]]):
+        super().__init__()
+        self.scripts = scripts
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True,
+                logits_to_keep=0):
+        if past_key_values is None:  # prefill: remember each row's script and the prompt width
+            first = [int(row[(m > 0).nonzero()[0]]) for row, m in zip(input_ids, attention_mask)]
+            past_key_values = {"first": first, "width": input_ids.shape[1]}
+        step = attention_mask.shape[1] - past_key_values["width"]
+        logits = torch.zeros(input_ids.shape[0], 1, V)
+        for i, f in enumerate(past_key_values["first"]):
+            script = self.scripts[f]
+            if step < len(script):
+                logits[i, 0, script[step]] = 50.0
+        return SimpleNamespace(logits=logits, past_key_values=past_key_values)
+
+
+def run(model, prompts, **kw):
+    args = dict(sample_keys=list(range(len(prompts))), max_new_tokens=5, eos_ids=[EOS, EOS2], pad_id=PAD,
+                batch_size=2)
+    args.update(kw)
+    return generate(model, prompts, **args)
+
+
+def test_generation_stops_at_every_eos_id_and_masks_what_follows():
+    model = ScriptedLM({5: [6, 7, EOS, 8, 9], 6: [7, EOS2, 9, 9, 9], 7: [8, 9, 10, 11, 8]})
+    ids, mask, truncated = run(model, [[5, 4], [6], [7, 4, 4]])
+    assert ids.tolist() == [[6, 7, EOS, PAD, PAD], [7, EOS2, PAD, PAD, PAD], [8, 9, 10, 11, 8]]
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True]
+
+
+def test_min_new_tokens_forbids_eos_early():
+    model = ScriptedLM({5: [EOS, EOS, EOS, EOS, EOS]})
+    ids, mask, truncated = run(model, [[5]] * 4, min_new_tokens=3)
+    for row in ids.tolist():
+        assert EOS not in row[:3] and EOS2 not in row[:3]  # both EOS ids forbidden
+        assert row[3] == EOS  # allowed from the 4th token on, and the script wants it
+    assert mask.sum(1).tolist() == [4, 4, 4, 4]
+    assert not truncated.any()
+
+
+def test_sampling_is_keyed_per_sample_not_per_chunk(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    prompts = [tok(w)["input_ids"] for w in ["apple:", "fig:", "a much longer prompt:", "kiwi:"]] * 3
+    keys = [sample_seed(0, 3, i) for i in range(len(prompts))]
+    common = dict(sample_keys=keys, max_new_tokens=12, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    a = generate(model, prompts, batch_size=1, **common)
+    b = generate(model, prompts, batch_size=5, **common)
+    c = generate(model, prompts, batch_size=32, **common)
+    for x, y in ((a, b), (a, c)):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])
+    # A sample's completion depends on its key only: the same prompt with other keys differs.
+    assert not torch.equal(a[0][0], a[0][4])
+    # Reordering the samples (with their keys) reorders the completions.
+    perm = list(reversed(range(len(prompts))))
+    d = generate(model, [prompts[i] for i in perm], batch_size=3, **{**common, "sample_keys": [keys[i] for i in perm]})
+    assert torch.equal(d[0], a[0][perm])
+
+
+def test_top_k_one_is_greedy(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    prompt = tok("lemon:")["input_ids"]
+    ids, mask, _ = generate(model, [prompt, prompt], sample_keys=[1, 2], max_new_tokens=6, eos_ids=[tok.eos_token_id],
+                            pad_id=tok.pad_token_id, batch_size=2, top_k=1)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(int(mask[0].sum())):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert ids[0, : int(mask[0].sum())].tolist() == seq[len(prompt):]
+    assert torch.equal(ids[0], ids[1])
+
+
+def test_filter_logits_top_k_and_top_p_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    inf = float("-inf")
+    assert filter_logits(logits, 2, 1.0).isinf().tolist() == [[False, False, True, True]]
+    # top_p = 0.8: 0.5 < 0.8, 0.5 + 0.3 = 0.8 reaches it -> keep the first two.
+    assert filter_logits(logits, 0, 0.8).isinf().tolist() == [[False, False, True, True]]
+    # top_p = 0.81 needs the third token too.
+    assert filter_logits(logits, 0, 0.81).isinf().tolist() == [[False, False, False, True]]
+    # A tiny top_p still keeps the most likely token.
+    assert filter_logits(logits, 0, 0.01).isinf().tolist() == [[False, True, True, True]]
+    shuffled = logits[:, [2, 0, 3, 1]]
+    assert filter_logits(shuffled, 0, 0.8).tolist()[0][1] != inf and filter_logits(shuffled, 0, 0.8).isinf().tolist() == [[True, False, True, False]]
+
+
+def test_temperature_sharpens_sampling():
+    # Token 4 has logit 1, every other 0. At temperature 0.05 it is almost always drawn; at 1.0, rarely.
+    class Flat(ScriptedLM):
+        def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, **kw):
+            logits = torch.zeros(input_ids.shape[0], 1, V)
+            logits[:, 0, 4] = 1.0
+            logits[:, 0, EOS] = -100.0
+            return SimpleNamespace(logits=logits, past_key_values={})
+
+    model = Flat({})
+    cold, _, _ = run(model, [[5]] * 50, temperature=0.05, max_new_tokens=4, batch_size=50,
+                     sample_keys=list(range(50)))
+    hot, _, _ = run(model, [[5]] * 50, temperature=1.0, max_new_tokens=4, batch_size=50, sample_keys=list(range(50)))
+    assert (cold == 4).float().mean() > 0.95
+    assert (hot == 4).float().mean() < 0.5
+
+
+def test_scored_logprobs_match_full_log_softmax_and_do_not_depend_on_chunks(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    prompts = [tok(w)["input_ids"] for w in ["apple:", "fig:", "a longer prompt:", "kiwi:", "x"]]
+    ids, mask, truncated = generate(model, prompts, sample_keys=list(range(5)), max_new_tokens=7,
+                                    eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, batch_size=5)
+    p_ids, p_mask = left_pad(prompts, tok.pad_token_id)
+    rollout = Rollout(p_ids, p_mask, ids, mask, truncated)
+    a = score_logprobs(model, rollout, temperature=0.7, chunk_size=2)
+    b = score_logprobs(model, rollout, temperature=0.7, chunk_size=64)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # Reference: each sequence alone, no padding, full log_softmax.
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            n = int(mask[i].sum())
+            seq = torch.tensor([prompt + ids[i, :n].tolist()])
+            logp = torch.log_softmax(model(seq).logits[0] / 0.7, -1)
+            want = logp[len(prompt) - 1: len(prompt) - 1 + n].gather(-1, ids[i, :n, None]).squeeze(-1)
+            torch.testing.assert_close(a[i, :n], want, atol=1e-5, rtol=0)
+            assert (a[i, n:] == 0).all()
+
+
+def test_rollout_select_trims_shared_padding():
+    p_ids, p_mask = left_pad([[1, 2, 3], [4], [5, 6]], 0)
+    c_ids = torch.tensor([[7, 8, 2, 0], [9, 2, 0, 0], [7, 7, 7, 7]])
+    c_mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    r = Rollout(p_ids, p_mask, c_ids, c_mask, torch.tensor([False, False, True]), advantages=torch.tensor([1.0, 2, 3]))
+    part = r.select([1, 0])
+    assert part.prompt_ids.tolist() == [[0, 0, 4], [1, 2, 3]]
+    assert part.completion_ids.tolist() == [[9, 2, 0], [7, 8, 2]]
+    assert part.advantages.tolist() == [2.0, 1.0]
+    part = r.select([1])
+    assert part.prompt_ids.tolist() == [[4]] and part.completion_ids.tolist() == [[9, 2]]
+
+
+def test_eos_ids_are_the_union_of_generation_config_and_tokenizer():
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[5, 7]))
+    assert eos_token_ids(model, SimpleNamespace(eos_token_id=2)) == [2, 5, 7]
+    with pytest.raises(ValueError, match="no EOS token"):
+        eos_token_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None)),
+                      SimpleNamespace(eos_token_id=None))
