@@ -185,6 +185,8 @@ def test_missing_prompt_column_lists_columns(tmp_path):
     "bad, why",
     [
         ("", "is an empty string"),
+        ("  \n", "holds only whitespace"),
+        ([{"role": "user", "content": 3}], "has message 0 whose 'content' is neither a string nor a list"),
         ([], "is an empty message list"),
         ([{"role": "user"}], "has message 0 that is not a dict with 'role' and 'content' keys"),
         (["hello"], "has message 0 that is not a dict with 'role' and 'content' keys"),

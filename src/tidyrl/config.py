@@ -306,14 +306,17 @@ def validate(cfg: Config) -> None:
     need(cfg.algorithm in ALGORITHMS, "algorithm", f"{cfg.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
     need(cfg.model != "", "model", "set the policy: a local Hugging Face model folder or a hub id")
     need(cfg.tokenizer != "", "tokenizer", "set a tokenizer folder or hub id, or null to use `model`")
-    need(cfg.model_dtype in MODEL_DTYPES, "model_dtype", f"{cfg.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+    need(cfg.model_dtype in MODEL_DTYPES, "model_dtype",
+         f"{cfg.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
     need(cfg.output_dir != "", "output_dir", "set the folder the run writes to")
     need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
     need(cfg.resume_from is None, "resume_from", "resuming is not supported in this version; set it to null")
-    need(cfg.data.path != "", "data.path", "set the prompt file (.jsonl .json .parquet .csv) or a saved datasets folder")
+    need(cfg.data.path != "", "data.path",
+         "set the prompt file (.jsonl .json .parquet .csv) or a saved datasets folder")
     need(cfg.data.prompt_column != "", "data.prompt_column", "set the column holding the prompt")
 
-    need(len(cfg.rewards) > 0, "rewards", "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
+    need(len(cfg.rewards) > 0, "rewards",
+         "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
     for i, reward in enumerate(cfg.rewards):
         key = f"rewards.{i}"
         if (reward.function is None) == (reward.model is None):
@@ -396,11 +399,12 @@ def validate(cfg: Config) -> None:
 
 
 def config_to_dict(cfg: Config) -> dict:
-    """Plain data for YAML, in field order; a callable reward function becomes "python:<module>.<qualname>"."""
+    """Plain data for YAML, in field order. A callable reward function is written as "<module>:<qualname>",
+    the spec that loads it back when its module is importable."""
 
     def leaf(value):
         if callable(value):
-            return f"python:{value.__module__}.{value.__qualname__}"
+            return f"{value.__module__}:{value.__qualname__}"
         return value
 
     return _to_data(cfg, leaf)

@@ -12,7 +12,7 @@ template (DESIGN §3, step 1).
 shuffle by `seed`, epochs follow each other, and rollout i takes the stream
 positions [i*P, (i+1)*P), so no prompt is skipped at an epoch boundary.
 
-`datasets` is imported inside the functions: `import tidyrl.data` stays light.
+`datasets` and numpy are imported inside the functions: `import tidyrl.data` stays light.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 import os
 import tempfile
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
@@ -55,10 +53,8 @@ def load_prompt_dataset(path: str, prompt_column: str = "prompt", split: str = "
         raise DataError("data.path is not set: point it at a .jsonl, .json, .parquet or .csv file, or a saved datasets folder.")
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
-        raise DataError(
-            f"data.path = {path!r} does not exist (looked relative to the current directory {os.getcwd()!r}); "
-            "fix the path or use an absolute one."
-        )
+        where = "" if os.path.isabs(path) else f" (relative to the current directory {os.getcwd()!r})"
+        raise DataError(f"data.path = {path!r} does not exist{where}; fix the path or use an absolute one.")
 
     was_enabled = datasets.utils.logging.is_progress_bar_enabled()
     datasets.disable_progress_bars()
@@ -170,7 +166,9 @@ def _load_saved_folder(path: str, split: str) -> "datasets.Dataset":
 def _prompt_problem(prompt: Any) -> str | None:
     """None when `prompt` is a valid prompt, else why it is not."""
     if isinstance(prompt, str):
-        return None if prompt.strip() else "is an empty string"
+        if not prompt:
+            return "is an empty string"
+        return None if prompt.strip() else "holds only whitespace"
     if isinstance(prompt, (list, tuple)):
         if not prompt:
             return "is an empty message list"
@@ -180,7 +178,7 @@ def _prompt_problem(prompt: Any) -> str | None:
             if not isinstance(message["role"], str):
                 return f"has message {i} whose 'role' is not a string"
             if not isinstance(message["content"], (str, list)):
-                return f"has message {i} whose 'content' is not a string"
+                return f"has message {i} whose 'content' is neither a string nor a list of content parts"
         return None
     return f"is a {type(prompt).__name__}, neither a string nor a list of chat messages"
 
@@ -262,6 +260,8 @@ class PromptStream:
         if epoch not in self._orders:
             if len(self._orders) >= 4:
                 self._orders.pop(next(iter(self._orders)))
+            import numpy as np
+
             rng = np.random.default_rng([self.seed, epoch])
             self._orders[epoch] = rng.permutation(self.num_prompts).tolist()
         return list(self._orders[epoch])

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tidyrl.config import Config, config_base_dir, load_config, save_config
-from tidyrl.plan import Plan, plan_from_config
+from tidyrl.plan import Plan, epochs_done, plan_from_config
 
 RUN_FILES = ("config.yaml", "plan.json", "metrics.jsonl", "samples.jsonl")
 
@@ -183,7 +183,7 @@ class _RLRun:
                         "step": step,
                         "rollout": r + 1,
                         "episodes": (r + 1) * plan.episodes_per_rollout,
-                        "epoch": (r + 1) * plan.prompts_per_rollout / plan.num_prompts,
+                        "epoch": epochs_done(plan, r + 1),
                         **step_stats,
                         **stats,
                         "time_s": time.perf_counter() - self.start,

@@ -1,0 +1,209 @@
+"""End to end on a tiny local model: what a run writes, exact counts, the LR curve, invariance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import tidyrl
+from tidyrl.config import load_config
+from tidyrl.metrics import STEP_METRICS
+from tidyrl.plan import make_plan
+
+
+def letters(prompts, completions, word, **_):
+    """Fraction of completion characters found in the prompt's word."""
+    return [sum(c in w for c in t) / len(t) if t else 0.0 for t, w in zip(completions, word)]
+
+
+def length_bonus(completions, **_):
+    """Scores only even-indexed samples (None elsewhere), to exercise 'no score from this function'."""
+    return [len(c) / 10 if i % 2 == 0 else None for i, c in enumerate(completions)]
+
+
+def base_config(model_dir, prompt_file, out, **sections):
+    cfg = {
+        "algorithm": "grpo",
+        "model": str(model_dir),
+        "output_dir": str(out),
+        "seed": 3,
+        "data": {"path": str(prompt_file)},
+        "rewards": [{"function": letters, "weight": 1.0}, {"function": length_bonus, "weight": 0.5}],
+        "rollout": {"prompts_per_rollout": 4, "samples_per_prompt": 4, "max_new_tokens": 6,
+                    "generation_batch_size": 16, "forward_batch_size": 16},
+        "train": {"rollouts": 3, "epochs_per_rollout": 2, "minibatches_per_epoch": 2, "micro_batch_size": 2,
+                  "learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 2},
+        "log": {"progress_bar": True, "samples_per_rollout": 2},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values
+    return cfg
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def expected_lrs(total: int, warmup: int, name: str, lr: float) -> list[float]:
+    from transformers import get_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total)
+    lrs = []
+    for _ in range(total):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def test_grpo_run_writes_every_output_with_exact_counts(tiny_model_dir, prompt_file, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "run"
+    result = tidyrl.train(base_config(tiny_model_dir, prompt_file, out))
+
+    plan = json.loads((out / "plan.json").read_text())
+    # R = 4*4 = 16; E*M = 4 steps per rollout; 3 rollouts -> 12 steps, 48 episodes; accumulation 16/(2*1*2) = 4.
+    assert plan == make_plan(prompts_per_rollout=4, samples_per_prompt=4, epochs_per_rollout=2,
+                             minibatches_per_epoch=2, micro_batch_size=2, rollouts=3, num_prompts=10,
+                             warmup_steps=2).to_dict()
+    assert (plan["total_optimizer_steps"], plan["total_episodes"], plan["gradient_accumulation_steps"]) == (12, 48, 4)
+
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) == 12
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["rollout"] for r in rows] == [1] * 4 + [2] * 4 + [3] * 4
+    assert [r["episodes"] for r in rows] == [16] * 4 + [32] * 4 + [48] * 4
+    assert rows[-1]["episodes"] == plan["total_episodes"]
+    assert [r["epoch"] for r in rows[::4]] == pytest.approx([0.4, 0.8, 1.2])  # P/N = 4/10 per rollout
+    assert [r["lr"] for r in rows] == pytest.approx(expected_lrs(12, 2, "cosine", 1e-3), abs=1e-12)
+    for row in rows:
+        assert list(row)[: len(STEP_METRICS)] == list(STEP_METRICS)
+        assert row["kl"] is None  # no reference model without a KL term
+        assert 0 <= row["clip_fraction"] <= 1 and row["entropy"] > 0 and row["grad_norm"] > 0
+        assert 0 <= row["truncated_fraction"] <= 1 and 0 < row["completion_length_mean"] <= 6
+        assert set(row) >= {"reward/letters", "reward/length_bonus", "time/generate_s", "time/score_s"}
+    times = [r["time_s"] for r in rows]
+    assert times == sorted(times)
+    assert result.metrics["step"] == 12
+
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 3 * 2 and [s["rollout"] for s in samples] == [1, 1, 2, 2, 3, 3]
+    for s in samples:
+        scored = {k: v for k, v in s["rewards"].items()}
+        want = scored["letters"] + (0.5 * scored["length_bonus"] if scored["length_bonus"] is not None else 0)
+        assert s["reward"] == pytest.approx(want)
+    assert samples[0]["rewards"]["length_bonus"] is not None and samples[1]["rewards"]["length_bonus"] is None
+
+    saved = load_config(out / "config.yaml")
+    assert saved.train.rollouts == 3 and saved.rollout.samples_per_prompt == 4
+
+    model = AutoModelForCausalLM.from_pretrained(result.final_dir)
+    AutoTokenizer.from_pretrained(result.final_dir)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    moved = [not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters())]
+    assert any(moved)
+
+    err = capsys.readouterr().err
+    assert "12/12" in err and "13/12" not in err  # the bar ends exactly at total optimizer steps
+
+
+def test_rloo_with_kl_scores_a_reference_and_logs_kl(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "rloo"
+    cfg = base_config(tiny_model_dir, prompt_file, out, algorithm="rloo",
+                      rloo={"kl_coef": 0.1}, train={"rollouts": 2, "epochs_per_rollout": 1, "warmup_steps": 0,
+                                                   "minibatches_per_epoch": 1, "micro_batch_size": 8})
+    tidyrl.train(cfg)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) == 2
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy equals the reference before any update
+    assert rows[1]["kl"] > 0
+
+
+def test_without_kl_no_reference_model_is_loaded(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    loads = []
+    original = AutoModelForCausalLM.from_pretrained.__func__
+
+    def counting(cls, *args, **kwargs):
+        loads.append(args[0])
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(counting))
+    tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "a", train={"rollouts": 1}))
+    assert len(loads) == 1
+    tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "b", train={"rollouts": 1},
+                             grpo={"kl_coef": 0.05}))
+    assert len(loads) == 3  # policy + reference
+
+
+def test_memory_knobs_change_neither_completions_nor_updates(tiny_model_dir, prompt_file, tmp_path):
+    """micro_batch_size 2 vs 8 and generation_batch_size 4 vs 32 (and forward_batch_size 3 vs 64), with E*M = 4 > 1:
+    same completions, same parameters within 1e-5 after two rollouts."""
+    from transformers import AutoModelForCausalLM
+
+    def run(name, m, gen, fwd):
+        cfg = base_config(tiny_model_dir, prompt_file, tmp_path / name,
+                          rollout={"generation_batch_size": gen, "forward_batch_size": fwd},
+                          train={"rollouts": 2, "micro_batch_size": m, "minibatches_per_epoch": 2},
+                          log={"samples_per_rollout": 16, "progress_bar": False})
+        result = tidyrl.train(cfg)
+        return read_jsonl(tmp_path / name / "samples.jsonl"), read_jsonl(tmp_path / name / "metrics.jsonl"), \
+            AutoModelForCausalLM.from_pretrained(result.final_dir)
+
+    samples_a, rows_a, model_a = run("a", 2, 4, 3)
+    samples_b, rows_b, model_b = run("b", 8, 32, 64)
+    assert [s["completion"] for s in samples_a] == [s["completion"] for s in samples_b]
+    assert len(samples_a) == 32
+    for ra, rb in zip(rows_a, rows_b):
+        assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
+    worst = max((pa - pb).abs().max().item() for pa, pb in zip(model_a.parameters(), model_b.parameters()))
+    assert worst < 1e-5
+
+
+def test_dataset_epochs_and_the_prompt_stream(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "epochs"
+    # N = 10, P = 4: 1.5 dataset epochs -> ceil(15 / 4) = 4 rollouts (the 4th crosses into the next shuffle).
+    tidyrl.train(base_config(tiny_model_dir, prompt_file, out,
+                             train={"rollouts": None, "dataset_epochs": 1.5, "epochs_per_rollout": 1,
+                                    "minibatches_per_epoch": 1, "micro_batch_size": 16},
+                             log={"samples_per_rollout": 16, "progress_bar": False}))
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) == 4 and [r["epoch"] for r in rows] == pytest.approx([0.4, 0.8, 1.2, 1.6])
+    samples = read_jsonl(out / "samples.jsonl")
+    prompts = [s["prompt"] for s in samples[::4]]  # one per prompt (k = 4 samples each)
+    assert len(set(prompts[:10])) == 10  # the first dataset epoch uses every prompt exactly once
+
+
+def test_output_dir_holding_a_run_is_refused_unless_overwrite(tiny_model_dir, prompt_file, tmp_path):
+    from tidyrl.loops.rl import RunDirError
+
+    cfg = base_config(tiny_model_dir, prompt_file, tmp_path / "run", train={"rollouts": 1},
+                      log={"progress_bar": False})
+    tidyrl.train(cfg)
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(RunDirError, match="already holds a run.*overwrite=true"):
+        tidyrl.train(cfg)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before  # nothing lost
+    tidyrl.train({**cfg, "overwrite": True})
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 4  # replaced, not appended
+
+
+def test_demo_task_reward_rises(tmp_path):
+    from tidyrl.demo import prepare_demo
+
+    config_path = prepare_demo(tmp_path / "demo")
+    result = tidyrl.train(config_path, ["train.rollouts=24", "log.progress_bar=false"])
+    rewards = [r["reward_mean"] for r in read_jsonl(result.output_dir / "metrics.jsonl")[::2]]
+    assert len(rewards) == 24
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.2, (first, last)
