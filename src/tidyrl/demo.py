@@ -2,15 +2,16 @@
 
 It builds a character-level tokenizer and a tiny Llama locally (no downloads),
 writes a prompt file and a YAML config, and trains with GRPO on a toy task:
-answer a word with letters taken from that word. The reward (the fraction of
-completion characters that occur in the prompt's word) starts near chance and
-climbs as the policy learns to copy from its prompt.
+answer a word with its own letters. The reward (`anagram_reward`: the letters
+completion and word share, over the longer length) starts near chance, since
+the model is random, and climbs as the policy learns to copy from its prompt.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 import string
 from pathlib import Path
 
@@ -22,12 +23,15 @@ WORDS = (
 ).split()
 
 
-def letters_reward(prompts, completions, word, **_):
-    """Fraction of completion characters that occur in the prompt's word (0 for an empty completion)."""
+def anagram_reward(prompts, completions, word, **_):
+    """How much of the prompt's word the completion spells, in any order: the letters the two share
+    (as multisets) over the longer of the two lengths. 1.0 for an exact anagram; repeating one
+    common letter ("aaaa") earns little."""
     scores = []
     for text, w in zip(completions, word):
         text = text.strip()
-        scores.append(sum(ch in w for ch in text) / len(text) if text else 0.0)
+        shared = sum((Counter(text) & Counter(w)).values())
+        scores.append(shared / max(len(text), len(w)))
     return scores
 
 
@@ -39,11 +43,11 @@ def demo_config(folder: Path) -> dict:
         "seed": 0,
         "overwrite": True,
         "data": {"path": str(folder / "prompts.jsonl"), "prompt_column": "prompt"},
-        "rewards": [{"function": "tidyrl.demo:letters_reward", "weight": 1.0}],
-        "rollout": {"prompts_per_rollout": 8, "samples_per_prompt": 8, "max_new_tokens": 8, "temperature": 1.0,
+        "rewards": [{"function": "tidyrl.demo:anagram_reward", "weight": 1.0}],
+        "rollout": {"prompts_per_rollout": 8, "samples_per_prompt": 8, "max_new_tokens": 10, "temperature": 1.0,
                     "generation_batch_size": 64, "forward_batch_size": 64},
-        "train": {"rollouts": 40, "epochs_per_rollout": 1, "minibatches_per_epoch": 2, "micro_batch_size": 16,
-                  "learning_rate": 3.0e-3, "lr_scheduler": "cosine", "warmup_steps": 4, "max_grad_norm": 1.0},
+        "train": {"rollouts": 200, "epochs_per_rollout": 1, "minibatches_per_epoch": 2, "micro_batch_size": 16,
+                  "learning_rate": 6.0e-3, "lr_scheduler": "cosine", "warmup_steps": 4, "max_grad_norm": 1.0},
         "grpo": {"scale_rewards": "group", "loss_aggregation": "token_mean"},
         "log": {"log_every": 1, "samples_per_rollout": 2},
     }
@@ -53,6 +57,9 @@ def prepare_demo(folder: str | Path) -> Path:
     """Write the tiny model, the prompt set and demo.yaml into `folder`; return the YAML path."""
     from tidyrl.tiny import save_tiny_model
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_tiny_model(folder / "base-model", seed=0, hidden_size=64, num_layers=2, num_heads=4,
@@ -68,12 +75,21 @@ def prepare_demo(folder: str | Path) -> Path:
 
 
 def run_demo(folder: str | Path = "runs/demo", overrides: tuple[str, ...] = ()):
+    """Prepare and run the demo; print the reward before and after and where the run was written."""
     from tidyrl.loops.rl import train
 
     config_path = prepare_demo(folder)
-    print(f"tidyrl demo: tiny model, prompts and config written to {Path(folder)}/ ({config_path.name})")
+    print(f"tidyrl demo: tiny model, prompts and config written to {Path(folder)}/ (config: {config_path.name})")
     result = train(config_path, overrides)
-    print(f"reward before training (first rollout): {result.first_reward_mean:.3f}")
-    print(f"reward after training  (last rollout):  {result.last_reward_mean:.3f}")
-    print(f"run written to {result.output_dir}/ (metrics.jsonl, samples.jsonl, plan.json, final/)")
+    rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    per_rollout = {row["rollout"]: row["reward_mean"] for row in rows}  # one value per rollout
+    rewards = [per_rollout[r] for r in sorted(per_rollout)]
+    span = min(5, len(rewards))
+    samples = [json.loads(line) for line in (result.output_dir / "samples.jsonl").read_text().splitlines()]
+    print(f"mean reward, first {span} rollouts: {sum(rewards[:span]) / span:.3f}   "
+          f"(e.g. {samples[0]['prompt']!r} -> {samples[0]['completion']!r})")
+    print(f"mean reward, last {span} rollouts:  {sum(rewards[-span:]) / span:.3f}   "
+          f"(e.g. {samples[-1]['prompt']!r} -> {samples[-1]['completion']!r})")
+    print(f"{result.plan.total_optimizer_steps} optimizer steps, {result.plan.total_episodes} episodes; "
+          f"run written to {result.output_dir}/ (plan.json, metrics.jsonl, samples.jsonl, final/)")
     return result

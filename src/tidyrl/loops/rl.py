@@ -125,7 +125,10 @@ class _RLRun:
 
         self.model = load_causal_lm()
         if cfg.train.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # transformers 5 renamed it; older releases only have the old name.
+            enable = getattr(self.model, "activation_checkpointing_enable", None) or \
+                self.model.gradient_checkpointing_enable
+            enable()
             self.model.config.use_cache = False
         self.ref_model = None
         if self.algo.kl_coef > 0:
