@@ -71,3 +71,36 @@ def test_train_from_yaml_on_the_command_line(yaml_run, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert "reward/has_vowel" in rows[0]
     assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["seed"] == 1
+
+
+def test_two_processes_with_torchrun_match_one_process(yaml_run, tmp_path):
+    """W = 2 gloo processes on CPU: same plan totals, lr, counts, losses and final weights as W = 1.
+    Each process generates half the episodes (keyed sampling makes them the same completions), every
+    process holds the gathered rollout, and the loss is normalised over the global mini-batch."""
+    from safetensors.torch import load_file
+
+    outs = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                    "--master_port", "29531"] if world == 2 else [sys.executable]
+        # R = 2*4 = 8, M = 2: 4 episodes per mini-batch, 2 per process with W = 2; m = 2 suits both.
+        cmd = launcher + ["-m", "tidyrl", "train", str(yaml_run), f"output_dir={out}", "train.micro_batch_size=2"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.count("done:") == 1  # printed by the main process only
+        outs[world] = out
+    plan1, plan2 = (json.loads((outs[w] / "plan.json").read_text()) for w in (1, 2))
+    assert plan2["world_size"] == 2 and plan1["world_size"] == 1
+    assert (plan1["gradient_accumulation_steps"], plan2["gradient_accumulation_steps"]) == (2, 1)
+    for key in ("total_optimizer_steps", "total_episodes", "rollouts", "warmup_steps"):
+        assert plan1[key] == plan2[key]
+    rows1, rows2 = ([json.loads(x) for x in (outs[w] / "metrics.jsonl").read_text().splitlines()] for w in (1, 2))
+    assert len(rows1) == len(rows2) == 4
+    for a, b in zip(rows1, rows2):
+        for key in ("step", "rollout", "episodes", "lr"):
+            assert a[key] == b[key]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6)
+    w1, w2 = (load_file(outs[w] / "final" / "model.safetensors") for w in (1, 2))
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-6

@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             from tidyrl.loops.rl import train
 
             result = train(args.config, args.overrides)
-            print(f"done: {result.plan.total_optimizer_steps} optimizer steps, {result.plan.total_episodes} "
-                  f"episodes; model in {result.final_dir}")
+            if result.is_main_process:
+                print(f"done: {result.plan.total_optimizer_steps} optimizer steps, "
+                      f"{result.plan.total_episodes} episodes; model in {result.final_dir}")
         elif args.command == "demo":
             from tidyrl.demo import run_demo
 

@@ -47,6 +47,8 @@ class TrainResult:
     """Mean reward of the first rollout."""
     last_reward_mean: Optional[float] = None
     """Mean reward of the last rollout."""
+    is_main_process: bool = True
+    """False in the other processes of a multi-process run (they print nothing)."""
 
 
 def train(config: Config | dict | str | Path, overrides: tuple[str, ...] | list[str] = ()) -> TrainResult:
@@ -57,19 +59,37 @@ def train(config: Config | dict | str | Path, overrides: tuple[str, ...] | list[
     return _RLRun(cfg, base_dir).run()
 
 
+def make_accelerator():
+    """The one Accelerator of a run. Under torchrun / accelerate launch on a machine without CUDA,
+    accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
+    process would silently train alone and all would write the same output_dir."""
+    import os
+
+    import torch
+    from accelerate import Accelerator
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(cpu=launched and not torch.cuda.is_available())
+    if launched and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate formed no process group; "
+            "check the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK)."
+        )
+    return accelerator
+
+
 class _RLRun:
     """State of one run; `run()` is the loop. Split into small methods only where it reads better."""
 
     def __init__(self, cfg: Config, base_dir: Optional[str]):
         import torch
-        from accelerate import Accelerator
 
         from tidyrl.data import PromptStream, load_prompt_dataset, other_columns
         from tidyrl.rewards import build_reward_functions
 
         self.cfg = cfg
         self.algo = cfg.grpo if cfg.algorithm == "grpo" else cfg.rloo
-        self.accelerator = Accelerator()
+        self.accelerator = make_accelerator()
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
         self.is_main = self.accelerator.is_main_process
@@ -202,7 +222,7 @@ class _RLRun:
         if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
             raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
         final_dir = self.save_model(self.out / "final")
-        return TrainResult(self.out, final_dir, plan, row, first_reward, last_reward)
+        return TrainResult(self.out, final_dir, plan, row, first_reward, last_reward, self.is_main)
 
     # ------------------------------------------------------------------ one rollout
     def make_rollout(self, r: int):
