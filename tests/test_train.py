@@ -251,3 +251,12 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, prompt_fil
         finals.append(AutoModelForCausalLM.from_pretrained(result.final_dir))
     worst = max((a - b).abs().max().item() for a, b in zip(finals[0].parameters(), finals[1].parameters()))
     assert worst < 1e-6
+
+
+def test_log_every_counts_optimizer_steps_and_keeps_the_last(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "sparse"
+    tidyrl.train(base_config(tiny_model_dir, prompt_file, out,
+                             train={"rollouts": 3, "epochs_per_rollout": 1, "minibatches_per_epoch": 2,
+                                    "micro_batch_size": 8},
+                             log={"log_every": 4, "progress_bar": False}))
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [4, 6]  # 3 rollouts * 2 steps = 6

@@ -173,8 +173,6 @@ class _RLRun:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
-        import torch
-
         from tidyrl.metrics import STEP_METRICS, JsonlWriter, ProgressBar
 
         self._load_models()
@@ -188,37 +186,39 @@ class _RLRun:
 
         self.start = time.perf_counter()
         step, row, first_reward, last_reward = 0, {}, None, None
-        for r in range(plan.rollouts):
-            rollout, stats = self.make_rollout(r)
-            samples_log_rows = stats.pop("_samples")
-            for sample in samples_log_rows:
-                samples_log.write({"rollout": r + 1, "step": step, **sample})
-            first_reward = stats["reward_mean"] if first_reward is None else first_reward
-            last_reward = stats["reward_mean"]
-            for epoch in range(plan.epochs_per_rollout):
-                order = self._episode_order(r, epoch)
-                for mb in range(plan.minibatches_per_epoch):
-                    step += 1
-                    size = plan.episodes_per_minibatch
-                    minibatch = order[mb * size: (mb + 1) * size]
-                    step_stats = self.optimizer_step(rollout, minibatch)
-                    values = {
-                        "step": step,
-                        "rollout": r + 1,
-                        "episodes": (r + 1) * plan.episodes_per_rollout,
-                        "epoch": epochs_done(plan, r + 1),
-                        **step_stats,
-                        **stats,
-                        "time_s": time.perf_counter() - self.start,
-                    }
-                    # The fixed fields of DESIGN §5 first, in their documented order, then the extras.
-                    row = {k: values.pop(k) for k in STEP_METRICS} | values
-                    if step % cfg.log.log_every == 0 or step == plan.total_optimizer_steps:
-                        metrics_log.write(row)
-                    bar.step(stats["reward_mean"], row["episodes"])
-        bar.close()
-        metrics_log.close()
-        samples_log.close()
+        try:
+            for r in range(plan.rollouts):
+                rollout, stats = self.make_rollout(r)
+                samples_log_rows = stats.pop("_samples")
+                for sample in samples_log_rows:
+                    samples_log.write({"rollout": r + 1, "step": step, **sample})
+                first_reward = stats["reward_mean"] if first_reward is None else first_reward
+                last_reward = stats["reward_mean"]
+                for epoch in range(plan.epochs_per_rollout):
+                    order = self._episode_order(r, epoch)
+                    for mb in range(plan.minibatches_per_epoch):
+                        step += 1
+                        size = plan.episodes_per_minibatch
+                        minibatch = order[mb * size: (mb + 1) * size]
+                        step_stats = self.optimizer_step(rollout, minibatch)
+                        values = {
+                            "step": step,
+                            "rollout": r + 1,
+                            "episodes": (r + 1) * plan.episodes_per_rollout,
+                            "epoch": epochs_done(plan, r + 1),
+                            **step_stats,
+                            **stats,
+                            "time_s": time.perf_counter() - self.start,
+                        }
+                        # The fixed fields of DESIGN §5 first, in their documented order, then the extras.
+                        row = {k: values.pop(k) for k in STEP_METRICS} | values
+                        if step % cfg.log.log_every == 0 or step == plan.total_optimizer_steps:
+                            metrics_log.write(row)
+                        bar.step(stats["reward_mean"], row["episodes"])
+        finally:  # whatever happens, the bar is closed and every row written so far is on disk
+            bar.close()
+            metrics_log.close()
+            samples_log.close()
         if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
             raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
         final_dir = self.save_model(self.out / "final")
