@@ -185,7 +185,7 @@ def test_dataset_epochs_and_the_prompt_stream(tiny_model_dir, prompt_file, tmp_p
 
 
 def test_output_dir_holding_a_run_is_refused_unless_overwrite(tiny_model_dir, prompt_file, tmp_path):
-    from tidyrl.loops.rl import RunDirError
+    from tidyrl.loops.common import RunDirError
 
     cfg = base_config(tiny_model_dir, prompt_file, tmp_path / "run", train={"rollouts": 1},
                       log={"progress_bar": False})

@@ -12,9 +12,9 @@ __all__ = ["train", "TrainResult", "Config", "load_config", "make_plan", "__vers
 
 def __getattr__(name):  # PEP 562: lazy public API
     if name in ("train", "TrainResult"):
-        from tidyrl.loops import rl
+        from tidyrl import api
 
-        return getattr(rl, name)
+        return getattr(api, name)
     if name in ("Config", "load_config"):
         from tidyrl import config
 

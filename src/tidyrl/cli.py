@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_from_config(cfg, num_prompts, args.num_processes)
             print(json.dumps(plan.to_dict(), indent=2))
         elif args.command == "train":
-            from tidyrl.loops.rl import train
+            from tidyrl.api import train
 
             result = train(args.config, args.overrides)
             if result.is_main_process:

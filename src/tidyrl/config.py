@@ -14,7 +14,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import yaml
 

@@ -76,7 +76,7 @@ def prepare_demo(folder: str | Path) -> Path:
 
 def run_demo(folder: str | Path = "runs/demo", overrides: tuple[str, ...] = ()):
     """Prepare and run the demo; print the reward before and after and where the run was written."""
-    from tidyrl.loops.rl import train
+    from tidyrl.api import train
 
     config_path = prepare_demo(folder)
     print(f"tidyrl demo: tiny model, prompts and config written to {Path(folder)}/ (config: {config_path.name})")

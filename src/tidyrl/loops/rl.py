@@ -13,69 +13,20 @@ All counts come from the plan (tidyrl.plan); nothing here recomputes them.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from tidyrl.config import Config, config_base_dir, load_config, save_config
-from tidyrl.plan import Plan, epochs_done, plan_from_config
+from tidyrl.config import Config
+from tidyrl.loops.common import (TrainResult, build_optimizer, build_scheduler, enable_gradient_checkpointing,
+                                 load_causal_lm, load_tokenizer, make_accelerator, prepare_output_dir,
+                                 save_pretrained_atomic, write_run_header)
+from tidyrl.plan import epochs_done, plan_from_config
 
-RUN_FILES = ("config.yaml", "plan.json", "metrics.jsonl", "samples.jsonl")
-
-
-class RunDirError(RuntimeError):
-    """The output directory cannot be used as asked."""
-
-
-@dataclass
-class TrainResult:
-    """What `tidyrl.train` returns."""
-
-    output_dir: Path
-    """The run folder."""
-    final_dir: Path
-    """The trained model (Hugging Face format)."""
-    plan: Plan
-    """The batch plan the run followed."""
-    metrics: dict = field(default_factory=dict)
-    """The last metrics row."""
-    first_reward_mean: Optional[float] = None
-    """Mean reward of the first rollout."""
-    last_reward_mean: Optional[float] = None
-    """Mean reward of the last rollout."""
-    is_main_process: bool = True
-    """False in the other processes of a multi-process run (they print nothing)."""
-
-
-def train(config: Config | dict | str | Path, overrides: tuple[str, ...] | list[str] = ()) -> TrainResult:
-    """Train with GRPO or RLOO. `config` is a Config, a dict, or a YAML path; `overrides` are
-    `section.key=value` strings. Reward functions may be Python callables in `rewards[i].function`."""
-    cfg = load_config(config, overrides)
-    base_dir = config_base_dir(config)
+def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
+    """Train with GRPO or RLOO from a validated Config (see `tidyrl.train`)."""
     return _RLRun(cfg, base_dir).run()
-
-
-def make_accelerator():
-    """The one Accelerator of a run. Under torchrun / accelerate launch on a machine without CUDA,
-    accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
-    process would silently train alone and all would write the same output_dir."""
-    import os
-
-    import torch
-    from accelerate import Accelerator
-
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    accelerator = Accelerator(cpu=launched and not torch.cuda.is_available())
-    if launched and accelerator.num_processes == 1:
-        raise RuntimeError(
-            f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate formed no process group; "
-            "check the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK)."
-        )
-    return accelerator
 
 
 class _RLRun:
@@ -101,75 +52,29 @@ class _RLRun:
         self.reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir)
         self.stream = PromptStream(len(self.dataset), cfg.seed)
         self.out = Path(cfg.output_dir)
-        self._prepare_output_dir()
+        prepare_output_dir(self.out, cfg.overwrite, self.accelerator)
         torch.manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ setup
-    def _prepare_output_dir(self) -> None:
-        held = [name for name in RUN_FILES if (self.out / name).exists()] + sorted(
-            p.name for p in self.out.glob("checkpoint-*")) + (["final"] if (self.out / "final").exists() else [])
-        if held and not self.cfg.overwrite:
-            raise RunDirError(
-                f"output_dir {self.out} already holds a run ({', '.join(held)}). Choose another `output_dir`, "
-                "or set `overwrite=true` to replace it."
-            )
-        self.accelerator.wait_for_everyone()
-        if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            for name in held:
-                path = self.out / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        self.accelerator.wait_for_everyone()
-
     def _load_models(self) -> None:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
-        from transformers.utils import logging as hf_logging
-
         from tidyrl.data import render_prompt
         from tidyrl.rollout import eos_token_ids, pad_token_id
 
-        hf_logging.disable_progress_bar()
         cfg = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         render_prompt(self.dataset[0][cfg.data.prompt_column], self.tokenizer)  # chat template errors now
-        dtype = "auto" if cfg.model_dtype == "auto" else getattr(torch, cfg.model_dtype)
-
-        def load_causal_lm():
-            # Dropout off: RL ratios and KL compare forward passes, which must be deterministic.
-            model_config = AutoConfig.from_pretrained(cfg.model)
-            for name, value in vars(model_config).items():
-                if "dropout" in name and isinstance(value, float):
-                    setattr(model_config, name, 0.0)
-            return AutoModelForCausalLM.from_pretrained(cfg.model, config=model_config, dtype=dtype)
-
-        self.model = load_causal_lm()
+        self.model = load_causal_lm(cfg.model, cfg.model_dtype)
         if cfg.train.gradient_checkpointing:
-            # transformers 5 renamed it; older releases only have the old name.
-            enable = getattr(self.model, "activation_checkpointing_enable", None) or \
-                self.model.gradient_checkpointing_enable
-            enable()
-            self.model.config.use_cache = False
+            enable_gradient_checkpointing(self.model)
         self.ref_model = None
         if self.algo.kl_coef > 0:
-            self.ref_model = load_causal_lm().to(self.accelerator.device).eval().requires_grad_(False)
+            self.ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(self.accelerator.device)
+            self.ref_model.eval().requires_grad_(False)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = pad_token_id(self.tokenizer, self.eos_ids)
-
-        # Decay matrices only; biases and norm weights are not decayed (as transformers.Trainer does).
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        t = cfg.train
-        self.optimizer = torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                           eps=t.adam_epsilon)
+        self.optimizer = build_optimizer(self.model, cfg.train)
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        # The scheduler is deliberately NOT passed to accelerator.prepare: accelerate would step it once per
-        # process (the LLaMA-Factory #424 bug). We step it ourselves, once per optimizer step, in every process.
-        self.scheduler = get_scheduler(t.lr_scheduler, self.optimizer, num_warmup_steps=self.plan.warmup_steps,
-                                       num_training_steps=self.plan.total_optimizer_steps)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train.lr_scheduler, self.plan)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
@@ -177,9 +82,7 @@ class _RLRun:
 
         self._load_models()
         cfg, plan = self.cfg, self.plan
-        if self.is_main:
-            save_config(cfg, self.out / "config.yaml")
-            (self.out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+        write_run_header(cfg, plan, self.out, self.accelerator)
         metrics_log = JsonlWriter(self.out / "metrics.jsonl", enabled=self.is_main)
         samples_log = JsonlWriter(self.out / "samples.jsonl", enabled=self.is_main)
         bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar)
@@ -221,7 +124,7 @@ class _RLRun:
             samples_log.close()
         if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
             raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
-        final_dir = self.save_model(self.out / "final")
+        final_dir = save_pretrained_atomic(self.accelerator, self.model, self.tokenizer, self.out / "final")
         return TrainResult(self.out, final_dir, plan, row, first_reward, last_reward, self.is_main)
 
     # ------------------------------------------------------------------ one rollout
@@ -413,7 +316,6 @@ class _RLRun:
         """Every process gets all R episodes (ids and masks are small), padded to common widths."""
         if self.world_size == 1:
             return local
-        import torch
 
         from tidyrl.rollout import Rollout
 
@@ -430,21 +332,3 @@ class _RLRun:
             completion_mask=cat(local.completion_mask),
             truncated=acc.gather(local.truncated.to(acc.device)).cpu(),
         )
-
-    # ------------------------------------------------------------------ saving
-    def save_model(self, target: Path) -> Path:
-        """Save a standard Hugging Face folder, written beside the target and renamed into place, so a
-        crash never leaves a folder that looks complete but is not."""
-        self.accelerator.wait_for_everyone()
-        model = self.accelerator.unwrap_model(self.model)
-        if self.is_main:
-            tmp = target.with_name(f".{target.name}.tmp")
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            model.save_pretrained(tmp, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-        self.accelerator.wait_for_everyone()
-        return target

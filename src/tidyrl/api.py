@@ -1,0 +1,27 @@
+"""`tidyrl.train`: one entry point for every stage; the command line is a thin layer over it."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Sequence
+
+from tidyrl.config import Config, config_base_dir, load_config
+from tidyrl.loops.common import TrainResult
+
+LOOPS = {
+    "grpo": "tidyrl.loops.rl",
+    "rloo": "tidyrl.loops.rl",
+}
+"""algorithm -> the module whose `run(cfg, base_dir)` trains it (one explicit loop per family)."""
+
+
+def train(config: Config | dict | str | Path, overrides: Sequence[str] = ()) -> TrainResult:
+    """Run the stage named by `config.algorithm`.
+
+    `config` is a typed `Config`, a dict, or a YAML path; `overrides` are `section.key=value` strings.
+    Reward functions may be Python callables in `rewards[i].function`. Returns a `TrainResult`.
+    """
+    cfg = load_config(config, overrides)
+    loop = importlib.import_module(LOOPS[cfg.algorithm])
+    return loop.run(cfg, config_base_dir(config))

@@ -1,0 +1,168 @@
+"""What every training loop shares: the accelerator, the output folder, loading, the optimizer and
+LR schedule, and saving a Hugging Face folder. Each loop stays explicit; these are its parts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from tidyrl.config import Config, save_config
+from tidyrl.plan import Plan
+
+RUN_FILES = ("config.yaml", "plan.json", "metrics.jsonl", "samples.jsonl")
+"""Files whose presence means a folder already holds a run."""
+
+
+class RunDirError(RuntimeError):
+    """The output directory cannot be used as asked."""
+
+
+@dataclass
+class TrainResult:
+    """What `tidyrl.train` returns."""
+
+    output_dir: Path
+    """The run folder."""
+    final_dir: Path
+    """The trained model (Hugging Face format)."""
+    plan: Plan
+    """The batch plan the run followed."""
+    metrics: dict = field(default_factory=dict)
+    """The last metrics row."""
+    first_reward_mean: Optional[float] = None
+    """RL stages: mean reward of the first rollout."""
+    last_reward_mean: Optional[float] = None
+    """RL stages: mean reward of the last rollout."""
+    is_main_process: bool = True
+    """False in the other processes of a multi-process run (they print nothing)."""
+
+
+def make_accelerator(**kwargs):
+    """The one Accelerator of a run. Under torchrun / accelerate launch on a machine without CUDA,
+    accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
+    process would silently train alone and all would write the same output_dir."""
+    import torch
+    from accelerate import Accelerator
+
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(cpu=launched and not torch.cuda.is_available(), **kwargs)
+    if launched and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate formed no process group; "
+            "check the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK)."
+        )
+    return accelerator
+
+
+def prepare_output_dir(out: Path, overwrite: bool, accelerator) -> None:
+    """Refuse a folder that holds a run unless `overwrite`; with it, remove that run's files."""
+    held = [name for name in RUN_FILES if (out / name).exists()]
+    held += sorted(p.name for p in out.glob("checkpoint-*")) + (["final"] if (out / "final").exists() else [])
+    if held and not overwrite:
+        raise RunDirError(
+            f"output_dir {out} already holds a run ({', '.join(held)}). Choose another `output_dir`, "
+            "or set `overwrite=true` to replace it."
+        )
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in held:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    accelerator.wait_for_everyone()
+
+
+def write_run_header(cfg: Config, plan: Plan, out: Path, accelerator) -> None:
+    """config.yaml (resolved) and plan.json, written once by the main process."""
+    if accelerator.is_main_process:
+        save_config(cfg, out / "config.yaml")
+        (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoTokenizer.from_pretrained(path)
+
+
+def without_dropout(model_config):
+    """Every `*dropout*` float of a model config set to 0: RL ratios, KL and reference log-probs compare
+    forward passes, which must agree."""
+    for name, value in vars(model_config).items():
+        if "dropout" in name and isinstance(value, float):
+            setattr(model_config, name, 0.0)
+    return model_config
+
+
+def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False):
+    """`AutoModelForCausalLM.from_pretrained(path)`, dropout off unless asked for."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model_config = AutoConfig.from_pretrained(path)
+    if not dropout:
+        without_dropout(model_config)
+    return AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype))
+
+
+def enable_gradient_checkpointing(model) -> None:
+    # transformers 5 renamed it; older releases only have the old name.
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.config.use_cache = False
+
+
+def build_optimizer(model, train_cfg):
+    """AdamW; weight decay on matrices only, not on biases and norm weights (as transformers.Trainer)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": train_cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=train_cfg.learning_rate, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
+                             eps=train_cfg.adam_epsilon)
+
+
+def build_scheduler(optimizer, name: str, plan: Plan):
+    """`transformers.get_scheduler` over the plan's total optimizer steps.
+
+    Deliberately NOT passed to `accelerator.prepare`: accelerate would step it once per process per step
+    (LLaMA-Factory #424). The loops step it themselves, exactly once per optimizer step, in every process.
+    """
+    from transformers import get_scheduler
+
+    return get_scheduler(name, optimizer, num_warmup_steps=plan.warmup_steps,
+                         num_training_steps=plan.total_optimizer_steps)
+
+
+def save_pretrained_atomic(accelerator, model, tokenizer, target: Path) -> Path:
+    """Save a standard Hugging Face folder (safetensors, config, generation config, tokenizer), written
+    beside the target and renamed into place, so a crash never leaves a folder that looks complete."""
+    accelerator.wait_for_everyone()
+    model = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        tmp = target.with_name(f".{target.name}.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    accelerator.wait_for_everyone()
+    return target
