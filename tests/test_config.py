@@ -183,7 +183,7 @@ def test_numbers_are_coerced_to_the_annotated_type():
 
 def test_validate_reports_every_problem_with_its_key():
     data = minimal()
-    data.update(algorithm="ppo", resume_from="latest")
+    data.update(algorithm="ppo", resume_from="  ")
     data["rewards"] = [{"model": "rm"}, {}, {"function": "no_colon", "weight": float("inf")}]
     data["rollout"] = {"samples_per_prompt": 1, "top_p": 0, "min_new_tokens": 100}
     data["train"].update(dataset_epochs=1.0, warmup_steps=2, warmup_ratio=0.1, lr_scheduler="cosine_typo")
@@ -196,7 +196,7 @@ def test_validate_reports_every_problem_with_its_key():
         "train.lr_scheduler", "log.log_every",
     ]
     text = "\n".join(found)
-    assert "not supported in this version" in text  # reward models and resume
+    assert "not supported in this version" in text  # reward models
     assert "'ppo' is not one of grpo, rloo" in text
     assert "exactly one of train.rollouts and train.dataset_epochs" in text
     assert "use one of linear, cosine," in text

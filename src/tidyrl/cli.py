@@ -33,8 +33,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tidyrl.config import ConfigError
-
     args = _parser().parse_args(argv)
     try:
         if args.command == "plan":
@@ -59,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             from tidyrl.demo import run_demo
 
             run_demo(args.output_dir, tuple(args.overrides))
-    except (ConfigError, ValueError, RuntimeError, FileNotFoundError) as err:
+    except (RuntimeError, ValueError, FileNotFoundError) as err:
+        if type(err).__name__ == "TrainingInterrupted":  # Ctrl-C / SIGTERM: a checkpoint was saved
+            print(f"tidyrl: {err}", file=sys.stderr)
+            return 130
         # Our errors say what is wrong and how to fix it; a traceback would only bury that.
         if type(err).__module__.startswith("tidyrl"):
             print(f"tidyrl: error: {err}", file=sys.stderr)

@@ -18,7 +18,12 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
-ALGORITHMS = ("grpo", "rloo")
+RL_ALGORITHMS = ("grpo", "rloo")
+"""On-policy RL stages (tidyrl.loops.rl): they generate, so they need `rollout` and `rewards`."""
+OFFLINE_ALGORITHMS = ("sft", "reward", "dpo")
+"""Stages that train on a fixed dataset (docs/stages.md): length in train.dataset_epochs or train.max_steps,
+optimizer batch train.batch_size; no rollout, no rewards."""
+ALGORITHMS = RL_ALGORITHMS + OFFLINE_ALGORITHMS
 """Algorithms this version can train."""
 
 
@@ -30,6 +35,21 @@ class DataConfig:
     """Column holding the prompt: a string, or a list of chat messages ({role, content}) rendered with the policy tokenizer's chat template."""
     split: str = "train"
     """Split to use when `path` is a saved `DatasetDict` folder."""
+    max_prompt_length: Optional[int] = None
+    """Longest prompt in tokens; default: the model's context (max_position_embeddings) minus rollout.max_new_tokens."""
+    overlong_prompts: str = "error"
+    """What to do with longer prompts: error (stop before training, with a count), truncate (keep each prompt's last tokens) or skip."""
+    completion_column: str = "completion"
+    """sft: column holding the completion (a string, or assistant messages) that follows `prompt_column`."""
+    messages_column: str = "messages"
+    """sft: column holding a whole conversation (a list of chat messages); used when the data has no completion column."""
+    chosen_column: str = "chosen"
+    """reward, dpo: column holding the preferred completion (a string, or assistant messages)."""
+    rejected_column: str = "rejected"
+    """reward, dpo: column holding the dispreferred completion (a string, or assistant messages)."""
+    max_length: Optional[int] = None
+    """sft, reward, dpo: longest tokenised example (prompt + completion) in tokens; longer ones are cut at the
+    end (the prompt is kept whole). null = no limit. Required by sft.packing (the packed row length)."""
 
 
 @dataclass
@@ -73,13 +93,18 @@ class TrainConfig:
     dataset_epochs: Optional[float] = None
     """Length of training in passes over the prompt set: rollouts = ceil(dataset_epochs * N / P) (floor with drop_last)."""
     drop_last: bool = False
-    """With `dataset_epochs`: round the number of rollouts down instead of up."""
+    """With `dataset_epochs`: round the number of rollouts (sft/reward/dpo: optimizer steps) down instead of up."""
+    batch_size: Optional[int] = None
+    """sft, reward, dpo: examples (reward, dpo: pairs) per optimizer step, global. Required for these stages."""
+    max_steps: Optional[int] = None
+    """sft, reward, dpo: length of training in optimizer steps. Set exactly one of `max_steps` and `dataset_epochs`."""
     epochs_per_rollout: int = 1
     """E: passes over one rollout's episodes (PPO epochs, GRPO's mu)."""
     minibatches_per_epoch: int = 1
     """M: each pass is split into M mini-batches, one optimizer step each."""
     micro_batch_size: int = 8
-    """m: completions per forward/backward, per process. A memory knob: gradient accumulation is derived from it."""
+    """m: completions (sft: examples; reward, dpo: pairs) per forward/backward, per process. A memory knob:
+    gradient accumulation is derived from it."""
     learning_rate: float = 1.0e-6
     """Peak learning rate of AdamW."""
     lr_scheduler: str = "cosine"
@@ -116,6 +141,8 @@ class LogConfig:
     """Episodes of each rollout written to samples.jsonl."""
     progress_bar: bool = True
     """Show a progress bar (total = total optimizer steps)."""
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers that also receive the metrics rows and sample tables: any of tensorboard, wandb, trackio (each an optional extra: pip install 'tidyrl[wandb]'). Default: none."""
 
 
 @dataclass
@@ -145,9 +172,38 @@ class RLOOConfig(PolicyLossConfig):
 
 
 @dataclass
+class SFTConfig:
+    completion_only_loss: bool = True
+    """Train on completion (assistant) tokens only; false = on every token but the first."""
+    loss_aggregation: str = "token_mean"
+    """token_mean (over the trained tokens of the whole optimizer batch) or sequence_mean (mean over examples of
+    each example's token mean)."""
+    packing: bool = False
+    """Pack several short examples into rows of data.max_length tokens; each example attends only to itself.
+    train.batch_size then counts packed rows."""
+
+
+@dataclass
+class RewardModelConfig:
+    margin_column: Optional[str] = None
+    """Column with a per-pair margin m: loss = -log sigmoid(r_chosen - r_rejected - m) (Touvron et al. 2023,
+    Llama 2, eq. 2). null = no margin."""
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1
+    """beta of DPO (strength of the implicit KL to the reference); IPO's tau."""
+    loss_type: str = "sigmoid"
+    """sigmoid (DPO, Rafailov et al. 2023, eq. 7) or ipo (Azar et al. 2023, eq. 17)."""
+    label_smoothing: float = 0.0
+    """sigmoid only: assumed probability that a preference label is flipped (conservative DPO); 0 = plain DPO."""
+
+
+@dataclass
 class Config:
     algorithm: str = "grpo"
-    """The algorithm: grpo or rloo."""
+    """The algorithm: grpo or rloo (RL), sft, reward or dpo (offline stages, docs/stages.md)."""
     model: str = ""
     """The policy: a local Hugging Face model folder or a hub id."""
     tokenizer: Optional[str] = None
@@ -159,7 +215,8 @@ class Config:
     seed: int = 0
     """Seeds the prompt order, the sampling of completions and the mini-batch shuffles."""
     resume_from: Optional[str] = None
-    """latest, or path/to/checkpoint-N (reserved; not supported yet)."""
+    """Continue a run: `latest` (the newest complete checkpoint in output_dir) or path/to/checkpoint-N. The
+    finished run is the same as one never interrupted; only memory knobs may change (see docs/checkpoints.md)."""
     overwrite: bool = False
     """Allow writing into an output_dir that already holds a run (its files are replaced)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -176,6 +233,12 @@ class Config:
     """Options of algorithm: grpo."""
     rloo: RLOOConfig = field(default_factory=RLOOConfig)
     """Options of algorithm: rloo."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Options of algorithm: sft."""
+    reward: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Options of algorithm: reward (reward-model training)."""
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    """Options of algorithm: dpo."""
 
 
 # --------------------------------------------------------------------------
@@ -310,12 +373,20 @@ def validate(cfg: Config) -> None:
          f"{cfg.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
     need(cfg.output_dir != "", "output_dir", "set the folder the run writes to")
     need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
-    need(cfg.resume_from is None, "resume_from", "resuming is not supported in this version; set it to null")
+    need(cfg.resume_from is None or bool(cfg.resume_from.strip()), "resume_from",
+         "must be `latest`, a path to a checkpoint-N folder, or null")
     need(cfg.data.path != "", "data.path",
          "set the prompt file (.jsonl .json .parquet .csv) or a saved datasets folder")
     need(cfg.data.prompt_column != "", "data.prompt_column", "set the column holding the prompt")
+    need(cfg.data.max_prompt_length is None or cfg.data.max_prompt_length >= 1, "data.max_prompt_length",
+         f"must be >= 1 or null (the model's context minus rollout.max_new_tokens), got {cfg.data.max_prompt_length}")
+    need(cfg.data.overlong_prompts in ("error", "truncate", "skip"), "data.overlong_prompts",
+         f"{cfg.data.overlong_prompts!r} is not one of error, truncate, skip")
 
-    need(len(cfg.rewards) > 0, "rewards",
+    offline = cfg.algorithm in OFFLINE_ALGORITHMS
+    if offline:
+        _validate_offline(cfg, need)
+    need(offline or len(cfg.rewards) > 0, "rewards",
          "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
     for i, reward in enumerate(cfg.rewards):
         key = f"rewards.{i}"
@@ -336,7 +407,7 @@ def validate(cfg: Config) -> None:
     r, t = cfg.rollout, cfg.train
     for name in ("prompts_per_rollout", "generation_batch_size", "forward_batch_size"):
         need(getattr(r, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(r, name)}")
-    need(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+    need(offline or r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
          "must be >= 2 for grpo and rloo: a group of one completion has no baseline, so its advantage is 0; "
          f"got {r.samples_per_prompt}")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
@@ -346,12 +417,16 @@ def validate(cfg: Config) -> None:
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1] (1 = off), got {r.top_p}")
     need(r.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {r.top_k}")
 
-    if (t.rollouts is None) == (t.dataset_epochs is None):
+    if not offline and (t.rollouts is None) == (t.dataset_epochs is None):
         problems.append("train: set exactly one of train.rollouts and train.dataset_epochs "
                         f"(got rollouts={t.rollouts}, dataset_epochs={t.dataset_epochs})")
     need(t.rollouts is None or t.rollouts >= 1, "train.rollouts", f"must be >= 1, got {t.rollouts}")
     need(t.dataset_epochs is None or (math.isfinite(t.dataset_epochs) and t.dataset_epochs > 0),
          "train.dataset_epochs", f"must be a number > 0, got {t.dataset_epochs}")
+    for name in ("batch_size", "max_steps"):
+        need(offline or getattr(t, name) is None, f"train.{name}",
+             f"only for sft, reward and dpo; {cfg.algorithm} steps once per mini-batch of a rollout "
+             "(train.rollouts or train.dataset_epochs, train.minibatches_per_epoch); set it to null")
     for name in ("epochs_per_rollout", "minibatches_per_epoch", "micro_batch_size"):
         need(getattr(t, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(t, name)}")
     need(t.learning_rate >= 0, "train.learning_rate", f"must be >= 0, got {t.learning_rate}")
@@ -374,7 +449,7 @@ def validate(cfg: Config) -> None:
         need(t.lr_scheduler in schedulers, "train.lr_scheduler",
              f"{t.lr_scheduler!r} is not a scheduler name; use one of {', '.join(schedulers)}")
 
-    if cfg.algorithm in ALGORITHMS:
+    if cfg.algorithm in RL_ALGORITHMS:
         section: PolicyLossConfig = getattr(cfg, cfg.algorithm)
         a = cfg.algorithm
         need(section.clip_eps > 0, f"{a}.clip_eps", f"must be > 0, got {section.clip_eps}")
@@ -394,8 +469,62 @@ def validate(cfg: Config) -> None:
     need(log.save_every >= 0, "log.save_every", f"must be >= 0 (0 = only the final model), got {log.save_every}")
     need(log.keep_last >= 1, "log.keep_last", f"must be >= 1, got {log.keep_last}")
     need(log.samples_per_rollout >= 0, "log.samples_per_rollout", f"must be >= 0, got {log.samples_per_rollout}")
+    from tidyrl.trackers import tracker_problems  # finds the tracker packages without importing them
+
+    problems += tracker_problems(log.report_to)
     if problems:
         raise ConfigError(problems)
+
+
+SFT_LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+def _validate_offline(cfg: Config, need) -> None:
+    """The checks of sft, reward and dpo (docs/stages.md): the RL-only sections must be unused, the length is
+    train.dataset_epochs or train.max_steps, the optimizer batch train.batch_size."""
+    a, t, d = cfg.algorithm, cfg.train, cfg.data
+    need(not cfg.rewards, "rewards", f"not used by algorithm {a} (it trains on data.path); remove the section")
+    need(cfg.rollout == RolloutConfig(), "rollout",
+         f"not used by algorithm {a} (it generates nothing); remove the section")
+    need(t.rollouts is None, "train.rollouts",
+         f"{a} has no rollouts; set train.max_steps (optimizer steps) or train.dataset_epochs instead")
+    for name in ("epochs_per_rollout", "minibatches_per_epoch"):
+        need(getattr(t, name) == 1, f"train.{name}",
+             f"only for RL stages; {a} takes one optimizer step per train.batch_size examples; remove it")
+    if (t.max_steps is None) == (t.dataset_epochs is None):
+        need(False, "train", f"set exactly one of train.max_steps and train.dataset_epochs "
+                             f"(got max_steps={t.max_steps}, dataset_epochs={t.dataset_epochs})")
+    need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
+    need(t.batch_size is not None, "train.batch_size",
+         f"set the global number of {'examples' if a == 'sft' else 'pairs'} per optimizer step, e.g. 32")
+    need(t.batch_size is None or t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
+    need(cfg.resume_from is None, "resume_from", f"resuming is not supported for {a} yet; set it to null")
+    need(cfg.log.save_every == 0, "log.save_every",
+         f"intermediate checkpoints are not supported for {a} yet; set it to 0 (final/ is always written)")
+    need(not cfg.log.report_to, "log.report_to", f"trackers are not wired into {a} yet; remove it")
+    for name in ("completion_column", "messages_column", "chosen_column", "rejected_column"):
+        need(getattr(d, name) != "", f"data.{name}", "set the column name (see docs/stages.md)")
+    need(d.max_length is None or d.max_length >= 2, "data.max_length",
+         f"must be >= 2 tokens or null (no limit), got {d.max_length}")
+    if a == "sft":
+        s = cfg.sft
+        need(s.loss_aggregation in SFT_LOSS_AGGREGATIONS, "sft.loss_aggregation",
+             f"{s.loss_aggregation!r} is not one of {', '.join(SFT_LOSS_AGGREGATIONS)}")
+        need(not s.packing or d.max_length is not None, "sft.packing",
+             "packing needs data.max_length, the length of a packed row in tokens; set it, e.g. 512")
+        need(not (s.packing and s.loss_aggregation == "sequence_mean"), "sft.loss_aggregation",
+             "sequence_mean with sft.packing would weight packed rows, not examples; use token_mean")
+    if a == "reward":
+        need(cfg.reward.margin_column != "", "reward.margin_column", "set a column name, or null for no margin")
+    if a == "dpo":
+        p = cfg.dpo
+        need(p.beta > 0 and math.isfinite(p.beta), "dpo.beta", f"must be a number > 0, got {p.beta}")
+        need(p.loss_type in DPO_LOSS_TYPES, "dpo.loss_type",
+             f"{p.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
+        need(0 <= p.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
+        need(p.label_smoothing == 0 or p.loss_type == "sigmoid", "dpo.label_smoothing",
+             f"only with dpo.loss_type=sigmoid; set it to 0 for {p.loss_type}")
 
 
 def config_to_dict(cfg: Config) -> dict:

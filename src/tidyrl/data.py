@@ -230,6 +230,39 @@ def encode_prompts(prompts: list, tokenizer) -> list[list[int]]:
     return encoded
 
 
+OVERLONG_PROMPTS = ("error", "truncate", "skip")
+
+
+def fit_prompts(encoded: list[list[int]], max_length: int, policy: str) -> tuple[list[int], list[list[int]], str]:
+    """Apply `data.overlong_prompts` to prompts longer than `max_length` tokens.
+
+    Returns (indices of the prompts kept, their ids, a one-line report or ""). `error` raises
+    DataError with the count and the longest; `truncate` keeps each long prompt's last `max_length`
+    tokens (the end holds the question and the chat template's generation prompt); `skip` drops them.
+    """
+    long = [i for i, ids in enumerate(encoded) if len(ids) > max_length]
+    if not long:
+        return list(range(len(encoded))), encoded, ""
+    longest = max(long, key=lambda i: len(encoded[i]))
+    counted = f"{len(long)} of {len(encoded)} prompts are longer than {max_length} tokens"
+    if policy == "error":
+        raise DataError(
+            f"{counted} (data.max_prompt_length, by default the model's context minus rollout.max_new_tokens); "
+            f"the longest is row {longest} with {len(encoded[longest])} tokens. Set data.overlong_prompts to "
+            "truncate (keep each prompt's end) or skip, shorten the prompts, or lower rollout.max_new_tokens."
+        )
+    if policy == "truncate":
+        return list(range(len(encoded))), [ids[-max_length:] for ids in encoded], \
+            f"{counted}: truncated to their last {max_length} tokens (data.overlong_prompts=truncate)"
+    if policy == "skip":
+        kept = [i for i, ids in enumerate(encoded) if len(ids) <= max_length]
+        if not kept:
+            raise DataError(f"{counted}: every prompt would be skipped (data.overlong_prompts=skip); "
+                            "raise data.max_prompt_length or lower rollout.max_new_tokens.")
+        return kept, [encoded[i] for i in kept], f"{counted}: skipped them (data.overlong_prompts=skip)"
+    raise DataError(f"data.overlong_prompts={policy!r}: use one of {', '.join(OVERLONG_PROMPTS)}")
+
+
 # ---------------------------------------------------------------------------
 # Prompt order
 

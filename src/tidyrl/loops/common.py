@@ -21,6 +21,10 @@ class RunDirError(RuntimeError):
     """The output directory cannot be used as asked."""
 
 
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer path does not load; the message names the config key."""
+
+
 @dataclass
 class TrainResult:
     """What `tidyrl.train` returns."""
@@ -89,12 +93,34 @@ def torch_dtype(name: str):
     return "auto" if name == "auto" else getattr(torch, name)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, key: str = "tokenizer"):
+    """`AutoTokenizer.from_pretrained(path)`, with an error that names the config key."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"{key}={path!r}: no tokenizer loads from it ({type(err).__name__}: {str(err).splitlines()[0]}). "
+            "Point `tokenizer` (or `model`, when tokenizer is null) at a folder with tokenizer files or a hub id."
+        ) from None
+
+
+def load_model_config(path: str):
+    """The model's config (no weights): checks early that `model` names a local folder or a hub id."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        where = "a local folder" if os.path.exists(path) else \
+            f"not a folder (no such path relative to {os.getcwd()}) and not a hub id this machine can reach"
+        raise ModelLoadError(
+            f"model={path!r} cannot be loaded: it is {where}. Set `model` to a Hugging Face model folder "
+            f"(with config.json) or a hub id. ({type(err).__name__}: {str(err).splitlines()[0]})"
+        ) from None
 
 
 def without_dropout(model_config):

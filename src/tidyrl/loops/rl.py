@@ -20,13 +20,22 @@ from typing import Any, Optional
 
 from tidyrl.config import Config
 from tidyrl.loops.common import (TrainResult, build_optimizer, build_scheduler, enable_gradient_checkpointing,
-                                 load_causal_lm, load_tokenizer, make_accelerator, prepare_output_dir,
-                                 save_pretrained_atomic, write_run_header)
+                                 load_causal_lm, load_model_config, load_tokenizer, make_accelerator,
+                                 prepare_output_dir, save_pretrained_atomic, write_run_header)
 from tidyrl.plan import epochs_done, plan_from_config
+
 
 def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train with GRPO or RLOO from a validated Config (see `tidyrl.train`)."""
     return _RLRun(cfg, base_dir).run()
+
+
+class TrainingInterrupted(RuntimeError):
+    """Ctrl-C or SIGTERM: the run stopped cleanly after an optimizer step and saved a checkpoint."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became NaN or infinite; the update was not applied."""
 
 
 class _RLRun:
@@ -35,6 +44,8 @@ class _RLRun:
     def __init__(self, cfg: Config, base_dir: Optional[str]):
         import torch
 
+        from tidyrl.checkpoint import CheckpointError, find_checkpoint, load_trainer_state, refused_changes
+        from tidyrl.config import config_to_dict
         from tidyrl.data import PromptStream, load_prompt_dataset, other_columns
         from tidyrl.rewards import build_reward_functions
 
@@ -44,26 +55,65 @@ class _RLRun:
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
         self.is_main = self.accelerator.is_main_process
+        self.out = Path(cfg.output_dir)
 
-        # Everything cheap and checkable first: data, plan, rewards, output folder. No model yet.
+        # Everything cheap and checkable first: checkpoint, model and tokenizer paths, data, prompt
+        # lengths, plan, rewards, output folder. No weights are loaded before all of it has passed.
+        self.resume_path, self.resumed = None, None
+        if cfg.resume_from:
+            self.resume_path = find_checkpoint(self.out, cfg.resume_from)
+            self.resumed = load_trainer_state(self.resume_path)
+            changes = refused_changes(self.resumed["state"]["config"], config_to_dict(cfg))
+            if changes:
+                raise CheckpointError(
+                    f"cannot resume from {self.resume_path}: these changes alter the plan or the maths:\n  "
+                    + "\n  ".join(changes) + "\nRevert them to resume, or start a new run in another output_dir. "
+                    "Only memory knobs (micro/generation/forward batch sizes, gradient checkpointing) and the "
+                    "saving cadence may change on resume."
+                )
+        model_config = load_model_config(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
         self.dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
+        self.dataset, self.prompt_ids = self._encode_prompt_set(model_config)
         self.plan = plan_from_config(cfg, len(self.dataset), self.world_size)
         self.columns = other_columns(self.dataset, cfg.data.prompt_column)
         self.reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir)
         self.stream = PromptStream(len(self.dataset), cfg.seed)
-        self.out = Path(cfg.output_dir)
-        prepare_output_dir(self.out, cfg.overwrite, self.accelerator)
+        if self.resumed is None:
+            prepare_output_dir(self.out, cfg.overwrite, self.accelerator)
         torch.manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ setup
+    def _encode_prompt_set(self, model_config):
+        """Encode every prompt once (rendering chat messages), and apply data.overlong_prompts against
+        data.max_prompt_length (default: the model's context minus max_new_tokens)."""
+        from tidyrl.data import encode_prompts, fit_prompts
+
+        cfg = self.cfg
+        encoded = encode_prompts(self.dataset[cfg.data.prompt_column], self.tokenizer)
+        limit = cfg.data.max_prompt_length
+        context = getattr(model_config, "max_position_embeddings", None)
+        if limit is None and context is not None:
+            limit = context - cfg.rollout.max_new_tokens
+            if limit < 1:
+                raise ValueError(
+                    f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                    f"model's context of {context} tokens; lower rollout.max_new_tokens."
+                )
+        if limit is None:
+            return self.dataset, encoded
+        kept, encoded, report = fit_prompts(encoded, limit, cfg.data.overlong_prompts)
+        if report and self.is_main:
+            print(f"tidyrl: {report}", flush=True)
+        dataset = self.dataset if len(kept) == len(self.dataset) else self.dataset.select(kept)
+        return dataset, encoded
+
     def _load_models(self) -> None:
-        from tidyrl.data import render_prompt
         from tidyrl.rollout import eos_token_ids, pad_token_id
 
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        render_prompt(self.dataset[0][cfg.data.prompt_column], self.tokenizer)  # chat template errors now
-        self.model = load_causal_lm(cfg.model, cfg.model_dtype)
+        # A resumed run continues from the checkpoint's weights; the reference stays the starting model.
+        self.model = load_causal_lm(str(self.resume_path or cfg.model), cfg.model_dtype)
         if cfg.train.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.ref_model = None
@@ -76,34 +126,89 @@ class _RLRun:
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.lr_scheduler, self.plan)
 
+    def _restore(self) -> tuple[int, float, Optional[float], Optional[tuple]]:
+        """Load the trainer state of the checkpoint being resumed; drop the metrics and samples rows that
+        the remaining steps will write again. Returns (step, elapsed seconds, first reward, the unfinished
+        rollout and its stats or None)."""
+        from tidyrl.checkpoint import set_rng_state, truncate_jsonl
+        from tidyrl.rollout import Rollout
+
+        loaded, plan = self.resumed, self.plan
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        set_rng_state(loaded["rng"])
+        state = loaded["state"]
+        step = state["step"]
+        started = -(-step // plan.optimizer_steps_per_rollout)  # rollouts begun: ceil(step / (E*M))
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            truncate_jsonl(self.out / "metrics.jsonl", lambda row: row["step"] <= step)
+            truncate_jsonl(self.out / "samples.jsonl", lambda row: row["rollout"] <= started)
+        self.accelerator.wait_for_everyone()
+        unfinished = None
+        if loaded["rollout"] is not None:
+            saved = loaded["rollout"]
+            unfinished = (Rollout(**saved["rollout"]), saved["stats"])
+        return step, state["elapsed_s"], state.get("first_reward_mean"), unfinished
+
+    def _save_checkpoint(self, step: int, rollout, stats: dict, elapsed: float, first_reward) -> None:
+        """checkpoint-<step> (main process), with the unfinished rollout when the save falls inside one."""
+        import dataclasses
+
+        from tidyrl.checkpoint import save_checkpoint
+        from tidyrl.config import config_to_dict
+
+        self.accelerator.wait_for_everyone()
+        if self.is_main:
+            state = {"step": step, "rollouts_started": -(-step // self.plan.optimizer_steps_per_rollout),
+                     "elapsed_s": elapsed, "first_reward_mean": first_reward,
+                     "world_size": self.world_size, "plan": self.plan.to_dict(), "config": config_to_dict(self.cfg)}
+            unfinished = None
+            if rollout is not None:
+                tensors = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
+                unfinished = {"rollout": tensors, "stats": stats}
+            save_checkpoint(self.out, step, model=self.accelerator.unwrap_model(self.model),
+                            tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
+                            state=state, rollout=unfinished, keep_last=self.cfg.log.keep_last)
+        self.accelerator.wait_for_everyone()
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
-        from tidyrl.metrics import STEP_METRICS, JsonlWriter, ProgressBar
+        from tidyrl.metrics import STEP_METRICS, ProgressBar, RunLogger, format_summary
 
         self._load_models()
         cfg, plan = self.cfg, self.plan
-        write_run_header(cfg, plan, self.out, self.accelerator)
-        metrics_log = JsonlWriter(self.out / "metrics.jsonl", enabled=self.is_main)
-        samples_log = JsonlWriter(self.out / "samples.jsonl", enabled=self.is_main)
-        bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar)
+        steps_per_rollout = plan.optimizer_steps_per_rollout
+        step, elapsed, first_reward, unfinished = 0, 0.0, None, None
+        if self.resumed is not None:
+            step, elapsed, first_reward, unfinished = self._restore()
+        else:
+            write_run_header(cfg, plan, self.out, self.accelerator)
+        # metrics.jsonl + samples.jsonl, forwarded to the trackers of log.report_to (main process only).
+        metrics_log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
+        samples_log = metrics_log.samples
+        bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar, initial=step)
 
-        self.start = time.perf_counter()
-        step, row, first_reward, last_reward = 0, {}, None, None
+        self.start = time.perf_counter() - elapsed
+        row, last_reward = {}, None
         try:
-            for r in range(plan.rollouts):
-                rollout, stats = self.make_rollout(r)
-                samples_log_rows = stats.pop("_samples")
-                for sample in samples_log_rows:
-                    samples_log.write({"rollout": r + 1, "step": step, **sample})
-                first_reward = stats["reward_mean"] if first_reward is None else first_reward
-                last_reward = stats["reward_mean"]
-                for epoch in range(plan.epochs_per_rollout):
-                    order = self._episode_order(r, epoch)
-                    for mb in range(plan.minibatches_per_epoch):
-                        step += 1
+            with _StopSignals() as stop:
+                for r in range(step // steps_per_rollout, plan.rollouts):
+                    if unfinished is not None:  # resumed inside this rollout: the saved one, not a new one
+                        rollout, stats = unfinished
+                        unfinished = None
+                    else:
+                        rollout, stats = self.make_rollout(r)
+                        for sample in stats.pop("_samples"):
+                            samples_log.write({"rollout": r + 1, "step": step, **sample})
+                    first_reward = stats["reward_mean"] if first_reward is None else first_reward
+                    last_reward = stats["reward_mean"]
+                    for j in range(step - r * steps_per_rollout, steps_per_rollout):
+                        epoch, mb = divmod(j, plan.minibatches_per_epoch)
                         size = plan.episodes_per_minibatch
-                        minibatch = order[mb * size: (mb + 1) * size]
-                        step_stats = self.optimizer_step(rollout, minibatch)
+                        minibatch = self._episode_order(r, epoch)[mb * size: (mb + 1) * size]
+                        step += 1
+                        step_stats = self.optimizer_step(rollout, minibatch, step)
                         values = {
                             "step": step,
                             "rollout": r + 1,
@@ -117,7 +222,20 @@ class _RLRun:
                         row = {k: values.pop(k) for k in STEP_METRICS} | values
                         if step % cfg.log.log_every == 0 or step == plan.total_optimizer_steps:
                             metrics_log.write(row)
+                        metrics_log.observe(row)  # every step: totals for the end-of-run summary
                         bar.step(stats["reward_mean"], row["episodes"])
+                        inside = rollout if j < steps_per_rollout - 1 else None
+                        if self._agree(stop.requested):
+                            self._save_checkpoint(step, inside, stats, time.perf_counter() - self.start,
+                                                  first_reward)
+                            raise TrainingInterrupted(
+                                f"stopped by {stop.name} after optimizer step {step} of "
+                                f"{plan.total_optimizer_steps}; checkpoint saved to {self.out}/checkpoint-{step}. "
+                                f"Resume with: tidyrl train CONFIG.yaml resume_from=latest"
+                            )
+                        if cfg.log.save_every and step % cfg.log.save_every == 0 and step < plan.total_optimizer_steps:
+                            self._save_checkpoint(step, inside, stats, time.perf_counter() - self.start,
+                                                  first_reward)
         finally:  # whatever happens, the bar is closed and every row written so far is on disk
             bar.close()
             metrics_log.close()
@@ -125,7 +243,18 @@ class _RLRun:
         if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
             raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
         final_dir = save_pretrained_atomic(self.accelerator, self.model, self.tokenizer, self.out / "final")
+        if self.is_main:
+            print(format_summary(plan, metrics_log.timings, time.perf_counter() - self.start, first_reward,
+                                 last_reward, self.out, final_dir, metrics_log.tracker_locations), flush=True)
         return TrainResult(self.out, final_dir, plan, row, first_reward, last_reward, self.is_main)
+
+    def _agree(self, flag: bool) -> bool:
+        """True in every process if it is true in any (so all stop at the same step)."""
+        if self.world_size == 1:
+            return flag
+        import torch
+
+        return bool(self._reduce_sum(torch.tensor([float(flag)])).item() > 0)
 
     # ------------------------------------------------------------------ one rollout
     def make_rollout(self, r: int):
@@ -135,7 +264,6 @@ class _RLRun:
 
         from tidyrl.algorithms.advantages import grpo_advantages, kl_shaped_rewards, rloo_advantages
         from tidyrl.algorithms.kl import kl_per_token
-        from tidyrl.data import encode_prompts
         from tidyrl.rewards import compute_rewards
         from tidyrl.rollout import Rollout, generate, left_pad, sample_seed, score_logprobs
 
@@ -144,14 +272,15 @@ class _RLRun:
         policy = self.accelerator.unwrap_model(self.model)
         policy.eval()
 
-        prompt_rows = self.dataset[self.stream.rollout_indices(r, plan.prompts_per_rollout)]  # columns -> P values
+        indices = self.stream.rollout_indices(r, plan.prompts_per_rollout)  # P prompt rows
+        prompt_rows = self.dataset[indices]  # column -> P values
         per_proc = plan.episodes_per_rollout_per_process
         episodes = range(self.rank * per_proc, (self.rank + 1) * per_proc)  # this process's global episode ids
         prompts = [prompt_rows[cfg.data.prompt_column][e // k] for e in episodes]
         columns = {c: [prompt_rows[c][e // k] for e in episodes] for c in self.columns}
+        prompt_ids = [self.prompt_ids[indices[e // k]] for e in episodes]
 
         t0 = time.perf_counter()
-        prompt_ids = encode_prompts(prompts, self.tokenizer)
         ids, mask, truncated = generate(
             policy, prompt_ids, sample_keys=[sample_seed(cfg.seed, r, e) for e in episodes],
             max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
@@ -233,7 +362,7 @@ class _RLRun:
         return torch.randperm(self.plan.episodes_per_rollout, generator=gen)
 
     # ------------------------------------------------------------------ one optimizer step
-    def optimizer_step(self, rollout, minibatch) -> dict:
+    def optimizer_step(self, rollout, minibatch, step: int) -> dict:
         """One optimizer step over a global mini-batch of episode indices: this process takes its slice,
         in micro-batches of m with gradient accumulation; the loss is normalised over the whole mini-batch."""
         import torch
@@ -285,6 +414,19 @@ class _RLRun:
         sums = self._reduce_sum(sums)
         max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
         grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        if not (math.isfinite(float(sums[0])) and math.isfinite(float(grad_norm))):
+            # Stop before the update: a NaN step would poison every later one. Nothing saved is touched.
+            self.optimizer.zero_grad(set_to_none=True)
+            from tidyrl.checkpoint import complete_checkpoints
+
+            saved = complete_checkpoints(self.out)
+            last = f"the last good checkpoint is {saved[-1][1]} (resume_from=latest)" if saved else \
+                "no checkpoint was saved (set log.save_every to keep some)"
+            raise NonFiniteLossError(
+                f"optimizer step {step}: the loss is {float(sums[0])} and the gradient norm {float(grad_norm)}; "
+                f"the update was not applied and training stopped. {last}. Lower train.learning_rate, "
+                "check the rewards' scale, or set train.max_grad_norm."
+            )
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         self.optimizer.step()
         self.scheduler.step()  # exactly once per optimizer step, in every process
@@ -332,3 +474,36 @@ class _RLRun:
             completion_mask=cat(local.completion_mask),
             truncated=acc.gather(local.truncated.to(acc.device)).cpu(),
         )
+
+
+class _StopSignals:
+    """Ctrl-C / SIGTERM ask the loop to stop after the current optimizer step (which then saves a
+    checkpoint); a second signal abandons the step at once. Installed in the main thread only."""
+
+    def __init__(self):
+        self.requested, self.name, self._previous = False, "", {}
+
+    def _handle(self, signum, frame):
+        import signal
+
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested, self.name = True, signal.Signals(signum).name
+        print(f"\ntidyrl: {self.name} received; stopping after this optimizer step (again to abandon it)",
+              flush=True)
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False

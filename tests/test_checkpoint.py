@@ -1,0 +1,193 @@
+"""Checkpoints, exact resume after SIGKILL / SIGTERM, and crashes during a save."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tidyrl
+from tidyrl.checkpoint import CheckpointError, complete_checkpoints
+
+# A reward that takes a moment, so a test can kill the run between two checkpoints.
+SLOW_REWARD = textwrap.dedent('''
+    import time
+
+    def letters(prompts, completions, word, **kwargs):
+        time.sleep(0.25)
+        return [sum(c in w for c in t) / len(t) if t else 0.0 for t, w in zip(completions, word)]
+''')
+
+PROMPT_WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach"]  # as conftest
+TIMING = ("time_s", "time/generate_s", "time/reward_s", "time/score_s", "time/update_s")
+
+
+def write_config(tmp_path, tiny_model_dir, prompt_file, name, **train):
+    (tmp_path / "slow_rewards.py").write_text(SLOW_REWARD)
+    cfg = {
+        "algorithm": "grpo",
+        "model": str(tiny_model_dir),
+        "output_dir": str(tmp_path / name),
+        "seed": 5,
+        "data": {"path": str(prompt_file)},
+        "rewards": [{"function": str(tmp_path / "slow_rewards.py") + ":letters"}],
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 5},
+        "train": {"rollouts": 3, "epochs_per_rollout": 2, "minibatches_per_epoch": 2, "micro_batch_size": 2,
+                  "learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 1, **train},
+        "log": {"progress_bar": False, "samples_per_rollout": 8, "save_every": 0, "keep_last": 10},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def tidyrl_cmd(config, *overrides):
+    return [sys.executable, "-m", "tidyrl", "train", str(config), *overrides]
+
+
+def rows(path: Path, drop=TIMING) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in drop} for line in path.read_text().splitlines()]
+
+
+def weights(folder: Path) -> bytes:
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "model.safetensors")
+    return b"".join(tensors[k].numpy().tobytes() for k in sorted(tensors))
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, tiny_model_dir):
+    """The uninterrupted run: 3 rollouts x E*M = 4 -> 12 optimizer steps (same prompts as `prompt_file`)."""
+    folder = tmp_path_factory.mktemp("reference")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in PROMPT_WORDS))
+    config = write_config(folder, tiny_model_dir, prompts, "reference")
+    tidyrl.train(config)
+    return folder / "reference"
+
+
+def kill_after_checkpoint(cmd, out: Path, step: int, sig=signal.SIGKILL, cwd=None) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    deadline = time.time() + 240
+    while not (out / f"checkpoint-{step}" / "trainer_state" / "state.json").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    return proc
+
+
+@pytest.mark.parametrize("save_every,first", [(3, 3), (4, 4)], ids=["inside-a-rollout", "rollout-boundary"])
+def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, tiny_model_dir, prompt_file, reference_run,
+                                                           save_every, first):
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "killed")
+    out = tmp_path / "killed"
+    proc = kill_after_checkpoint(tidyrl_cmd(config, f"log.save_every={save_every}"), out, first)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "final").exists()
+    resumed = subprocess.run(tidyrl_cmd(config, f"log.save_every={save_every}", "resume_from=latest"),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert rows(out / "metrics.jsonl") == rows(reference_run / "metrics.jsonl")  # none duplicated, none missing
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == list(range(1, 13))
+    assert rows(out / "samples.jsonl") == rows(reference_run / "samples.jsonl")
+    assert weights(out / "final") == weights(reference_run / "final")  # bit for bit
+
+
+def test_sigterm_stops_cleanly_saves_and_resumes_exactly(tmp_path, tiny_model_dir, prompt_file, reference_run):
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "term")
+    out = tmp_path / "term"
+    # save_every=2 only to know when training is under way; SIGTERM then saves wherever it stops.
+    proc = kill_after_checkpoint(tidyrl_cmd(config, "log.save_every=2"), out, 2, sig=signal.SIGTERM)
+    stderr = proc.stderr.read()
+    assert proc.returncode == 130, stderr
+    assert "SIGTERM" in stderr and "resume_from=latest" in stderr
+    stopped_at = complete_checkpoints(out)[-1][0]
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == list(range(1, stopped_at + 1))
+    resumed = subprocess.run(tidyrl_cmd(config, "log.save_every=2", "resume_from=latest"), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert rows(out / "metrics.jsonl") == rows(reference_run / "metrics.jsonl")
+    assert weights(out / "final") == weights(reference_run / "final")
+
+
+def test_a_checkpoint_is_a_hugging_face_folder_and_keep_last_holds(tmp_path, tiny_model_dir, prompt_file):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "keep")
+    tidyrl.train(config, ["log.save_every=1", "log.keep_last=2"])
+    out = tmp_path / "keep"
+    assert [step for step, _ in complete_checkpoints(out)] == [10, 11]  # the final model is final/, not 12
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint-11")
+    AutoTokenizer.from_pretrained(out / "checkpoint-11")
+    state = json.loads((out / "checkpoint-11" / "trainer_state" / "state.json").read_text())
+    assert state["step"] == 11 and state["rollouts_started"] == 3
+    assert (out / "checkpoint-11" / "trainer_state" / "rollout.pt").exists()  # inside rollout 3
+    assert not list(out.glob(".checkpoint-*"))
+
+
+def test_a_full_disk_during_a_save_keeps_the_earlier_checkpoints(tmp_path, tiny_model_dir, prompt_file,
+                                                                  reference_run, monkeypatch):
+    import torch
+
+    from transformers import AutoModelForCausalLM
+
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "full")
+    out = tmp_path / "full"
+    real_save, calls = torch.save, []
+
+    def save(obj, path, *args, **kwargs):
+        calls.append(path)
+        if "checkpoint-8" in str(path) and str(path).endswith("scheduler.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(CheckpointError, match="checkpoint-8 .the disk is full.*checkpoint-4.*resume_from=latest"):
+        tidyrl.train(config, ["log.save_every=4"])
+    assert [step for step, _ in complete_checkpoints(out)] == [4]
+    assert not (out / "checkpoint-8").exists() and not list(out.glob(".checkpoint-*"))
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint-4")
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == list(range(1, 9))  # nothing lost
+    monkeypatch.setattr(torch, "save", real_save)
+    tidyrl.train(config, ["log.save_every=4", "resume_from=latest"])
+    assert rows(out / "metrics.jsonl") == rows(reference_run / "metrics.jsonl")
+    assert weights(out / "final") == weights(reference_run / "final")
+
+
+def test_resume_refuses_changes_to_the_maths_and_allows_memory_knobs(tmp_path, tiny_model_dir, prompt_file,
+                                                                     reference_run):
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "changed")
+    out = tmp_path / "changed"
+    tidyrl.train(config, ["log.save_every=6", "train.rollouts=2"])  # a shorter run leaves checkpoint-6
+    with pytest.raises(CheckpointError) as err:
+        tidyrl.train(config, ["resume_from=latest", "train.learning_rate=0.01", "rollout.samples_per_prompt=2",
+                              "train.micro_batch_size=1"])
+    text = str(err.value)
+    assert "train.learning_rate: 0.001 -> 0.01" in text and "rollout.samples_per_prompt: 4 -> 2" in text
+    assert "train.rollouts: 2 -> 3" in text and "micro_batch_size" not in text
+    # Memory knobs may change: resuming checkpoint-6 of a 12-step run with another micro-batch size.
+    path = out / "checkpoint-6"
+    saved = yaml.safe_load(config.read_text())
+    saved["train"]["rollouts"] = 2
+    config.write_text(yaml.safe_dump(saved))
+    tidyrl.train(config, [f"resume_from={path}", "train.micro_batch_size=4", "rollout.generation_batch_size=3",
+                          "log.save_every=6"])
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == list(range(1, 9))
+
+
+def test_resume_without_a_checkpoint_says_what_to_do(tmp_path, tiny_model_dir, prompt_file):
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "none")
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint-N.*log.save_every"):
+        tidyrl.train(config, ["resume_from=latest"])
