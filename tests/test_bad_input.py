@@ -1,0 +1,171 @@
+"""Bad input costs seconds, not a night: each mistake is caught (before the weights load where it can
+be), the message names the problem and the fix, and nothing already written is lost."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import tidyrl
+from tidyrl.checkpoint import complete_checkpoints
+
+
+def words_reward(completions, word, **_):
+    return [sum(c in w for c in t) / len(t) if t else 0.0 for t, w in zip(completions, word)]
+
+
+def config(model_dir, prompt_file, out, **sections):
+    cfg = {
+        "algorithm": "grpo",
+        "model": str(model_dir),
+        "output_dir": str(out),
+        "data": {"path": str(prompt_file)},
+        "rewards": [{"function": words_reward}],
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 5},
+        "train": {"rollouts": 3, "micro_batch_size": 4, "minibatches_per_epoch": 2, "learning_rate": 1e-3},
+        "log": {"progress_bar": False},
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            cfg[section] = {**cfg.get(section, {}), **values}
+        else:
+            cfg[section] = values
+    return cfg
+
+
+@pytest.fixture
+def earlier_run(tmp_path, tiny_model_dir, prompt_file):
+    """A finished run with checkpoints, whose files must survive every failed attempt below."""
+    out = tmp_path / "run"
+    tidyrl.train(config(tiny_model_dir, prompt_file, out, log={"save_every": 2, "progress_bar": False}))
+    return out, snapshot(out)
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_model_path_that_does_not_exist(tmp_path, prompt_file, earlier_run):
+    out, before = earlier_run
+    with pytest.raises(RuntimeError, match=r"model='/nowhere/model' cannot be loaded.*Set `model`"):
+        tidyrl.train(config("/nowhere/model", prompt_file, out, overwrite=True))
+    assert snapshot(out) == before
+
+
+def test_a_data_path_that_does_not_exist(tmp_path, tiny_model_dir, earlier_run):
+    out, before = earlier_run
+    with pytest.raises(ValueError, match=r"data.path = '/nowhere/prompts.jsonl' does not exist"):
+        tidyrl.train(config(tiny_model_dir, "/nowhere/prompts.jsonl", out, overwrite=True))
+    assert snapshot(out) == before  # refused before overwrite removed anything
+
+
+def test_an_empty_dataset_and_a_missing_prompt_column(tmp_path, tiny_model_dir):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="holds no rows"):
+        tidyrl.train(config(tiny_model_dir, empty, tmp_path / "a"))
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"question": "fig:", "word": "fig"}) + "\n")
+    with pytest.raises(ValueError, match=r"data.prompt_column = 'prompt' is not a column.*\['question', 'word'\]"):
+        tidyrl.train(config(tiny_model_dir, other, tmp_path / "b"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_tokenizer_without_a_pad_token_works(tmp_path, prompt_file):
+    from tidyrl.tiny import build_char_tokenizer, build_tiny_llama
+
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(len(tok), hidden_size=32, num_heads=2, seed=1, pad_token_id=None)
+    folder = tmp_path / "nopad"
+    model.save_pretrained(folder)
+    tok.pad_token = None
+    tok.save_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(folder).pad_token_id is None
+    result = tidyrl.train(config(folder, prompt_file, tmp_path / "out", train={"rollouts": 1}))
+    assert result.metrics["step"] == 2  # padding uses EOS as filler; padded positions are masked anyway
+
+
+def test_prompts_longer_than_the_context(tmp_path, tiny_model_dir, capsys):
+    long_prompts = tmp_path / "long.jsonl"
+    lines = [{"prompt": "x" * 300 + ":", "word": "x"}] * 3 + [{"prompt": f"{w}:", "word": w} for w in "ab"]
+    long_prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # The tiny model's context is 256 positions; with 5 new tokens a prompt may have 251 (BOS included).
+    with pytest.raises(ValueError, match=r"3 of 5 prompts are longer than 251 tokens.*row 0 with 302 tokens"):
+        tidyrl.train(config(tiny_model_dir, long_prompts, tmp_path / "err"))
+    assert not (tmp_path / "err").exists()
+
+    tidyrl.train(config(tiny_model_dir, long_prompts, tmp_path / "skip",
+                        data={"path": str(long_prompts), "overlong_prompts": "skip"}))
+    assert "3 of 5 prompts are longer than 251 tokens: skipped them" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "skip" / "plan.json").read_text())
+    assert plan["num_prompts"] == 2
+
+    tidyrl.train(config(tiny_model_dir, long_prompts, tmp_path / "cut",
+                        data={"path": str(long_prompts), "overlong_prompts": "truncate", "max_prompt_length": 20}))
+    assert "truncated to their last 20 tokens" in capsys.readouterr().out
+    assert json.loads((tmp_path / "cut" / "plan.json").read_text())["num_prompts"] == 5
+
+
+def test_a_reward_function_that_raises_mid_run(tmp_path, tiny_model_dir, prompt_file):
+    batches, target = [], []
+
+    def flaky(completions, word, **_):
+        if len(completions) > 1:
+            batches.append(1)
+            if len(batches) == 3:  # the third rollout: its last prompt's samples (4 to 7) fail
+                target.append(word[-1])
+        return [1 / 0 if target and w == target[0] else 0.5 for w in word]
+
+    out = tmp_path / "flaky"
+    with pytest.raises(RuntimeError, match=r"reward function 'flaky' raised on sample 4 .*ZeroDivisionError"):
+        tidyrl.train(config(tiny_model_dir, prompt_file, out, rewards=[{"function": flaky}],
+                            log={"save_every": 2, "progress_bar": False}))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # everything before the failure is kept
+    assert [s for s, _ in complete_checkpoints(out)] == [2, 4]
+
+
+def test_a_reward_function_that_returns_the_wrong_length(tmp_path, tiny_model_dir, prompt_file):
+    def short(completions, **_):
+        return [1.0] * (len(completions) - 2)
+
+    with pytest.raises(RuntimeError, match=r"'short' returned the wrong number of scores: expected 8, got 6"):
+        tidyrl.train(config(tiny_model_dir, prompt_file, tmp_path / "x", rewards=[{"function": short}]))
+
+
+def test_a_nan_loss_stops_before_the_update_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model_dir,
+                                                                              prompt_file, monkeypatch):
+    import torch
+
+    import tidyrl.algorithms.losses as losses
+
+    real, calls = losses.aggregate_loss, []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        loss = real(*args, **kwargs)
+        return loss * torch.tensor(float("nan")) if len(calls) >= 5 else loss  # one micro-batch a step
+
+    monkeypatch.setattr(losses, "aggregate_loss", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(RuntimeError, match=r"optimizer step 5: the loss is nan.*not applied.*checkpoint-4"):
+        tidyrl.train(config(tiny_model_dir, prompt_file, out, log={"save_every": 2, "progress_bar": False}))
+    assert [s for s, _ in complete_checkpoints(out)] == [2, 4]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert not (out / "final").exists()
+
+
+def test_run_folders_hold_no_credentials(tmp_path, tiny_model_dir, prompt_file, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_123")
+    monkeypatch.setenv("WANDB_API_KEY", "wandb_secret_456")
+    out = tmp_path / "clean"
+    tidyrl.train(config(tiny_model_dir, prompt_file, out, train={"rollouts": 1}, log={"save_every": 1,
+                                                                                     "progress_bar": False}))
+    for path in out.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert b"secret" not in data, path
