@@ -30,6 +30,28 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     return _RLRun(cfg, base_dir).run()
 
 
+def encode_prompt_set(cfg: Config, dataset, tokenizer, model_config):
+    """Encode every prompt once (rendering chat messages) and apply data.overlong_prompts against
+    data.max_prompt_length (default: the model's context minus max_new_tokens).
+    Returns (the dataset of the prompts kept, their token ids, a one-line report or "")."""
+    from tidyrl.data import encode_prompts, fit_prompts
+
+    encoded = encode_prompts(dataset[cfg.data.prompt_column], tokenizer)
+    limit = cfg.data.max_prompt_length
+    context = getattr(model_config, "max_position_embeddings", None)
+    if limit is None and context is not None:
+        limit = context - cfg.rollout.max_new_tokens
+        if limit < 1:
+            raise ValueError(
+                f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                f"model's context of {context} tokens; lower rollout.max_new_tokens."
+            )
+    if limit is None:
+        return dataset, encoded, ""
+    kept, encoded, report = fit_prompts(encoded, limit, cfg.data.overlong_prompts)
+    return (dataset if len(kept) == len(dataset) else dataset.select(kept)), encoded, report
+
+
 class TrainingInterrupted(RuntimeError):
     """Ctrl-C or SIGTERM: the run stopped cleanly after an optimizer step and saved a checkpoint."""
 
@@ -74,7 +96,9 @@ class _RLRun:
         model_config = load_model_config(cfg.model)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
         self.dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
-        self.dataset, self.prompt_ids = self._encode_prompt_set(model_config)
+        self.dataset, self.prompt_ids, report = encode_prompt_set(cfg, self.dataset, self.tokenizer, model_config)
+        if report and self.is_main:
+            print(f"tidyrl: {report}", flush=True)
         self.plan = plan_from_config(cfg, len(self.dataset), self.world_size)
         self.columns = other_columns(self.dataset, cfg.data.prompt_column)
         self.reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir)
@@ -84,30 +108,6 @@ class _RLRun:
         torch.manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ setup
-    def _encode_prompt_set(self, model_config):
-        """Encode every prompt once (rendering chat messages), and apply data.overlong_prompts against
-        data.max_prompt_length (default: the model's context minus max_new_tokens)."""
-        from tidyrl.data import encode_prompts, fit_prompts
-
-        cfg = self.cfg
-        encoded = encode_prompts(self.dataset[cfg.data.prompt_column], self.tokenizer)
-        limit = cfg.data.max_prompt_length
-        context = getattr(model_config, "max_position_embeddings", None)
-        if limit is None and context is not None:
-            limit = context - cfg.rollout.max_new_tokens
-            if limit < 1:
-                raise ValueError(
-                    f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
-                    f"model's context of {context} tokens; lower rollout.max_new_tokens."
-                )
-        if limit is None:
-            return self.dataset, encoded
-        kept, encoded, report = fit_prompts(encoded, limit, cfg.data.overlong_prompts)
-        if report and self.is_main:
-            print(f"tidyrl: {report}", flush=True)
-        dataset = self.dataset if len(kept) == len(self.dataset) else self.dataset.select(kept)
-        return dataset, encoded
-
     def _load_models(self) -> None:
         from tidyrl.rollout import eos_token_ids, pad_token_id
 
