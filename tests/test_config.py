@@ -183,8 +183,8 @@ def test_numbers_are_coerced_to_the_annotated_type():
 
 def test_validate_reports_every_problem_with_its_key():
     data = minimal()
-    data.update(algorithm="ppo", resume_from="  ")
-    data["rewards"] = [{"model": "rm"}, {}, {"function": "no_colon", "weight": float("inf")}]
+    data.update(algorithm="ppo2", resume_from="  ")
+    data["rewards"] = [{"model": " "}, {}, {"function": "no_colon", "weight": float("inf")}]
     data["rollout"] = {"samples_per_prompt": 1, "top_p": 0, "min_new_tokens": 100}
     data["train"].update(dataset_epochs=1.0, warmup_steps=2, warmup_ratio=0.1, lr_scheduler="cosine_typo")
     data["log"] = {"log_every": 0}
@@ -196,8 +196,8 @@ def test_validate_reports_every_problem_with_its_key():
         "train.lr_scheduler", "log.log_every",
     ]
     text = "\n".join(found)
-    assert "not supported in this version" in text  # reward models
-    assert "'ppo' is not one of grpo, rloo" in text
+    assert "set the reward model folder" in text
+    assert "'ppo2' is not one of grpo, rloo" in text
     assert "exactly one of train.rollouts and train.dataset_epochs" in text
     assert "use one of linear, cosine," in text
 
@@ -236,7 +236,8 @@ def test_callable_reward_function_from_python():
     cfg = load_config(data)
     assert cfg.rewards[0].function is exact_match
     assert config_to_dict(cfg)["rewards"][0] == {
-        "function": f"{__name__}:exact_match", "model": None, "weight": 0.5, "name": None,
+        "function": f"{__name__}:exact_match", "model": None, "weight": 0.5, "name": None, "normalize": False,
+        "max_length": None,
     }
     not_callable = dict(minimal(), rewards=[{"function": 42}])
     assert problems(load_config, not_callable) == [

@@ -57,11 +57,15 @@ class RewardConfig:
     function: Optional[Any] = None
     """A reward function: `package.module:function`, `path/to/file.py:function`, or (from Python) the callable itself."""
     model: Optional[str] = None
-    """A sequence-classification reward model folder (not supported yet; reserved)."""
+    """A reward model: a sequence-classification folder (num_labels=1) scored with its own tokenizer and chat template."""
     weight: float = 1.0
     """Weight of this reward in the weighted sum."""
     name: Optional[str] = None
-    """Name used in metrics (`reward/<name>`); defaults to the function's name."""
+    """Name used in metrics (`reward/<name>`); defaults to the function's name or the model folder's name."""
+    normalize: bool = False
+    """Shift and scale this reward's scores by the running mean and std of all its scores so far (typical for reward models)."""
+    max_length: Optional[int] = None
+    """Reward models: longest input in the model's own tokens, cut from the left; default: its maximum length."""
 
 
 @dataclass
@@ -393,7 +397,7 @@ def validate(cfg: Config) -> None:
         if (reward.function is None) == (reward.model is None):
             problems.append(f"{key}: set exactly one of `function` and `model`")
         elif reward.model is not None:
-            problems.append(f"{key}.model: reward models are not supported in this version; use a reward function")
+            need(bool(reward.model.strip()), f"{key}.model", "set the reward model folder or hub id")
         elif isinstance(reward.function, str):
             module, sep, name = reward.function.rpartition(":")
             need(bool(sep and module and name), f"{key}.function",

@@ -13,7 +13,8 @@ completion; `None` means "this function does not score this sample". The
 reward of a sample is the weighted sum over the functions that scored it
 (DESIGN §3, step 4).
 
-Reward models (`rewards[i].model`) are reserved and not supported yet.
+A reward model (`rewards[i].model`, tidyrl.reward_model.RewardModel) is called
+the same way and scores each sample with its own tokenizer and chat template.
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ def _callables_in(module) -> list[str]:
     return own or sorted(public)
 
 
-def build_reward_functions(reward_cfgs: list, base_dir: str | None = None) -> list[RewardFunction]:
+def build_reward_functions(reward_cfgs: list, base_dir: str | None = None, *, forward_batch_size: int = 64
+                           ) -> list[RewardFunction]:
     """`RewardConfig` entries -> `RewardFunction`s with unique metric names.
 
     The name is `cfg.name`, else the part after ':' of the spec, else the
@@ -183,20 +185,25 @@ def build_reward_functions(reward_cfgs: list, base_dir: str | None = None) -> li
     functions: list[RewardFunction] = []
     used: set[str] = set()
     for i, cfg in enumerate(reward_cfgs):
-        if getattr(cfg, "model", None) is not None:
-            raise RewardError(
-                f"reward models are not supported in this version (rewards[{i}].model = {cfg.model!r}). "
-                "Score completions with a reward function instead (rewards[i].function)."
-            )
-        if cfg.function is None:
+        if getattr(cfg, "model", None) is not None and cfg.function is not None:
+            raise RewardError(f"rewards[{i}] sets both function and model; give one of them per entry.")
+        if cfg.function is None and getattr(cfg, "model", None) is None:
             raise RewardError(f"rewards[{i}] sets no function: give rewards[{i}].function = 'module:function' or 'file.py:function'.")
         weight = cfg.weight
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise RewardError(f"rewards[{i}].weight = {weight!r} must be a finite number.")
-        fn = load_reward_function(cfg.function, base_dir, key=f"rewards[{i}].function")
+        if cfg.function is None:  # a reward model: its own tokenizer and chat template (tidyrl.reward_model)
+            from tidyrl.reward_model import RewardModel
+
+            fn = RewardModel(cfg.model, key=f"rewards[{i}].model", batch_size=forward_batch_size,
+                             max_length=getattr(cfg, "max_length", None))
+        else:
+            fn = load_reward_function(cfg.function, base_dir, key=f"rewards[{i}].function")
 
         if cfg.name:
             name = str(cfg.name)
+        elif cfg.function is None:
+            name = os.path.basename(os.path.normpath(cfg.model)) or "reward_model"
         elif isinstance(cfg.function, str):
             name = cfg.function.rpartition(":")[2]
         else:

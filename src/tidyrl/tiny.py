@@ -80,3 +80,33 @@ def save_tiny_model(folder: str | Path, *, seed: int = 0, hidden_size: int = 64,
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+# A reward model's own conventions, deliberately unlike the policy's: another vocabulary order (so the same
+# character has other ids), extra tokens, and another chat template.
+RM_CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+)
+
+
+def save_tiny_reward_model(folder: str | Path, *, seed: int = 0, hidden_size: int = 32, num_layers: int = 2,
+                           num_heads: int = 2, num_labels: int = 1, pad_token: bool = True,
+                           chat_template: str | None = RM_CHAT_TEMPLATE) -> Path:
+    """A tiny `LlamaForSequenceClassification` reward model with its own char tokenizer and chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    folder = Path(folder)
+    tok = build_char_tokenizer(DEFAULT_ALPHABET[::-1] + "[]#", chat_template)
+    if not pad_token:
+        tok.pad_token = None
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                         max_position_embeddings=256, num_labels=num_labels, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForSequenceClassification(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -69,6 +69,7 @@ class _RLRun:
         from tidyrl.checkpoint import CheckpointError, find_checkpoint, load_trainer_state, refused_changes
         from tidyrl.config import config_to_dict
         from tidyrl.data import PromptStream, load_prompt_dataset, other_columns
+        from tidyrl.reward_model import RunningMoments
         from tidyrl.rewards import build_reward_functions
 
         self.cfg = cfg
@@ -101,7 +102,10 @@ class _RLRun:
             print(f"tidyrl: {report}", flush=True)
         self.plan = plan_from_config(cfg, len(self.dataset), self.world_size)
         self.columns = other_columns(self.dataset, cfg.data.prompt_column)
-        self.reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir)
+        self.reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir,
+                                                 forward_batch_size=cfg.rollout.forward_batch_size)
+        # rewards[i].normalize: running moments of that reward's scores over the whole run (global batch).
+        self.reward_moments = {f.name: RunningMoments() for f, c in zip(self.reward_fns, cfg.rewards) if c.normalize}
         self.stream = PromptStream(len(self.dataset), cfg.seed)
         if self.resumed is None:
             prepare_output_dir(self.out, cfg.overwrite, self.accelerator)
@@ -109,6 +113,7 @@ class _RLRun:
 
     # ------------------------------------------------------------------ setup
     def _load_models(self) -> None:
+        from tidyrl.reward_model import RewardModel
         from tidyrl.rollout import eos_token_ids, pad_token_id
 
         cfg = self.cfg
@@ -120,6 +125,9 @@ class _RLRun:
         if self.algo.kl_coef > 0:
             self.ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(self.accelerator.device)
             self.ref_model.eval().requires_grad_(False)
+        for reward in self.reward_fns:  # reward models: weights now, on this process's device
+            if isinstance(reward.fn, RewardModel):
+                reward.fn.load(self.accelerator.device)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = pad_token_id(self.tokenizer, self.eos_ids)
         self.optimizer = build_optimizer(self.model, cfg.train)
@@ -138,6 +146,8 @@ class _RLRun:
         self.scheduler.load_state_dict(loaded["scheduler"])
         set_rng_state(loaded["rng"])
         state = loaded["state"]
+        for name, moments in self.reward_moments.items():
+            moments.load_state_dict(state["reward_moments"][name])
         step = state["step"]
         started = -(-step // plan.optimizer_steps_per_rollout)  # rollouts begun: ceil(step / (E*M))
         self.accelerator.wait_for_everyone()
@@ -162,6 +172,7 @@ class _RLRun:
         if self.is_main:
             state = {"step": step, "rollouts_started": -(-step // self.plan.optimizer_steps_per_rollout),
                      "elapsed_s": elapsed, "first_reward_mean": first_reward,
+                     "reward_moments": {name: m.state_dict() for name, m in self.reward_moments.items()},
                      "world_size": self.world_size, "plan": self.plan.to_dict(), "config": config_to_dict(self.cfg)}
             unfinished = None
             if rollout is not None:
@@ -302,8 +313,14 @@ class _RLRun:
         per_fn_local = {name: torch.tensor([math.nan if v is None else float(v) for v in values])
                         for name, values in result.per_function.items()}
         rollout = self._gather_rollout(local)
-        scores = self._gather(torch.tensor(result.total, dtype=torch.float32))  # (R,)
-        per_fn = {name: self._gather(v) for name, v in per_fn_local.items()}
+        per_fn = {name: self._gather(v) for name, v in per_fn_local.items()}  # name -> (R,), NaN = no score
+        raw_per_fn = dict(per_fn)  # metrics show raw scores; the advantages use the normalised ones
+        for name, moments in self.reward_moments.items():  # normalised on the global batch: W-invariant
+            scored = per_fn[name][~torch.isnan(per_fn[name])]
+            moments.update(scored.tolist())
+            per_fn[name] = (per_fn[name] - moments.mean) / max(moments.std, 1e-8)
+        # The weighted sum over the functions that scored each episode (every episode has one: checked).
+        scores = sum(f.weight * torch.nan_to_num(per_fn[f.name], nan=0.0) for f in self.reward_fns)  # (R,)
 
         t0 = time.perf_counter()
         # Old log-probs differ from the current ones only after the first optimizer step of the rollout,
@@ -332,7 +349,7 @@ class _RLRun:
             "truncated_fraction": float(rollout.truncated.float().mean()),
             "advantage_abs_mean": float(rollout.advantages.abs().mean()),
         }
-        for name, v in per_fn.items():
+        for name, v in raw_per_fn.items():
             scored = v[~torch.isnan(v)]
             stats[f"reward/{name}"] = float(scored.mean()) if len(scored) else None
         stats["time/generate_s"] = t_generate
@@ -342,7 +359,7 @@ class _RLRun:
             {
                 "prompt": prompts[i] if isinstance(prompts[i], str) else list(prompts[i]),
                 "completion": completions[i],
-                "reward": result.total[i],
+                "reward": float(scores[episodes[i]]),
                 "rewards": {name: values[i] for name, values in result.per_function.items()},
                 "advantage": float(rollout.advantages[episodes[i]]),
                 "truncated": bool(truncated[i]),
