@@ -134,9 +134,9 @@ def test_unknown_keys_suggest_the_nearest_valid_key():
     data["train"]["kl_coef"] = 0.1
     found = problems(config_from_dict, data)
     assert found == [  # in the order of the input
-        "unknown key `train.kl_coef`; did you mean `grpo.kl_coef` or `rloo.kl_coef`?",
+        "unknown key `train.kl_coef`; did you mean `grpo.kl_coef` or `rloo.kl_coef` or `ppo.kl_coef` or `reinforce_pp.kl_coef`?",
         "unknown key `rollout.prompts_per_rolout`; did you mean `rollout.prompts_per_rollout`?",
-        "unknown key `learning_rate`; did you mean `train.learning_rate`?",
+        "unknown key `learning_rate`; did you mean `train.learning_rate` or `critic.learning_rate`?",
         "unknown key `prompts_per_rollout`; did you mean `rollout.prompts_per_rollout`?",
         "unknown key `trian`; did you mean `train`?",
     ]
@@ -192,7 +192,7 @@ def test_validate_reports_every_problem_with_its_key():
     keys = [p.split(":")[0] for p in found]
     assert keys == [
         "algorithm", "resume_from", "rewards.0.model", "rewards.1", "rewards.2.function", "rewards.2.weight",
-        "rollout.samples_per_prompt", "rollout.min_new_tokens", "rollout.top_p", "train", "train.warmup_steps",
+        "rollout.min_new_tokens", "rollout.top_p", "train", "train.warmup_steps",
         "train.lr_scheduler", "log.log_every",
     ]
     text = "\n".join(found)
@@ -252,3 +252,69 @@ def test_load_config_from_a_config_copies_it():
     copy.rollout.temperature = 0.1
     assert original.rollout.temperature == 1.0
     assert load_config(original) == original
+
+
+# --- offline stages (sft, reward, dpo) --------------------------------------
+
+
+def offline(algorithm: str, **train) -> dict:
+    return {"algorithm": algorithm, "model": "tiny-model", "data": {"path": "data.jsonl"},
+            "train": {"batch_size": 8, "max_steps": 10, **train}}
+
+
+def test_offline_stages_need_no_rewards_and_no_rollout():
+    for algorithm in ("sft", "reward", "dpo"):
+        cfg = load_config(offline(algorithm))
+        assert cfg.rewards == [] and cfg.train.batch_size == 8 and cfg.train.max_steps == 10
+    cfg = load_config(offline("dpo"), ["dpo.beta=0.3", "dpo.loss_type=ipo", "data.chosen_column=good"])
+    assert (cfg.dpo.beta, cfg.dpo.loss_type, cfg.data.chosen_column) == (0.3, "ipo", "good")
+
+
+def test_offline_stages_reject_rl_only_settings_with_the_fix():
+    data = offline("sft", rollouts=3, epochs_per_rollout=2, dataset_epochs=1.0)
+    data["train"].pop("batch_size")
+    data["rewards"] = [{"function": "r.py:f"}]
+    data["rollout"] = {"samples_per_prompt": 8}
+    found = problems(load_config, data)
+    assert [p.split(":")[0] for p in found] == [
+        "rewards", "rollout", "train.rollouts", "train.epochs_per_rollout", "train", "train.batch_size",
+    ]
+    text = "\n".join(found)
+    assert "rewards: not used by algorithm sft (it trains on data.path); remove the section" in text
+    assert "set exactly one of train.max_steps and train.dataset_epochs" in text
+    assert "train.batch_size: set the global number of examples per optimizer step, e.g. 32" in text
+
+
+def test_offline_stage_options_are_checked():
+    data = offline("sft")
+    data["sft"] = {"packing": True, "loss_aggregation": "sequence_mean"}
+    assert [p.split(":")[0] for p in problems(load_config, data)] == ["sft.packing", "sft.loss_aggregation"]
+    data = offline("dpo")
+    data["dpo"] = {"beta": 0, "loss_type": "ipo", "label_smoothing": 0.1}
+    assert [p.split(":")[0] for p in problems(load_config, data)] == ["dpo.beta", "dpo.label_smoothing"]
+    data = offline("dpo")
+    data["dpo"] = {"loss_type": "hinge"}
+    assert problems(load_config, data) == ["dpo.loss_type: 'hinge' is not one of sigmoid, ipo"]
+    data = offline("reward")
+    data["data"].update(max_length=1, rejected_column="")
+    data["log"] = {"save_every": 5}
+    assert [p.split(":")[0] for p in problems(load_config, data)] == [
+        "log.save_every", "data.rejected_column", "data.max_length"]
+
+
+def test_rl_stages_reject_offline_sizes():
+    data = minimal()
+    data["train"].update(batch_size=8, max_steps=3)
+    found = problems(load_config, data)
+    assert [p.split(":")[0] for p in found] == ["train.batch_size", "train.max_steps"]
+    assert "only for sft, reward and dpo" in found[0]
+
+
+def test_groups_of_one_are_refused_only_where_a_baseline_needs_the_group():
+    data = minimal()
+    data["rollout"] = {"samples_per_prompt": 1}
+    assert [p.split(":")[0] for p in problems(load_config, data)] == ["rollout.samples_per_prompt"]  # grpo
+    for algorithm in ("ppo", "reinforce_pp"):
+        assert load_config(dict(data, algorithm=algorithm)).rollout.samples_per_prompt == 1
+    assert problems(load_config, dict(data, algorithm="reinforce_pp_baseline"))[0].startswith(
+        "rollout.samples_per_prompt: must be >= 2 for reinforce_pp_baseline")

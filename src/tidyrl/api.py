@@ -12,6 +12,12 @@ from tidyrl.loops.common import TrainResult
 LOOPS = {
     "grpo": "tidyrl.loops.rl",
     "rloo": "tidyrl.loops.rl",
+    "ppo": "tidyrl.loops.rl",
+    "reinforce_pp": "tidyrl.loops.rl",
+    "reinforce_pp_baseline": "tidyrl.loops.rl",
+    "sft": "tidyrl.loops.sft",
+    "reward": "tidyrl.loops.reward_model",
+    "dpo": "tidyrl.loops.dpo",
 }
 """algorithm -> the module whose `run(cfg, base_dir)` trains it (one explicit loop per family)."""
 

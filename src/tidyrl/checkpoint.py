@@ -7,6 +7,7 @@ folder (`from_pretrained` loads it as is) plus `trainer_state/`:
     optimizer.pt   the optimizer's state_dict          scheduler.pt  the LR scheduler's
     rng.pt         python, numpy and torch RNG states
     rollout.pt     the unfinished rollout, when the save fell inside one
+    critic_optimizer.pt, critic_scheduler.pt   PPO: the value model's (its weights: critic/, a model folder)
 
 Sampling, the prompt order and the mini-batch shuffles are keyed by (seed,
 rollout, ...) rather than drawn from a running RNG, so these files are all the
@@ -104,9 +105,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(output_dir: Path, step: int, *, model, tokenizer, optimizer, scheduler, state: dict,
-                    rollout: Optional[dict], keep_last: int) -> Path:
+                    rollout: Optional[dict], keep_last: int, critic: Optional[tuple] = None) -> Path:
     """Write checkpoint-<step> atomically (call on the main process only), then keep only the newest
-    `keep_last` checkpoints. A failure leaves no checkpoint-<step> and removes the partial folder."""
+    `keep_last` checkpoints. A failure leaves no checkpoint-<step> and removes the partial folder.
+    `critic` = (model, optimizer, scheduler) of PPO's value model: saved as `critic/`, a model folder of its own."""
     import torch
 
     target = Path(output_dir) / f"checkpoint-{step}"
@@ -123,6 +125,12 @@ def save_checkpoint(output_dir: Path, step: int, *, model, tokenizer, optimizer,
         torch.save(rng_state(), trainer / "rng.pt")
         if rollout is not None:
             torch.save(rollout, trainer / "rollout.pt")
+        if critic is not None:
+            critic_model, critic_optimizer, critic_scheduler = critic
+            critic_model.save_pretrained(tmp / "critic", safe_serialization=True)
+            tokenizer.save_pretrained(tmp / "critic")
+            torch.save(critic_optimizer.state_dict(), trainer / "critic_optimizer.pt")
+            torch.save(critic_scheduler.state_dict(), trainer / "critic_scheduler.pt")
         # state.json last: its presence is what marks the folder complete (with the rename).
         (trainer / "state.json").write_text(json.dumps(state, indent=2) + "\n")
         if target.exists():
@@ -156,6 +164,9 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
     }
     if (trainer / "rollout.pt").exists():
         loaded["rollout"] = torch.load(trainer / "rollout.pt", weights_only=False)
+    for name in ("critic_optimizer", "critic_scheduler"):
+        if (trainer / f"{name}.pt").exists():
+            loaded[name] = torch.load(trainer / f"{name}.pt", weights_only=False)
     return loaded
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
-RL_ALGORITHMS = ("grpo", "rloo")
+RL_ALGORITHMS = ("grpo", "rloo", "ppo", "reinforce_pp", "reinforce_pp_baseline")
 """On-policy RL stages (tidyrl.loops.rl): they generate, so they need `rollout` and `rewards`."""
 OFFLINE_ALGORITHMS = ("sft", "reward", "dpo")
 """Stages that train on a fixed dataset (docs/stages.md): length in train.dataset_epochs or train.max_steps,
@@ -176,6 +176,55 @@ class RLOOConfig(PolicyLossConfig):
 
 
 @dataclass
+class PPOConfig(PolicyLossConfig):
+    kl_coef: float = 0.05
+    """Initial coefficient beta of the per-token KL penalty in the reward (Ziegler et al. 2019); 0 = no reference model."""
+    kl_estimator: str = "k1"
+    """KL estimator for the per-token penalty in the reward (Schulman 2020): k1, k2 or k3."""
+    adaptive_kl: bool = False
+    """Adapt kl_coef towards kl_target after every rollout (Ziegler et al. 2019, §2.2)."""
+    kl_target: float = 6.0
+    """Adaptive KL: target KL per completion (sum over its tokens, mean over the rollout)."""
+    kl_horizon: int = 10000
+    """Adaptive KL: horizon in episodes (K_beta = episodes per rollout / horizon)."""
+    gamma: float = 1.0
+    """Discount of GAE (Schulman et al. 2016)."""
+    lam: float = 0.95
+    """lambda of GAE (Schulman et al. 2016)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss in the total loss."""
+    value_clip: Optional[float] = 0.2
+    """Clip the new values to old +- value_clip in the value loss; null = no clipping."""
+    whiten_advantages: bool = True
+    """Normalise the advantages to mean 0, std 1 over the rollout's completion tokens."""
+    missing_eos_penalty: Optional[float] = None
+    """Subtract this from the score of a completion that reached max_new_tokens without EOS; null = none."""
+
+
+@dataclass
+class ReinforcePPConfig(PolicyLossConfig):
+    kl_coef: float = 0.01
+    """Coefficient of the per-token KL penalty in the reward (Hu 2025); 0 = no reference model."""
+    kl_estimator: str = "k1"
+    """KL estimator for the per-token penalty in the reward (Schulman 2020): k1, k2 or k3."""
+    gamma: float = 1.0
+    """Discount of the returns."""
+    missing_eos_penalty: Optional[float] = None
+    """Subtract this from the score of a completion that reached max_new_tokens without EOS; null = none."""
+
+
+@dataclass
+class CriticConfig:
+    model: Optional[str] = None
+    """PPO's value model: initialised from this folder (a causal LM or a sequence classifier); default: the
+    first reward model when there is one, else the policy. It must share the policy's tokenizer."""
+    learning_rate: Optional[float] = None
+    """Peak learning rate of the critic; default: train.learning_rate."""
+    lr_scheduler: Optional[str] = None
+    """The critic's LR schedule (same optimizer-step count and warmup as the policy); default: train.lr_scheduler."""
+
+
+@dataclass
 class SFTConfig:
     completion_only_loss: bool = True
     """Train on completion (assistant) tokens only; false = on every token but the first."""
@@ -207,7 +256,7 @@ class DPOConfig:
 @dataclass
 class Config:
     algorithm: str = "grpo"
-    """The algorithm: grpo or rloo (RL), sft, reward or dpo (offline stages, docs/stages.md)."""
+    """The algorithm: grpo, rloo, ppo, reinforce_pp or reinforce_pp_baseline (RL), sft, reward or dpo (offline stages, docs/stages.md)."""
     model: str = ""
     """The policy: a local Hugging Face model folder or a hub id."""
     tokenizer: Optional[str] = None
@@ -237,6 +286,12 @@ class Config:
     """Options of algorithm: grpo."""
     rloo: RLOOConfig = field(default_factory=RLOOConfig)
     """Options of algorithm: rloo."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """Options of algorithm: ppo."""
+    reinforce_pp: ReinforcePPConfig = field(default_factory=ReinforcePPConfig)
+    """Options of algorithms reinforce_pp and reinforce_pp_baseline."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's value model."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Options of algorithm: sft."""
     reward: RewardModelConfig = field(default_factory=RewardModelConfig)
@@ -269,6 +324,15 @@ UNSUPPORTED_SCHEDULERS = {
     "cosine_warmup_with_min_lr": "it needs min_lr through scheduler arguments, which tidyrl has no field for",
     "warmup_stable_decay": "it needs decay lengths through scheduler arguments, which tidyrl has no field for",
 }
+
+
+ALGORITHM_SECTIONS = {"reinforce_pp_baseline": "reinforce_pp"}
+"""Algorithms whose options live in another algorithm's section; every other algorithm has its own."""
+
+
+def algorithm_section(cfg: "Config"):
+    """The options section of `cfg.algorithm` (e.g. cfg.grpo; cfg.reinforce_pp for reinforce_pp_baseline)."""
+    return getattr(cfg, ALGORITHM_SECTIONS.get(cfg.algorithm, cfg.algorithm))
 
 
 class ConfigError(ValueError):
@@ -411,9 +475,11 @@ def validate(cfg: Config) -> None:
     r, t = cfg.rollout, cfg.train
     for name in ("prompts_per_rollout", "generation_batch_size", "forward_batch_size"):
         need(getattr(r, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(r, name)}")
-    need(offline or r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
-         "must be >= 2 for grpo and rloo: a group of one completion has no baseline, so its advantage is 0; "
+    grouped = cfg.algorithm in ("grpo", "rloo", "reinforce_pp_baseline")
+    need(not grouped or r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+         f"must be >= 2 for {cfg.algorithm}: a group of one completion has no baseline, so its advantage is 0; "
          f"got {r.samples_per_prompt}")
+    need(r.samples_per_prompt >= 1, "rollout.samples_per_prompt", f"must be >= 1, got {r.samples_per_prompt}")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
     need(0 <= r.min_new_tokens <= r.max_new_tokens, "rollout.min_new_tokens",
          f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {r.min_new_tokens}")
@@ -454,8 +520,8 @@ def validate(cfg: Config) -> None:
              f"{t.lr_scheduler!r} is not a scheduler name; use one of {', '.join(schedulers)}")
 
     if cfg.algorithm in RL_ALGORITHMS:
-        section: PolicyLossConfig = getattr(cfg, cfg.algorithm)
-        a = cfg.algorithm
+        section: PolicyLossConfig = algorithm_section(cfg)
+        a = ALGORITHM_SECTIONS.get(cfg.algorithm, cfg.algorithm)
         need(section.clip_eps > 0, f"{a}.clip_eps", f"must be > 0, got {section.clip_eps}")
         need(section.clip_eps_high is None or section.clip_eps_high > 0, f"{a}.clip_eps_high",
              f"must be > 0, or null to use clip_eps, got {section.clip_eps_high}")
@@ -467,6 +533,23 @@ def validate(cfg: Config) -> None:
         if isinstance(section, GRPOConfig):
             need(section.scale_rewards in SCALE_REWARDS, "grpo.scale_rewards",
                  f"{section.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+        if isinstance(section, (PPOConfig, ReinforcePPConfig)):
+            need(0 <= section.gamma <= 1, f"{a}.gamma", f"must be in [0, 1], got {section.gamma}")
+            need(section.missing_eos_penalty is None or math.isfinite(section.missing_eos_penalty),
+                 f"{a}.missing_eos_penalty", "must be a finite number or null")
+        if isinstance(section, PPOConfig):
+            need(0 <= section.lam <= 1, "ppo.lam", f"must be in [0, 1], got {section.lam}")
+            need(section.vf_coef >= 0, "ppo.vf_coef", f"must be >= 0, got {section.vf_coef}")
+            need(section.value_clip is None or section.value_clip > 0, "ppo.value_clip",
+                 f"must be > 0 or null (no clipping), got {section.value_clip}")
+            need(section.kl_target > 0, "ppo.kl_target", f"must be > 0, got {section.kl_target}")
+            need(section.kl_horizon >= 1, "ppo.kl_horizon", f"must be >= 1, got {section.kl_horizon}")
+            c = cfg.critic
+            need(c.model is None or bool(c.model.strip()), "critic.model", "set a folder, or null for the default")
+            need(c.learning_rate is None or c.learning_rate >= 0, "critic.learning_rate",
+                 f"must be >= 0 or null (train.learning_rate), got {c.learning_rate}")
+            need(c.lr_scheduler is None or c.lr_scheduler in schedulers, "critic.lr_scheduler",
+                 f"{c.lr_scheduler!r} is not a scheduler name; use one of {', '.join(schedulers)}")
 
     log = cfg.log
     need(log.log_every >= 1, "log.log_every", f"must be >= 1 (optimizer steps), got {log.log_every}")

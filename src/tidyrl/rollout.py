@@ -37,6 +37,8 @@ class Rollout:
     old_logprobs: Optional[torch.Tensor] = None  # (R, Tc) policy before the updates; None when E*M == 1
     ref_logprobs: Optional[torch.Tensor] = None  # (R, Tc) frozen reference; None when no KL term
     advantages: Optional[torch.Tensor] = None  # (R,) or (R, Tc)
+    old_values: Optional[torch.Tensor] = None  # (R, Tc) PPO: the critic's values before the updates
+    returns: Optional[torch.Tensor] = None  # (R, Tc) PPO: GAE returns, the critic's targets
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -65,6 +67,8 @@ class Rollout:
             old_logprobs=cut(self.old_logprobs),
             ref_logprobs=cut(self.ref_logprobs),
             advantages=cut(self.advantages),
+            old_values=cut(self.old_values),
+            returns=cut(self.returns),
         )
 
 
@@ -200,16 +204,38 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     return torch.stack(tokens, 1), torch.stack(alive, 1).float()
 
 
-def _forward_logits(model, batch: Rollout) -> torch.Tensor:
-    """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected."""
+def _model_inputs(model, batch: Rollout) -> dict:
+    """Prompt and completion side by side, with the attention mask and positions of the left padding."""
     device = model_device(model)
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1).to(device)
     attn = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1).to(device)
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)}
+
+
+def _forward_logits(model, batch: Rollout) -> torch.Tensor:
+    """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected."""
     tc = batch.completion_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=False,
-                   logits_to_keep=tc + 1).logits
+    logits = model(**_model_inputs(model, batch), use_cache=False, logits_to_keep=tc + 1).logits
     return logits[:, :-1, :]  # (B, Tc, V): position t predicts completion token t
+
+
+def completion_values(critic, batch: Rollout) -> torch.Tensor:
+    """PPO values (B, Tc): V of the state before completion token t, read at the position that predicts
+    it (the same alignment as the log-probs). `critic` is a token classifier with one label."""
+    tc = batch.completion_ids.shape[1]
+    values = critic(**_model_inputs(critic, batch)).logits[..., 0]  # (B, Lp + Tc)
+    return values[:, -tc - 1: -1]
+
+
+@torch.no_grad()
+def score_values(critic, rollout: Rollout, chunk_size: int) -> torch.Tensor:
+    """No-grad values (R, Tc) in chunks of `chunk_size`; positions past EOS are 0."""
+    out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)
+    for idx in chunks(range(len(rollout)), chunk_size):
+        part = rollout.select(idx)
+        v = completion_values(critic, part)
+        out[idx[0]: idx[-1] + 1, : v.shape[1]] = v.float().cpu() * part.completion_mask
+    return out
 
 
 def completion_logprobs(model, batch: Rollout, temperature: float, with_entropy: bool = False

@@ -144,6 +144,20 @@ def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False):
     return AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype))
 
 
+def load_critic(path: str, dtype: str = "float32"):
+    """PPO's value model: `AutoModelForTokenClassification` with one label (a value per position), from a
+    causal LM (new value head) or a reward model (its score head carries over). Dropout off, including the
+    classifier dropout that transformers otherwise defaults to 0.1."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    config = without_dropout(AutoConfig.from_pretrained(path))
+    config.classifier_dropout = 0.0
+    config.num_labels = 1
+    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch_dtype(dtype))
+
+
 def enable_gradient_checkpointing(model) -> None:
     # transformers 5 renamed it; older releases only have the old name.
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
@@ -176,9 +190,10 @@ def build_scheduler(optimizer, name: str, plan: Plan):
                          num_training_steps=plan.total_optimizer_steps)
 
 
-def save_pretrained_atomic(accelerator, model, tokenizer, target: Path) -> Path:
+def save_pretrained_atomic(accelerator, model, tokenizer, target: Path, extra_models: Optional[dict] = None) -> Path:
     """Save a standard Hugging Face folder (safetensors, config, generation config, tokenizer), written
-    beside the target and renamed into place, so a crash never leaves a folder that looks complete."""
+    beside the target and renamed into place, so a crash never leaves a folder that looks complete.
+    `extra_models` (name -> model, e.g. PPO's critic) go into subfolders, each loadable on its own."""
     accelerator.wait_for_everyone()
     model = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
@@ -187,6 +202,9 @@ def save_pretrained_atomic(accelerator, model, tokenizer, target: Path) -> Path:
             shutil.rmtree(tmp)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        for name, extra in (extra_models or {}).items():
+            accelerator.unwrap_model(extra).save_pretrained(tmp / name, safe_serialization=True)
+            tokenizer.save_pretrained(tmp / name)
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)

@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from tidyrl.config import Config
-from tidyrl.loops.common import (TrainResult, build_optimizer, build_scheduler, enable_gradient_checkpointing,
-                                 load_causal_lm, load_model_config, load_tokenizer, make_accelerator,
-                                 prepare_output_dir, save_pretrained_atomic, write_run_header)
+from tidyrl.config import Config, algorithm_section
+from tidyrl.loops.common import (ModelLoadError, TrainResult, build_optimizer, build_scheduler,
+                                 enable_gradient_checkpointing, load_causal_lm, load_critic, load_model_config,
+                                 load_tokenizer, make_accelerator, prepare_output_dir, save_pretrained_atomic,
+                                 write_run_header)
 from tidyrl.plan import epochs_done, plan_from_config
 
 
@@ -73,7 +74,7 @@ class _RLRun:
         from tidyrl.rewards import build_reward_functions
 
         self.cfg = cfg
-        self.algo = cfg.grpo if cfg.algorithm == "grpo" else cfg.rloo
+        self.algo = algorithm_section(cfg)  # cfg.grpo, cfg.rloo, cfg.ppo or cfg.reinforce_pp
         self.accelerator = make_accelerator()
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
@@ -107,11 +108,34 @@ class _RLRun:
         # rewards[i].normalize: running moments of that reward's scores over the whole run (global batch).
         self.reward_moments = {f.name: RunningMoments() for f, c in zip(self.reward_fns, cfg.rewards) if c.normalize}
         self.stream = PromptStream(len(self.dataset), cfg.seed)
+        self.critic_path = self._critic_path() if cfg.algorithm == "ppo" else None
         if self.resumed is None:
             prepare_output_dir(self.out, cfg.overwrite, self.accelerator)
         torch.manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ setup
+    def _critic_path(self) -> str:
+        """critic.model, else the first reward model, else the policy; it must read the policy's tokens."""
+        from transformers import AutoTokenizer
+
+        cfg = self.cfg
+        models = [r.model for r in cfg.rewards if r.model]
+        path, key = ((cfg.critic.model, "critic.model") if cfg.critic.model else
+                     (models[0], "critic.model (default: the first reward model)") if models else
+                     (cfg.model, "critic.model (default: the policy)"))
+        load_model_config(path)  # exists and loads
+        try:
+            vocab = AutoTokenizer.from_pretrained(path).get_vocab()
+        except (OSError, ValueError):
+            vocab = None  # a folder without tokenizer files: trust it
+        if vocab is not None and vocab != self.tokenizer.get_vocab():
+            raise ModelLoadError(
+                f"{key}={path!r} has another vocabulary than the policy's tokenizer, but the critic reads the "
+                "policy's tokens. Set critic.model to the policy (or a model sharing its tokenizer); the reward "
+                "model keeps scoring with its own tokenizer either way."
+            )
+        return path
+
     def _load_models(self) -> None:
         from tidyrl.reward_model import RewardModel
         from tidyrl.rollout import eos_token_ids, pad_token_id
@@ -133,6 +157,27 @@ class _RLRun:
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.lr_scheduler, self.plan)
+        self.critic = self.critic_optimizer = self.critic_scheduler = None
+        self.kl_control = None
+        if cfg.algorithm == "ppo":
+            from dataclasses import replace
+
+            from tidyrl.algorithms.ppo import AdaptiveKLController, FixedKLController
+
+            critic_path = str(self.resume_path / "critic") if self.resume_path else self.critic_path
+            self.critic = load_critic(critic_path, cfg.model_dtype)
+            if cfg.train.gradient_checkpointing:
+                enable_gradient_checkpointing(self.critic)
+            # Its own learning rate and schedule, on the same optimizer-step count and warmup as the policy.
+            critic_train = replace(cfg.train, learning_rate=cfg.critic.learning_rate
+                                   if cfg.critic.learning_rate is not None else cfg.train.learning_rate)
+            self.critic_optimizer = build_optimizer(self.critic, critic_train)
+            self.critic, self.critic_optimizer = self.accelerator.prepare(self.critic, self.critic_optimizer)
+            self.critic_scheduler = build_scheduler(self.critic_optimizer,
+                                                    cfg.critic.lr_scheduler or cfg.train.lr_scheduler, self.plan)
+            a = self.algo
+            self.kl_control = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.adaptive_kl
+                               else FixedKLController(a.kl_coef))
 
     def _restore(self) -> tuple[int, float, Optional[float], Optional[tuple]]:
         """Load the trainer state of the checkpoint being resumed; drop the metrics and samples rows that
@@ -148,6 +193,10 @@ class _RLRun:
         state = loaded["state"]
         for name, moments in self.reward_moments.items():
             moments.load_state_dict(state["reward_moments"][name])
+        if self.critic is not None:
+            self.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(loaded["critic_scheduler"])
+            self.kl_control.load_state_dict(state["kl_control"])
         step = state["step"]
         started = -(-step // plan.optimizer_steps_per_rollout)  # rollouts begun: ceil(step / (E*M))
         self.accelerator.wait_for_everyone()
@@ -173,6 +222,7 @@ class _RLRun:
             state = {"step": step, "rollouts_started": -(-step // self.plan.optimizer_steps_per_rollout),
                      "elapsed_s": elapsed, "first_reward_mean": first_reward,
                      "reward_moments": {name: m.state_dict() for name, m in self.reward_moments.items()},
+                     "kl_control": self.kl_control.state_dict() if self.kl_control else None,
                      "world_size": self.world_size, "plan": self.plan.to_dict(), "config": config_to_dict(self.cfg)}
             unfinished = None
             if rollout is not None:
@@ -180,7 +230,9 @@ class _RLRun:
                 unfinished = {"rollout": tensors, "stats": stats}
             save_checkpoint(self.out, step, model=self.accelerator.unwrap_model(self.model),
                             tokenizer=self.tokenizer, optimizer=self.optimizer, scheduler=self.scheduler,
-                            state=state, rollout=unfinished, keep_last=self.cfg.log.keep_last)
+                            state=state, rollout=unfinished, keep_last=self.cfg.log.keep_last,
+                            critic=None if self.critic is None else (self.accelerator.unwrap_model(self.critic),
+                                                                     self.critic_optimizer, self.critic_scheduler))
         self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------ the loop
@@ -253,7 +305,8 @@ class _RLRun:
             samples_log.close()
         if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
             raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
-        final_dir = save_pretrained_atomic(self.accelerator, self.model, self.tokenizer, self.out / "final")
+        final_dir = save_pretrained_atomic(self.accelerator, self.model, self.tokenizer, self.out / "final",
+                                           extra_models={"critic": self.critic} if self.critic is not None else None)
         if self.is_main:
             print(format_summary(plan, metrics_log.timings, time.perf_counter() - self.start, first_reward,
                                  last_reward, self.out, final_dir, metrics_log.tracker_locations), flush=True)
@@ -273,10 +326,9 @@ class _RLRun:
         holds all R episodes, so mini-batches are the same whatever W is) and its metrics."""
         import torch
 
-        from tidyrl.algorithms.advantages import grpo_advantages, kl_shaped_rewards, rloo_advantages
-        from tidyrl.algorithms.kl import kl_per_token
+        from tidyrl.algorithms.losses import masked_mean
         from tidyrl.rewards import compute_rewards
-        from tidyrl.rollout import Rollout, generate, left_pad, sample_seed, score_logprobs
+        from tidyrl.rollout import Rollout, generate, left_pad, sample_seed, score_logprobs, score_values
 
         cfg, plan, ro = self.cfg, self.plan, self.cfg.rollout
         k = plan.samples_per_prompt
@@ -324,30 +376,29 @@ class _RLRun:
 
         t0 = time.perf_counter()
         # Old log-probs differ from the current ones only after the first optimizer step of the rollout,
-        # so they are scored only when E*M > 1 (or when RLOO needs them for its KL-shaped reward).
-        need_policy_lp = plan.optimizer_steps_per_rollout > 1 or (cfg.algorithm == "rloo" and self.ref_model)
-        if need_policy_lp:
+        # so they are scored only when E*M > 1, or when the KL penalty sits in the reward (all but GRPO).
+        kl_in_reward = self.ref_model is not None and cfg.algorithm != "grpo"
+        if plan.optimizer_steps_per_rollout > 1 or kl_in_reward:
             rollout.old_logprobs = score_logprobs(policy, rollout, ro.temperature, ro.forward_batch_size)
         if self.ref_model is not None:
             rollout.ref_logprobs = score_logprobs(self.ref_model, rollout, ro.temperature, ro.forward_batch_size)
+        if self.critic is not None:
+            critic = self.accelerator.unwrap_model(self.critic)
+            critic.eval()
+            rollout.old_values = score_values(critic, rollout, ro.forward_batch_size)
         t_score = time.perf_counter() - t0
 
-        if cfg.algorithm == "grpo":
-            rollout.advantages = grpo_advantages(scores, k, scale=self.algo.scale_rewards)
-        else:
-            shaped = scores
-            if self.ref_model is not None:
-                kl_BT = kl_per_token(rollout.old_logprobs, rollout.ref_logprobs, self.algo.kl_estimator)
-                shaped = kl_shaped_rewards(scores, kl_BT, rollout.completion_mask, self.algo.kl_coef)
-            rollout.advantages = rloo_advantages(shaped, k)
-
+        algo_stats = self._advantages(rollout, scores)
         lengths_R = rollout.completion_mask.sum(1)
+        adv = rollout.advantages
         stats: dict[str, Any] = {
             "reward_mean": float(scores.mean()),
             "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
             "completion_length_mean": float(lengths_R.mean()),
             "truncated_fraction": float(rollout.truncated.float().mean()),
-            "advantage_abs_mean": float(rollout.advantages.abs().mean()),
+            "advantage_abs_mean": float(adv.abs().mean() if adv.dim() == 1 else
+                                        masked_mean(adv.abs(), rollout.completion_mask)),
+            **algo_stats,
         }
         for name, v in raw_per_fn.items():
             scored = v[~torch.isnan(v)]
@@ -361,12 +412,51 @@ class _RLRun:
                 "completion": completions[i],
                 "reward": float(scores[episodes[i]]),
                 "rewards": {name: values[i] for name, values in result.per_function.items()},
-                "advantage": float(rollout.advantages[episodes[i]]),
+                "advantage": float(adv[episodes[i]] if adv.dim() == 1 else  # token-level: the mean over tokens
+                                   masked_mean(adv[episodes[i]], rollout.completion_mask[episodes[i]])),
                 "truncated": bool(truncated[i]),
             }
             for i in range(min(cfg.log.samples_per_rollout, len(prompts)))
         ] if self.is_main else []
         return rollout, stats
+
+    def _advantages(self, rollout, scores) -> dict:
+        """Set rollout.advantages (and PPO's returns) by the algorithm (DESIGN §3, step 4); returns the
+        algorithm's rollout metrics. Every statistic is over the global rollout, so W does not change it."""
+        import torch
+
+        from tidyrl.algorithms import ppo
+        from tidyrl.algorithms.advantages import grpo_advantages, kl_shaped_rewards, rloo_advantages
+        from tidyrl.algorithms.kl import kl_per_token
+
+        a, k, mask, name = self.algo, self.plan.samples_per_prompt, rollout.completion_mask, self.cfg.algorithm
+        if name == "grpo":  # KL, if any, goes into the loss (optimizer_step)
+            rollout.advantages = grpo_advantages(scores, k, scale=a.scale_rewards)
+            return {}
+        kl_BT = (kl_per_token(rollout.old_logprobs, rollout.ref_logprobs, a.kl_estimator)
+                 if self.ref_model is not None else torch.zeros_like(mask))
+        if name == "rloo":  # KL in the sequence reward, then the leave-one-out baseline
+            rollout.advantages = rloo_advantages(kl_shaped_rewards(scores, kl_BT, mask, a.kl_coef), k)
+            return {}
+        # PPO and REINFORCE++: token-level rewards: -beta * KL on every token, the score on the last one.
+        if a.missing_eos_penalty is not None:
+            scores = scores - a.missing_eos_penalty * rollout.truncated.float()
+        if name == "reinforce_pp_baseline":
+            scores = ppo.group_baseline_scores(scores, k)
+        beta = self.kl_control.value if name == "ppo" else a.kl_coef
+        rewards_BT = ppo.token_level_rewards(scores, kl_BT, mask, beta)
+        sequence_kl = float((kl_BT * mask).sum(1).mean())
+        stats = {"kl_coef": beta, "rollout_kl": sequence_kl}
+        if name == "ppo":
+            advantages, rollout.returns = ppo.gae(rewards_BT, rollout.old_values, mask, a.gamma, a.lam)
+            rollout.advantages = ppo.masked_whiten(advantages, mask) if a.whiten_advantages else advantages
+            stats["explained_variance"] = ppo.explained_variance(rollout.old_values, rollout.returns, mask)
+            stats["returns_mean"] = float((rollout.returns * mask).sum() / mask.sum().clamp(min=1))
+            # Ziegler et al. 2019: this rollout used beta_t; the next one uses beta_{t+1}.
+            self.kl_control.update(sequence_kl, n_steps=self.plan.episodes_per_rollout)
+        else:  # REINFORCE++: returns whitened over the global batch (Hu 2025)
+            rollout.advantages = ppo.masked_whiten(ppo.discounted_returns(rewards_BT, mask, a.gamma), mask)
+        return stats
 
     def _episode_order(self, r: int, epoch: int):
         """A fresh shuffle of the R episodes for each pass, keyed by (seed, rollout, pass); the same on
@@ -386,11 +476,14 @@ class _RLRun:
 
         from tidyrl.algorithms.kl import kl_per_token
         from tidyrl.algorithms.losses import aggregate_loss, clipped_policy_loss, loss_normaliser
-        from tidyrl.rollout import chunks, completion_logprobs
+        from tidyrl.algorithms.ppo import clipped_value_loss
+        from tidyrl.rollout import chunks, completion_logprobs, completion_values
 
         cfg, plan, algo = self.cfg, self.plan, self.algo
-        model = self.model
-        model.train()
+        model, critic = self.model, self.critic
+        models = [model] if critic is None else [model, critic]
+        for m in models:
+            m.train()
         t0 = time.perf_counter()
         # Normaliser of the whole global mini-batch (every process holds the global rollout, so no all-reduce).
         mb_mask = rollout.completion_mask[minibatch]
@@ -400,13 +493,16 @@ class _RLRun:
         mine = minibatch[self.rank * per_proc: (self.rank + 1) * per_proc].tolist()
         micro_batches = list(chunks(mine, plan.micro_batch_size))
         assert len(micro_batches) == plan.gradient_accumulation_steps
-        sums = torch.zeros(5, dtype=torch.float64)  # loss, kl*tokens, entropy*tokens, clipped, tokens
+        # loss, kl*tokens, entropy*tokens, clipped, tokens, value loss, value-clipped tokens
+        sums = torch.zeros(7, dtype=torch.float64)
         for i, idx in enumerate(micro_batches):
             part = rollout.select(idx)
             mask = part.completion_mask.to(self.accelerator.device)
             sync = cfg.train.sync_each_microbatch or i == len(micro_batches) - 1
-            ctx = contextlib.nullcontext() if sync else self.accelerator.no_sync(model)
-            with ctx:
+            with contextlib.ExitStack() as no_sync:
+                if not sync:  # accumulate locally; the last micro-batch synchronises (DESIGN §2)
+                    for m in models:
+                        no_sync.enter_context(self.accelerator.no_sync(m))
                 logprobs, entropy = completion_logprobs(model, part, cfg.rollout.temperature, with_entropy=True)
                 old = part.old_logprobs.to(logprobs.device) if part.old_logprobs is not None else logprobs.detach()
                 adv = part.advantages.to(logprobs.device)
@@ -417,6 +513,13 @@ class _RLRun:
                     if cfg.algorithm == "grpo":  # GRPO: KL in the loss (Shao et al. 2024, eq. 3)
                         token_loss = token_loss + algo.kl_coef * kl
                 loss = aggregate_loss(token_loss, mask, algo.loss_aggregation, normaliser)
+                value_loss, value_clipped = torch.zeros(()), torch.zeros_like(mask)
+                if critic is not None:  # PPO: the clipped value loss on the GAE returns, same normaliser
+                    values = completion_values(critic, part)
+                    value_BT, value_clipped = clipped_value_loss(
+                        values, part.old_values.to(values.device), part.returns.to(values.device), algo.value_clip)
+                    value_loss = aggregate_loss(value_BT, mask, algo.loss_aggregation, normaliser)
+                    loss = loss + algo.vf_coef * value_loss
                 # DDP averages gradients over W processes; our loss is already this process's share of the
                 # global mean, so scale by W to make the synchronised gradient the global one.
                 self.accelerator.backward(loss * self.world_size)
@@ -427,13 +530,18 @@ class _RLRun:
                     float((entropy * mask).sum()),
                     float((clipped.float() * mask).sum()),
                     float(mask.sum()),
+                    float(value_loss),
+                    float((value_clipped.float() * mask).sum()),
                 ], dtype=torch.float64)
         sums = self._reduce_sum(sums)
         max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
         grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
-        if not (math.isfinite(float(sums[0])) and math.isfinite(float(grad_norm))):
+        critic_norm = self.accelerator.clip_grad_norm_(critic.parameters(), max_norm) if critic else torch.zeros(())
+        if not all(math.isfinite(float(x)) for x in (sums[0], grad_norm, critic_norm)):
             # Stop before the update: a NaN step would poison every later one. Nothing saved is touched.
             self.optimizer.zero_grad(set_to_none=True)
+            if critic is not None:
+                self.critic_optimizer.zero_grad(set_to_none=True)
             from tidyrl.checkpoint import complete_checkpoints
 
             saved = complete_checkpoints(self.out)
@@ -449,7 +557,7 @@ class _RLRun:
         self.scheduler.step()  # exactly once per optimizer step, in every process
         self.optimizer.zero_grad(set_to_none=True)
         tokens = max(float(sums[4]), 1.0)
-        return {
+        out = {
             "lr": lr,
             "loss": float(sums[0]),
             "kl": float(sums[1]) / tokens if rollout.ref_logprobs is not None else None,
@@ -458,6 +566,14 @@ class _RLRun:
             "grad_norm": float(grad_norm),
             "time/update_s": time.perf_counter() - t0,
         }
+        if critic is not None:
+            out["critic_lr"] = self.critic_optimizer.param_groups[0]["lr"]
+            self.critic_optimizer.step()
+            self.critic_scheduler.step()  # the critic's own schedule, also once per optimizer step
+            self.critic_optimizer.zero_grad(set_to_none=True)
+            out.update({"value_loss": float(sums[5]), "value_clip_fraction": float(sums[6]) / tokens,
+                        "critic_grad_norm": float(critic_norm), "time/update_s": time.perf_counter() - t0})
+        return out
 
     # ------------------------------------------------------------------ multi-process helpers
     def _gather(self, tensor):
