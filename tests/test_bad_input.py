@@ -103,6 +103,17 @@ def test_prompts_longer_than_the_context(tmp_path, tiny_model_dir, capsys):
     assert "3 of 5 prompts are longer than 251 tokens: skipped them" in capsys.readouterr().out
     plan = json.loads((tmp_path / "skip" / "plan.json").read_text())
     assert plan["num_prompts"] == 2
+    # `tidyrl plan` counts the same prompts (it loads the tokenizer for that, not the model).
+    import yaml
+
+    from tidyrl.cli import main
+
+    cfg = config(tiny_model_dir, long_prompts, tmp_path / "plan-only", rewards=[{"function": "tidyrl.demo:anagram_reward"}],
+                 data={"path": str(long_prompts), "overlong_prompts": "skip"})
+    (tmp_path / "skip.yaml").write_text(yaml.safe_dump(cfg))
+    capsys.readouterr()
+    assert main(["plan", str(tmp_path / "skip.yaml")]) == 0
+    assert json.loads(capsys.readouterr().out)["num_prompts"] == 2
 
     tidyrl.train(config(tiny_model_dir, long_prompts, tmp_path / "cut",
                         data={"path": str(long_prompts), "overlong_prompts": "truncate", "max_prompt_length": 20}))

@@ -222,3 +222,78 @@ def test_epochs_done():
 def test_plan_module_imports_no_torch():
     code = "import sys, tidyrl.plan; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- offline stages (sft, reward, dpo) --------------------------------------
+
+
+def test_offline_plan_numbers():
+    from tidyrl.plan import OfflinePlan, make_offline_plan, offline_epochs_done
+
+    # N = 30, B = 8, 1.5 epochs: ceil(45 / 8) = 6 steps, 48 examples (1.6 epochs); W = 2, m = 2: 8/(2*2) = 2.
+    plan = make_offline_plan(batch_size=8, micro_batch_size=2, world_size=2, dataset_epochs=1.5, num_examples=30,
+                             warmup_ratio=0.1)
+    assert isinstance(plan, OfflinePlan)
+    assert plan.to_dict() == {
+        "world_size": 2, "batch_size": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 2,
+        "total_optimizer_steps": 6, "total_examples": 48, "warmup_steps": 1, "num_examples": 30,
+        "dataset_epochs": 1.6, "examples_per_process": 4,
+    }
+    assert make_offline_plan(batch_size=8, micro_batch_size=2, dataset_epochs=1.5, num_examples=30,
+                             drop_last=True).total_optimizer_steps == 5  # floor(45 / 8)
+    assert offline_epochs_done(plan, 3) == pytest.approx(0.8)
+    steps = make_offline_plan(batch_size=4, micro_batch_size=4, max_steps=7)
+    assert (steps.total_optimizer_steps, steps.total_examples, steps.dataset_epochs) == (7, 28, None)
+    assert offline_epochs_done(steps, 3) is None
+
+
+def test_offline_plan_exact_decimals_and_invariance():
+    from tidyrl.plan import make_offline_plan
+
+    # 0.1 epochs of 30 examples at B = 1 is 3 steps, not 4 (0.1 * 30 in floats is 3.0000000000000004).
+    assert make_offline_plan(batch_size=1, micro_batch_size=1, dataset_epochs=0.1,
+                             num_examples=30).total_optimizer_steps == 3
+    base = make_offline_plan(batch_size=12, micro_batch_size=12, dataset_epochs=2.0, num_examples=50)
+    for m, W in ((1, 1), (3, 2), (2, 3), (1, 4)):
+        other = make_offline_plan(batch_size=12, micro_batch_size=m, world_size=W, dataset_epochs=2.0,
+                                  num_examples=50)
+        assert (other.total_optimizer_steps, other.total_examples) == (base.total_optimizer_steps, 108)
+        assert other.gradient_accumulation_steps * m * W == 12
+
+
+def test_offline_plan_problems_name_keys_and_valid_values():
+    from tidyrl.plan import make_offline_plan
+
+    with pytest.raises(PlanError) as info:
+        make_offline_plan(batch_size=12, micro_batch_size=5, world_size=2, max_steps=3)
+    assert info.value.problems == [
+        "train.micro_batch_size=5 does not divide the B/W = 12/2 = 6 examples each process handles per optimizer "
+        "step (train.batch_size=12, --num-processes=2); valid values: 1, 2, 3, 6"
+    ]
+    with pytest.raises(PlanError, match=r"--num-processes=2 \(world size\) does not divide train.batch_size=9; "
+                                        r"valid process counts: 1, 3, 9"):
+        make_offline_plan(batch_size=9, micro_batch_size=1, world_size=2, max_steps=3)
+    with pytest.raises(PlanError) as info:
+        make_offline_plan(batch_size=4, micro_batch_size=1, max_steps=2, dataset_epochs=1.0, num_examples=4,
+                          warmup_steps=1, warmup_ratio=0.5)
+    assert [p.split(" ")[0] for p in info.value.problems] == ["set", "set"]  # length and warmup both named
+    with pytest.raises(PlanError, match=r"gives floor\(0.5\*3/4\) = 0 optimizer steps"):
+        make_offline_plan(batch_size=4, micro_batch_size=1, dataset_epochs=0.5, num_examples=3, drop_last=True)
+    with pytest.raises(PlanError, match="needs the dataset size N"):
+        make_offline_plan(batch_size=4, micro_batch_size=1, dataset_epochs=1.0)
+    with pytest.raises(PlanError, match=r"warmup_steps=9 exceeds the 2 optimizer steps"):
+        make_offline_plan(batch_size=4, micro_batch_size=1, max_steps=2, warmup_steps=9)
+    with pytest.raises(PlanError, match="train.batch_size must be an integer >= 1"):
+        make_offline_plan(batch_size=0, micro_batch_size=1, max_steps=2)
+
+
+def test_offline_plan_from_config():
+    from tidyrl.config import load_config
+    from tidyrl.plan import offline_plan_from_config
+
+    cfg = load_config({"algorithm": "dpo", "model": "m", "data": {"path": "p.jsonl"},
+                       "train": {"batch_size": 16, "micro_batch_size": 4, "dataset_epochs": 1.0, "warmup_ratio": 0.25}})
+    plan = offline_plan_from_config(cfg, num_examples=100, world_size=2)
+    # ceil(100 / 16) = 7 steps, warmup ceil(1.75) = 2, accumulation 16 / (2 * 4) = 2.
+    assert (plan.total_optimizer_steps, plan.warmup_steps, plan.gradient_accumulation_steps) == (7, 2, 2)
+    assert plan.total_episodes == plan.total_examples == 112  # the CLI prints either kind of plan

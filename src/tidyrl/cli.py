@@ -3,6 +3,8 @@
     tidyrl train CONFIG.yaml [section.key=value ...]
     tidyrl plan  CONFIG.yaml [section.key=value ...] [--num-processes W]
     tidyrl demo  [--output-dir DIR] [section.key=value ...]
+    tidyrl eval  CONFIG.yaml|MODEL [section.key=value ...] [--model M] [--data D] [--reward SPEC] ...
+    tidyrl plot  RUN_DIR [RUN_DIR ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -12,14 +14,41 @@ import json
 import sys
 
 
+STAGE_HELP = {
+    "grpo": "GRPO: group-normalised advantages, clipped policy loss (Shao et al. 2024)",
+    "rloo": "RLOO: leave-one-out baseline over k samples per prompt (Ahmadian et al. 2024)",
+    "ppo": "PPO with a value model and GAE (Schulman et al. 2017)",
+    "reinforce_pp": "REINFORCE++: batch-whitened advantages (Hu 2025)",
+    "reinforce_pp_baseline": "REINFORCE++-baseline: group-mean baseline, then batch whitening (Hu 2025)",
+    "sft": "supervised fine-tuning on prompt/completion or messages",
+    "reward": "reward-model training on prompt/chosen/rejected pairs",
+    "dpo": "direct preference optimisation on prompt/chosen/rejected pairs",
+}
+"""One line per stage for --help; the stages listed are those of tidyrl.config.ALGORITHMS at run time."""
+
+
+def _stages_help() -> str:
+    from tidyrl.config import ALGORITHMS
+
+    width = max(len(a) for a in ALGORITHMS)
+    lines = [f"  {a:<{width}}  {STAGE_HELP.get(a, '')}".rstrip() for a in ALGORITHMS]
+    return ("stages (set `algorithm:` in the YAML, or algorithm=NAME on the command line):\n" + "\n".join(lines)
+            + "\n\nEvery configuration key with its type, default and meaning: docs/config-reference.md\n"
+            "First steps: docs/quickstart.md; the batch sizes and totals: docs/concepts.md")
+
+
 def _parser() -> argparse.ArgumentParser:
+    stages = _stages_help()
     p = argparse.ArgumentParser(
         prog="tidyrl",
-        description="RL post-training (GRPO, RLOO) for Hugging Face language models, where every number adds up. "
-        "Configuration keys: see docs/ (each YAML section maps to a typed config class).",
+        description="RL post-training for Hugging Face language models, where every number adds up. "
+        "One YAML file maps 1:1 onto typed config classes; section.key=value arguments override it.",
+        epilog=stages, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="run a training stage from a YAML config")
+    t = sub.add_parser("train", help="run a training stage from a YAML config",
+                       description="Run the stage named by `algorithm:` in CONFIG.yaml.", epilog=stages,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="YAML config file")
     t.add_argument("overrides", nargs="*", help="section.key=value overrides")
     pl = sub.add_parser("plan", help="print the derived batch plan as JSON; loads no model")
@@ -29,11 +58,69 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the built-in end-to-end example (tiny local model, CPU, minutes)")
     d.add_argument("--output-dir", default="runs/demo", help="where the demo writes (default runs/demo)")
     d.add_argument("overrides", nargs="*", help="section.key=value overrides of the demo config")
+
+    e = sub.add_parser(
+        "eval", help="generate with one model and score it with the rewards (compare before/after training)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Generate on a prompt set with one model and score with the reward functions; print and save "
+        "the mean rewards (eval.json) and the samples (eval_samples.jsonl).",
+        epilog="examples:\n"
+        "  tidyrl eval grpo.yaml                              # the config's model, before training\n"
+        "  tidyrl eval grpo.yaml --model runs/my-run/final    # after training: same prompts, same sampling keys\n"
+        "  tidyrl eval runs/my-run/final --config grpo.yaml   # the same thing\n"
+        "  tidyrl eval runs/my-run/final --data test.jsonl --reward my_rewards.py:exact_match --greedy\n"
+        "The rollout settings (max_new_tokens, temperature, top_p, ...) come from the config; override them with\n"
+        "rollout.key=value. See docs/evaluation-and-plots.md.")
+    e.add_argument("target", metavar="CONFIG_OR_MODEL",
+                   help="a training YAML (its model, data, rewards and rollout settings), or a model folder / hub id")
+    e.add_argument("overrides", nargs="*", help="section.key=value overrides of the config (e.g. rollout.temperature=0.7)")
+    e.add_argument("--model", help="evaluate this model instead of the config's `model` (e.g. runs/my-run/final)")
+    e.add_argument("--config", help="training YAML to take data, rewards and rollout settings from (with a model folder)")
+    e.add_argument("--data", help="prompt file or saved datasets folder; replaces data.path")
+    e.add_argument("--reward", action="append", default=[], metavar="SPEC",
+                   help="reward function module:function or file.py:function (repeatable, weight 1); replaces rewards")
+    e.add_argument("--num-prompts", type=_count_or_all, default=64,
+                   help="the first N prompts of the file (default 64), or `all`")
+    e.add_argument("--samples-per-prompt", type=int, default=None,
+                   help="completions per prompt (default: rollout.samples_per_prompt; 1 with --greedy)")
+    e.add_argument("--greedy", action="store_true", help="take the most likely token at every step (top_k = 1)")
+    e.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+    e.add_argument("--output-dir", help="where eval.json and eval_samples.jsonl go (default: eval-<model name> "
+                   "beside the model folder)")
+
+    pt = sub.add_parser("plot", help="PNG charts of runs' metrics.jsonl (several runs overlaid)",
+                        description="One PNG per metric against optimizer steps: reward_mean, reward/<name>, kl, "
+                        "entropy, clip_fraction, completion_length_mean, lr. Several runs are drawn on the same "
+                        "axes (legend: run folder name). Needs matplotlib: pip install 'tidyrl[plot]'.")
+    pt.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output_dir of a run (holds metrics.jsonl)")
+    pt.add_argument("--out", help="folder for the PNGs (default: RUN_DIR/plots of the first run)")
+    pt.add_argument("--metric", action="append", default=None, metavar="NAME",
+                    help="chart this metric of metrics.jsonl instead of the default set (repeatable; reward/* = "
+                    "every reward function)")
     return p
 
 
+def _count_or_all(text: str):
+    """`all` -> None (every prompt), else a positive integer."""
+    if text == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or `all`, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or `all`, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops filling a positional list at the first option: take key=value given after options too.
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "plan":
             from tidyrl.config import load_config
@@ -41,9 +128,16 @@ def main(argv: list[str] | None = None) -> int:
             from tidyrl.plan import plan_from_config
 
             cfg = load_config(args.config, args.overrides)
-            num_prompts = None
-            if cfg.data.path:
-                num_prompts = len(load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split))
+            dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
+            if cfg.data.overlong_prompts == "skip":  # N is the prompts kept: needs the tokenizer, not the model
+                from tidyrl.loops.common import load_model_config, load_tokenizer
+                from tidyrl.loops.rl import encode_prompt_set
+
+                tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+                dataset, _, report = encode_prompt_set(cfg, dataset, tokenizer, load_model_config(cfg.model))
+                if report:
+                    print(f"tidyrl: {report}", file=sys.stderr)
+            num_prompts = len(dataset)
             plan = plan_from_config(cfg, num_prompts, args.num_processes)
             print(json.dumps(plan.to_dict(), indent=2))
         elif args.command == "train":
@@ -57,6 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             from tidyrl.demo import run_demo
 
             run_demo(args.output_dir, tuple(args.overrides))
+        elif args.command == "eval":
+            _eval(args)
+        elif args.command == "plot":
+            from tidyrl.plot import DEFAULT_METRICS, plot_runs
+
+            for path in plot_runs(args.runs, args.out, args.metric or DEFAULT_METRICS):
+                print(path)
     except (RuntimeError, ValueError, FileNotFoundError) as err:
         if type(err).__name__ == "TrainingInterrupted":  # Ctrl-C / SIGTERM: a checkpoint was saved
             print(f"tidyrl: {err}", file=sys.stderr)
@@ -67,3 +168,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     return 0
+
+
+def _eval(args) -> None:
+    """`tidyrl eval`: the positional is a YAML file (a config) or else a model folder / hub id."""
+    from pathlib import Path
+
+    from tidyrl.config import ConfigError
+    from tidyrl.evaluate import evaluate
+
+    target = Path(args.target)
+    if target.is_file():
+        if args.config:
+            raise ConfigError([f"{args.target} is a config file already; drop --config (use --model to pick the model)"])
+        config, model = args.target, args.model
+    else:
+        if args.model:
+            raise ConfigError([f"{args.target} is taken as the model; drop --model, or give a config file first"])
+        config, model = args.config, args.target
+    evaluate(config, model=model, data=args.data, rewards=args.reward, overrides=args.overrides,
+             num_prompts=args.num_prompts, samples_per_prompt=args.samples_per_prompt, greedy=args.greedy,
+             seed=args.seed, output_dir=args.output_dir)

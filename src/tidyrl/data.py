@@ -47,6 +47,29 @@ def load_prompt_dataset(path: str, prompt_column: str = "prompt", split: str = "
     Every row is checked: the prompt must be a non-empty string or a non-empty
     list of `{"role", "content"}` messages. Problems raise `DataError`.
     """
+    dataset = load_table(path, split)
+    path = os.path.expanduser(str(path))
+    if prompt_column not in dataset.column_names:
+        raise DataError(
+            f"data.prompt_column = {prompt_column!r} is not a column of data.path = {path!r}; "
+            f"the columns present are {dataset.column_names}. Set data.prompt_column to one of them."
+        )
+    for index, prompt in enumerate(dataset[prompt_column]):
+        problem = _prompt_problem(prompt)
+        if problem is not None:
+            raise DataError(
+                f"data.path = {path!r}, row {index} (0-based): the prompt column "
+                f"(data.prompt_column = {prompt_column!r}) holds {_short(prompt)}, which {problem}. "
+                'Each prompt must be a non-empty string, or a non-empty list of chat messages like '
+                '[{"role": "user", "content": "..."}].'
+            )
+    return dataset
+
+
+def load_table(path: str, split: str = "train") -> "datasets.Dataset":
+    """Read `data.path` (a .jsonl / .json / .parquet / .csv file or a saved `datasets` folder) into memory,
+    checking only that it exists, parses and holds rows; the caller checks the columns. Nothing is downloaded,
+    and the user's Hugging Face cache is left untouched. Problems raise `DataError`."""
     import datasets
 
     if not path:
@@ -66,23 +89,8 @@ def load_prompt_dataset(path: str, prompt_column: str = "prompt", split: str = "
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
-
     if len(dataset) == 0:
         raise DataError(_EMPTY.format(path=path))
-    if prompt_column not in dataset.column_names:
-        raise DataError(
-            f"data.prompt_column = {prompt_column!r} is not a column of data.path = {path!r}; "
-            f"the columns present are {dataset.column_names}. Set data.prompt_column to one of them."
-        )
-    for index, prompt in enumerate(dataset[prompt_column]):
-        problem = _prompt_problem(prompt)
-        if problem is not None:
-            raise DataError(
-                f"data.path = {path!r}, row {index} (0-based): the prompt column "
-                f"(data.prompt_column = {prompt_column!r}) holds {_short(prompt)}, which {problem}. "
-                'Each prompt must be a non-empty string, or a non-empty list of chat messages like '
-                '[{"role": "user", "content": "..."}].'
-            )
     return dataset
 
 

@@ -1,7 +1,9 @@
-"""What a run writes while it trains: metrics.jsonl, samples.jsonl and the progress bar.
+"""What a run writes while it trains: metrics.jsonl, samples.jsonl, the trackers, the progress bar and the
+end-of-run summary.
 
 Metric names are part of the API (DESIGN §5); `STEP_METRICS` lists the fields every
-metrics.jsonl row carries, and tests check them.
+metrics.jsonl row carries, and tests check them. Trackers (`log.report_to`, tidyrl.trackers)
+receive the same rows under the same names.
 """
 
 from __future__ import annotations
@@ -84,3 +86,118 @@ class ProgressBar:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+TIME_METRICS = {"generate": "time/generate_s", "reward": "time/reward_s", "score": "time/score_s",
+                "update": "time/update_s"}
+"""Parts of the wall time in the summary -> the metric that measures them. The first three are per rollout
+(repeated on each row of a rollout), update is per optimizer step."""
+
+
+class _SampleLog:
+    """samples.jsonl, whose rows also wait in the RunLogger for the trackers' next sample table."""
+
+    def __init__(self, path: Path, enabled: bool, pending: list):
+        self._jsonl = JsonlWriter(path, enabled)
+        self._pending = pending
+        self._enabled = enabled
+
+    def write(self, row: dict) -> None:
+        self._jsonl.write(row)
+        if self._enabled:
+            self._pending.append(row)
+
+    def close(self) -> None:
+        self._jsonl.close()
+
+
+class RunLogger:
+    """metrics.jsonl and samples.jsonl, forwarded to the trackers of `log.report_to`.
+
+    The loop calls `observe(row)` on every optimizer step (totals for the summary), `write(row)` on the
+    rows it logs (metrics.jsonl + trackers, at global step = row["step"]), `samples.write(row)` for
+    samples.jsonl, and `close()`. Samples reach the trackers as one table with the next logged row, so
+    a tracker's steps only ever grow. Only the main process (`enabled`) writes or opens trackers.
+    `first_step` is the optimizer step a resumed run continues after (0 for a new run).
+    """
+
+    def __init__(self, output_dir: Path, cfg, plan, enabled: bool = True, first_step: int = 0):
+        from tidyrl.config import config_to_dict
+        from tidyrl.trackers import open_trackers
+
+        self.output_dir = Path(output_dir)
+        self.metrics = JsonlWriter(self.output_dir / "metrics.jsonl", enabled)
+        self._pending: list[dict] = []
+        self.samples = _SampleLog(self.output_dir / "samples.jsonl", enabled, self._pending)
+        self.timings = {part: 0.0 for part in TIME_METRICS} | {"steps": 0}
+        """Seconds spent per part over the steps this process ran, and how many steps that is."""
+        self._rollouts_timed: set = set()
+        self.trackers = []
+        if enabled:
+            run_config = config_to_dict(cfg) | {"plan": plan.to_dict()}
+            self.trackers = open_trackers(cfg.log.report_to, self.output_dir, run_config, first_step)
+        self.tracker_locations = {t.name: str(t.location) for t in self.trackers}
+        """Tracker name -> where it wrote (a folder or a URL), for the summary."""
+
+    def observe(self, row: dict) -> None:
+        """Add an optimizer step's times to `timings` (every step, logged or not)."""
+        self.timings["steps"] += 1
+        self.timings["update"] += row.get(TIME_METRICS["update"]) or 0.0
+        if row.get("rollout") not in self._rollouts_timed:  # per-rollout times: count each rollout once
+            self._rollouts_timed.add(row.get("rollout"))
+            for part in ("generate", "reward", "score"):
+                self.timings[part] += row.get(TIME_METRICS[part]) or 0.0
+
+    def write(self, row: dict) -> None:
+        """A logged row: to metrics.jsonl, then to every tracker with the samples written since the last one."""
+        self.metrics.write(row)
+        clean = {k: _plain(v) for k, v in row.items()}
+        for tracker in self.trackers:
+            tracker.log(clean, step=row["step"], samples=list(self._pending))
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.samples.close()
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
+
+
+def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[float],
+                   last_reward: Optional[float], output_dir: Path, final_dir: Path,
+                   tracker_locations: Optional[dict] = None) -> str:
+    """The end-of-run summary: totals, wall time and its split, reward at start and end, where things are.
+
+    `timings` holds seconds per part of TIME_METRICS and `steps`, the number of optimizer steps they
+    cover (fewer than the plan's after a resume: then the split covers only the steps run since).
+    """
+    def clock(seconds: float) -> str:
+        if seconds < 60:
+            return f"{seconds:.1f} s"
+        minutes, sec = divmod(int(round(seconds)), 60)
+        hours, minutes = divmod(minutes, 60)
+        return f"{hours}:{minutes:02d}:{sec:02d} ({seconds:.0f} s)"
+
+    def reward(value):
+        return "n/a" if value is None else f"{value:.4f}"
+
+    lines = [f"tidyrl: finished {plan.total_optimizer_steps} optimizer steps ({plan.rollouts} rollouts, "
+             f"{plan.total_episodes} episodes) in {clock(wall_s)}"]
+    steps = timings.get("steps", 0)
+    if steps:
+        timed = {part: timings.get(part, 0.0) for part in TIME_METRICS}
+        session = wall_s if steps == plan.total_optimizer_steps else sum(timed.values())
+        timed["other"] = max(session - sum(timed.values()), 0.0)
+        total = max(sum(timed.values()), 1e-9)
+        split = ", ".join(f"{part} {sec:.1f} s ({100 * sec / total:.0f}%)" for part, sec in timed.items())
+        scope = "" if steps == plan.total_optimizer_steps else f" (the {steps} steps run since resuming)"
+        lines.append(f"  time{scope}: {split}")
+    lines.append(f"  reward_mean: {reward(first_reward)} (first rollout) -> {reward(last_reward)} (last rollout)")
+    lines.append(f"  written to {output_dir}/: config.yaml, plan.json, metrics.jsonl, samples.jsonl")
+    lines.append(f"  model: {final_dir}")
+    for name, where in (tracker_locations or {}).items():
+        lines.append(f"  {name}: {where}")
+    lines.append(f"  next: tidyrl plot {output_dir}   |   "
+                 f"tidyrl eval {Path(output_dir) / 'config.yaml'} --model {final_dir}")
+    return "\n".join(lines)

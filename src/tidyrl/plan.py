@@ -300,3 +300,177 @@ def epochs_done(plan: Plan, rollouts_done: int) -> float | None:
     if plan.num_prompts is None:
         return None
     return rollouts_done * plan.prompts_per_rollout / plan.num_prompts
+
+
+# ---------------------------------------------------------------------------
+# The offline stages (sft, reward, dpo): a fixed dataset, no rollouts.
+#
+#     N  num_examples      examples in the dataset (reward, dpo: pairs; sft with packing: packed rows)
+#     B  batch_size        examples per optimizer step (global)
+#     m  micro_batch_size  examples per forward/backward, per process (a memory knob only)
+#     W  world_size        number of processes
+#
+#     examples per process per step   = B / W
+#     gradient accumulation steps     = B / (W * m)       (derived, never set)
+#     total optimizer steps           = train.max_steps, or ceil(dataset_epochs * N / B) (floor with drop_last)
+#     total examples                  = total optimizer steps * B
+#     warmup steps                    = given, or ceil(warmup_ratio * total optimizer steps)
+#
+# Examples form one stream like the RL prompts (tidyrl.data.PromptStream): each dataset epoch is a fresh
+# shuffle by seed and step s takes stream positions [s*B, (s+1)*B), across epoch boundaries.
+
+
+@dataclass(frozen=True)
+class OfflinePlan:
+    """Every number of an sft / reward / dpo run (see the section comment above). `to_dict()` is plan.json."""
+
+    world_size: int
+    """W: number of processes."""
+    batch_size: int
+    """B: examples (reward, dpo: pairs) per optimizer step, global."""
+    micro_batch_size: int
+    """m: examples per forward/backward, per process."""
+    gradient_accumulation_steps: int
+    """B / (W * m): micro-batches per optimizer step, per process."""
+    total_optimizer_steps: int
+    """The LR schedule's and the progress bar's length."""
+    total_examples: int
+    """total_optimizer_steps * B: examples drawn from the stream over the run."""
+    warmup_steps: int
+    """LR warmup length in optimizer steps."""
+    num_examples: int | None
+    """N: examples in the dataset (None when unknown)."""
+    dataset_epochs: float | None
+    """total_examples / N: passes over the dataset the run makes (None when N is unknown)."""
+    examples_per_process: int
+    """B / W: examples each process handles per optimizer step."""
+
+    @property
+    def total_episodes(self) -> int:
+        """The name RL plans use for what was drawn over the run; here it is total_examples (for callers that
+        print either kind of plan). Not in plan.json."""
+        return self.total_examples
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_offline_plan(
+    *,
+    batch_size: int,
+    micro_batch_size: int,
+    world_size: int = 1,
+    max_steps: int | None = None,
+    dataset_epochs: float | None = None,
+    num_examples: int | None = None,
+    drop_last: bool = False,
+    warmup_steps: int = 0,
+    warmup_ratio: float = 0.0,
+) -> OfflinePlan:
+    """Derive the plan of an offline stage, or raise PlanError listing every problem found.
+
+    Give exactly one of `max_steps` and `dataset_epochs`; `dataset_epochs` needs `num_examples` (N).
+    """
+    B, m, W = batch_size, micro_batch_size, world_size
+    problems = []
+    for key, value in {"train.batch_size": B, "train.micro_batch_size": m, "--num-processes (world size)": W}.items():
+        if not _is_int(value) or value < 1:
+            problems.append(f"{key} must be an integer >= 1, got {value!r}")
+    if max_steps is not None and (not _is_int(max_steps) or max_steps < 1):
+        problems.append(f"train.max_steps must be an integer >= 1, got {max_steps!r}")
+    if dataset_epochs is not None and (
+        not _is_number(dataset_epochs) or not math.isfinite(dataset_epochs) or dataset_epochs <= 0
+    ):
+        problems.append(f"train.dataset_epochs must be a number > 0, got {dataset_epochs!r}")
+    if num_examples is not None and (not _is_int(num_examples) or num_examples < 1):
+        problems.append(f"the dataset must hold at least one example, got num_examples={num_examples!r}")
+    if not _is_int(warmup_steps) or warmup_steps < 0:
+        problems.append(f"train.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    if not _is_number(warmup_ratio) or not 0 <= warmup_ratio < 1:
+        problems.append(f"train.warmup_ratio must be a number in [0, 1), got {warmup_ratio!r}")
+    if not isinstance(drop_last, bool):
+        problems.append(f"train.drop_last must be true or false, got {drop_last!r}")
+    if problems:
+        raise PlanError(problems)
+
+    # Length of training, on the exact decimal the user wrote (0.1 epochs of 30 examples at B=1 is 3 steps).
+    steps = max_steps
+    if (max_steps is None) == (dataset_epochs is None):
+        problems.append("set exactly one of train.max_steps and train.dataset_epochs "
+                        f"(got max_steps={max_steps!r}, dataset_epochs={dataset_epochs!r})")
+    elif dataset_epochs is not None:
+        if num_examples is None:
+            problems.append(f"train.dataset_epochs={dataset_epochs} needs the dataset size N to count optimizer "
+                            "steps; load the data first or set train.max_steps instead")
+        else:
+            exact = _exact(dataset_epochs) * num_examples / B
+            steps = math.floor(exact) if drop_last else math.ceil(exact)
+            if steps == 0:
+                problems.append(
+                    f"train.dataset_epochs={dataset_epochs} of N={num_examples} examples with train.batch_size={B} "
+                    f"gives floor({dataset_epochs}*{num_examples}/{B}) = 0 optimizer steps (train.drop_last=true); "
+                    "raise train.dataset_epochs, lower train.batch_size, or set train.drop_last=false"
+                )
+
+    # Divisibility, outermost first.
+    if B % W:
+        problems.append(
+            f"--num-processes={W} (world size) does not divide train.batch_size={B}; "
+            f"valid process counts: {_listing(_divisors(B))}; with {W} processes, valid train.batch_size: "
+            f"multiples of {W}"
+        )
+    elif (B // W) % m:
+        per_process = B // W
+        problems.append(
+            f"train.micro_batch_size={m} does not divide the B/W = {B}/{W} = {per_process} examples each process "
+            f"handles per optimizer step (train.batch_size={B}, --num-processes={W}); "
+            f"valid values: {_listing(_divisors(per_process))}"
+        )
+
+    if warmup_steps > 0 and warmup_ratio > 0:
+        problems.append(f"set train.warmup_steps ({warmup_steps}) or train.warmup_ratio ({warmup_ratio}), not both")
+    if steps:
+        if warmup_ratio > 0:
+            warmup_steps = math.ceil(_exact(warmup_ratio) * steps)
+        if warmup_steps > steps:
+            problems.append(f"train.warmup_steps={warmup_steps} exceeds the {steps} optimizer steps of the run; "
+                            f"valid values: 0 to {steps}")
+    if problems:
+        raise PlanError(problems)
+
+    return OfflinePlan(
+        world_size=W,
+        batch_size=B,
+        micro_batch_size=m,
+        gradient_accumulation_steps=B // (W * m),
+        total_optimizer_steps=steps,
+        total_examples=steps * B,
+        warmup_steps=warmup_steps,
+        num_examples=num_examples,
+        dataset_epochs=steps * B / num_examples if num_examples else None,
+        examples_per_process=B // W,
+    )
+
+
+def offline_plan_from_config(cfg: Config, num_examples: int | None, world_size: int = 1) -> OfflinePlan:
+    """The plan of an sft / reward / dpo config, for `num_examples` examples and `world_size` processes."""
+    t = cfg.train
+    return make_offline_plan(
+        batch_size=t.batch_size,
+        micro_batch_size=t.micro_batch_size,
+        world_size=world_size,
+        max_steps=t.max_steps,
+        dataset_epochs=t.dataset_epochs,
+        num_examples=num_examples,
+        drop_last=t.drop_last,
+        warmup_steps=t.warmup_steps,
+        warmup_ratio=t.warmup_ratio,
+    )
+
+
+def offline_epochs_done(plan: OfflinePlan, steps_done: int) -> float | None:
+    """Fractional passes over the dataset after `steps_done` optimizer steps: steps_done * B / N (None if N
+    is unknown). This is the `epoch` of an offline stage's metrics.jsonl."""
+    if plan.num_examples is None:
+        return None
+    return steps_done * plan.batch_size / plan.num_examples

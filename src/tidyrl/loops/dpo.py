@@ -1,0 +1,113 @@
+"""Direct preference optimisation (`algorithm: dpo`, sigmoid or IPO loss), explicit from top to bottom.
+
+    tokenise the pairs: prompt + chosen, prompt + rejected, as a rollout would (prompt and completion apart,
+    EOS appended); the completion tokens are the targets
+    load the policy and, frozen, the reference: the same starting model
+    for each optimizer step:
+        the next train.batch_size pairs of the stream
+        micro-batches of m pairs (2m sequences in one forward):
+            reference sequence log-probs, under no_grad (once per pair and step)
+            policy sequence log-probs -> DPO / IPO loss per pair, summed and divided by the pairs of the whole
+            global batch -> backward
+        clip -> optimizer step -> one LR-scheduler step -> one metrics row
+    final/: the policy, for the next stage
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from tidyrl.config import Config
+from tidyrl.loops.common import (TrainResult, build_optimizer, build_scheduler, enable_gradient_checkpointing,
+                                 load_causal_lm, load_tokenizer, make_accelerator, prepare_output_dir,
+                                 save_pretrained_atomic, write_run_header)
+
+
+def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
+    """Train with DPO or IPO from a validated Config (see `tidyrl.train`)."""
+    import torch
+
+    from tidyrl.algorithms.preference import dpo_loss, sequence_logps
+    from tidyrl.data import PromptStream
+    from tidyrl.loops.offline import (StepLog, micro_batches, model_pad_id, optimizer_step, pad_batch, reduce_sum,
+                                      say, sync_context, target_logprobs)
+    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs
+    from tidyrl.plan import offline_plan_from_config
+
+    accelerator = make_accelerator()
+    W, rank = accelerator.num_processes, accelerator.process_index
+    opts = cfg.dpo
+
+    # 1. Everything checkable before the models: tokenizer, data, plan, output folder.
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+    eos_ids = completion_eos_ids(cfg.model, tokenizer)
+    pairs, notes = load_preference_pairs(cfg, tokenizer, eos_ids, whole_text=False)
+    plan = offline_plan_from_config(cfg, len(pairs), W)
+    out = Path(cfg.output_dir)
+    prepare_output_dir(out, cfg.overwrite, accelerator)
+    say(accelerator, notes)
+    pad_id = model_pad_id(tokenizer, eos_ids)
+    torch.manual_seed(cfg.seed)
+
+    # 2. The policy (trained) and the reference (the same starting weights, frozen, no grad ever).
+    model = load_causal_lm(cfg.model, cfg.model_dtype)
+    if cfg.train.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(accelerator.device)
+    ref_model.eval().requires_grad_(False)
+    optimizer = build_optimizer(model, cfg.train)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = build_scheduler(optimizer, cfg.train.lr_scheduler, plan)
+    write_run_header(cfg, plan, out, accelerator)
+
+    # 3. One optimizer step per train.batch_size pairs.
+    stream = PromptStream(len(pairs), cfg.seed)
+    with StepLog(out, plan, cfg.log, accelerator) as log:
+        for step in range(plan.total_optimizer_steps):
+            t0 = time.perf_counter()
+            batch = stream.rollout_indices(step, plan.batch_size)  # global pair indices, the same on every process
+            model.train()
+            parts = micro_batches(batch, plan, rank)
+            # loss, correct, sum reward chosen, sum reward rejected, sum logp chosen, sum logp rejected
+            sums = torch.zeros(6, dtype=torch.float64)
+            for k, idx in enumerate(parts):
+                b = len(idx)
+                sequences = [pairs[i].chosen for i in idx] + [pairs[i].rejected for i in idx]  # chosen first
+                inputs = pad_batch(sequences, pad_id, accelerator.device)
+                with torch.no_grad():
+                    ref_lp_BT, mask_BT = target_logprobs(ref_model, inputs)
+                    ref_logps_2B = sequence_logps(ref_lp_BT, mask_BT)  # (2b,)
+                with sync_context(accelerator, model, k == len(parts) - 1, cfg.train.sync_each_microbatch):
+                    logprobs_BT, mask_BT = target_logprobs(model, inputs)
+                    logps_2B = sequence_logps(logprobs_BT, mask_BT)  # (2b,)
+                    loss_B, reward_chosen_B, reward_rejected_B = dpo_loss(
+                        logps_2B[:b], logps_2B[b:], ref_logps_2B[:b], ref_logps_2B[b:],
+                        beta=opts.beta, loss_type=opts.loss_type, label_smoothing=opts.label_smoothing)
+                    # Normalised by the pairs of the whole global batch, never this micro-batch; scaled by W since
+                    # DDP averages gradients over processes.
+                    loss = loss_B.sum() / plan.batch_size
+                    accelerator.backward(loss * W)
+                with torch.no_grad():
+                    sums += torch.tensor([
+                        float(loss), float((reward_chosen_B > reward_rejected_B).sum()), float(reward_chosen_B.sum()),
+                        float(reward_rejected_B.sum()), float(logps_2B[:b].sum()), float(logps_2B[b:].sum()),
+                    ], dtype=torch.float64)
+            sums = reduce_sum(accelerator, sums)
+            lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm)
+            n = plan.batch_size
+            log.row(step + 1, lr, float(sums[0]), grad_norm, {
+                # Implicit rewards beta * log(pi / pi_ref) (Rafailov et al. 2023, §5), before this step's update.
+                "rewards/accuracy": float(sums[1]) / n,
+                "rewards/margin": float(sums[2] - sums[3]) / n,
+                "rewards/chosen": float(sums[2]) / n,
+                "rewards/rejected": float(sums[3]) / n,
+                "logps/chosen": float(sums[4]) / n,  # mean sequence log-prob under the policy
+                "logps/rejected": float(sums[5]) / n,
+                "time/update_s": time.perf_counter() - t0,
+            })
+
+    final_dir = save_pretrained_atomic(accelerator, model, tokenizer, out / "final")
+    return TrainResult(output_dir=out, final_dir=final_dir, plan=plan, metrics=log.last_row,
+                       is_main_process=accelerator.is_main_process)

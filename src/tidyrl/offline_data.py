@@ -1,0 +1,360 @@
+"""Data of the offline stages: load, check and tokenise SFT examples and preference pairs.
+
+Formats (docs/stages.md), one row per example; column names are config keys:
+
+    sft      {"prompt": ..., "completion": ...}   or   {"messages": [...]}
+    reward   {"prompt": ..., "chosen": ..., "rejected": ...}     (+ a margin column, optional)
+    dpo      {"prompt": ..., "chosen": ..., "rejected": ...}
+
+A prompt is a string or a list of chat messages; a completion (chosen,
+rejected) is a string or a list of messages that continue the prompt's
+conversation. The text is built exactly as the RL stages build it
+(tidyrl.data): a string prompt is used as is and tokenised with the
+tokenizer's special tokens; a message-list prompt goes through the chat
+template with `add_generation_prompt=True` and is tokenised without special
+tokens (the template writes BOS). A string completion is tokenised on its own
+and appended to the prompt's tokens, as generated tokens are in a rollout, so
+SFT and DPO train on the very token sequences GRPO will sample and score.
+
+Every row is checked before any model is loaded; problems raise
+`tidyrl.data.DataError` naming the config key, the 0-based row and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from tidyrl.data import DataError, _prompt_problem, _short, load_table
+
+
+@dataclass
+class TokenizedSequence:
+    """One tokenised sequence of an offline stage."""
+
+    input_ids: list[int]
+    target_mask: list[int]
+    """1 where the token is a training target (SFT: the loss; DPO: the sequence log-prob); the first token
+    of an example is never a target (nothing predicts it)."""
+    position_ids: Optional[list[int]] = None
+    """Packed SFT rows only: positions restart at 0 at each example, which is how the model knows where the
+    examples start (transformers then masks attention block by block)."""
+
+
+@dataclass
+class TokenizedPair:
+    """One preference pair: chosen and rejected continuations of the same prompt."""
+
+    chosen: TokenizedSequence
+    rejected: TokenizedSequence
+    margin: float = 0.0
+    """reward: the Bradley–Terry margin of this pair (reward.margin_column), 0 without one."""
+
+
+# ---------------------------------------------------------------------------
+# Loading and checking
+
+
+def load_sft_examples(cfg, tokenizer, eos_ids: list[int]) -> tuple[list[TokenizedSequence], list[str]]:
+    """The SFT examples of `cfg.data`, tokenised (and packed with sft.packing); plus notes to print
+    (truncations, packing). Uses `messages` when the data has no completion column."""
+    d = cfg.data
+    table = load_table(d.path, d.split)
+    columns = table.column_names
+    if d.completion_column in columns:
+        _require(columns, d.prompt_column, "data.prompt_column", d.path, "the prompt the completion follows")
+        prompts, completions = table[d.prompt_column], table[d.completion_column]
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            _check_prompt(prompt, i, "data.prompt_column", d.prompt_column, d.path)
+            _check_completion(prompt, completion, i, "data.completion_column", d.completion_column, d.path)
+        pieces = [_completion_segments(p, c, tokenizer) for p, c in zip(prompts, completions)]
+    elif d.messages_column in columns:
+        conversations = table[d.messages_column]
+        for i, messages in enumerate(conversations):
+            _check_conversation(messages, i, d.messages_column, d.path)
+        pieces = [_conversation_segments(_clean(m), 0, tokenizer, i) for i, m in enumerate(conversations)]
+    else:
+        raise DataError(
+            f"data.path = {d.path!r} has neither a completion column (data.completion_column = "
+            f"{d.completion_column!r}) nor a conversation column (data.messages_column = {d.messages_column!r}); "
+            f"the columns present are {columns}. sft needs prompt + completion, or messages: rename the columns "
+            "or set data.prompt_column / data.completion_column / data.messages_column to them."
+        )
+    eos = _eos_to_append(tokenizer, eos_ids)
+    examples, notes, cut = [], [], 0
+    for i, (segments, special) in enumerate(pieces):
+        seq = _encode(segments, special, tokenizer, eos, eos_ids, train_all=not cfg.sft.completion_only_loss)
+        seq, was_cut = _truncate(seq, d.max_length, i, d.path)
+        cut += was_cut
+        examples.append(seq)
+    if cut:
+        notes.append(f"{cut} of {len(examples)} examples are longer than data.max_length={d.max_length} tokens "
+                     "and were cut at the end")
+    if cfg.sft.packing:
+        packed = pack_sequences(examples, d.max_length)
+        notes.append(f"packed {len(examples)} examples into {len(packed)} rows of up to {d.max_length} tokens "
+                     "(train.batch_size counts rows)")
+        examples = packed
+    return examples, notes
+
+
+def load_preference_pairs(cfg, tokenizer, eos_ids: list[int], *, whole_text: bool
+                          ) -> tuple[list[TokenizedPair], list[str]]:
+    """The preference pairs of `cfg.data`, tokenised; plus notes to print.
+
+    `whole_text=True` (reward model): each sequence is the whole text tokenised at once, as a reward model
+    reads a decoded completion (`reward_model_input_ids`), cut from the left to data.max_length; no EOS is
+    appended. False (DPO): prompt and completion tokenised apart and EOS appended, as in a rollout, with the
+    completion tokens as targets, cut at the end.
+    """
+    d = cfg.data
+    table = load_table(d.path, d.split)
+    columns = table.column_names
+    for key, column, what in (("data.prompt_column", d.prompt_column, "the prompt both completions follow"),
+                              ("data.chosen_column", d.chosen_column, "the preferred completion"),
+                              ("data.rejected_column", d.rejected_column, "the dispreferred completion")):
+        _require(columns, column, key, d.path, what)
+    margin_column = cfg.reward.margin_column if cfg.algorithm == "reward" else None
+    if margin_column is not None:
+        _require(columns, margin_column, "reward.margin_column", d.path, "the margin of each pair")
+    prompts, chosen, rejected = table[d.prompt_column], table[d.chosen_column], table[d.rejected_column]
+    margins = table[margin_column] if margin_column is not None else [0.0] * len(prompts)
+    for i in range(len(prompts)):
+        _check_prompt(prompts[i], i, "data.prompt_column", d.prompt_column, d.path)
+        _check_completion(prompts[i], chosen[i], i, "data.chosen_column", d.chosen_column, d.path)
+        _check_completion(prompts[i], rejected[i], i, "data.rejected_column", d.rejected_column, d.path)
+        m = margins[i]
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
+            raise DataError(f"data.path = {d.path!r}, row {i} (0-based): the margin (reward.margin_column = "
+                            f"{margin_column!r}) holds {_short(m)}; it must be a finite number.")
+
+    eos = None if whole_text else _eos_to_append(tokenizer, eos_ids)
+    pairs, cut = [], 0
+    for i in range(len(prompts)):
+        sides = []
+        for completion in (chosen[i], rejected[i]):
+            if whole_text:
+                # Cut from the left, as the RL stages cut a reward model's input: the completion's end is scored.
+                ids = reward_model_input_ids(prompts[i], completion, tokenizer)
+                was_cut = d.max_length is not None and len(ids) > d.max_length
+                ids = ids[-d.max_length:] if was_cut else ids
+                seq = TokenizedSequence(ids, [1] * len(ids))
+            else:
+                segments, special = _completion_segments(prompts[i], completion, tokenizer)
+                seq = _encode(segments, special, tokenizer, eos, eos_ids, train_all=False)
+                seq, was_cut = _truncate(seq, d.max_length, i, d.path)
+            cut += was_cut
+            sides.append(seq)
+        if whole_text and sides[0].input_ids == sides[1].input_ids:
+            raise DataError(f"data.path = {d.path!r}, row {i} (0-based): chosen and rejected are the same tokens"
+                            f"{' after cutting to data.max_length' if d.max_length else ''}, so no reward can "
+                            "prefer one; fix the row or raise data.max_length.")
+        pairs.append(TokenizedPair(sides[0], sides[1], float(margins[i])))
+    notes = []
+    if cut:
+        notes.append(f"{cut} of {2 * len(pairs)} chosen/rejected sequences are longer than data.max_length="
+                     f"{d.max_length} tokens and were cut at the {'start' if whole_text else 'end'}")
+    return pairs, notes
+
+
+def count_offline_examples(cfg, tokenizer=None) -> int:
+    """N of an offline stage's plan, for `tidyrl plan`: rows of the data (packed rows with sft.packing,
+    which needs the tokenizer, loaded from cfg.tokenizer or cfg.model when not given)."""
+    if cfg.algorithm == "sft" and cfg.sft.packing:
+        if tokenizer is None:
+            from tidyrl.loops.common import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        return len(load_sft_examples(cfg, tokenizer, completion_eos_ids(cfg.model, tokenizer))[0])
+    return len(load_table(cfg.data.path, cfg.data.split))
+
+
+def completion_eos_ids(model_path: str, tokenizer) -> list[int]:
+    """Every EOS id of the tokenizer and of the model's generation config (read without the weights): the ids
+    that end a completion in a rollout (tidyrl.rollout.eos_token_ids)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if os.path.isfile(os.path.join(str(model_path), "generation_config.json")):
+        from transformers import GenerationConfig
+
+        gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        if gen_eos is not None:
+            ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
+    return sorted(ids)
+
+
+def _require(columns: list[str], column: str, key: str, path: str, what: str) -> None:
+    if column not in columns:
+        raise DataError(f"{key} = {column!r} ({what}) is not a column of data.path = {path!r}; the columns present "
+                        f"are {columns}. Rename the column or set {key} to one of them.")
+
+
+def _check_prompt(prompt: Any, row: int, key: str, column: str, path: str) -> None:
+    problem = _prompt_problem(prompt)
+    if problem is not None:
+        raise DataError(f"data.path = {path!r}, row {row} (0-based): the prompt ({key} = {column!r}) holds "
+                        f"{_short(prompt)}, which {problem}. A prompt is a non-empty string or a non-empty list "
+                        'of chat messages like [{"role": "user", "content": "..."}].')
+
+
+def _check_completion(prompt: Any, completion: Any, row: int, key: str, column: str, path: str) -> None:
+    where = f"data.path = {path!r}, row {row} (0-based): {key} = {column!r} holds {_short(completion)}"
+    if isinstance(completion, str):
+        if not completion:
+            raise DataError(f"{where}, an empty string; a completion needs some text.")
+        return
+    problem = _prompt_problem(completion)
+    if problem is not None:
+        raise DataError(f"{where}, which {problem}. A completion is a string, or a list of messages that "
+                        "continues the prompt's conversation.")
+    if isinstance(prompt, str):
+        raise DataError(f"{where}: chat messages after a string prompt cannot be rendered together. Use a "
+                        "message-list prompt with message completions, or string completions.")
+    if not any(m["role"] == "assistant" for m in completion):
+        raise DataError(f"{where}, with no assistant message: there is nothing to train on. A message completion "
+                        'holds the assistant turn, e.g. [{"role": "assistant", "content": "..."}].')
+
+
+def _check_conversation(messages: Any, row: int, column: str, path: str) -> None:
+    problem = _prompt_problem(messages) if not isinstance(messages, str) else "is a string, not a list of messages"
+    where = f"data.path = {path!r}, row {row} (0-based): the conversation (data.messages_column = {column!r})"
+    if problem is not None:
+        raise DataError(f"{where} holds {_short(messages)}, which {problem}. A conversation is a non-empty list "
+                        'of chat messages like [{"role": "user", ...}, {"role": "assistant", ...}].')
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where} has no assistant message: there is nothing to train on. Add the assistant's "
+                        "reply, or drop the row.")
+
+
+# ---------------------------------------------------------------------------
+# Rendering: text pieces, each marked trainable or not
+
+
+def _clean(messages: list[dict]) -> list[dict]:
+    """Drop keys whose value is None (Arrow fills keys only some messages have), as tidyrl.data.render_prompt."""
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def _render(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("the data holds chat messages, but the tokenizer has no chat_template to render them. "
+                        "Use string prompts and completions, or a tokenizer (model / tokenizer) with a chat template.")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _completion_segments(prompt, completion, tokenizer) -> tuple[list[tuple[str, bool]], bool]:
+    """(segments, add_special_tokens) of a prompt and its completion: the prompt as the RL stages render it
+    (tidyrl.data.render_prompt), then the completion (trainable)."""
+    from tidyrl.data import render_prompt
+
+    if isinstance(completion, str):
+        return [(render_prompt(prompt, tokenizer), False), (completion, True)], isinstance(prompt, str)
+    prompt = _clean(prompt)
+    return _conversation_segments(prompt + _clean(completion), len(prompt), tokenizer, None)
+
+
+def _conversation_segments(messages: list[dict], first: int, tokenizer, row: Optional[int]
+                           ) -> tuple[list[tuple[str, bool]], bool]:
+    """Split the rendered conversation into (text, trainable) pieces: each assistant message at index >= `first`
+    is trainable: the text its turn adds after the generation prompt, i.e.
+    render(messages[:i+1]) minus render(messages[:i], add_generation_prompt=True). Messages after the last
+    assistant message carry no loss and are left out."""
+    segments, done = [], ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i < first:
+            continue
+        before = _render(messages[:i], tokenizer, add_generation_prompt=True)
+        through = _render(messages[: i + 1], tokenizer, add_generation_prompt=False)
+        if not (before.startswith(done) and through.startswith(before)):
+            where = "" if row is None else f"row {row} (0-based): "
+            raise DataError(
+                f"{where}the tokenizer's chat template does not render this conversation prefix-consistently "
+                f"(the text up to message {i} changes when later messages are added), so its assistant tokens "
+                "cannot be located. Use prompt/completion columns with string completions instead."
+            )
+        segments += [(before[len(done):], False), (through[len(before):], True)]
+        done = through
+    return segments, False
+
+
+def reward_model_input_ids(prompt, completion, tokenizer) -> list[int]:
+    """The token ids a reward model reads for (prompt, completion), exactly as the RL stages score a completion
+    with it (tidyrl.reward_model.RewardModel.encode, before its left cut): the whole text tokenised at once,
+    with the tokenizer's special tokens only for a string prompt (a chat template writes its own).
+
+        string prompt:    prompt + completion
+        message prompt:   apply_chat_template(prompt + [{"role": "assistant", "content": completion}])
+                          apply_chat_template(prompt + completion)     (a message-list completion)
+
+    No EOS is appended to plain text: a reward model scores decoded text, and decoding drops EOS."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt + completion, add_special_tokens=True)["input_ids"])
+    turns = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else _clean(completion)
+    text = _render(_clean(prompt) + turns, tokenizer, add_generation_prompt=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ---------------------------------------------------------------------------
+# Tokenising
+
+
+def _eos_to_append(tokenizer, eos_ids: list[int]) -> int:
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    if eos_ids:
+        return eos_ids[0]
+    raise DataError("the tokenizer and the model's generation config define no EOS token, so completions cannot "
+                    "be taught to end. Set the tokenizer's eos_token or `eos_token_id` in generation_config.json.")
+
+
+def _encode(segments: list[tuple[str, bool]], add_special_tokens: bool, tokenizer, eos: int, eos_ids: list[int],
+            *, train_all: bool) -> TokenizedSequence:
+    """Tokenise each piece on its own (as a rollout appends generated tokens to the prompt's) and mark targets.
+
+    EOS: a completion must end the way a generated one does, or the policy never learns to stop. If the
+    trainable tokens hold no EOS id (a chat template's end-of-turn token usually is one), EOS is appended.
+    """
+    ids, mask, completion_ids = [], [], []
+    for k, (text, trainable) in enumerate(segments):
+        piece = tokenizer(text, add_special_tokens=add_special_tokens and k == 0)["input_ids"]
+        ids += piece
+        mask += [1 if (trainable or train_all) else 0] * len(piece)
+        completion_ids += piece if trainable else []
+    if not any(t in eos_ids or t == eos for t in completion_ids):
+        ids.append(eos)
+        mask.append(1)
+    mask[0] = 0  # the first token is predicted by nothing
+    return TokenizedSequence(ids, mask)
+
+
+def _truncate(seq: TokenizedSequence, max_length: Optional[int], row: int, path: str
+              ) -> tuple[TokenizedSequence, bool]:
+    """Cut at the end to `max_length` tokens; the prompt must leave room for at least one target token."""
+    if max_length is None or len(seq.input_ids) <= max_length:
+        return seq, False
+    cut = TokenizedSequence(seq.input_ids[:max_length], seq.target_mask[:max_length])
+    if not any(cut.target_mask) and any(seq.target_mask):
+        raise DataError(f"data.path = {path!r}, row {row} (0-based): the prompt alone fills data.max_length="
+                        f"{max_length} tokens, so no completion token is left to train on; raise data.max_length or "
+                        "shorten the prompt.")
+    return cut, True
+
+
+def pack_sequences(sequences: list[TokenizedSequence], max_length: int) -> list[TokenizedSequence]:
+    """Pack whole sequences, in order, into rows of at most `max_length` tokens (next fit: start a new row when
+    the next sequence does not fit). Positions restart at 0 at each sequence, so each attends only to itself."""
+    rows: list[TokenizedSequence] = []
+    current = TokenizedSequence([], [], [])
+    for seq in sequences:
+        if current.input_ids and len(current.input_ids) + len(seq.input_ids) > max_length:
+            rows.append(current)
+            current = TokenizedSequence([], [], [])
+        current.input_ids += seq.input_ids
+        current.target_mask += seq.target_mask
+        current.position_ids += list(range(len(seq.input_ids)))
+    if current.input_ids:
+        rows.append(current)
+    return rows

@@ -1,0 +1,141 @@
+"""DPO and IPO end to end on a tiny local model: counts, the first step against the reference (hand-worked),
+the chosen-vs-rejected margin rising, micro-batch invariance, and the pairs tokenised as a rollout would be."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import tidyrl
+from tidyrl.loops.offline import OFFLINE_STEP_METRICS
+from tidyrl.plan import make_offline_plan
+
+WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach", "grape", "melon"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def expected_lrs(total: int, warmup: int, name: str, lr: float) -> list[float]:
+    from transformers import get_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total)
+    lrs = []
+    for _ in range(total):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.fixture
+def pairs_file(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{w}:", "chosen": w[::-1], "rejected": "zz" + w}) + "\n"
+                            for w in WORDS))
+    return path
+
+
+def dpo_config(model_dir, data_file, out, **sections):
+    cfg = {
+        "algorithm": "dpo",
+        "model": str(model_dir),
+        "output_dir": str(out),
+        "seed": 1,
+        "data": {"path": str(data_file)},
+        "train": {"batch_size": 4, "micro_batch_size": 2, "dataset_epochs": 2.0, "learning_rate": 1e-2,
+                  "lr_scheduler": "cosine", "warmup_steps": 0},
+        "log": {"progress_bar": False},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values) if isinstance(values, dict) else cfg.update({section: values})
+    return cfg
+
+
+def test_dpo_run_counts_and_raises_the_margin(tiny_model_dir, pairs_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "dpo"
+    result = tidyrl.train(dpo_config(tiny_model_dir, pairs_file, out))
+    # N = 12 pairs, B = 4, 2 epochs: 6 steps, 24 pairs.
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan == make_offline_plan(batch_size=4, micro_batch_size=2, dataset_epochs=2.0, num_examples=12).to_dict()
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) == plan["total_optimizer_steps"] == 6
+    assert [r["examples"] for r in rows] == [4, 8, 12, 16, 20, 24]
+    assert [r["epoch"] for r in rows] == pytest.approx([s / 3 for s in range(1, 7)])
+    assert [r["lr"] for r in rows] == pytest.approx(expected_lrs(6, 0, "cosine", 1e-2), abs=1e-12)
+    for row in rows:
+        assert list(row)[: len(OFFLINE_STEP_METRICS)] == list(OFFLINE_STEP_METRICS)
+        assert row["rewards/margin"] == pytest.approx(row["rewards/chosen"] - row["rewards/rejected"], abs=1e-9)
+    # Step 1: the policy is the reference, so every log-ratio is 0 and the loss is -log sigmoid(0) = log 2.
+    first = rows[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margin"] == 0.0
+    assert first["rewards/accuracy"] == 0.0  # ties do not count as correct
+    # Then the chosen completions gain on the rejected ones, relative to the reference.
+    assert rows[-1]["rewards/margin"] > 0.5
+    assert [r["rewards/accuracy"] for r in rows[-3:]] == [1.0] * 3
+    assert rows[-1]["loss"] < 0.5
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trained = AutoModelForCausalLM.from_pretrained(result.final_dir)
+    assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), trained.parameters()))
+
+
+def test_ipo_first_step_is_the_squared_target(tiny_model_dir, pairs_file, tmp_path):
+    out = tmp_path / "ipo"
+    tidyrl.train(dpo_config(tiny_model_dir, pairs_file, out, dpo={"loss_type": "ipo", "beta": 0.25},
+                            train={"dataset_epochs": None, "max_steps": 2, "learning_rate": 1e-3}))
+    rows = read_jsonl(out / "metrics.jsonl")
+    # h = 0 at the reference: (0 - 1 / (2 * 0.25))^2 = 4.
+    assert rows[0]["loss"] == pytest.approx(4.0, abs=1e-5)
+    assert rows[1]["rewards/margin"] > 0  # the first step moved h towards the target 2
+
+
+def test_micro_batch_size_does_not_change_the_update(tiny_model_dir, pairs_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    finals, logs = [], []
+    for m in (1, 4):
+        result = tidyrl.train(dpo_config(tiny_model_dir, pairs_file, tmp_path / f"m{m}",
+                                         train={"micro_batch_size": m, "dataset_epochs": None, "max_steps": 3}))
+        finals.append(AutoModelForCausalLM.from_pretrained(result.final_dir))
+        logs.append(read_jsonl(result.output_dir / "metrics.jsonl"))
+    for a, b in zip(*logs):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["rewards/margin"] == pytest.approx(b["rewards/margin"], abs=1e-5)
+    worst = max((pa - pb).abs().max().item() for pa, pb in zip(finals[0].parameters(), finals[1].parameters()))
+    assert worst < 1e-5
+
+
+def test_pairs_are_tokenised_like_a_rollout(tiny_model_dir, tmp_path):
+    """Prompt tokens as the RL stage encodes them, the completion tokenised on its own, EOS appended; the
+    targets (what the sequence log-prob sums) are the completion and EOS only."""
+    from transformers import AutoTokenizer
+
+    from tidyrl.config import load_config
+    from tidyrl.data import encode_prompts
+    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs
+
+    prompt = [{"role": "user", "content": "fig"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "chosen": "gif",
+                                "rejected": [{"role": "assistant", "content": "fig"}]}) + "\n")
+    cfg = load_config(dpo_config(tiny_model_dir, path, tmp_path / "unused"))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pairs, notes = load_preference_pairs(cfg, tok, completion_eos_ids(tiny_model_dir, tok), whole_text=False)
+    prompt_ids = encode_prompts([prompt], tok)[0]
+    chosen = pairs[0].chosen
+    assert chosen.input_ids == prompt_ids + tok("gif", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert chosen.target_mask == [0] * len(prompt_ids) + [1] * 4
+    # A message completion: the assistant turn as the chat template closes it ("fig\n"), then EOS.
+    rejected = pairs[0].rejected
+    assert tok.decode(rejected.input_ids) == "<s><user>fig\n<assistant>fig\n</s>"
+    assert rejected.input_ids[: len(prompt_ids)] == prompt_ids
+    assert sum(rejected.target_mask) == 5 and notes == []
