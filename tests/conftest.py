@@ -34,3 +34,12 @@ def prompt_file(tmp_path):
         for w in words:
             f.write(json.dumps({"prompt": f"{w}:", "word": w}) + "\n")
     return path
+
+
+def free_port() -> int:
+    """A port no other test run holds (two suites at once must not meet on one rendezvous port)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import free_port
 import yaml
 
 from tidyrl.cli import main
@@ -17,6 +18,7 @@ REWARD_FILE = textwrap.dedent('''
     def has_vowel(prompts, completions, **kwargs):
         return [float(any(c in "aeiou" for c in text)) for text in completions]
 ''')
+
 
 
 @pytest.fixture
@@ -83,7 +85,7 @@ def test_two_processes_with_torchrun_match_one_process(yaml_run, tmp_path):
     for world in (1, 2):
         out = tmp_path / f"w{world}"
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                    "--master_port", "29531"] if world == 2 else [sys.executable]
+                    "--master_port", str(free_port())] if world == 2 else [sys.executable]
         # R = 2*4 = 8, M = 2: 4 episodes per mini-batch, 2 per process with W = 2; m = 2 suits both.
         cmd = launcher + ["-m", "tidyrl", "train", str(yaml_run), f"output_dir={out}", "train.micro_batch_size=2"]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)

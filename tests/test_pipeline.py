@@ -1,6 +1,6 @@
-"""The pipeline example (examples/pipeline): SFT -> reward model -> GRPO, each stage starting from the previous
-stage's final/. The fast test runs run.sh's own commands in this process, with small sizes; the slow one runs
-run.sh itself at full size."""
+"""The pipeline example (examples/pipeline): SFT -> reward model -> GRPO (and PPO), each stage starting from the
+previous stage's final/. The fast test runs run.sh's own commands in this process, with small sizes; the slow one
+runs run.sh itself at full size."""
 
 from __future__ import annotations
 
@@ -21,13 +21,16 @@ QUICK = {  # stage config -> overrides that make it a few optimizer steps
     "reward.yaml": ["train.dataset_epochs=null", "train.max_steps=2", "train.warmup_steps=0"],
     "grpo.yaml": ["train.rollouts=1", "rollout.prompts_per_rollout=4", "rollout.samples_per_prompt=2",
                   "train.micro_batch_size=4", "train.warmup_steps=0"],
+    "ppo.yaml": ["train.rollouts=1", "rollout.prompts_per_rollout=4", "train.epochs_per_rollout=1",
+                 "train.minibatches_per_epoch=1", "train.micro_batch_size=8", "train.warmup_steps=0"],
 }
 
 
 def run_sh_commands(work: Path) -> list[list[str]]:
-    """The commands of run.sh (after `set -e`), with $HERE and $WORK filled in."""
+    """The commands of run.sh (the optional PPO one included), with $HERE and $WORK filled in."""
     commands = []
     for line in (EXAMPLE / "run.sh").read_text().splitlines():
+        line = line.strip()
         if line.startswith(("python ", "tidyrl ")):
             line = line.replace("$HERE", str(EXAMPLE)).replace("$WORK", str(work))
             commands.append(shlex.split(line))
@@ -45,7 +48,7 @@ def test_pipeline_stages_chain(tmp_path, monkeypatch, capsys):
 
     work = tmp_path / "work"
     commands = run_sh_commands(work)
-    assert [c[0] for c in commands] == ["python", "tidyrl", "tidyrl", "tidyrl"]
+    assert [c[0] for c in commands] == ["python", "tidyrl", "tidyrl", "tidyrl", "tidyrl"]
     monkeypatch.setattr("sys.argv", [commands[0][1], *commands[0][2:]])
     runpy.run_path(commands[0][1], run_name="__main__")  # prepare.py: tiny model and data
     for command in commands[1:]:
@@ -55,10 +58,12 @@ def test_pipeline_stages_chain(tmp_path, monkeypatch, capsys):
         assert main([*command[1:], *quick]) == 0, capsys.readouterr().err
 
     # Each stage read the previous stage's final/ ...
-    configs = {name: yaml.safe_load((work / name / "config.yaml").read_text()) for name in ("sft", "reward", "grpo")}
+    configs = {name: yaml.safe_load((work / name / "config.yaml").read_text())
+               for name in ("sft", "reward", "grpo", "ppo")}
     assert configs["sft"]["model"] == str(work / "base-model")
-    assert configs["reward"]["model"] == configs["grpo"]["model"] == str(work / "sft" / "final")
-    assert configs["grpo"]["rewards"][1]["model"] == str(work / "reward" / "final")
+    for stage in ("reward", "grpo", "ppo"):
+        assert configs[stage]["model"] == str(work / "sft" / "final")
+    assert configs["grpo"]["rewards"][1]["model"] == configs["ppo"]["rewards"][1]["model"] == str(work / "reward" / "final")
     # ... and wrote exactly the steps it was asked for.
     assert len(read_jsonl(work / "sft" / "metrics.jsonl")) == 3
     assert len(read_jsonl(work / "reward" / "metrics.jsonl")) == 2
@@ -70,6 +75,9 @@ def test_pipeline_stages_chain(tmp_path, monkeypatch, capsys):
     rm = AutoModelForSequenceClassification.from_pretrained(work / "reward" / "final")
     assert rm.config.num_labels == 1 and rm.config.pad_token_id is not None
     AutoModelForCausalLM.from_pretrained(work / "grpo" / "final")
+    AutoModelForCausalLM.from_pretrained(work / "ppo" / "final")
+    assert len(read_jsonl(work / "ppo" / "metrics.jsonl")) == 1
+    assert (work / "ppo" / "final" / "critic").is_dir()  # the critic (by default it starts from the reward model)
 
 
 @pytest.mark.slow

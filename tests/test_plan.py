@@ -297,3 +297,13 @@ def test_offline_plan_from_config():
     # ceil(100 / 16) = 7 steps, warmup ceil(1.75) = 2, accumulation 16 / (2 * 4) = 2.
     assert (plan.total_optimizer_steps, plan.warmup_steps, plan.gradient_accumulation_steps) == (7, 2, 2)
     assert plan.total_episodes == plan.total_examples == 112  # the CLI prints either kind of plan
+
+
+def test_plan_from_config_of_an_offline_stage_is_the_offline_plan():
+    from tidyrl.config import load_config
+    from tidyrl.plan import OfflinePlan
+
+    cfg = load_config({"algorithm": "sft", "model": "m", "data": {"path": "p.jsonl"},
+                       "train": {"batch_size": 10, "micro_batch_size": 5, "dataset_epochs": 2.0}})
+    plan = plan_from_config(cfg, num_prompts=31)  # what `tidyrl plan` calls
+    assert isinstance(plan, OfflinePlan) and plan.total_optimizer_steps == 7  # ceil(62 / 10)

@@ -163,3 +163,162 @@ def test_eos_ids_are_the_union_of_generation_config_and_tokenizer():
     with pytest.raises(ValueError, match="no EOS token"):
         eos_token_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None)),
                       SimpleNamespace(eos_token_id=None))
+
+
+def _reference_completion(model, prompt, key, max_new_tokens, eos_ids, min_new_tokens=0, temperature=1.0):
+    """The decode loop's maths without any of its machinery: no cache, no batch, no shared prefill; the whole
+    sequence is re-run at every step, and the row's generator draws one uniform vector per step."""
+    gen = torch.Generator().manual_seed(key)
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        for step in range(max_new_tokens):
+            z = model(torch.tensor([seq])).logits[0, -1].float() / temperature
+            if step < min_new_tokens:
+                z[eos_ids] = float("-inf")
+            u = torch.rand(z.shape[-1], generator=gen)
+            token = int(torch.argmax(z - torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))))
+            out.append(token)
+            seq.append(token)
+            if token in eos_ids:
+                break
+    return out
+
+
+def test_lean_decoding_matches_a_naive_reference(tiny_model_and_tokenizer):
+    """Shared prefill (k samples per prompt), buffered keys/values and dropping finished rows change no
+    completion: each equals the one a cache-free, one-sequence-at-a-time loop draws from the same key."""
+    model, tok = tiny_model_and_tokenizer
+    eos = [tok.eos_token_id]
+    prompts = [tok(w)["input_ids"] for w in ["apple:", "a much longer prompt:", "fig:"] for _ in range(6)]
+    keys = [sample_seed(7, 1, i) for i in range(len(prompts))]
+    ids, mask, truncated = generate(model, prompts, sample_keys=keys, max_new_tokens=30, min_new_tokens=2,
+                                    temperature=1.5, eos_ids=eos, pad_id=tok.pad_token_id, batch_size=18)
+    lengths = mask.sum(1).long().tolist()
+    assert sum(not t for t in truncated.tolist()) >= 5 and truncated.any()  # rows ended early (and were dropped)
+    for i, (prompt, key) in enumerate(zip(prompts, keys)):
+        want = _reference_completion(model, prompt, key, 30, eos, min_new_tokens=2, temperature=1.5)
+        assert ids[i, : lengths[i]].tolist() == want
+        assert (ids[i, lengths[i]:] == tok.pad_token_id).all()
+
+
+def test_each_distinct_prompt_is_prefilled_once(tiny_model_and_tokenizer):
+    model, tok = tiny_model_and_tokenizer
+    prompts = [tok(w)["input_ids"] for w in ["kiwi:", "lemon:"] for _ in range(4)]
+    widths = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, **kw):
+            widths.append(tuple(input_ids.shape))
+            return self.inner(input_ids=input_ids, **kw)
+
+    ids, _, _ = generate(Spy(model), prompts, sample_keys=list(range(8)), max_new_tokens=3, min_new_tokens=3,
+                         eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, batch_size=8)
+    assert widths[0][0] == 2 and all(w == (8, 1) for w in widths[1:])  # 2 prompts prefilled, 8 rows decoded
+    alone, _, _ = generate(model, prompts, sample_keys=list(range(8)), max_new_tokens=3, min_new_tokens=3,
+                           eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, batch_size=1)
+    assert torch.equal(ids, alone)
+
+
+def _rollout_with_groups(model, tok, k=4):
+    prompts = [tok(w)["input_ids"] for w in ["apple:", "a longer prompt:", "x"] for _ in range(k)]
+    ids, mask, truncated = generate(model, prompts, sample_keys=list(range(len(prompts))), max_new_tokens=9,
+                                    eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, batch_size=64)
+    p_ids, p_mask = left_pad(prompts, tok.pad_token_id)
+    return Rollout(p_ids, p_mask, ids, mask, truncated)
+
+
+def _one_pass_logprobs(model, batch, temperature):
+    """The plain forward over [prompt, completion] (what scoring did before prompts were shared)."""
+    from tidyrl.ops import gather_logprobs
+    from tidyrl.rollout import _model_inputs
+
+    tc = batch.completion_ids.shape[1]
+    logits = model(**_model_inputs(model, batch), use_cache=False, logits_to_keep=tc + 1).logits[:, :-1] / temperature
+    return gather_logprobs(logits, batch.completion_ids)
+
+
+def test_shared_prompt_forward_gives_the_one_pass_logprobs_and_gradients(tiny_model_dir, tiny_model_and_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from tidyrl.rollout import _shared_prompt_logits, completion_logprobs
+
+    _, tok = tiny_model_and_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    rollout = _rollout_with_groups(model.eval(), tok)
+    batch = rollout.select([0, 5, 1, 9, 4, 2, 10])  # groups interleaved, as a shuffled micro-batch holds them
+    model.train()
+    assert _shared_prompt_logits(model, batch) is not None  # the shared path is the one under test
+
+    def grads_of(fn):
+        model.zero_grad()
+        lp = fn()
+        (lp * batch.completion_mask * torch.linspace(-1, 1, lp.shape[1])).sum().backward()
+        return lp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    lp_shared, g_shared = grads_of(lambda: completion_logprobs(model, batch, 0.8)[0])
+    lp_plain, g_plain = grads_of(lambda: _one_pass_logprobs(model, batch, 0.8))
+    mask = batch.completion_mask > 0
+    torch.testing.assert_close(lp_shared[mask], lp_plain[mask], atol=1e-5, rtol=0)
+    for a, b in zip(g_shared, g_plain):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_prompts_are_not_shared_under_gradient_checkpointing(tiny_model_dir, tiny_model_and_tokenizer):
+    """Gradient checkpointing drops the cache in training, so the shared-prompt path must step aside."""
+    from transformers import AutoModelForCausalLM
+
+    from tidyrl.loops.common import enable_gradient_checkpointing
+    from tidyrl.rollout import _shared_prompt_logits, completion_logprobs
+
+    _, tok = tiny_model_and_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    rollout = _rollout_with_groups(model.eval(), tok)
+    enable_gradient_checkpointing(model)
+    model.train()
+    assert _shared_prompt_logits(model, rollout) is None
+    lp, _ = completion_logprobs(model, rollout, 1.0)
+    torch.testing.assert_close(lp.detach(), _one_pass_logprobs(model, rollout, 1.0).detach(), atol=1e-6, rtol=0)
+
+
+def test_a_sliding_window_cache_keeps_the_model_s_own_decoding(tmp_path, tiny_model_and_tokenizer):
+    """Models whose cache is not plain keys/values (here Mistral's sliding window) decode with their own
+    cache, one prefill per row, and stay keyed per sample."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tidyrl.rollout import _plain_kv_cache
+
+    _, tok = tiny_model_and_tokenizer
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                             sliding_window=4, max_position_embeddings=64)).eval()
+    assert not _plain_kv_cache(model)
+    prompts = [tok(w)["input_ids"] for w in ["apple:", "fig:"] for _ in range(3)]
+    common = dict(sample_keys=[sample_seed(0, 0, i) for i in range(6)], max_new_tokens=8,
+                  eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    a = generate(model, prompts, batch_size=6, **common)
+    b = generate(model, prompts, batch_size=1, **common)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_sampled_logprobs_are_what_scoring_gives(tiny_model_and_tokenizer):
+    """generate(return_logprobs=True) returns log softmax(logits / T)[token] of the unfiltered policy (top-k,
+    top-p and the min_new_tokens ban only shape the sampling), 0 past EOS: the old log-probs without a pass."""
+    model, tok = tiny_model_and_tokenizer
+    prompts = [tok(w)["input_ids"] for w in ["apple:", "a longer prompt:", "fig:"] for _ in range(4)]
+    common = dict(sample_keys=[sample_seed(1, 2, i) for i in range(12)], max_new_tokens=20, min_new_tokens=2,
+                  temperature=0.7, top_k=8, top_p=0.9, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                  return_logprobs=True)
+    ids, mask, truncated, logprobs = generate(model, prompts, batch_size=12, **common)
+    assert not truncated.all() and (mask == 0).any()
+    p_ids, p_mask = left_pad(prompts, tok.pad_token_id)
+    scored = score_logprobs(model, Rollout(p_ids, p_mask, ids, mask, truncated), temperature=0.7, chunk_size=5)
+    torch.testing.assert_close(logprobs, scored, atol=1e-5, rtol=0)
+    assert (logprobs[mask == 0] == 0).all() and (logprobs[mask > 0] < 0).all()
+    ids1, _, _, logprobs1 = generate(model, prompts, batch_size=5, **common)
+    assert torch.equal(ids1, ids)
+    torch.testing.assert_close(logprobs1, logprobs, atol=1e-6, rtol=0)

@@ -234,3 +234,35 @@ def test_sizes_that_do_not_divide_are_rejected_with_valid_values(tiny_model_dir,
     with pytest.raises(PlanError, match=r"train.micro_batch_size=3 does not divide .* valid values: 1, 2, 4"):
         tidyrl.train(sft_config(tiny_model_dir, sft_file, tmp_path / "out", train={"micro_batch_size": 3}))
     assert not (tmp_path / "out").exists()
+
+
+def test_two_processes_match_one(tiny_model_dir, sft_file, tmp_path):
+    """torchrun with W = 2 (each process 2 of the 4 examples per step, m = 1) gives the parameters of one
+    process with m = 4: the loss is normalised over the global batch and scaled by W for DDP's average."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+    from safetensors.torch import load_file
+
+    cfg = sft_config(tiny_model_dir, sft_file, tmp_path / "two", train={"micro_batch_size": 1, "dataset_epochs": 1.2})
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    with socket.socket() as probe:  # a free port, so parallel test runs do not collide
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(port), "-m", "tidyrl", "train", str(path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "plan.json").read_text())["world_size"] == 2
+    one = tidyrl.train(sft_config(tiny_model_dir, sft_file, tmp_path / "one",
+                                  train={"micro_batch_size": 4, "dataset_epochs": 1.2}))
+    rows_one, rows_two = read_jsonl(one.output_dir / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert [r["loss"] for r in rows_one] == pytest.approx([r["loss"] for r in rows_two], abs=1e-6)
+    a = load_file(one.final_dir / "model.safetensors")
+    b = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

@@ -224,20 +224,37 @@ def test_chat_message_prompts_are_rendered_with_the_chat_template(tiny_model_dir
     assert len(read_jsonl(out / "metrics.jsonl")) == 1
 
 
-def test_old_logprobs_are_scored_only_when_several_steps_share_a_rollout(tiny_model_dir, prompt_file, tmp_path,
-                                                                          monkeypatch):
+def test_old_logprobs_come_from_sampling_and_only_when_several_steps_share_a_rollout(tiny_model_dir, prompt_file,
+                                                                                      tmp_path, monkeypatch):
+    """Old log-probs exist only when E*M > 1, and cost no forward pass: the sampling pass returns them. They
+    equal what scoring the rollout with the policy gives (up to float rounding)."""
     import tidyrl.rollout as rollout_module
+    from tidyrl.loops.rl import _RLRun
 
-    calls = []
-    original = rollout_module.score_logprobs
-    monkeypatch.setattr(rollout_module, "score_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k))
+    calls, seen = [], []
+    original_score = rollout_module.score_logprobs
+    monkeypatch.setattr(rollout_module, "score_logprobs", lambda *a, **k: calls.append(1) or original_score(*a, **k))
+    original_make = _RLRun.make_rollout
+
+    def make_rollout(run, r):
+        rollout, stats = original_make(run, r)
+        if rollout.old_logprobs is not None:
+            policy = run.accelerator.unwrap_model(run.model)
+            scored = original_score(policy, rollout, run.cfg.rollout.temperature, 64)
+            seen.append(float((scored - rollout.old_logprobs).abs().max()))
+        else:
+            seen.append(None)
+        return rollout, stats
+
+    monkeypatch.setattr(_RLRun, "make_rollout", make_rollout)
     one_step = {"rollouts": 2, "epochs_per_rollout": 1, "minibatches_per_epoch": 1, "micro_batch_size": 8,
                 "warmup_steps": 0}
     tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "a", train=one_step, log={"progress_bar": False}))
-    assert calls == []  # E*M = 1: the current log-probs (detached) are the old ones
+    assert seen == [None, None]  # E*M = 1: the current log-probs (detached) are the old ones
     tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "b", train={**one_step, "minibatches_per_epoch": 2},
                              log={"progress_bar": False}))
-    assert len(calls) == 2  # once per rollout
+    assert len(seen) == 4 and all(diff is not None and diff < 1e-5 for diff in seen[2:])
+    assert calls == []  # no scoring pass of the policy in either run
 
 
 def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, prompt_file, tmp_path):

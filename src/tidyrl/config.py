@@ -48,8 +48,9 @@ class DataConfig:
     rejected_column: str = "rejected"
     """reward, dpo: column holding the dispreferred completion (a string, or assistant messages)."""
     max_length: Optional[int] = None
-    """sft, reward, dpo: longest tokenised example (prompt + completion) in tokens; longer ones are cut at the
-    end (the prompt is kept whole). null = no limit. Required by sft.packing (the packed row length)."""
+    """sft, reward, dpo: longest tokenised example (prompt + completion) in tokens. Longer ones are cut: sft and dpo
+    at the end (the prompt kept whole), reward at the start (a reward model scores the end, as in RL). null = no
+    limit. Required by sft.packing (the packed row length)."""
 
 
 @dataclass

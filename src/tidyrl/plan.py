@@ -274,8 +274,16 @@ def make_plan(
     )
 
 
-def plan_from_config(cfg: Config, num_prompts: int | None, world_size: int = 1) -> Plan:
-    """The plan of a config, for a prompt set of `num_prompts` prompts and `world_size` processes."""
+def plan_from_config(cfg: Config, num_prompts: int | None, world_size: int = 1) -> Plan | OfflinePlan:
+    """The plan of a config, for a prompt set of `num_prompts` prompts and `world_size` processes.
+
+    For sft, reward and dpo this is `offline_plan_from_config` (num_prompts = the dataset's rows; with
+    sft.packing the packed rows, tidyrl.offline_data.count_offline_examples), so no caller can print an RL plan
+    for an offline stage."""
+    from tidyrl.config import OFFLINE_ALGORITHMS  # config imports no torch either
+
+    if cfg.algorithm in OFFLINE_ALGORITHMS:
+        return offline_plan_from_config(cfg, num_prompts, world_size)
     return make_plan(
         prompts_per_rollout=cfg.rollout.prompts_per_rollout,
         samples_per_prompt=cfg.rollout.samples_per_prompt,

@@ -8,6 +8,19 @@ key and draws one uniform vector per decoding step; a token is drawn by the
 Gumbel-max trick (argmax of logits + Gumbel noise is an exact sample of the
 softmax; Gumbel 1954, Maddison et al. 2014), so a sequence's draws never
 depend on which other sequences share its chunk.
+
+What makes it fast, none of which changes a draw or the maths (docs/benchmarks.md
+has the profiles and figures):
+- the k samples of a prompt share one prompt pass: generation prefills each
+  distinct prompt once and copies its keys/values to its samples, and scoring
+  and training run a micro-batch's distinct prompts once, then the completions
+  on their keys/values (`_shared_prompt_logits`; gradients sum over the copies);
+- keys and values are written into buffers allocated once (`_BufferedLayer`)
+  instead of concatenated at every step, which copies the whole cache each time;
+- finished rows leave the decoding batch, and a one-token step gets its 4D
+  attention mask ready-made;
+- the sampling pass returns each token's log-prob, which are the old log-probs
+  of the ratio: no separate scoring pass of the policy.
 """
 
 from __future__ import annotations
@@ -17,6 +30,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from tidyrl.ops import entropy_from_logits, gather_logprobs
 
@@ -141,48 +156,82 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_logprobs: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Sample one completion per prompt, in chunks of `batch_size`.
 
     `sample_keys[i]` seeds prompt i's sampler (see `sample_seed`). Returns
     (completion_ids (B, max_new_tokens) right-padded with pad_id,
     completion_mask (B, max_new_tokens) float, 1 up to and including EOS,
-    truncated (B,) bool).
+    truncated (B,) bool), and with `return_logprobs` a fourth tensor (B, max_new_tokens): the log-probability
+    of each sampled token under the sampling model at `temperature`, before top-k/top-p filtering and the
+    min_new_tokens ban (what `score_logprobs` computes with the same weights, up to float rounding), 0 past
+    EOS. These are the old log-probs of PPO-style ratios, without a second forward pass.
     """
     assert len(prompts) == len(sample_keys)
     ids = torch.full((len(prompts), max_new_tokens), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), max_new_tokens))
+    logprobs = torch.zeros((len(prompts), max_new_tokens))
     for start in range(0, len(prompts), batch_size):
         chunk = slice(start, start + batch_size)
-        c_ids, c_mask = _generate_chunk(
+        c_ids, c_mask, c_logprobs = _generate_chunk(
             model, prompts[chunk], sample_keys[chunk], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
             pad_id=pad_id, min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         )
         ids[chunk, : c_ids.shape[1]] = c_ids.cpu()
         mask[chunk, : c_mask.shape[1]] = c_mask.cpu()
+        logprobs[chunk, : c_logprobs.shape[1]] = c_logprobs.cpu()
     ended = (ids.unsqueeze(-1) == torch.as_tensor(list(eos_ids))).any(-1) & (mask > 0)
     truncated = ~ended.any(-1)
-    return ids, mask, truncated
+    return (ids, mask, truncated, logprobs) if return_logprobs else (ids, mask, truncated)
 
 
 def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, min_new_tokens, temperature,
-                    top_p, top_k) -> tuple[torch.Tensor, torch.Tensor]:
+                    top_p, top_k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode one chunk: (ids, mask, log-probs of the sampled tokens), each (B, steps taken). Where the model's cache is a plain per-layer key/value cache (most decoder LMs), three
+    things make it lean without changing any draw: each distinct prompt is prefilled once and its cache copied
+    to its samples (GRPO/RLOO chunks hold k samples of each prompt); keys and values are written into buffers
+    allocated once instead of being concatenated (which copies the whole cache at every step); and finished
+    rows are dropped from the batch once they are a quarter of it."""
     device = model_device(model)
-    input_ids, attn = left_pad(prompts, pad_id)
-    input_ids, attn = input_ids.to(device), attn.to(device)
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    generators = [torch.Generator(device=device).manual_seed(k) for k in keys]
-    eos = torch.as_tensor(list(eos_ids), device=device)
     B = len(prompts)
+    eos = torch.as_tensor(list(eos_ids), device=device)
+    generators = [torch.Generator(device=device).manual_seed(k) for k in keys]
+    lean = _plain_kv_cache(model)
+    if lean:  # prefill each distinct prompt once
+        first_row: dict[tuple, int] = {}
+        inverse = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]
+        unique = [list(p) for p in first_row]
+    else:
+        inverse, unique = list(range(B)), list(prompts)
+    u_ids, u_attn = left_pad(unique, pad_id)
+    u_ids, u_attn = u_ids.to(device), u_attn.to(device)
+    u_pos = (u_attn.cumsum(-1) - 1).clamp(min=0)
+    Lp = u_ids.shape[1]
+    out = model(input_ids=u_ids, attention_mask=u_attn, position_ids=u_pos, use_cache=True, logits_to_keep=1)
+    inv = torch.as_tensor(inverse, device=device)
+    logits = out.logits[:, -1, :][inv]  # (B, V)
+    cache = out.past_key_values
+    if lean:
+        cache = _buffered_cache(cache, inv, Lp + max_new_tokens)
+    attn = torch.ones((B, Lp + max_new_tokens), dtype=u_attn.dtype, device=device)
+    attn[:, :Lp] = u_attn[inv]
+    if lean and getattr(model.config, "_attn_implementation", None) == "sdpa":
+        # A one-token step under SDPA needs only "which keys may I see": hand the model that 4D boolean mask
+        # (B, 1, 1, L) directly, which it uses as is, instead of having it rebuilt from the 2D one every step.
+        attn = attn.bool()[:, None, None, :]
+    next_pos = u_pos[inv, -1:] + 1  # (B, 1)
 
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1)
-    cache, logits = out.past_key_values, out.logits[:, -1, :]
-    vocab = logits.shape[-1]
+    ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    alive = torch.zeros((B, max_new_tokens), device=device)
+    logprobs = torch.zeros((B, max_new_tokens), device=device)
+    at: slice | torch.Tensor = slice(None)  # the chunk rows still in the batch (all, until the first drop)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens, alive = [], []
-    next_pos = positions[:, -1:] + 1
+    done = 0  # rows that have ended but are still in the batch
+    vocab, steps = logits.shape[-1], 0
     for step in range(max_new_tokens):
-        z = logits.float() / temperature  # (B, V)
+        scaled = logits.float() / temperature if temperature != 1.0 else logits.float()  # (b, V)
+        z = scaled.clone() if step < min_new_tokens else scaled
         if step < min_new_tokens:
             z[:, eos] = float("-inf")
         z = filter_logits(z, top_k, top_p)
@@ -190,18 +239,93 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         u = torch.stack([torch.rand(vocab, generator=g, device=device) for g in generators])
         gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
         token = torch.argmax(z + gumbel, dim=-1)
-        alive.append(~finished)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
-        tokens.append(token)
+        # log softmax(scaled)[token] = scaled[token] - logsumexp(scaled): the unfiltered policy, as in training.
+        chosen = scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+        if done:  # rows that ended earlier emit padding, masked out
+            token = torch.where(finished, torch.full_like(token, pad_id), token)
+            chosen = chosen.masked_fill(finished, 0.0)
+            alive[at, step] = (~finished).float()
+        else:
+            alive[at, step] = 1.0
+        ids[at, step] = token
+        logprobs[at, step] = chosen
         finished = finished | torch.isin(token, eos)
-        if bool(finished.all()) or step == max_new_tokens - 1:
+        steps = step + 1
+        if step == max_new_tokens - 1:
             break
-        attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=device)], dim=1)
-        out = model(input_ids=token[:, None], attention_mask=attn, position_ids=next_pos, past_key_values=cache,
-                    use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1, :]
+        done = int(finished.sum())  # one host sync per step, as any EOS check needs
+        if done == len(finished):
+            break
+        if lean and 4 * done >= len(finished):  # drop the finished rows (a copy of the cache: not for each one)
+            keep = (~finished).nonzero().squeeze(1)
+            at = keep if isinstance(at, slice) else at[keep]
+            token, attn, next_pos, finished = token[keep], attn[keep], next_pos[keep], finished[keep]
+            generators = [generators[i] for i in keep.tolist()]
+            cache.batch_select_indices(keep)
+            done = 0
+        out = model(input_ids=token[:, None], attention_mask=attn[..., : Lp + step + 1], position_ids=next_pos,
+                    past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
-    return torch.stack(tokens, 1), torch.stack(alive, 1).float()
+    return ids[:, :steps], alive[:, :steps], logprobs[:, :steps]
+
+
+def _plain_kv_cache(model) -> bool:
+    """True when the model's cache is one plain growing key/value layer per decoder layer (Llama, Qwen,
+    Mistral without sliding windows, ...): then prompts can be shared and keys buffered. Sliding-window,
+    linear-attention and other special caches keep the model's own cache and one prefill per row."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return False
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # a config the cache cannot read: use the model's own
+        return False
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+class _BufferedLayer(DynamicLayer):
+    """One decoder layer's keys and values in buffers allocated once with room for every position: `update`
+    writes the new positions in place where DynamicLayer concatenates (which copies the whole cache at every
+    decoding step). For no-grad decoding only (the writes are in place)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        super().__init__()
+        b, h, length, d = keys.shape
+        self._k = keys.new_empty((b, h, capacity, d))
+        self._v = values.new_empty((b, values.shape[1], capacity, values.shape[3]))
+        self._k[:, :, :length] = keys
+        self._v[:, :, :length] = values
+        self.length, self.is_initialized = length, True
+        self.dtype, self.device = keys.dtype, keys.device
+        self._views()
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n = key_states.shape[-2]
+        self._k[:, :, self.length: self.length + n] = key_states
+        self._v[:, :, self.length: self.length + n] = value_states
+        self.length += n
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices], self._v[indices]
+        self._views()
+
+
+def _buffered_cache(prefill_cache, rows: torch.Tensor, capacity: int):
+    """A DynamicCache whose layers are `_BufferedLayer`s holding the prefill's keys and values of `rows`
+    (row i of the new cache is row rows[i] of the prefill: each prompt's cache copied to its samples)."""
+    cache = DynamicCache()
+    cache.layers = [_BufferedLayer(layer.keys[rows], layer.values[rows], capacity) for layer in prefill_cache.layers]
+    cache.layer_class_to_replicate = None
+    return cache
 
 
 def _model_inputs(model, batch: Rollout) -> dict:
@@ -213,10 +337,61 @@ def _model_inputs(model, batch: Rollout) -> dict:
 
 
 def _forward_logits(model, batch: Rollout) -> torch.Tensor:
-    """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected."""
+    """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
+
+    When several rows share a prompt (the k samples of a group), the prompt is run once and its keys and
+    values are copied to its rows (`_shared_prompt_logits`): the same maths with fewer FLOPs."""
     tc = batch.completion_ids.shape[1]
+    shared = _shared_prompt_logits(model, batch) if tc > 1 else None
+    if shared is not None:
+        return shared
     logits = model(**_model_inputs(model, batch), use_cache=False, logits_to_keep=tc + 1).logits
     return logits[:, :-1, :]  # (B, Tc, V): position t predicts completion token t
+
+
+def _shared_prompt_logits(model, batch: Rollout) -> Optional[torch.Tensor]:
+    """`_forward_logits` in two passes: the U distinct prompts once (U, Lp), then the B completions
+    (B, Tc - 1) on the prompts' keys and values indexed per row. Gradients flow through that index into the
+    shared prompt pass, where backward sums them: the gradient of a prompt's k copies. None when it would not
+    help (every prompt distinct) or cannot be used (see `_can_share_prompts`)."""
+    rows = torch.cat([batch.prompt_ids, batch.prompt_mask], dim=1)  # a prompt is its ids and its padding
+    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if len(unique) == len(rows) or not _can_share_prompts(model):
+        return None
+    device = model_device(model)
+    lp = batch.prompt_ids.shape[1]
+    u_ids, u_mask = unique[:, :lp].to(device), unique[:, lp:].to(device)
+    u_pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
+    # The prompt pass runs the module inside DDP, so that every process makes exactly one DDP forward per
+    # micro-batch, shared prompts or not (DDP syncs buffers at each forward: unequal counts would deadlock).
+    # Its gradients still reach the parameters, whose DDP hooks fire once per backward with the summed grad.
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    prompt = inner(input_ids=u_ids, attention_mask=u_mask, position_ids=u_pos, use_cache=True, logits_to_keep=1)
+    inverse = inverse.to(device)
+    cache = prompt.past_key_values
+    for layer in cache.layers:  # (U, ...) -> (B, ...); index_select's backward (index_add) sums the k copies
+        layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
+    inputs = _model_inputs(model, batch)  # the full rows' mask and positions, as in the one-pass forward
+    rest = model(input_ids=inputs["input_ids"][:, lp:-1], attention_mask=inputs["attention_mask"][:, :-1],
+                 position_ids=inputs["position_ids"][:, lp:-1], past_key_values=cache, use_cache=True).logits
+    return torch.cat([prompt.logits[:, -1:].index_select(0, inverse), rest], dim=1)  # (B, Tc, V)
+
+
+def _can_share_prompts(model) -> bool:
+    """Two forward passes on one graph are safe on a plain model or under DDP, with a plain key/value cache
+    and without gradient checkpointing (which drops the cache in training). FSDP, DeepSpeed and other
+    wrappers get the one-pass forward."""
+    from transformers import PreTrainedModel
+
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if not isinstance(inner, PreTrainedModel):
+        return False
+    checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers 5's name
+    if checkpointing if checkpointing is not None else inner.is_gradient_checkpointing:
+        return False
+    if type(next(inner.parameters())).__name__ == "DTensor":  # FSDP2 shards the parameters in place
+        return False
+    return _plain_kv_cache(inner)
 
 
 def completion_values(critic, batch: Rollout) -> torch.Tensor:
@@ -242,7 +417,9 @@ def completion_logprobs(model, batch: Rollout, temperature: float, with_entropy:
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
     per-token entropy (computed without grad). Gradients flow when called outside no_grad."""
-    logits = _forward_logits(model, batch) / temperature  # (B, Tc, V)
+    logits = _forward_logits(model, batch)  # (B, Tc, V)
+    if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
+        logits = logits / temperature
     ids = batch.completion_ids.to(logits.device)
     logprobs = gather_logprobs(logits, ids)
     entropy = None

@@ -344,11 +344,12 @@ class _RLRun:
         prompt_ids = [self.prompt_ids[indices[e // k]] for e in episodes]
 
         t0 = time.perf_counter()
-        ids, mask, truncated = generate(
+        # The sampling pass also returns each token's log-prob under the policy (the old log-probs below).
+        ids, mask, truncated, sampled_logprobs = generate(
             policy, prompt_ids, sample_keys=[sample_seed(cfg.seed, r, e) for e in episodes],
             max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
             pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature, top_p=ro.top_p,
-            top_k=ro.top_k,
+            top_k=ro.top_k, return_logprobs=True,
         )
         t_generate = time.perf_counter() - t0
 
@@ -362,6 +363,21 @@ class _RLRun:
 
         p_ids, p_mask = left_pad(prompt_ids, self.pad_id)
         local = Rollout(p_ids, p_mask, ids, mask, truncated)
+        t0 = time.perf_counter()
+        # Each process scores its own R/W episodes; the results are gathered with the rollout.
+        # Old log-probs differ from the current ones only after the first optimizer step of the rollout,
+        # so they are kept only when E*M > 1, or when the KL penalty sits in the reward (all but GRPO). The
+        # sampling pass computed them with the same weights (no second forward pass; equal up to rounding).
+        kl_in_reward = self.ref_model is not None and cfg.algorithm != "grpo"
+        if plan.optimizer_steps_per_rollout > 1 or kl_in_reward:
+            local.old_logprobs = sampled_logprobs
+        if self.ref_model is not None:
+            local.ref_logprobs = score_logprobs(self.ref_model, local, ro.temperature, ro.forward_batch_size)
+        if self.critic is not None:
+            critic = self.accelerator.unwrap_model(self.critic)
+            critic.eval()
+            local.old_values = score_values(critic, local, ro.forward_batch_size)
+        t_score = time.perf_counter() - t0
         per_fn_local = {name: torch.tensor([math.nan if v is None else float(v) for v in values])
                         for name, values in result.per_function.items()}
         rollout = self._gather_rollout(local)
@@ -373,20 +389,6 @@ class _RLRun:
             per_fn[name] = (per_fn[name] - moments.mean) / max(moments.std, 1e-8)
         # The weighted sum over the functions that scored each episode (every episode has one: checked).
         scores = sum(f.weight * torch.nan_to_num(per_fn[f.name], nan=0.0) for f in self.reward_fns)  # (R,)
-
-        t0 = time.perf_counter()
-        # Old log-probs differ from the current ones only after the first optimizer step of the rollout,
-        # so they are scored only when E*M > 1, or when the KL penalty sits in the reward (all but GRPO).
-        kl_in_reward = self.ref_model is not None and cfg.algorithm != "grpo"
-        if plan.optimizer_steps_per_rollout > 1 or kl_in_reward:
-            rollout.old_logprobs = score_logprobs(policy, rollout, ro.temperature, ro.forward_batch_size)
-        if self.ref_model is not None:
-            rollout.ref_logprobs = score_logprobs(self.ref_model, rollout, ro.temperature, ro.forward_batch_size)
-        if self.critic is not None:
-            critic = self.accelerator.unwrap_model(self.critic)
-            critic.eval()
-            rollout.old_values = score_values(critic, rollout, ro.forward_batch_size)
-        t_score = time.perf_counter() - t0
 
         algo_stats = self._advantages(rollout, scores)
         lengths_R = rollout.completion_mask.sum(1)
@@ -406,19 +408,29 @@ class _RLRun:
         stats["time/generate_s"] = t_generate
         stats["time/reward_s"] = t_reward
         stats["time/score_s"] = t_score
-        stats["_samples"] = [
-            {
-                "prompt": prompts[i] if isinstance(prompts[i], str) else list(prompts[i]),
-                "completion": completions[i],
-                "reward": float(scores[episodes[i]]),
-                "rewards": {name: values[i] for name, values in result.per_function.items()},
-                "advantage": float(adv[episodes[i]] if adv.dim() == 1 else  # token-level: the mean over tokens
-                                   masked_mean(adv[episodes[i]], rollout.completion_mask[episodes[i]])),
-                "truncated": bool(truncated[i]),
-            }
-            for i in range(min(cfg.log.samples_per_rollout, len(prompts)))
-        ] if self.is_main else []
+        # The first episodes of the *global* rollout, so samples.jsonl does not depend on W.
+        stats["_samples"] = [self._sample_row(rollout, e, prompt_rows[cfg.data.prompt_column][e // k], scores,
+                                              raw_per_fn) for e in range(min(cfg.log.samples_per_rollout, len(rollout)))
+                             ] if self.is_main else []
         return rollout, stats
+
+    def _sample_row(self, rollout, e: int, prompt, scores, raw_per_fn) -> dict:
+        """One samples.jsonl row for global episode e."""
+        import math
+
+        from tidyrl.algorithms.losses import masked_mean
+
+        n = int(rollout.completion_mask[e].sum())
+        adv = rollout.advantages
+        return {
+            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "completion": self.tokenizer.decode(rollout.completion_ids[e, :n].tolist(), skip_special_tokens=True),
+            "reward": float(scores[e]),
+            "rewards": {name: None if math.isnan(float(v[e])) else float(v[e]) for name, v in raw_per_fn.items()},
+            # token-level advantages (PPO, REINFORCE++): the mean over the completion's tokens
+            "advantage": float(adv[e] if adv.dim() == 1 else masked_mean(adv[e], rollout.completion_mask[e])),
+            "truncated": bool(rollout.truncated[e]),
+        }
 
     def _advantages(self, rollout, scores) -> dict:
         """Set rollout.advantages (and PPO's returns) by the algorithm (DESIGN §3, step 4); returns the
@@ -491,6 +503,9 @@ class _RLRun:
                                      num_sequences=len(minibatch), max_new_tokens=cfg.rollout.max_new_tokens)
         per_proc = plan.episodes_per_minibatch_per_process
         mine = minibatch[self.rank * per_proc: (self.rank + 1) * per_proc].tolist()
+        # Samples of one prompt side by side, so a micro-batch runs each shared prompt once (rollout.py). The
+        # split into micro-batches changes only the summation order: the normaliser is the mini-batch's.
+        mine.sort(key=lambda e: e // plan.samples_per_prompt)
         micro_batches = list(chunks(mine, plan.micro_batch_size))
         assert len(micro_batches) == plan.gradient_accumulation_steps
         # loss, kl*tokens, entropy*tokens, clipped, tokens, value loss, value-clipped tokens
@@ -597,6 +612,8 @@ class _RLRun:
         acc = self.accelerator
 
         def cat(t, pad_first=False, pad_index=0):
+            if t is None:
+                return None
             t = acc.pad_across_processes(t.to(acc.device), dim=1, pad_index=pad_index, pad_first=pad_first)
             return acc.gather(t).cpu()
 
@@ -606,6 +623,9 @@ class _RLRun:
             completion_ids=cat(local.completion_ids, pad_index=self.pad_id),
             completion_mask=cat(local.completion_mask),
             truncated=acc.gather(local.truncated.to(acc.device)).cpu(),
+            old_logprobs=cat(local.old_logprobs),
+            ref_logprobs=cat(local.ref_logprobs),
+            old_values=cat(local.old_values),
         )
 
 

@@ -1,0 +1,404 @@
+"""tidyrl vs TRL's GRPOTrainer: the same GRPO work, side by side, in one invocation.
+
+    python benchmarks/bench_vs_trl.py --workload all --repeats 3
+
+Prints, for each workload and library: episodes/s, completion tokens/s, median seconds per optimizer
+step, the split of a rollout's time between generation, reward, scoring (old/reference log-probs) and
+the updates, peak RSS, the achieved fraction of this CPU's measured float32 matrix-multiply rate, and
+the tidyrl/TRL ratios. TRL is an optional extra (`pip install -e ".[bench]"`); without it, tidyrl runs
+alone and the script says so.
+
+How the comparison is kept fair
+-------------------------------
+- Same weights: each workload's Llama and character-level tokenizer are built once (tidyrl.tiny) and
+  saved to a temporary folder; both libraries load that folder with `from_pretrained`, float32.
+- Same prompts (the same token ids: both tokenize plain strings with BOS), the same reward function
+  (it does not depend on completion length), the same group size k, prompts per rollout P, optimizer
+  batch (all P*k episodes), micro-batch m, AdamW (lr 1e-5, constant schedule, no weight decay,
+  clipping at 1.0), epochs per rollout E (TRL: num_iterations), KL (TRL: beta; tidyrl:
+  grpo.kl_coef, k3 estimator in both) and the token-mean loss over the whole batch (TRL: loss_type
+  "dapo", its default; tidyrl: token_mean, its default). Gradient checkpointing is off in both (TRL
+  turns it on by default, which would cost it a recomputed forward per micro-batch: not the same work).
+- Same sampling: temperature 1.0, top_p 1.0, top_k off, max_new_tokens T; TRL generates with
+  `model.generate` (use_vllm=False), all P*k sequences at once, and so does tidyrl
+  (generation_batch_size = P*k). No-grad scoring runs in chunks of m in both (TRL uses
+  per_device_train_batch_size; tidyrl forward_batch_size = m).
+- Same amount of work: EOS is forbidden until T tokens in both (min_new_tokens = T; TRL passes it
+  through generation_kwargs), so every completion has exactly T tokens and neither library gains from
+  early stopping.
+- Same threads: each library runs in its own fresh subprocess with OMP_NUM_THREADS=MKL_NUM_THREADS=
+  --threads and torch.set_num_threads(--threads); nothing else of this script runs meanwhile. Runs
+  alternate (tidyrl, TRL, tidyrl, TRL, ...) so that drift on a shared machine hits both alike.
+- Same measurement: the first --warmup rollouts of every run are excluded; each run then times
+  --steps optimizer steps (rounded up to whole rollouts). Seconds per optimizer step is the median
+  over rollouts of (rollout wall time / optimizer steps per rollout); the split uses the libraries'
+  own clocks (tidyrl: metrics.jsonl time/*; TRL: timers around GRPOTrainer._generate,
+  _calculate_rewards and _generate_and_score_completions, whose remainder after generation and
+  rewards is scoring). Peak RSS is the child's ru_maxrss from os.wait4 (model loading and imports
+  included). Every figure printed is the median over --repeats runs.
+- FLOPs (for the fraction of peak) are the workload's nominal ones, the same figure for both
+  libraries: per sequence of L = prompt + T tokens, a forward is 2*N*L + 2*layers*hidden*L^2 (N =
+  matmul parameters incl. the LM head; the second term is attention); generation is one forward, each
+  scoring pass (old log-probs when E > 1, reference when KL is on) one forward, each training epoch
+  three. That is the work as TRL does it; tidyrl skips part of it (shared prompt passes, no old
+  log-prob pass), so its nominal rate can exceed what its hardware executes. The peak is the best
+  float32 GEMM rate (torch.matmul, 1024..2048 square) measured by this script with the same thread
+  count, right before the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKLOADS = {
+    # Overhead-bound: ~1M parameters, 4 prompts x 8 samples, 32 tokens, one optimizer step per rollout.
+    "tiny": dict(hidden=128, layers=4, heads=4, intermediate=512, prompts=4, k=8, max_new_tokens=32, epochs=1,
+                 kl_coef=0.0, micro_batch=32, steps=20, warmup=3),
+    # Compute-bound: ~25M parameters, 8 prompts x 8 samples, 128 tokens, E = 2, a reference model with KL.
+    "small": dict(hidden=512, layers=8, heads=8, intermediate=1376, prompts=8, k=8, max_new_tokens=128, epochs=2,
+                  kl_coef=0.04, micro_batch=16, steps=4, warmup=1),
+}
+LEARNING_RATE = 1e-5
+WORDS = ("apple pear fig kiwi lime plum date lemon mango peach grape melon cherry olive berry guava papaya "
+         "quince lychee banana orange apricot").split()
+
+
+def vowel_fraction(completions, **_):
+    """The reward of both libraries: the fraction of vowels in the completion (independent of length)."""
+    return [sum(c in "aeiou" for c in t) / max(len(t), 1) for t in completions]
+
+
+def prompt_texts(n: int = 64) -> list[str]:
+    """Plain-text prompts of varied lengths (8..30 characters)."""
+    return [f"{WORDS[i % len(WORDS)]} {WORDS[(3 * i + 1) % len(WORDS)] * (1 + i % 2)} {i}:" for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- children
+def child_tidyrl(spec: dict) -> dict:
+    import tidyrl
+
+    w, out = spec["workload"], Path(spec["out"])
+    rollouts = spec["warmup"] + spec["rollouts"]
+    cfg = {
+        "algorithm": "grpo",
+        "model": spec["model"],
+        "output_dir": str(out / "run"),
+        "overwrite": True,  # a child can be rerun by hand (e.g. under a profiler) with its spec.json
+        "seed": spec["seed"],
+        "data": {"path": spec["prompts"]},
+        "rewards": [{"function": vowel_fraction}],
+        "rollout": {"prompts_per_rollout": w["prompts"], "samples_per_prompt": w["k"],
+                    "max_new_tokens": w["max_new_tokens"], "min_new_tokens": w["max_new_tokens"],
+                    "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                    "generation_batch_size": w["prompts"] * w["k"], "forward_batch_size": w["micro_batch"]},
+        "train": {"rollouts": rollouts, "epochs_per_rollout": w["epochs"], "minibatches_per_epoch": 1,
+                  "micro_batch_size": w["micro_batch"], "learning_rate": LEARNING_RATE, "lr_scheduler": "constant",
+                  "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0},
+        "grpo": {"kl_coef": w["kl_coef"], "kl_estimator": "k3", "loss_aggregation": "token_mean"},
+        "log": {"progress_bar": False, "samples_per_rollout": 1},
+    }
+    tidyrl.train(cfg)
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    per_rollout: dict[int, list[dict]] = {}
+    for row in rows:
+        per_rollout.setdefault(row["rollout"], []).append(row)
+    rollouts_out, previous_end = [], 0.0
+    for r in sorted(per_rollout):
+        steps = per_rollout[r]
+        end = steps[-1]["time_s"]
+        rollouts_out.append({"wall_s": end - previous_end, "steps": len(steps),
+                             "generate_s": steps[0]["time/generate_s"], "reward_s": steps[0]["time/reward_s"],
+                             "score_s": steps[0]["time/score_s"],
+                             "update_s": sum(s["time/update_s"] for s in steps),
+                             "completion_tokens": steps[0]["completion_length_mean"] * w["prompts"] * w["k"]})
+        previous_end = end
+    return {"rollouts": rollouts_out}
+
+
+def child_trl(spec: dict) -> dict:
+    import datasets
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    w, out = spec["workload"], Path(spec["out"])
+    R, m = w["prompts"] * w["k"], w["micro_batch"]
+    total_steps = (spec["warmup"] + spec["rollouts"]) * w["epochs"]
+    texts = [json.loads(line)["prompt"] for line in Path(spec["prompts"]).read_text().splitlines()]
+    args = GRPOConfig(
+        output_dir=str(out / "run"), seed=spec["seed"], use_cpu=True, bf16=False, fp16=False,
+        per_device_train_batch_size=m, gradient_accumulation_steps=R // m, num_generations=w["k"],
+        max_completion_length=w["max_new_tokens"], generation_kwargs={"min_new_tokens": w["max_new_tokens"]},
+        temperature=1.0, top_p=1.0, top_k=0, use_vllm=False,
+        num_iterations=w["epochs"], beta=w["kl_coef"], loss_type="dapo", scale_rewards="group",
+        learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, max_steps=total_steps, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+        gradient_checkpointing=False,  # TRL's default is True; tidyrl's is False: the same work for both
+    )
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=vowel_fraction, args=args,
+                          train_dataset=datasets.Dataset.from_list([{"prompt": t} for t in texts]),
+                          processing_class=AutoTokenizer.from_pretrained(spec["model"]))
+    timers: dict[str, list[float]] = {"generate": [], "reward": [], "rollout": []}
+    tokens: list[int] = []
+
+    def timed(name, fn, count_tokens=False):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            result = fn(*a, **kw)
+            timers[name].append(time.perf_counter() - t0)
+            if count_tokens:
+                tokens.append(int(result["completion_mask"].sum()))
+            return result
+        return wrapper
+
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    trainer._generate_and_score_completions = timed("rollout", trainer._generate_and_score_completions, True)
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, *a, **kw):
+            step_ends.append(time.perf_counter())
+
+        def on_step_end(self, *a, **kw):
+            step_ends.append(time.perf_counter())
+
+    trainer.add_callback(StepClock())
+    trainer.train()
+    E = w["epochs"]
+    step_s = [b - a for a, b in zip(step_ends, step_ends[1:])]
+    assert len(step_s) == total_steps and len(timers["rollout"]) == total_steps // E, (len(step_s), timers)
+    rollouts_out = []
+    for r in range(total_steps // E):
+        wall = sum(step_s[r * E: (r + 1) * E])
+        gen, rew, whole = timers["generate"][r], timers["reward"][r], timers["rollout"][r]
+        rollouts_out.append({"wall_s": wall, "steps": E, "generate_s": gen, "reward_s": rew,
+                             "score_s": whole - gen - rew, "update_s": wall - whole,
+                             "completion_tokens": tokens[r]})
+    return {"rollouts": rollouts_out}
+
+
+def run_child(library: str, spec: dict, threads: int) -> dict:
+    """One library in a fresh subprocess; returns its timings and its own peak RSS (ru_maxrss of that child)."""
+    spec_path = Path(spec["out"]) / "spec.json"
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, __file__, "--child", library, "--spec", str(spec_path), "--threads", str(threads)]
+    log = open(Path(spec["out"]) / "child.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    log.close()
+    if proc.returncode != 0:
+        tail = (Path(spec["out"]) / "child.log").read_text()[-3000:]
+        raise RuntimeError(f"{library} run failed (exit {proc.returncode}):\n{tail}")
+    result = json.loads((Path(spec["out"]) / "result.json").read_text())
+    result["peak_rss_mib"] = usage.ru_maxrss / 1024  # KiB on Linux
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- parent
+def build_workload(name: str, folder: Path) -> tuple[str, str, dict]:
+    """Save the workload's model and tokenizer and the prompt file; return their paths and FLOP facts."""
+    from tidyrl.tiny import build_char_tokenizer, build_tiny_llama
+
+    w = WORKLOADS[name]
+    tok = build_char_tokenizer(chat_template=None)
+    model = build_tiny_llama(len(tok), hidden_size=w["hidden"], num_layers=w["layers"], num_heads=w["heads"],
+                             intermediate_size=w["intermediate"], max_position_embeddings=256, seed=0,
+                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model_dir = folder / "model"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    texts = prompt_texts()
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    n_params = sum(p.numel() for p in model.parameters())
+    matmul = sum(mod.weight.numel() for mod in model.modules() if type(mod).__name__ == "Linear")
+    prompt_len = statistics.mean(len(tok(t)["input_ids"]) for t in texts)
+    facts = {"params": n_params, "matmul_params": matmul, "prompt_len": prompt_len}
+    return str(model_dir), str(prompts), facts
+
+
+def rollout_flops(w: dict, facts: dict) -> float:
+    """Algorithmic FLOPs of one rollout (generation + scoring + E training epochs), see the docstring."""
+    L = facts["prompt_len"] + w["max_new_tokens"]
+    forward = 2 * facts["matmul_params"] * L + 2 * w["layers"] * w["hidden"] * L * L
+    passes = 1 + (1 if w["epochs"] > 1 else 0) + (1 if w["kl_coef"] > 0 else 0) + 3 * w["epochs"]
+    return w["prompts"] * w["k"] * forward * passes
+
+
+def gemm_peak(threads: int) -> float:
+    """Best float32 GEMM rate (FLOP/s) of torch.matmul on this CPU with `threads` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    best = 0.0
+    for n in (1024, 1536, 2048):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        for _ in range(3):
+            reps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 0.5:
+                a @ b
+                reps += 1
+            best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
+    return best
+
+
+def summarise(result: dict, w: dict, warmup: int, flops: float) -> dict:
+    """Figures of one run, over the rollouts after the warmup."""
+    rs = result["rollouts"][warmup:]
+    steps_per_rollout = w["epochs"]
+    wall = sum(r["wall_s"] for r in rs)
+    return {
+        "episodes_per_s": len(rs) * w["prompts"] * w["k"] / wall,
+        "tokens_per_s": sum(r["completion_tokens"] for r in rs) / wall,
+        "s_per_step": statistics.median(r["wall_s"] / steps_per_rollout for r in rs),
+        "generate_s": statistics.median(r["generate_s"] for r in rs),
+        "reward_s": statistics.median(r["reward_s"] for r in rs),
+        "score_s": statistics.median(r["score_s"] for r in rs),
+        "update_s": statistics.median(r["update_s"] for r in rs),
+        "rollout_s": statistics.median(r["wall_s"] for r in rs),
+        "flops_per_s": flops * len(rs) / wall,
+        "peak_rss_mib": result["peak_rss_mib"],
+    }
+
+
+def median_of(runs: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def print_table(name: str, w: dict, facts: dict, figures: dict[str, dict], peak: float, runs: int) -> None:
+    print(f"\n== {name}: {facts['params'] / 1e6:.2f}M-parameter Llama (hidden {w['hidden']}, {w['layers']} layers), "
+          f"{w['prompts']} prompts x {w['k']} samples, {w['max_new_tokens']} new tokens, E={w['epochs']}, "
+          f"kl_coef={w['kl_coef']}, micro-batch {w['micro_batch']}; median of {runs} runs ==")
+    cols = list(figures)
+    header = f"{'':28}" + "".join(f"{c:>14}" for c in cols)
+    if len(cols) == 2:
+        header += f"{'tidyrl/TRL':>14}"
+    print(header)
+    rows = [
+        ("episodes/s", "episodes_per_s", "{:.2f}", True),
+        ("completion tokens/s", "tokens_per_s", "{:.0f}", True),
+        ("s / optimizer step", "s_per_step", "{:.3f}", False),
+        ("rollout: generate s", "generate_s", "{:.3f}", False),
+        ("rollout: reward s", "reward_s", "{:.4f}", False),
+        ("rollout: score s", "score_s", "{:.3f}", False),
+        ("rollout: update s", "update_s", "{:.3f}", False),
+        ("rollout: total s", "rollout_s", "{:.3f}", False),
+        ("peak RSS MiB", "peak_rss_mib", "{:.0f}", False),
+        ("nominal GFLOP/s", "flops_per_s", "{:.2f}", True),
+    ]
+    for label, key, fmt, higher_better in rows:
+        values = [figures[c][key] for c in cols]
+        scale = 1e-9 if key == "flops_per_s" else 1.0
+        line = f"{label:28}" + "".join(f"{fmt.format(v * scale):>14}" for v in values)
+        if len(cols) == 2 and values[1]:
+            ratio = values[0] / values[1]
+            line += f"{ratio:>13.2f}x"
+        print(line)
+    line = f"{'nominal / GEMM peak':28}" + "".join(f"{figures[c]['flops_per_s'] / peak:>14.1%}" for c in cols)
+    print(line)
+    if len(cols) == 2:
+        speed = figures["tidyrl"]["episodes_per_s"] / figures["TRL"]["episodes_per_s"]
+        rss = figures["tidyrl"]["peak_rss_mib"] / figures["TRL"]["peak_rss_mib"]
+        print(f"-> tidyrl is {speed:.2f}x TRL's episodes/s, with {rss:.2f}x its peak RSS")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per library (figures are their medians)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="measured optimizer steps per run (default per workload: tiny 20, small 4)")
+    parser.add_argument("--warmup", type=int, default=None, help="rollouts excluded per run (default: tiny 3, small 1)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each library (default 2)")
+    parser.add_argument("--libraries", default="tidyrl,trl", help="comma-separated subset of tidyrl,trl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", help="keep the models, runs and child logs in this folder")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:  # inside one library's subprocess
+        import torch
+
+        torch.set_num_threads(args.threads)
+        spec = json.loads(Path(args.spec).read_text())
+        result = (child_tidyrl if args.child == "tidyrl" else child_trl)(spec)
+        (Path(spec["out"]) / "result.json").write_text(json.dumps(result))
+        return
+
+    import importlib.util
+
+    libraries = [x.strip() for x in args.libraries.split(",") if x.strip()]
+    if "trl" in libraries and importlib.util.find_spec("trl") is None:
+        print("TRL is not installed: running tidyrl alone, no ratios. For the comparison: "
+              "pip install -e '.[bench]'  (trl==1.16.0)", flush=True)
+        libraries = [x for x in libraries if x != "trl"]
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    base.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    import transformers
+
+    import tidyrl
+
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}, tidyrl {tidyrl.__version__}"
+    if "trl" in libraries:
+        import trl
+
+        versions += f", trl {trl.__version__}"
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               "unknown CPU")
+    print(f"{os.cpu_count()} CPUs ({cpu}); {args.threads} torch threads per library; {versions}", flush=True)
+    peak = gemm_peak(args.threads)
+    print(f"measured float32 GEMM peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
+
+    for name in names:
+        w = WORKLOADS[name]
+        folder = base / name
+        model_dir, prompts, facts = build_workload(name, folder)
+        warmup = w["warmup"] if args.warmup is None else args.warmup
+        rollouts = -(-(args.steps or w["steps"]) // w["epochs"])
+        flops = rollout_flops(w, facts)
+        per_lib: dict[str, list[dict]] = {lib: [] for lib in libraries}
+        for rep in range(args.repeats):
+            for lib in libraries:
+                spec = {"workload": w, "model": model_dir, "prompts": prompts, "seed": args.seed + rep,
+                        "warmup": warmup, "rollouts": rollouts, "out": str(folder / f"{lib}-{rep}")}
+                t0, load = time.perf_counter(), os.getloadavg()[0]
+                result = run_child(lib, spec, args.threads)
+                figures = summarise(result, w, warmup, flops)
+                per_lib[lib].append(figures)
+                print(f"  {name} {lib:6} run {rep + 1}/{args.repeats}: {figures['episodes_per_s']:.1f} episodes/s, "
+                      f"{figures['s_per_step']:.3f} s/step, peak RSS {figures['peak_rss_mib']:.0f} MiB "
+                      f"({time.perf_counter() - t0:.0f} s with loading; load average {load:.2f} -> "
+                      f"{os.getloadavg()[0]:.2f})", flush=True)
+        labels = {"tidyrl": "tidyrl", "trl": "TRL"}
+        print_table(name, w, facts, {labels[lib]: median_of(runs) for lib, runs in per_lib.items()}, peak,
+                    args.repeats)
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The same config gives the same run on 1 or 2 processes (gloo on CPU, launched with torchrun).
+
+Tolerance. With W = 2 each process generates and scores R/W episodes and computes half of each
+mini-batch's gradient; DDP sums the halves. Completions are identical (keyed sampling). The numbers
+differ from W = 1 only by float32 rounding: other chunk shapes in the no-grad scoring and another
+summation order of the gradient. After a few AdamW steps at lr 1e-3 that stays below 1e-5 per
+parameter; a real mistake (a per-process normaliser, a double-stepped scheduler, a missing
+all-reduce) moves parameters by ~lr = 1e-3 per step.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import free_port
+import yaml
+
+from tidyrl.tiny import save_tiny_reward_model
+
+TOL = 1e-5
+
+
+
+def launch(config, out, world: int, *overrides):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                "--master_port", str(free_port())] if world > 1 else [sys.executable]
+    proc = subprocess.run(launcher + ["-m", "tidyrl", "train", str(config), f"output_dir={out}", *overrides],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def ppo_yaml(tmp_path_factory, tiny_model_dir):
+    folder = tmp_path_factory.mktemp("mp")
+    rm = save_tiny_reward_model(folder / "rm", seed=4)
+    prompts = folder / "prompts.jsonl"
+    words = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon"]
+    prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in words))
+    cfg = {
+        "algorithm": "ppo", "model": str(tiny_model_dir), "seed": 1, "data": {"path": str(prompts)},
+        "rewards": [{"model": str(rm), "normalize": True}, {"function": "tidyrl.demo:anagram_reward", "weight": 0.5}],
+        "critic": {"model": str(tiny_model_dir), "learning_rate": 2e-3},
+        "ppo": {"kl_coef": 0.05, "adaptive_kl": True, "kl_target": 0.01, "kl_horizon": 50},
+        "rollout": {"prompts_per_rollout": 4, "samples_per_prompt": 2, "max_new_tokens": 6,
+                    "forward_batch_size": 3, "generation_batch_size": 3},
+        "train": {"rollouts": 2, "epochs_per_rollout": 2, "minibatches_per_epoch": 2, "micro_batch_size": 1,
+                  "learning_rate": 1e-3, "warmup_steps": 1},
+        "log": {"progress_bar": False, "samples_per_rollout": 8},
+    }
+    path = folder / "ppo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_ppo_on_two_processes_matches_one_and_sync_each_microbatch_changes_nothing(ppo_yaml, tmp_path):
+    one = launch(ppo_yaml, tmp_path / "w1", 1)
+    two = launch(ppo_yaml, tmp_path / "w2", 2)
+    synced = launch(ppo_yaml, tmp_path / "w2-sync", 2, "train.sync_each_microbatch=true")
+
+    plan1, plan2 = (json.loads((d / "plan.json").read_text()) for d in (one, two))
+    assert (plan1["world_size"], plan2["world_size"]) == (1, 2)
+    # R = 8, M = 2: 4 episodes per mini-batch; m = 1 -> accumulation 4 on one process, 2 on each of two.
+    assert (plan1["gradient_accumulation_steps"], plan2["gradient_accumulation_steps"]) == (4, 2)
+    for key in ("total_optimizer_steps", "total_episodes", "rollouts", "warmup_steps"):
+        assert plan1[key] == plan2[key]
+
+    r1, r2, r3 = rows(one), rows(two), rows(synced)
+    assert len(r1) == len(r2) == len(r3) == 8
+    for a, b in zip(r1, r2):
+        assert (a["step"], a["rollout"], a["episodes"], a["lr"], a["critic_lr"]) == \
+            (b["step"], b["rollout"], b["episodes"], b["lr"], b["critic_lr"])
+        for key in ("loss", "value_loss", "reward_mean", "kl_coef", "entropy"):
+            assert a[key] == pytest.approx(b[key], abs=TOL), key
+    samples1, samples2 = (open(d / "samples.jsonl").read().splitlines() for d in (one, two))
+    assert [json.loads(x)["completion"] for x in samples1] == [json.loads(x)["completion"] for x in samples2]
+
+    for part in ("model.safetensors", "critic/model.safetensors"):
+        w1, w2, w3 = (weights(d / "final" / part) for d in (one, two, synced))
+        assert max_diff(w1, w2) < TOL, part
+        assert max_diff(w2, w3) < TOL, part  # syncing every micro-batch gives the same parameters
