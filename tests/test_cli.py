@@ -66,7 +66,7 @@ def test_mistyped_key_is_caught_with_a_suggestion(yaml_run, capsys):
 
 def test_train_from_yaml_on_the_command_line(yaml_run, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tidyrl", "train", str(yaml_run), "seed=1"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+                          capture_output=True, text=True, cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "4 optimizer steps, 16 episodes" in proc.stdout
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -88,7 +88,7 @@ def test_two_processes_with_torchrun_match_one_process(yaml_run, tmp_path):
                     "--master_port", str(free_port())] if world == 2 else [sys.executable]
         # R = 2*4 = 8, M = 2: 4 episodes per mini-batch, 2 per process with W = 2; m = 2 suits both.
         cmd = launcher + ["-m", "tidyrl", "train", str(yaml_run), f"output_dir={out}", "train.micro_batch_size=2"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.count("done:") == 1  # printed by the main process only
         outs[world] = out
