@@ -43,3 +43,33 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def read_jsonl(path) -> list[dict]:
+    """The rows of a .jsonl file a run wrote."""
+    from pathlib import Path
+
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def write_jsonl(path, rows: list[dict]):
+    from pathlib import Path
+
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def expected_lrs(total: int, warmup: int, name: str, lr: float) -> list[float]:
+    """The rates transformers.get_scheduler gives over `total` steps, stepped once per step: what every
+    stage's metrics.jsonl `lr` column must equal."""
+    import torch
+    from transformers import get_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total)
+    lrs = []
+    for _ in range(total):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import expected_lrs, read_jsonl
 
 import tidyrl
 from tidyrl.loops.offline import OFFLINE_STEP_METRICS
@@ -17,21 +17,8 @@ from tidyrl.plan import make_offline_plan
 WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach", "grape", "melon"]
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def expected_lrs(total: int, warmup: int, name: str, lr: float) -> list[float]:
-    from transformers import get_scheduler
-
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total)
-    lrs = []
-    for _ in range(total):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return lrs
 
 
 @pytest.fixture

@@ -8,10 +8,9 @@ import pytest
 
 import tidyrl
 from tidyrl.cli import main
+from conftest import read_jsonl
 
 
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_eval_shows_the_gain_of_a_short_demo_training(tmp_path, capsys):

@@ -4,7 +4,6 @@ runs run.sh itself at full size."""
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import shlex
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import read_jsonl
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline"
 
@@ -37,8 +37,6 @@ def run_sh_commands(work: Path) -> list[list[str]]:
     return commands
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_pipeline_stages_chain(tmp_path, monkeypatch, capsys):

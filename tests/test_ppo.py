@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import expected_lrs
 
 import tidyrl
 from tidyrl.checkpoint import complete_checkpoints
@@ -55,17 +56,6 @@ def read_rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def schedule(name, lr, total, warmup):
-    from transformers import get_scheduler
-
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total)
-    out = []
-    for _ in range(total):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
 
 
 def test_ppo_with_a_reward_model_of_another_tokenizer_writes_everything(tiny_model_dir, other_rm, prompt_file,
@@ -80,9 +70,9 @@ def test_ppo_with_a_reward_model_of_another_tokenizer_writes_everything(tiny_mod
     rows = read_rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["episodes"] == 12
-    assert [r["lr"] for r in rows] == pytest.approx(schedule("linear", 1e-3, 12, 2), abs=1e-12)
+    assert [r["lr"] for r in rows] == pytest.approx(expected_lrs(12, 2, "linear", 1e-3), abs=1e-12)
     # The critic: its own rate and schedule, on the same optimizer-step count and warmup.
-    assert [r["critic_lr"] for r in rows] == pytest.approx(schedule("cosine", 3e-3, 12, 2), abs=1e-12)
+    assert [r["critic_lr"] for r in rows] == pytest.approx(expected_lrs(12, 2, "cosine", 3e-3), abs=1e-12)
     for r in rows:
         assert r["value_loss"] >= 0 and 0 <= r["value_clip_fraction"] <= 1 and r["kl_coef"] == 0.05
         assert r["kl"] is not None and "reward/other" in r and "explained_variance" in r

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import expected_lrs, read_jsonl, write_jsonl
 
 import tidyrl
 from tidyrl.data import DataError, PromptStream
@@ -16,27 +16,10 @@ from tidyrl.plan import PlanError, make_offline_plan
 WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach"]
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
-def expected_lrs(total: int, warmup: int, name: str, lr: float) -> list[float]:
-    """The rates transformers.get_scheduler gives over `total` steps, stepped once per step."""
-    from transformers import get_scheduler
-
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total)
-    lrs = []
-    for _ in range(total):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return lrs
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import tidyrl
 from tidyrl.config import ConfigError, load_config
 from tidyrl.metrics import RunLogger, format_summary
 from tidyrl.plan import make_plan
+from conftest import read_jsonl
 
 
 def letters(prompts, completions, word, **_):
@@ -34,8 +35,6 @@ def small_run(model_dir, prompt_file, out, report_to):
     }
 
 
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_tensorboard_gets_the_metrics_rows_at_their_steps_and_the_summary_is_printed(

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import expected_lrs, read_jsonl
 
 import tidyrl
 from tidyrl.config import load_config
@@ -46,21 +46,8 @@ def base_config(model_dir, prompt_file, out, **sections):
     return cfg
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def expected_lrs(total: int, warmup: int, name: str, lr: float) -> list[float]:
-    from transformers import get_scheduler
-
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total)
-    lrs = []
-    for _ in range(total):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return lrs
 
 
 def test_grpo_run_writes_every_output_with_exact_counts(tiny_model_dir, prompt_file, tmp_path, capsys):
