@@ -121,6 +121,36 @@ def _exact(x) -> Fraction:
     return Fraction(str(x)) if isinstance(x, float) else Fraction(x)
 
 
+def _length_and_warmup_problems(dataset_epochs, warmup_steps, warmup_ratio, drop_last) -> list[str]:
+    """Range checks every plan shares (RL and offline)."""
+    problems = []
+    if dataset_epochs is not None and (
+        not _is_number(dataset_epochs) or not math.isfinite(dataset_epochs) or dataset_epochs <= 0
+    ):
+        problems.append(f"train.dataset_epochs must be a number > 0, got {dataset_epochs!r}")
+    if not _is_int(warmup_steps) or warmup_steps < 0:
+        problems.append(f"train.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+    if not _is_number(warmup_ratio) or not 0 <= warmup_ratio < 1:
+        problems.append(f"train.warmup_ratio must be a number in [0, 1), got {warmup_ratio!r}")
+    if not isinstance(drop_last, bool):
+        problems.append(f"train.drop_last must be true or false, got {drop_last!r}")
+    return problems
+
+
+def _warmup(warmup_steps: int, warmup_ratio: float, total_steps: int | None, how: str, problems: list[str]) -> int:
+    """The warmup in optimizer steps: given, or ceil(ratio * total) as transformers does, but on the exact
+    decimal. Appends a problem when both are set or the warmup is longer than the run."""
+    if warmup_steps > 0 and warmup_ratio > 0:
+        problems.append(f"set train.warmup_steps ({warmup_steps}) or train.warmup_ratio ({warmup_ratio}), not both")
+    if total_steps is not None:
+        if warmup_ratio > 0:
+            warmup_steps = math.ceil(_exact(warmup_ratio) * total_steps)
+        if warmup_steps > total_steps:
+            problems.append(f"train.warmup_steps={warmup_steps} exceeds the {total_steps} optimizer steps of the run"
+                            f"{how}; valid values: 0 to {total_steps}")
+    return warmup_steps
+
+
 def make_plan(
     *,
     prompts_per_rollout: int,
@@ -165,18 +195,9 @@ def make_plan(
             problems.append(f"{key} must be an integer >= 1, got {value!r}")
     if rollouts is not None and (not _is_int(rollouts) or rollouts < 1):
         problems.append(f"train.rollouts must be an integer >= 1, got {rollouts!r}")
-    if dataset_epochs is not None and (
-        not _is_number(dataset_epochs) or not math.isfinite(dataset_epochs) or dataset_epochs <= 0
-    ):
-        problems.append(f"train.dataset_epochs must be a number > 0, got {dataset_epochs!r}")
     if num_prompts is not None and (not _is_int(num_prompts) or num_prompts < 1):
         problems.append(f"the prompt set must hold at least one prompt, got num_prompts={num_prompts!r}")
-    if not _is_int(warmup_steps) or warmup_steps < 0:
-        problems.append(f"train.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    if not _is_number(warmup_ratio) or not 0 <= warmup_ratio < 1:
-        problems.append(f"train.warmup_ratio must be a number in [0, 1), got {warmup_ratio!r}")
-    if not isinstance(drop_last, bool):
-        problems.append(f"train.drop_last must be true or false, got {drop_last!r}")
+    problems += _length_and_warmup_problems(dataset_epochs, warmup_steps, warmup_ratio, drop_last)
     if problems:
         raise PlanError(problems)
 
@@ -236,20 +257,9 @@ def make_plan(
         )
 
     # 4. Warmup, over the total optimizer steps.
-    if warmup_steps > 0 and warmup_ratio > 0:
-        problems.append(
-            f"set train.warmup_steps ({warmup_steps}) or train.warmup_ratio ({warmup_ratio}), not both"
-        )
     total_steps = rollouts * E * M if rollouts else None
-    if total_steps is not None:
-        if warmup_ratio > 0:
-            # As transformers does: ceil(ratio * total), but on the exact decimal.
-            warmup_steps = math.ceil(_exact(warmup_ratio) * total_steps)
-        if warmup_steps > total_steps:
-            problems.append(
-                f"train.warmup_steps={warmup_steps} exceeds the {total_steps} optimizer steps of the run "
-                f"(rollouts*E*M = {rollouts}*{E}*{M}); valid values: 0 to {total_steps}"
-            )
+    warmup_steps = _warmup(warmup_steps, warmup_ratio, total_steps,
+                           f" (rollouts*E*M = {rollouts}*{E}*{M})", problems)
     if problems:
         raise PlanError(problems)
 
@@ -386,18 +396,9 @@ def make_offline_plan(
             problems.append(f"{key} must be an integer >= 1, got {value!r}")
     if max_steps is not None and (not _is_int(max_steps) or max_steps < 1):
         problems.append(f"train.max_steps must be an integer >= 1, got {max_steps!r}")
-    if dataset_epochs is not None and (
-        not _is_number(dataset_epochs) or not math.isfinite(dataset_epochs) or dataset_epochs <= 0
-    ):
-        problems.append(f"train.dataset_epochs must be a number > 0, got {dataset_epochs!r}")
     if num_examples is not None and (not _is_int(num_examples) or num_examples < 1):
         problems.append(f"the dataset must hold at least one example, got num_examples={num_examples!r}")
-    if not _is_int(warmup_steps) or warmup_steps < 0:
-        problems.append(f"train.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    if not _is_number(warmup_ratio) or not 0 <= warmup_ratio < 1:
-        problems.append(f"train.warmup_ratio must be a number in [0, 1), got {warmup_ratio!r}")
-    if not isinstance(drop_last, bool):
-        problems.append(f"train.drop_last must be true or false, got {drop_last!r}")
+    problems += _length_and_warmup_problems(dataset_epochs, warmup_steps, warmup_ratio, drop_last)
     if problems:
         raise PlanError(problems)
 
@@ -435,14 +436,7 @@ def make_offline_plan(
             f"valid values: {_listing(_divisors(per_process))}"
         )
 
-    if warmup_steps > 0 and warmup_ratio > 0:
-        problems.append(f"set train.warmup_steps ({warmup_steps}) or train.warmup_ratio ({warmup_ratio}), not both")
-    if steps:
-        if warmup_ratio > 0:
-            warmup_steps = math.ceil(_exact(warmup_ratio) * steps)
-        if warmup_steps > steps:
-            problems.append(f"train.warmup_steps={warmup_steps} exceeds the {steps} optimizer steps of the run; "
-                            f"valid values: 0 to {steps}")
+    warmup_steps = _warmup(warmup_steps, warmup_ratio, steps or None, "", problems)
     if problems:
         raise PlanError(problems)
 
