@@ -190,6 +190,17 @@ def build_scheduler(optimizer, name: str, plan: Plan):
                          num_training_steps=plan.total_optimizer_steps)
 
 
+def prepare_for_training(accelerator, model, train_cfg, plan: Plan, lr_scheduler: Optional[str] = None):
+    """Gradient checkpointing (when asked), AdamW, accelerate's wrapping of both, and the LR schedule over the
+    plan's total optimizer steps (`lr_scheduler`, default train_cfg.lr_scheduler). Returns (model, optimizer,
+    scheduler); the loop steps the scheduler itself, once per optimizer step."""
+    if train_cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    optimizer = build_optimizer(model, train_cfg)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, build_scheduler(optimizer, lr_scheduler or train_cfg.lr_scheduler, plan)
+
+
 def save_pretrained_atomic(accelerator, model, tokenizer, target: Path, extra_models: Optional[dict] = None) -> Path:
     """Save a standard Hugging Face folder (safetensors, config, generation config, tokenizer), written
     beside the target and renamed into place, so a crash never leaves a folder that looks complete.

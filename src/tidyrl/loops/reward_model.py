@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import (TrainResult, build_optimizer, build_scheduler, enable_gradient_checkpointing,
+from tidyrl.loops.common import (TrainResult, prepare_for_training,
                                  load_tokenizer, make_accelerator, prepare_output_dir, save_pretrained_atomic,
                                  torch_dtype, without_dropout, write_run_header)
 
@@ -72,11 +72,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     # 2. The model, the optimizer and the LR schedule (over the plan's total optimizer steps).
     model = load_reward_model(cfg.model, pad_id, cfg.model_dtype)
     say(accelerator, notes + [f"reward model: {type(model).__name__} with one output on {cfg.model}"])
-    if cfg.train.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    optimizer = build_optimizer(model, cfg.train)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = build_scheduler(optimizer, cfg.train.lr_scheduler, plan)
+    model, optimizer, scheduler = prepare_for_training(accelerator, model, cfg.train, plan)
     write_run_header(cfg, plan, out, accelerator)
 
     # 3. One optimizer step per train.batch_size pairs.

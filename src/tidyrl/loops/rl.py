@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tidyrl.config import Config, algorithm_section
-from tidyrl.loops.common import (ModelLoadError, TrainResult, build_optimizer, build_scheduler,
-                                 enable_gradient_checkpointing, load_causal_lm, load_critic, load_model_config,
-                                 load_tokenizer, make_accelerator, prepare_output_dir, save_pretrained_atomic,
-                                 write_run_header)
+from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, load_critic, load_model_config,
+                                 load_tokenizer, make_accelerator, prepare_for_training, prepare_output_dir,
+                                 save_pretrained_atomic, write_run_header)
 from tidyrl.plan import epochs_done, plan_from_config
 
 
@@ -143,8 +142,6 @@ class _RLRun:
         cfg = self.cfg
         # A resumed run continues from the checkpoint's weights; the reference stays the starting model.
         self.model = load_causal_lm(str(self.resume_path or cfg.model), cfg.model_dtype)
-        if cfg.train.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
         self.ref_model = None
         if self.algo.kl_coef > 0:
             self.ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(self.accelerator.device)
@@ -154,9 +151,8 @@ class _RLRun:
                 reward.fn.load(self.accelerator.device)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
         self.pad_id = pad_token_id(self.tokenizer, self.eos_ids)
-        self.optimizer = build_optimizer(self.model, cfg.train)
-        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, cfg.train.lr_scheduler, self.plan)
+        self.model, self.optimizer, self.scheduler = prepare_for_training(self.accelerator, self.model, cfg.train,
+                                                                          self.plan)
         self.critic = self.critic_optimizer = self.critic_scheduler = None
         self.kl_control = None
         if cfg.algorithm == "ppo":
@@ -165,16 +161,12 @@ class _RLRun:
             from tidyrl.algorithms.ppo import AdaptiveKLController, FixedKLController
 
             critic_path = str(self.resume_path / "critic") if self.resume_path else self.critic_path
-            self.critic = load_critic(critic_path, cfg.model_dtype)
-            if cfg.train.gradient_checkpointing:
-                enable_gradient_checkpointing(self.critic)
             # Its own learning rate and schedule, on the same optimizer-step count and warmup as the policy.
             critic_train = replace(cfg.train, learning_rate=cfg.critic.learning_rate
                                    if cfg.critic.learning_rate is not None else cfg.train.learning_rate)
-            self.critic_optimizer = build_optimizer(self.critic, critic_train)
-            self.critic, self.critic_optimizer = self.accelerator.prepare(self.critic, self.critic_optimizer)
-            self.critic_scheduler = build_scheduler(self.critic_optimizer,
-                                                    cfg.critic.lr_scheduler or cfg.train.lr_scheduler, self.plan)
+            self.critic, self.critic_optimizer, self.critic_scheduler = prepare_for_training(
+                self.accelerator, load_critic(critic_path, cfg.model_dtype), critic_train, self.plan,
+                cfg.critic.lr_scheduler)
             a = self.algo
             self.kl_control = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.adaptive_kl
                                else FixedKLController(a.kl_coef))

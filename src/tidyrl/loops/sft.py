@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import (TrainResult, build_optimizer, build_scheduler, enable_gradient_checkpointing,
+from tidyrl.loops.common import (TrainResult, prepare_for_training,
                                  load_causal_lm, load_tokenizer, make_accelerator, prepare_output_dir,
                                  save_pretrained_atomic, write_run_header)
 
@@ -50,11 +50,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 2. The model, the optimizer and the LR schedule (over the plan's total optimizer steps).
     model = load_causal_lm(cfg.model, cfg.model_dtype)
-    if cfg.train.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    optimizer = build_optimizer(model, cfg.train)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    scheduler = build_scheduler(optimizer, cfg.train.lr_scheduler, plan)
+    model, optimizer, scheduler = prepare_for_training(accelerator, model, cfg.train, plan)
     write_run_header(cfg, plan, out, accelerator)
 
     # 3. One optimizer step per train.batch_size examples; the stream crosses epoch boundaries (fresh shuffle each).
