@@ -29,5 +29,9 @@ def train(config: Config | dict | str | Path, overrides: Sequence[str] = ()) -> 
     Reward functions may be Python callables in `rewards[i].function`. Returns a `TrainResult`.
     """
     cfg = load_config(config, overrides)
+    if cfg.lora.enabled:
+        from tidyrl.lora import require_peft
+
+        require_peft()  # before any data or weights are read
     loop = importlib.import_module(LOOPS[cfg.algorithm])
     return loop.run(cfg, config_base_dir(config))

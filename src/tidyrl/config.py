@@ -255,6 +255,24 @@ class DPOConfig:
 
 
 @dataclass
+class LoRAConfig:
+    enabled: bool = False
+    """Train a LoRA adapter (Hu et al. 2021) instead of every weight, through peft (`pip install tidyrl[lora]`).
+    The reference model is then the same weights with the adapter disabled: no second copy. final/ holds the
+    adapter (docs/memory.md)."""
+    r: int = 16
+    """Rank of the low-rank update B A."""
+    alpha: float = 32.0
+    """Scale: the update is (alpha / r) B A."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input. RL compares forward passes (ratios, KL), so keep 0 there."""
+    target_modules: Optional[list[str]] = None
+    """Names of the linear layers to adapt (e.g. [q_proj, v_proj]); null = every linear layer but the output head."""
+    save_merged: bool = False
+    """Also write final/merged/: the base weights with the adapter folded in, a plain model folder."""
+
+
+@dataclass
 class Config:
     algorithm: str = "grpo"
     """The algorithm: grpo, rloo, ppo, reinforce_pp or reinforce_pp_baseline (RL), sft, reward or dpo (offline stages, docs/stages.md)."""
@@ -299,6 +317,8 @@ class Config:
     """Options of algorithm: reward (reward-model training)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Options of algorithm: dpo."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Train a LoRA adapter instead of the whole policy (every stage)."""
 
 
 # --------------------------------------------------------------------------
@@ -452,6 +472,12 @@ def validate(cfg: Config) -> None:
     need(cfg.data.overlong_prompts in ("error", "truncate", "skip"), "data.overlong_prompts",
          f"{cfg.data.overlong_prompts!r} is not one of error, truncate, skip")
 
+    if cfg.lora.enabled:
+        need(cfg.lora.r >= 1, "lora.r", f"must be >= 1, got {cfg.lora.r}")
+        need(cfg.lora.alpha > 0, "lora.alpha", f"must be > 0, got {cfg.lora.alpha}")
+        need(0 <= cfg.lora.dropout < 1, "lora.dropout", f"must be in [0, 1), got {cfg.lora.dropout}")
+        need(cfg.lora.target_modules is None or len(cfg.lora.target_modules) > 0, "lora.target_modules",
+             "list at least one module name (e.g. [q_proj, v_proj]) or null for every linear layer")
     offline = cfg.algorithm in OFFLINE_ALGORITHMS
     if offline:
         _validate_offline(cfg, need)

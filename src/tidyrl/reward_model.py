@@ -33,6 +33,13 @@ class RewardModel:
 
         hf_logging.disable_progress_bar()
         self.path, self.key, self.batch_size, self.dtype = path, key, batch_size, dtype
+        from tidyrl.lora import is_adapter_folder
+
+        if is_adapter_folder(path):
+            raise RewardModelError(
+                f"{key}={path!r} is a LoRA adapter folder. Point it at the merged model instead: the reward run's "
+                "final/merged/ (written with lora.save_merged: true)."
+            )
         try:
             self.config = AutoConfig.from_pretrained(path)
             self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -109,9 +109,14 @@ def load_tokenizer(path: str, key: str = "tokenizer"):
 
 
 def load_model_config(path: str):
-    """The model's config (no weights): checks early that `model` names a local folder or a hub id."""
+    """The model's config (no weights): checks early that `model` names a local folder or a hub id. For a LoRA
+    adapter folder (a LoRA run's final/ or checkpoint-N/), its base model's config."""
     from transformers import AutoConfig
 
+    from tidyrl.lora import adapter_base, is_adapter_folder
+
+    if is_adapter_folder(path):
+        return load_model_config(adapter_base(path))
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
@@ -133,15 +138,31 @@ def without_dropout(model_config):
 
 
 def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False):
-    """`AutoModelForCausalLM.from_pretrained(path)`, dropout off unless asked for."""
+    """`AutoModelForCausalLM.from_pretrained(path)`, dropout off unless asked for. A LoRA adapter folder loads
+    as its base model with the adapter folded in (a plain model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from tidyrl.lora import is_adapter_folder, merged_from_adapter
+
+    if is_adapter_folder(path):
+        return merged_from_adapter(path, lambda base: load_causal_lm(base, dtype, dropout))
     hf_logging.disable_progress_bar()
     model_config = AutoConfig.from_pretrained(path)
     if not dropout:
         without_dropout(model_config)
     return AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype))
+
+
+def load_policy(cfg: Config, resume_path: Optional[Path] = None):
+    """The model a stage trains: the policy in full, or with a LoRA adapter when `lora.enabled` (a fresh one,
+    or the checkpoint's when resuming; the base weights then come from `model` as at the start)."""
+    if not cfg.lora.enabled:
+        return load_causal_lm(str(resume_path or cfg.model), cfg.model_dtype)
+    from tidyrl.lora import apply_lora, load_adapter
+
+    base = load_causal_lm(cfg.model, cfg.model_dtype)
+    return load_adapter(base, resume_path, trainable=True) if resume_path else apply_lora(base, cfg.lora, cfg.model)
 
 
 def load_critic(path: str, dtype: str = "float32"):
@@ -201,10 +222,15 @@ def prepare_for_training(accelerator, model, train_cfg, plan: Plan, lr_scheduler
     return model, optimizer, build_scheduler(optimizer, lr_scheduler or train_cfg.lr_scheduler, plan)
 
 
-def save_pretrained_atomic(accelerator, model, tokenizer, target: Path, extra_models: Optional[dict] = None) -> Path:
+def save_pretrained_atomic(accelerator, model, tokenizer, target: Path, extra_models: Optional[dict] = None,
+                           merged: bool = False) -> Path:
     """Save a standard Hugging Face folder (safetensors, config, generation config, tokenizer), written
     beside the target and renamed into place, so a crash never leaves a folder that looks complete.
-    `extra_models` (name -> model, e.g. PPO's critic) go into subfolders, each loadable on its own."""
+    `extra_models` (name -> model, e.g. PPO's critic) go into subfolders, each loadable on its own.
+    A LoRA model saves its adapter (a peft folder); with `merged`, also `merged/`, the base weights with the
+    adapter folded in (this merges the model in place: call it once training is over)."""
+    from tidyrl.lora import save_merged, unwrap_peft
+
     accelerator.wait_for_everyone()
     model = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
@@ -213,6 +239,8 @@ def save_pretrained_atomic(accelerator, model, tokenizer, target: Path, extra_mo
             shutil.rmtree(tmp)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if merged and unwrap_peft(model) is not None:
+            save_merged(model, tmp / "merged", tokenizer)
         for name, extra in (extra_models or {}).items():
             accelerator.unwrap_model(extra).save_pretrained(tmp / name, safe_serialization=True)
             tokenizer.save_pretrained(tmp / name)

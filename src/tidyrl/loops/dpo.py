@@ -21,8 +21,9 @@ from typing import Optional
 
 from tidyrl.config import Config
 from tidyrl.loops.common import (TrainResult, prepare_for_training,
-                                 load_causal_lm, load_tokenizer, make_accelerator, prepare_output_dir,
+                                 load_causal_lm, load_policy, load_tokenizer, make_accelerator, prepare_output_dir,
                                  save_pretrained_atomic, write_run_header)
+from tidyrl.lora import adapter_note, reference_of
 
 
 def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
@@ -51,10 +52,14 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     pad_id = model_pad_id(tokenizer, eos_ids)
     torch.manual_seed(cfg.seed)
 
-    # 2. The policy (trained) and the reference (the same starting weights, frozen, no grad ever).
-    model = load_causal_lm(cfg.model, cfg.model_dtype)
-    ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(accelerator.device)
-    ref_model.eval().requires_grad_(False)
+    # 2. The policy (trained) and the reference (the same starting weights, frozen, no grad ever). With LoRA no
+    # second copy: the reference is the policy with its adapter disabled.
+    model = load_policy(cfg)
+    ref_model = None
+    if not cfg.lora.enabled:
+        ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(accelerator.device)
+        ref_model.eval().requires_grad_(False)
+    say(accelerator, [adapter_note(model)] if cfg.lora.enabled else [])
     model, optimizer, scheduler = prepare_for_training(accelerator, model, cfg.train, plan)
     write_run_header(cfg, plan, out, accelerator)
 
@@ -72,8 +77,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                 b = len(idx)
                 sequences = [pairs[i].chosen for i in idx] + [pairs[i].rejected for i in idx]  # chosen first
                 inputs = pad_batch(sequences, pad_id, accelerator.device)
-                with torch.no_grad():
-                    ref_lp_BT, mask_BT = target_logprobs(ref_model, inputs)
+                with torch.no_grad(), reference_of(accelerator.unwrap_model(model), ref_model) as reference:
+                    ref_lp_BT, mask_BT = target_logprobs(reference, inputs)
                     ref_logps_2B = sequence_logps(ref_lp_BT, mask_BT)  # (2b,)
                 with sync_context(accelerator, model, k == len(parts) - 1, cfg.train.sync_each_microbatch):
                     logprobs_BT, mask_BT = target_logprobs(model, inputs)
@@ -104,6 +109,6 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                 "time/update_s": time.perf_counter() - t0,
             })
 
-    final_dir = save_pretrained_atomic(accelerator, model, tokenizer, out / "final")
+    final_dir = save_pretrained_atomic(accelerator, model, tokenizer, out / "final", merged=cfg.lora.save_merged)
     return TrainResult(output_dir=out, final_dir=final_dir, plan=plan, metrics=log.last_row,
                        is_main_process=accelerator.is_main_process)

@@ -71,6 +71,11 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 2. The model, the optimizer and the LR schedule (over the plan's total optimizer steps).
     model = load_reward_model(cfg.model, pad_id, cfg.model_dtype)
+    if cfg.lora.enabled:  # the new score head is trained in full (peft's modules_to_save), the rest by LoRA
+        from tidyrl.lora import adapter_note, apply_lora
+
+        model = apply_lora(model, cfg.lora, cfg.model, task="sequence_classification")
+        notes = notes + [adapter_note(model)]
     say(accelerator, notes + [f"reward model: {type(model).__name__} with one output on {cfg.model}"])
     model, optimizer, scheduler = prepare_for_training(accelerator, model, cfg.train, plan)
     write_run_header(cfg, plan, out, accelerator)
@@ -112,6 +117,6 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                 "time/update_s": time.perf_counter() - t0,
             })
 
-    final_dir = save_pretrained_atomic(accelerator, model, tokenizer, out / "final")
+    final_dir = save_pretrained_atomic(accelerator, model, tokenizer, out / "final", merged=cfg.lora.save_merged)
     return TrainResult(output_dir=out, final_dir=final_dir, plan=plan, metrics=log.last_row,
                        is_main_process=accelerator.is_main_process)

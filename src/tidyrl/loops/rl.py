@@ -20,8 +20,9 @@ from typing import Any, Optional
 
 from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, load_critic, load_model_config,
-                                 load_tokenizer, make_accelerator, prepare_for_training, prepare_output_dir,
-                                 save_pretrained_atomic, write_run_header)
+                                 load_policy, load_tokenizer, make_accelerator, prepare_for_training,
+                                 prepare_output_dir, save_pretrained_atomic, write_run_header)
+from tidyrl.lora import adapter_note, reference_of
 from tidyrl.plan import epochs_done, plan_from_config
 
 
@@ -141,11 +142,17 @@ class _RLRun:
 
         cfg = self.cfg
         # A resumed run continues from the checkpoint's weights; the reference stays the starting model.
-        self.model = load_causal_lm(str(self.resume_path or cfg.model), cfg.model_dtype)
+        self.model = load_policy(cfg, self.resume_path)
+        # The reference of the KL penalty: a second, frozen copy of the starting model; with LoRA, none is
+        # loaded: the policy with its adapter disabled is the starting model (`_reference`).
+        self.use_reference = self.algo.kl_coef > 0
         self.ref_model = None
-        if self.algo.kl_coef > 0:
+        if self.use_reference and not cfg.lora.enabled:
             self.ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(self.accelerator.device)
             self.ref_model.eval().requires_grad_(False)
+        note = adapter_note(self.model)
+        if note and self.is_main:
+            print(f"tidyrl: {note}", flush=True)
         for reward in self.reward_fns:  # reward models: weights now, on this process's device
             if isinstance(reward.fn, RewardModel):
                 reward.fn.load(self.accelerator.device)
@@ -298,7 +305,8 @@ class _RLRun:
         if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
             raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
         final_dir = save_pretrained_atomic(self.accelerator, self.model, self.tokenizer, self.out / "final",
-                                           extra_models={"critic": self.critic} if self.critic is not None else None)
+                                           extra_models={"critic": self.critic} if self.critic is not None else None,
+                                           merged=cfg.lora.save_merged)
         if self.is_main:
             print(format_summary(plan, metrics_log.timings, time.perf_counter() - self.start, first_reward,
                                  last_reward, self.out, final_dir, metrics_log.tracker_locations), flush=True)
@@ -360,11 +368,12 @@ class _RLRun:
         # Old log-probs differ from the current ones only after the first optimizer step of the rollout,
         # so they are kept only when E*M > 1, or when the KL penalty sits in the reward (all but GRPO). The
         # sampling pass computed them with the same weights (no second forward pass; equal up to rounding).
-        kl_in_reward = self.ref_model is not None and cfg.algorithm != "grpo"
+        kl_in_reward = self.use_reference and cfg.algorithm != "grpo"
         if plan.optimizer_steps_per_rollout > 1 or kl_in_reward:
             local.old_logprobs = sampled_logprobs
-        if self.ref_model is not None:
-            local.ref_logprobs = score_logprobs(self.ref_model, local, ro.temperature, ro.forward_batch_size)
+        if self.use_reference:
+            with reference_of(policy, self.ref_model) as reference:
+                local.ref_logprobs = score_logprobs(reference, local, ro.temperature, ro.forward_batch_size)
         if self.critic is not None:
             critic = self.accelerator.unwrap_model(self.critic)
             critic.eval()
@@ -438,7 +447,7 @@ class _RLRun:
             rollout.advantages = grpo_advantages(scores, k, scale=a.scale_rewards)
             return {}
         kl_BT = (kl_per_token(rollout.old_logprobs, rollout.ref_logprobs, a.kl_estimator)
-                 if self.ref_model is not None else torch.zeros_like(mask))
+                 if self.use_reference else torch.zeros_like(mask))
         if name == "rloo":  # KL in the sequence reward, then the leave-one-out baseline
             rollout.advantages = rloo_advantages(kl_shaped_rewards(scores, kl_BT, mask, a.kl_coef), k)
             return {}

@@ -19,8 +19,9 @@ from typing import Optional
 
 from tidyrl.config import Config
 from tidyrl.loops.common import (TrainResult, prepare_for_training,
-                                 load_causal_lm, load_tokenizer, make_accelerator, prepare_output_dir,
+                                 load_policy, load_tokenizer, make_accelerator, prepare_output_dir,
                                  save_pretrained_atomic, write_run_header)
+from tidyrl.lora import adapter_note
 
 
 def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
@@ -49,7 +50,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     torch.manual_seed(cfg.seed)
 
     # 2. The model, the optimizer and the LR schedule (over the plan's total optimizer steps).
-    model = load_causal_lm(cfg.model, cfg.model_dtype)
+    model = load_policy(cfg)
+    say(accelerator, [adapter_note(model)] if cfg.lora.enabled else [])
     model, optimizer, scheduler = prepare_for_training(accelerator, model, cfg.train, plan)
     write_run_header(cfg, plan, out, accelerator)
 
@@ -84,6 +86,6 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                 "time/update_s": time.perf_counter() - t0,
             })
 
-    final_dir = save_pretrained_atomic(accelerator, model, tokenizer, out / "final")
+    final_dir = save_pretrained_atomic(accelerator, model, tokenizer, out / "final", merged=cfg.lora.save_merged)
     return TrainResult(output_dir=out, final_dir=final_dir, plan=plan, metrics=log.last_row,
                        is_main_process=accelerator.is_main_process)
