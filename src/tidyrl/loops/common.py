@@ -45,12 +45,15 @@ class TrainResult:
     """False in the other processes of a multi-process run (they print nothing)."""
 
 
-def make_accelerator(**kwargs):
+def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     """The one Accelerator of a run. Under torchrun / accelerate launch on a machine without CUDA,
     accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
-    process would silently train alone and all would write the same output_dir."""
+    process would silently train alone and all would write the same output_dir. With `cfg`, a sharding
+    mode the launch asks for and tidyrl cannot run `cfg` under is refused here (tidyrl.sharding)."""
     import torch
     from accelerate import Accelerator
+
+    from tidyrl.sharding import check_supported, sharding_kind
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     accelerator = Accelerator(cpu=launched and not torch.cuda.is_available(), **kwargs)
@@ -59,6 +62,8 @@ def make_accelerator(**kwargs):
             f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate formed no process group; "
             "check the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK)."
         )
+    if cfg is not None:
+        check_supported(sharding_kind(accelerator), cfg)
     return accelerator
 
 
@@ -230,19 +235,24 @@ def save_pretrained_atomic(accelerator, model, tokenizer, target: Path, extra_mo
     A LoRA model saves its adapter (a peft folder); with `merged`, also `merged/`, the base weights with the
     adapter folded in (this merges the model in place: call it once training is over)."""
     from tidyrl.lora import save_merged, unwrap_peft
+    from tidyrl.sharding import full_state_dict
 
     accelerator.wait_for_everyone()
+    # Sharded (FSDP) weights are gathered in full first: a collective, so every process takes part.
+    state = full_state_dict(accelerator, model)
+    extra_states = {name: full_state_dict(accelerator, extra) for name, extra in (extra_models or {}).items()}
     model = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
         tmp = target.with_name(f".{target.name}.tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
         tokenizer.save_pretrained(tmp)
         if merged and unwrap_peft(model) is not None:
             save_merged(model, tmp / "merged", tokenizer)
         for name, extra in (extra_models or {}).items():
-            accelerator.unwrap_model(extra).save_pretrained(tmp / name, safe_serialization=True)
+            accelerator.unwrap_model(extra).save_pretrained(tmp / name, safe_serialization=True,
+                                                            state_dict=extra_states[name])
             tokenizer.save_pretrained(tmp / name)
         if target.exists():
             shutil.rmtree(target)

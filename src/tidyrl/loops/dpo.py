@@ -37,7 +37,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     from tidyrl.offline_data import completion_eos_ids, load_preference_pairs
     from tidyrl.plan import offline_plan_from_config
 
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(cfg)
     W, rank = accelerator.num_processes, accelerator.process_index
     opts = cfg.dpo
 

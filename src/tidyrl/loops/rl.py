@@ -23,6 +23,7 @@ from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, lo
                                  load_policy, load_tokenizer, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, write_run_header)
 from tidyrl.lora import adapter_note, reference_of
+from tidyrl.sharding import ShardingError, full_weights, sharding_kind
 from tidyrl.plan import epochs_done, plan_from_config
 
 
@@ -75,7 +76,7 @@ class _RLRun:
 
         self.cfg = cfg
         self.algo = algorithm_section(cfg)  # cfg.grpo, cfg.rloo, cfg.ppo or cfg.reinforce_pp
-        self.accelerator = make_accelerator()
+        self.accelerator = make_accelerator(cfg)
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
         self.is_main = self.accelerator.is_main_process
@@ -216,6 +217,9 @@ class _RLRun:
         from tidyrl.checkpoint import save_checkpoint
         from tidyrl.config import config_to_dict
 
+        if sharding_kind(self.accelerator) != "none":  # only a stop signal gets here (save_every is refused)
+            raise ShardingError(f"stopped after optimizer step {step}; under FSDP no checkpoint can be written yet "
+                                "(docs/memory.md), so the run must start again.")
         self.accelerator.wait_for_everyone()
         if self.is_main:
             state = {"step": step, "rollouts_started": -(-step // self.plan.optimizer_steps_per_rollout),
@@ -345,12 +349,14 @@ class _RLRun:
 
         t0 = time.perf_counter()
         # The sampling pass also returns each token's log-prob under the policy (the old log-probs below).
-        ids, mask, truncated, sampled_logprobs = generate(
-            policy, prompt_ids, sample_keys=[sample_seed(cfg.seed, r, e) for e in episodes],
-            max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
-            pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature, top_p=ro.top_p,
-            top_k=ro.top_k, return_logprobs=True,
-        )
+        # Under FSDP the full weights are gathered once for the whole call, not at every token (sharding.py).
+        with full_weights(policy):
+            ids, mask, truncated, sampled_logprobs = generate(
+                policy, prompt_ids, sample_keys=[sample_seed(cfg.seed, r, e) for e in episodes],
+                max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
+                pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature,
+                top_p=ro.top_p, top_k=ro.top_k, return_logprobs=True,
+            )
         t_generate = time.perf_counter() - t0
 
         lengths = mask.sum(1).long().tolist()
@@ -372,12 +378,13 @@ class _RLRun:
         if plan.optimizer_steps_per_rollout > 1 or kl_in_reward:
             local.old_logprobs = sampled_logprobs
         if self.use_reference:
-            with reference_of(policy, self.ref_model) as reference:
+            with full_weights(policy), reference_of(policy, self.ref_model) as reference:
                 local.ref_logprobs = score_logprobs(reference, local, ro.temperature, ro.forward_batch_size)
         if self.critic is not None:
             critic = self.accelerator.unwrap_model(self.critic)
             critic.eval()
-            local.old_values = score_values(critic, local, ro.forward_batch_size)
+            with full_weights(critic):
+                local.old_values = score_values(critic, local, ro.forward_batch_size)
         t_score = time.perf_counter() - t0
         per_fn_local = {name: torch.tensor([math.nan if v is None else float(v) for v in values])
                         for name, values in result.per_function.items()}

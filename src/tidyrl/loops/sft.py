@@ -35,7 +35,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     from tidyrl.offline_data import completion_eos_ids, load_sft_examples
     from tidyrl.plan import offline_plan_from_config
 
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(cfg)
     W, rank = accelerator.num_processes, accelerator.process_index
 
     # 1. Everything checkable before the model: tokenizer, data, plan, output folder.
