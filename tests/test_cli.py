@@ -50,6 +50,22 @@ def test_plan_prints_the_plan_as_json(yaml_run, capsys):
     assert printed["gradient_accumulation_steps"] == 1 and printed["total_optimizer_steps"] == 4
 
 
+def test_plan_of_an_sft_stage_counts_its_examples_even_without_a_prompt_column(tiny_model_dir, tmp_path, capsys):
+    from tidyrl.plan import make_offline_plan
+
+    data = tmp_path / "chats.jsonl"  # messages only: there is no `prompt` column to count
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": w},
+                                                     {"role": "assistant", "content": w[::-1]}]}) + "\n"
+                            for w in ["apple", "pear", "fig", "kiwi", "lime", "plum", "date"]))
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": "sft", "model": str(tiny_model_dir), "data": {"path": str(data)},
+                                    "train": {"dataset_epochs": 2, "batch_size": 2, "micro_batch_size": 1}}))
+    assert main(["plan", str(path)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == make_offline_plan(num_examples=7, batch_size=2, micro_batch_size=1, dataset_epochs=2).to_dict()
+    assert printed["total_optimizer_steps"] == 7  # ceil(2 * 7 / 2)
+
+
 def test_plan_rejects_sizes_that_do_not_divide(yaml_run, capsys):
     # R = 2*4 = 8 episodes; M = 3 does not divide 8.
     assert main(["plan", str(yaml_run), "train.minibatches_per_epoch=3"]) == 2

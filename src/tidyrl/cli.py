@@ -123,11 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "plan":
-            from tidyrl.config import load_config
+            from tidyrl.config import OFFLINE_ALGORITHMS, load_config
             from tidyrl.data import load_prompt_dataset
             from tidyrl.plan import plan_from_config
 
             cfg = load_config(args.config, args.overrides)
+            if cfg.algorithm in OFFLINE_ALGORITHMS:  # rows of examples/pairs (packed rows with sft.packing)
+                from tidyrl.offline_data import count_offline_examples
+
+                plan = plan_from_config(cfg, count_offline_examples(cfg), args.num_processes)
+                print(json.dumps(plan.to_dict(), indent=2))
+                return 0
             dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
             if cfg.data.overlong_prompts == "skip":  # N is the prompts kept: needs the tokenizer, not the model
                 from tidyrl.loops.common import load_model_config, load_tokenizer
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
             for path in plot_runs(args.runs, args.out, args.metric or DEFAULT_METRICS):
                 print(path)
-    except (RuntimeError, ValueError, FileNotFoundError) as err:
+    except (RuntimeError, ValueError, FileNotFoundError, ImportError) as err:
         if type(err).__name__ == "TrainingInterrupted":  # Ctrl-C / SIGTERM: a checkpoint was saved
             print(f"tidyrl: {err}", file=sys.stderr)
             return 130

@@ -40,11 +40,15 @@ def adapter_base(path) -> str:
     return base
 
 
+class MissingPeftError(ImportError):
+    """LoRA was asked for but peft is not installed."""
+
+
 def _peft():
     try:
         import peft
     except ImportError:
-        raise ImportError(
+        raise MissingPeftError(
             "LoRA needs peft: pip install 'tidyrl[lora]' (or pip install peft). It is used for `lora.enabled: "
             "true` and for loading adapter folders."
         ) from None
