@@ -234,3 +234,13 @@ def test_lora_with_gradient_checkpointing_gives_the_same_adapter(tiny_model_dir,
         adapters.append(load_file(result.final_dir / "adapter_model.safetensors"))
     assert max((adapters[0][k] - adapters[1][k]).abs().max().item() for k in adapters[0]) < 1e-6
     assert max(adapters[0][k].abs().max().item() for k in adapters[0] if "lora_B" in k) > 0  # it did train
+
+
+def test_ppo_critic_from_an_adapter_folder_is_refused_with_the_fix(tiny_model_dir, prompt_file, tmp_path):
+    from tidyrl.loops.common import ModelLoadError
+
+    adapter = tidyrl.train(rl_config(tiny_model_dir, prompt_file, tmp_path / "a", train={"rollouts": 1})).final_dir
+    with pytest.raises(ModelLoadError, match=r"critic.model \(default: the policy\)=.*LoRA adapter folder.*final/merged"):
+        tidyrl.train(rl_config(adapter, prompt_file, tmp_path / "ppo", algorithm="ppo", train={"rollouts": 1},
+                               lora={"enabled": False}))
+    assert not (tmp_path / "ppo").exists()  # refused before any output or weights

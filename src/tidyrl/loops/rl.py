@@ -22,7 +22,7 @@ from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, load_critic, load_model_config,
                                  load_policy, load_tokenizer, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, write_run_header)
-from tidyrl.lora import adapter_note, reference_of
+from tidyrl.lora import adapter_note, is_adapter_folder, reference_of
 from tidyrl.sharding import ShardingError, full_weights, sharding_kind
 from tidyrl.plan import epochs_done, plan_from_config
 
@@ -125,6 +125,11 @@ class _RLRun:
                      (models[0], "critic.model (default: the first reward model)") if models else
                      (cfg.model, "critic.model (default: the policy)"))
         load_model_config(path)  # exists and loads
+        if is_adapter_folder(path):
+            raise ModelLoadError(
+                f"{key}={path!r} is a LoRA adapter folder; a critic starts from full weights. Point critic.model "
+                "at the merged model (the earlier run's final/merged/, written with lora.save_merged: true)."
+            )
         try:
             vocab = AutoTokenizer.from_pretrained(path).get_vocab()
         except (OSError, ValueError):
