@@ -33,6 +33,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from tidyrl.llama_decode import attention_bias, decode_step_for
 from tidyrl.ops import entropy_from_logits, gather_logprobs
 
 
@@ -157,6 +158,7 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     return_logprobs: bool = False,
+    use_lean_step: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Sample one completion per prompt, in chunks of `batch_size`.
 
@@ -167,6 +169,9 @@ def generate(
     of each sampled token under the sampling model at `temperature`, before top-k/top-p filtering and the
     min_new_tokens ban (what `score_logprobs` computes with the same weights, up to float rounding), 0 past
     EOS. These are the old log-probs of PPO-style ratios, without a second forward pass.
+
+    `use_lean_step`: decode Llama-layout models with `tidyrl.llama_decode` (the same maths as the model's
+    forward, without its per-call overhead); False always calls the model's own forward.
     """
     assert len(prompts) == len(sample_keys)
     ids = torch.full((len(prompts), max_new_tokens), pad_id, dtype=torch.long)
@@ -177,6 +182,7 @@ def generate(
         c_ids, c_mask, c_logprobs = _generate_chunk(
             model, prompts[chunk], sample_keys[chunk], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
             pad_id=pad_id, min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            use_lean_step=use_lean_step,
         )
         ids[chunk, : c_ids.shape[1]] = c_ids.cpu()
         mask[chunk, : c_mask.shape[1]] = c_mask.cpu()
@@ -187,7 +193,7 @@ def generate(
 
 
 def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, min_new_tokens, temperature,
-                    top_p, top_k) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    top_p, top_k, use_lean_step=True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode one chunk: (ids, mask, log-probs of the sampled tokens), each (B, steps taken). Where the model's cache is a plain per-layer key/value cache (most decoder LMs), three
     things make it lean without changing any draw: each distinct prompt is prefilled once and its cache copied
     to its samples (GRPO/RLOO chunks hold k samples of each prompt); keys and values are written into buffers
@@ -216,7 +222,11 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         cache = _buffered_cache(cache, inv, Lp + max_new_tokens)
     attn = torch.ones((B, Lp + max_new_tokens), dtype=u_attn.dtype, device=device)
     attn[:, :Lp] = u_attn[inv]
-    if lean and getattr(model.config, "_attn_implementation", None) == "sdpa":
+    # Llama layouts get our own decode step (tidyrl.llama_decode), which takes the mask as an additive bias.
+    step_fn = decode_step_for(model, Lp + max_new_tokens) if lean and use_lean_step else None
+    if step_fn is not None:
+        attn = attention_bias(attn, logits.dtype)
+    elif lean and getattr(model.config, "_attn_implementation", None) == "sdpa":
         # A one-token step under SDPA needs only "which keys may I see": hand the model that 4D boolean mask
         # (B, 1, 1, L) directly, which it uses as is, instead of having it rebuilt from the 2D one every step.
         attn = attn.bool()[:, None, None, :]
@@ -229,18 +239,28 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     done = 0  # rows that have ended but are still in the batch
     vocab, steps = logits.shape[-1], 0
+    # Each sequence draws its uniforms from its own generator, `block` steps at a time: (block, V) at once is
+    # the same stream as `block` draws of V, and the Gumbel noise of a block is computed in one go.
+    block = max(1, min(max_new_tokens, _UNIFORMS_PER_DRAW // vocab))
+    filtering = bool(top_k and top_k < vocab) or top_p < 1.0
     for step in range(max_new_tokens):
+        if step % block == 0:
+            u = torch.stack([torch.rand((block, vocab), generator=g, device=device) for g in generators])
+            gumbel_BSV = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))  # (b, block, V)
+        gumbel = gumbel_BSV[:, step % block]  # (b, V)
         scaled = logits.float() / temperature if temperature != 1.0 else logits.float()  # (b, V)
-        z = scaled.clone() if step < min_new_tokens else scaled
-        if step < min_new_tokens:
-            z[:, eos] = float("-inf")
-        z = filter_logits(z, top_k, top_p)
-        # One uniform vector per sequence from its own generator: draws independent of chunking.
-        u = torch.stack([torch.rand(vocab, generator=g, device=device) for g in generators])
-        gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
-        token = torch.argmax(z + gumbel, dim=-1)
-        # log softmax(scaled)[token] = scaled[token] - logsumexp(scaled): the unfiltered policy, as in training.
-        chosen = scaled.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+        if filtering:
+            z = scaled.clone() if step < min_new_tokens else scaled
+            if step < min_new_tokens:
+                z[:, eos] = float("-inf")
+            noisy = filter_logits(z, top_k, top_p) + gumbel
+        else:  # the same argmax: -inf + noise is -inf, so the EOS ban can follow the noise
+            noisy = scaled + gumbel
+            if step < min_new_tokens:
+                noisy[:, eos] = float("-inf")
+        token = torch.argmax(noisy, dim=-1)
+        # log softmax(scaled)[token]: the unfiltered policy, as in training.
+        chosen = torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         if done:  # rows that ended earlier emit padding, masked out
             token = torch.where(finished, torch.full_like(token, pad_id), token)
             chosen = chosen.masked_fill(finished, 0.0)
@@ -249,7 +269,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
             alive[at, step] = 1.0
         ids[at, step] = token
         logprobs[at, step] = chosen
-        finished = finished | torch.isin(token, eos)
+        finished = finished | (token == eos_ids[0] if len(eos_ids) == 1 else torch.isin(token, eos))
         steps = step + 1
         if step == max_new_tokens - 1:
             break
@@ -261,13 +281,21 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
             at = keep if isinstance(at, slice) else at[keep]
             token, attn, next_pos, finished = token[keep], attn[keep], next_pos[keep], finished[keep]
             generators = [generators[i] for i in keep.tolist()]
+            gumbel_BSV = gumbel_BSV[keep]
             cache.batch_select_indices(keep)
             done = 0
-        out = model(input_ids=token[:, None], attention_mask=attn[..., : Lp + step + 1], position_ids=next_pos,
-                    past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -1, :]
+        if step_fn is not None:
+            logits = step_fn(token, attn[..., : Lp + step + 1], next_pos, cache.layers)
+        else:
+            out = model(input_ids=token[:, None], attention_mask=attn[..., : Lp + step + 1], position_ids=next_pos,
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     return ids[:, :steps], alive[:, :steps], logprobs[:, :steps]
+
+
+# Uniforms one sequence draws at once (its next `block` steps of V each; one step when V is larger).
+_UNIFORMS_PER_DRAW = 2**16
 
 
 def _plain_kv_cache(model) -> bool:

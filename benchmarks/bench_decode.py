@@ -1,0 +1,65 @@
+"""Time tidyrl's generation on the benchmark workloads' models, with the lean Llama decode step on and off.
+
+    python benchmarks/bench_decode.py --workload tiny --repeats 5
+
+Prints the seconds per `generate` call (all P*k sequences at once, every completion max_new_tokens long,
+as in bench_vs_trl.py) and per decoding step for both paths, and checks that they produce the same
+completions. Alternates the two paths so that machine drift hits both alike; medians of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_vs_trl import WORKLOADS, prompt_texts  # noqa: E402
+
+from tidyrl.rollout import generate, sample_seed  # noqa: E402
+from tidyrl.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    w = WORKLOADS[args.workload]
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(len(tok), hidden_size=w["hidden"], num_layers=w["layers"], num_heads=w["heads"],
+                             intermediate_size=w["intermediate"], bos_token_id=tok.bos_token_id,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).eval()
+    texts = prompt_texts(w["prompts"])
+    prompts = [tok(t)["input_ids"] for t in texts for _ in range(w["k"])]
+    T = w["max_new_tokens"]
+    kw = dict(sample_keys=[sample_seed(0, 0, i) for i in range(len(prompts))], max_new_tokens=T,
+              min_new_tokens=T, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, batch_size=len(prompts),
+              return_logprobs=True)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    outputs = {}
+    for lean in (True, False):  # warm-up
+        outputs[lean] = generate(model, prompts, use_lean_step=lean, **kw)
+    for _ in range(args.repeats):
+        for lean in (True, False):
+            start = time.perf_counter()
+            generate(model, prompts, use_lean_step=lean, **kw)
+            times[lean].append(time.perf_counter() - start)
+    same = torch.equal(outputs[True][0], outputs[False][0])
+    lp_diff = (outputs[True][3] - outputs[False][3]).abs().max().item()
+    print(f"{args.workload}: {len(prompts)} sequences x {T} tokens, {args.threads} threads, median of {args.repeats}")
+    for lean in (True, False):
+        med = statistics.median(times[lean])
+        print(f"  {'lean step' if lean else 'HF forward':10s}  {med:.4f} s per generate, {1000 * med / T:.2f} ms per step")
+    print(f"  speed-up {statistics.median(times[False]) / statistics.median(times[True]):.2f}x; "
+          f"same completions: {same}; max |log-prob difference| {lp_diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The lean Llama decode step computes what the Hugging Face forward computes, and generation with it draws
+the same completions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidyrl import llama_decode
+from tidyrl.llama_decode import LlamaDecodeStep, attention_bias, supports
+from tidyrl.rollout import _buffered_cache, generate, left_pad, sample_seed
+
+V = 40
+
+
+def _llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=2)
+    config.update(overrides)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**config)).eval()
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        pad_token_id=0, eos_token_id=2)).eval()
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=1, sliding_window=None,
+                                            max_position_embeddings=128, pad_token_id=0, eos_token_id=2)).eval()
+
+
+MODELS = {
+    "llama-gqa": lambda: _llama(),
+    "llama-mha-bias": lambda: _llama(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+    "llama-linear-rope": lambda: _llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+    "llama3-rope": lambda: _llama(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                                   "rope_theta": 10000.0}),
+    "llama-dynamic-rope": lambda: _llama(max_position_embeddings=12,
+                                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+    "llama-tied-eager": lambda: _llama(tie_word_embeddings=True, attn_implementation="eager"),
+    "qwen2": _qwen2,
+    "mistral": _mistral,
+}
+
+
+@pytest.mark.parametrize("copy_weights", [True, False], ids=["copied-weights", "own-weights"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_decode_step_logits_equal_the_model_forward(name, copy_weights, monkeypatch):
+    """Left-padded prompts of different lengths, then 12 decoding steps: at every step the lean step's logits
+    equal the model's own forward on the same cache contents, to float rounding."""
+    monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
+    model = MODELS[name]()
+    assert supports(model)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    ids, mask = left_pad(prompts, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    steps, Lp = 12, ids.shape[1]
+    with torch.no_grad():
+        prefill = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        rows = torch.arange(len(prompts))
+        theirs = _buffered_cache(prefill.past_key_values, rows, Lp + steps)
+        ours = _buffered_cache(prefill.past_key_values, rows, Lp + steps)
+        step = LlamaDecodeStep(model, Lp + steps)
+        assert (step.copies is not None) == copy_weights
+        full_mask = torch.cat([mask, torch.ones(len(prompts), steps, dtype=mask.dtype)], dim=1)
+        bias = attention_bias(full_mask, torch.float32)
+        token, next_pos = prefill.logits[:, -1].argmax(-1), pos[:, -1:] + 1
+        for t in range(steps):
+            want = model(input_ids=token[:, None], attention_mask=full_mask[:, : Lp + t + 1], position_ids=next_pos,
+                         past_key_values=theirs, use_cache=True).logits[:, -1]
+            got = step(token, bias[..., : Lp + t + 1], next_pos, ours.layers)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+            for a, b in zip(ours.layers, theirs.layers):  # the same keys and values were written
+                torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-5)
+                torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-5)
+            token, next_pos = want.argmax(-1), next_pos + 1
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "llama-dynamic-rope"])
+def test_generate_draws_the_same_completions_with_the_lean_step(name):
+    model = MODELS[name]()
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]] * 4
+    common = dict(sample_keys=[sample_seed(3, 1, i) for i in range(12)], max_new_tokens=20, eos_ids=[2, 3],
+                  pad_id=0, return_logprobs=True)
+    for extra in ({}, {"min_new_tokens": 4, "temperature": 0.7}, {"top_k": 6, "top_p": 0.9, "min_new_tokens": 2}):
+        lean = generate(model, prompts, batch_size=12, **common, **extra)
+        plain = generate(model, prompts, batch_size=12, use_lean_step=False, **common, **extra)
+        chunked = generate(model, prompts, batch_size=5, **common, **extra)
+        for a, b, c in zip(lean[:3], plain[:3], chunked[:3]):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        torch.testing.assert_close(lean[3], plain[3], atol=1e-5, rtol=0)
+    assert not lean[2].all()  # some rows ended at an EOS id
+
+
+def test_generation_uses_the_weights_as_they_are_now():
+    """The copies of small models are made per generation: after the parameters change (an optimizer step),
+    the next generation decodes with the new weights."""
+    model = _llama()
+    prompts = [[5, 6, 7]] * 4
+    common = dict(sample_keys=[1, 2, 3, 4], max_new_tokens=10, eos_ids=[2], pad_id=0, batch_size=4,
+                  return_logprobs=True)
+    before = generate(model, prompts, **common)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    after = generate(model, prompts, **common)
+    plain = generate(model, prompts, use_lean_step=False, **common)
+    torch.testing.assert_close(after[3], plain[3], atol=1e-5, rtol=0)
+    assert not torch.allclose(after[3], before[3])
+
+
+def test_layouts_it_does_not_compute_are_refused():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    assert not supports(qwen3)  # q_norm / k_norm
+
+    class Adapter(torch.nn.Linear):  # what a LoRA wrapper looks like to us: not a plain Linear
+        pass
+
+    wrapped = _llama()
+    old = wrapped.model.layers[1].self_attn.q_proj
+    wrapped.model.layers[1].self_attn.q_proj = Adapter(old.in_features, old.out_features, bias=False)
+    assert not supports(wrapped)
+    assert supports(_llama()) and not supports(_llama(attn_implementation="flex_attention"))
