@@ -96,3 +96,20 @@ def test_ppo_on_two_processes_matches_one_and_sync_each_microbatch_changes_nothi
         w1, w2, w3 = (weights(d / "final" / part) for d in (one, two, synced))
         assert max_diff(w1, w2) < TOL, part
         assert max_diff(w2, w3) < TOL, part  # syncing every micro-batch gives the same parameters
+
+
+def test_lora_on_two_processes_matches_one(ppo_yaml, tmp_path):
+    """PPO with a LoRA policy (reference = adapter disabled, under DDP) and a full critic: 1 vs 2 processes."""
+    pytest.importorskip("peft")
+    lora = ("lora.enabled=true", "lora.r=4", "lora.alpha=8")
+    one = launch(ppo_yaml, tmp_path / "w1", 1, *lora)
+    two = launch(ppo_yaml, tmp_path / "w2", 2, *lora)
+    for a, b in zip(rows(one), rows(two)):
+        assert (a["step"], a["lr"]) == (b["step"], b["lr"])
+        assert a["kl"] == pytest.approx(b["kl"], abs=TOL)
+    assert rows(one)[-1]["kl"] > 0  # the reference (adapter off) differs from the trained policy
+    for part in ("adapter_model.safetensors", "critic/model.safetensors"):
+        w1, w2 = weights(one / "final" / part), weights(two / "final" / part)
+        assert max_diff(w1, w2) < TOL, part
+    assert max(w.abs().max().item() for k, w in weights(one / "final" / "adapter_model.safetensors").items()
+               if "lora_B" in k) > 0  # the adapter trained
