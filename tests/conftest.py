@@ -45,6 +45,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def torchrun_train(config: dict, folder, world: int = 2) -> None:
+    """`tidyrl train` on `world` gloo processes under torchrun (the config dict saved as YAML in `folder`)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(folder) / "torchrun.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                           "--master_port", str(free_port()), "-m", "tidyrl", "train", str(path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def read_jsonl(path) -> list[dict]:
     """The rows of a .jsonl file a run wrote."""
     from pathlib import Path

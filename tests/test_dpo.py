@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import expected_lrs, read_jsonl
+from conftest import expected_lrs, read_jsonl, torchrun_train
 
 import tidyrl
 from tidyrl.loops.offline import OFFLINE_STEP_METRICS
@@ -126,3 +126,20 @@ def test_pairs_are_tokenised_like_a_rollout(tiny_model_dir, tmp_path):
     assert tok.decode(rejected.input_ids) == "<s><user>fig\n<assistant>fig\n</s>"
     assert rejected.input_ids[: len(prompt_ids)] == prompt_ids
     assert sum(rejected.target_mask) == 5 and notes == []
+
+
+def test_two_processes_match_one(tiny_model_dir, pairs_file, tmp_path):
+    """W = 2 (each process 2 of the 4 pairs per step, m = 1) against W = 1 with m = 4: the same losses and
+    parameters; the reference log-probs are per pair, so sharding the pairs changes nothing."""
+    from safetensors.torch import load_file
+
+    torchrun_train(dpo_config(tiny_model_dir, pairs_file, tmp_path / "two", train={"micro_batch_size": 1}), tmp_path)
+    one = tidyrl.train(dpo_config(tiny_model_dir, pairs_file, tmp_path / "one", train={"micro_batch_size": 4}))
+    assert json.loads((tmp_path / "two" / "plan.json").read_text())["world_size"] == 2
+    rows_one, rows_two = read_jsonl(one.output_dir / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in rows_one] == [r["step"] for r in rows_two] == list(range(1, 7))
+    assert [r["lr"] for r in rows_one] == [r["lr"] for r in rows_two]
+    for key in ("loss", "rewards/margin", "rewards/accuracy"):
+        assert [r[key] for r in rows_one] == pytest.approx([r[key] for r in rows_two], abs=1e-5), key
+    a, b = load_file(one.final_dir / "model.safetensors"), load_file(tmp_path / "two" / "final" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

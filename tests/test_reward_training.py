@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from conftest import expected_lrs, read_jsonl, write_jsonl
+from conftest import expected_lrs, read_jsonl, write_jsonl, torchrun_train
 
 import tidyrl
 from tidyrl.data import DataError
@@ -154,3 +154,19 @@ def test_bad_pairs_are_reported_before_any_model_is_loaded(tiny_model_dir, tmp_p
     fails([{"prompt": "a", "chosen": "b", "rejected": "b"}], "chosen and rejected are the same tokens")
     fails([{"prompt": "a", "chosen": "b", "rejected": "c", "m": "big"}], r"reward.margin_column = 'm'.*finite number",
           reward={"margin_column": "m"})
+
+
+def test_two_processes_match_one(tiny_model_dir, tmp_path):
+    """W = 2 with m = 2 against W = 1 with m = 4 (8 pairs per step): the same losses and score head. The new
+    head is initialised from the seed in every process alike."""
+    from safetensors.torch import load_file
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", separable_pairs(16))
+    torchrun_train(reward_config(tiny_model_dir, data, tmp_path / "two", train={"micro_batch_size": 2}), tmp_path)
+    one = tidyrl.train(reward_config(tiny_model_dir, data, tmp_path / "one"))
+    rows_one, rows_two = read_jsonl(one.output_dir / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert [r["lr"] for r in rows_one] == [r["lr"] for r in rows_two] and len(rows_one) == 6
+    for key in ("loss", "rewards/accuracy", "rewards/margin"):
+        assert [r[key] for r in rows_one] == pytest.approx([r[key] for r in rows_two], abs=1e-5), key
+    a, b = load_file(one.final_dir / "model.safetensors"), load_file(tmp_path / "two" / "final" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
