@@ -87,7 +87,10 @@ _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    # w * x / sqrt(mean(x^2) + eps), in float32, cast back before the weight (as LlamaRMSNorm).
+    # w * x / sqrt(mean(x^2) + eps), in float32, cast back before the weight (as LlamaRMSNorm). For float32
+    # input torch's rms_norm is those same ops in that order, in one call.
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * x32.to(x.dtype)

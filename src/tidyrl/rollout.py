@@ -330,12 +330,12 @@ class _BufferedLayer(DynamicLayer):
         self._views()
 
     def _views(self) -> None:
-        self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
+        self.keys, self.values = self._k.narrow(2, 0, self.length), self._v.narrow(2, 0, self.length)
 
     def update(self, key_states, value_states, *args, **kwargs):
         n = key_states.shape[-2]
-        self._k[:, :, self.length: self.length + n] = key_states
-        self._v[:, :, self.length: self.length + n] = value_states
+        self._k.narrow(2, self.length, n).copy_(key_states)
+        self._v.narrow(2, self.length, n).copy_(value_states)
         self.length += n
         self._views()
         return self.keys, self.values
