@@ -21,7 +21,9 @@ The maths, per decoder layer, for one new token per row (Touvron et al. 2023, "L
 - Grouped-query attention (Ainslie et al. 2023): query head h reads key/value head h // n_rep. For one query
   token this is attention of the n_rep query heads of a group against their shared keys, so the queries are
   viewed as (B, Hkv, n_rep, D) and no key/value head is ever repeated (as HF's SDPA path does for a
-  one-token step). Scaled dot-product attention with scale head_dim^-1/2 and the boolean padding mask.
+  one-token step). softmax(q k^T * head_dim^-1/2 + bias) v (Vaswani et al. 2017, eq. 1), the bias -inf at
+  padding, the softmax in float32 as in HF's eager attention.
+- MLP: SwiGLU (Shazeer 2020), down(act(gate(h)) * up(h)) with the model's own activation module.
 
 Anything that does not match this layout exactly (extra modules such as q/k norms, wrapped projections as
 with LoRA adapters, sharded parameters, other attention kernels) is refused by `supports`, and the caller

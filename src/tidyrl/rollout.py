@@ -17,8 +17,11 @@ has the profiles and figures):
   on their keys/values (`_shared_prompt_logits`; gradients sum over the copies);
 - keys and values are written into buffers allocated once (`_BufferedLayer`)
   instead of concatenated at every step, which copies the whole cache each time;
-- finished rows leave the decoding batch, and a one-token step gets its 4D
-  attention mask ready-made;
+- Llama-layout models decode with our own one-token step (`tidyrl.llama_decode`: the same maths as their
+  forward without its per-call overhead); other models get their 4D attention mask ready-made;
+- each sequence draws its sampling noise for many steps at once (on CPU the same numbers as one draw per
+  step; on any device a function of the sample's key, V and max_new_tokens only, never of the chunking);
+- finished rows leave the decoding batch;
 - the sampling pass returns each token's log-prob, which are the old log-probs
   of the ratio: no separate scoring pass of the policy.
 """
@@ -240,8 +243,9 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     done = 0  # rows that have ended but are still in the batch
     vocab, steps = logits.shape[-1], 0
-    # Each sequence draws its uniforms from its own generator, `block` steps at a time: (block, V) at once is
-    # the same stream as `block` draws of V, and the Gumbel noise of a block is computed in one go.
+    # Each sequence draws its uniforms from its own generator, `block` steps at a time (block depends on V and
+    # max_new_tokens only, so chunking never changes a draw): on CPU (block, V) at once is the same stream as
+    # `block` draws of V. The Gumbel noise of a block is computed in one go.
     block = max(1, min(max_new_tokens, _UNIFORMS_PER_DRAW // vocab))
     filtering = bool(top_k and top_k < vocab) or top_p < 1.0
     for step in range(max_new_tokens):
