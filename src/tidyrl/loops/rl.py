@@ -22,6 +22,7 @@ from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, load_critic, load_model_config,
                                  load_policy, load_tokenizer, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, write_run_header)
+from tidyrl.host_memory import release_freed_memory
 from tidyrl.lora import adapter_note, is_adapter_folder, reference_of
 from tidyrl.sharding import ShardingError, full_weights, sharding_kind
 from tidyrl.plan import epochs_done, plan_from_config
@@ -584,6 +585,7 @@ class _RLRun:
         self.optimizer.step()
         self.scheduler.step()  # exactly once per optimizer step, in every process
         self.optimizer.zero_grad(set_to_none=True)
+        release_freed_memory(self.accelerator.device)  # this step's activations and gradients (host_memory.py)
         tokens = max(float(sums[4]), 1.0)
         out = {
             "lr": lr,
