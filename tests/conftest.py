@@ -36,6 +36,16 @@ def prompt_file(tmp_path):
     return path
 
 
+def with_sections(cfg: dict, sections: dict) -> dict:
+    """`cfg` with each section updated by the dict in `sections` (a non-dict value replaces the key)."""
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            cfg[section] = {**cfg.get(section, {}), **values}
+        else:
+            cfg[section] = values
+    return cfg
+
+
 def free_port() -> int:
     """A port no other test run holds (two suites at once must not meet on one rendezvous port)."""
     import socket

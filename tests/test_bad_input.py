@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import with_sections
 
 import tidyrl
 from tidyrl.checkpoint import complete_checkpoints
@@ -27,12 +28,7 @@ def config(model_dir, prompt_file, out, **sections):
         "train": {"rollouts": 3, "micro_batch_size": 4, "minibatches_per_epoch": 2, "learning_rate": 1e-3},
         "log": {"progress_bar": False},
     }
-    for section, values in sections.items():
-        if isinstance(values, dict):
-            cfg[section] = {**cfg.get(section, {}), **values}
-        else:
-            cfg[section] = values
-    return cfg
+    return with_sections(cfg, sections)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import expected_lrs, read_jsonl, torchrun_train
+from conftest import expected_lrs, read_jsonl, torchrun_train, with_sections
 
 import tidyrl
 from tidyrl.loops.offline import OFFLINE_STEP_METRICS
@@ -40,9 +40,7 @@ def dpo_config(model_dir, data_file, out, **sections):
                   "lr_scheduler": "cosine", "warmup_steps": 0},
         "log": {"progress_bar": False},
     }
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values) if isinstance(values, dict) else cfg.update({section: values})
-    return cfg
+    return with_sections(cfg, sections)
 
 
 def test_dpo_run_counts_and_raises_the_margin(tiny_model_dir, pairs_file, tmp_path):

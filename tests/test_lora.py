@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import read_jsonl, write_jsonl
+from conftest import read_jsonl, write_jsonl, with_sections
 
 import tidyrl
 
@@ -32,12 +32,7 @@ def rl_config(model_dir, prompt_file, out, **sections):
         "lora": dict(LORA),
         "log": {"progress_bar": False},
     }
-    for section, values in sections.items():
-        if isinstance(values, dict):
-            cfg.setdefault(section, {}).update(values)
-        else:
-            cfg[section] = values
-    return cfg
+    return with_sections(cfg, sections)
 
 
 def count_loads(monkeypatch):

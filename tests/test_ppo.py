@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import expected_lrs
+from conftest import expected_lrs, with_sections
 
 import tidyrl
 from tidyrl.checkpoint import complete_checkpoints
@@ -47,9 +47,7 @@ def ppo_config(model_dir, rm_dir, prompt_file, out, **sections):
         "ppo": {"kl_coef": 0.05},
         "log": {"progress_bar": False, "samples_per_rollout": 4},
     }
-    for section, values in sections.items():
-        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
-    return cfg
+    return with_sections(cfg, sections)
 
 
 def read_rows(path):

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from conftest import expected_lrs, read_jsonl, write_jsonl, torchrun_train
+from conftest import expected_lrs, read_jsonl, write_jsonl, torchrun_train, with_sections
 
 import tidyrl
 from tidyrl.data import DataError
@@ -44,9 +44,7 @@ def reward_config(model_dir, data_file, out, **sections):
                   "lr_scheduler": "linear", "warmup_steps": 2},
         "log": {"progress_bar": False},
     }
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values) if isinstance(values, dict) else cfg.update({section: values})
-    return cfg
+    return with_sections(cfg, sections)
 
 
 def scores(model, tokenizer, rows, pad_id):

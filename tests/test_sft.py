@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import expected_lrs, read_jsonl, write_jsonl
+from conftest import expected_lrs, read_jsonl, write_jsonl, with_sections
 
 import tidyrl
 from tidyrl.data import DataError, PromptStream
@@ -38,12 +38,7 @@ def sft_config(model_dir, data_file, out, **sections):
                   "lr_scheduler": "cosine", "warmup_steps": 1},
         "log": {"progress_bar": False},
     }
-    for section, values in sections.items():
-        if isinstance(values, dict):
-            cfg.setdefault(section, {}).update(values)
-        else:
-            cfg[section] = values
-    return cfg
+    return with_sections(cfg, sections)
 
 
 def test_sft_run_writes_exact_counts_and_lowers_the_loss(tiny_model_dir, sft_file, tmp_path, capsys):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import expected_lrs, read_jsonl
+from conftest import expected_lrs, read_jsonl, with_sections
 
 import tidyrl
 from tidyrl.config import load_config
@@ -38,12 +38,7 @@ def base_config(model_dir, prompt_file, out, **sections):
                   "learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 2},
         "log": {"progress_bar": True, "samples_per_rollout": 2},
     }
-    for section, values in sections.items():
-        if isinstance(values, dict):
-            cfg.setdefault(section, {}).update(values)
-        else:
-            cfg[section] = values
-    return cfg
+    return with_sections(cfg, sections)
 
 
 
