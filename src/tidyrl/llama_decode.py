@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidyrl.sharding import is_sharded
+
 # Architectures whose decoder layer is exactly Llama's (checked module by module in `supports` as well).
 _ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -57,7 +59,7 @@ def supports(model) -> bool:
         return False
     if type(getattr(inner, "embed_tokens", None)) is not nn.Embedding:
         return False
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):  # FSDP shards the parameters in place
+    if is_sharded(model):  # FSDP shards the parameters in place (and whole ones are gathered only for a while)
         return False
     for layer in inner.layers:
         if {name for name, _ in layer.named_children()} != _LAYER_CHILDREN:

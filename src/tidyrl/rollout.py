@@ -38,6 +38,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from tidyrl.llama_decode import attention_bias, decode_step_for
 from tidyrl.ops import entropy_from_logits, gather_logprobs
+from tidyrl.sharding import is_sharded
 
 
 @dataclass
@@ -422,7 +423,7 @@ def _can_share_prompts(model) -> bool:
     checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers 5's name
     if checkpointing if checkpointing is not None else inner.is_gradient_checkpointing:
         return False
-    if type(next(inner.parameters())).__name__ == "DTensor":  # FSDP2 shards the parameters in place
+    if is_sharded(inner):  # FSDP2 shards the parameters in place
         return False
     return _plain_kv_cache(inner)
 
