@@ -32,6 +32,15 @@ def is_adapter_folder(path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def adapter_folder_problem(path, key: str, what: str) -> Optional[str]:
+    """The error message when `path` (config key `key`) is an adapter folder but `what` needs full weights
+    (a critic, a reward model); None when it is not an adapter folder."""
+    if not is_adapter_folder(path):
+        return None
+    return (f"{key}={path!r} is a LoRA adapter folder, but {what} starts from full weights. Point {key} at the "
+            "merged model instead: the earlier run's final/merged/ (written with lora.save_merged: true).")
+
+
 def adapter_base(path) -> str:
     """The base model an adapter folder was trained on (its adapter_config.json's base_model_name_or_path)."""
     base = json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")

@@ -33,13 +33,11 @@ class RewardModel:
 
         hf_logging.disable_progress_bar()
         self.path, self.key, self.batch_size, self.dtype = path, key, batch_size, dtype
-        from tidyrl.lora import is_adapter_folder
+        from tidyrl.lora import adapter_folder_problem
 
-        if is_adapter_folder(path):
-            raise RewardModelError(
-                f"{key}={path!r} is a LoRA adapter folder. Point it at the merged model instead: the reward run's "
-                "final/merged/ (written with lora.save_merged: true)."
-            )
+        problem = adapter_folder_problem(path, key, "a reward model")
+        if problem:
+            raise RewardModelError(problem)
         try:
             self.config = AutoConfig.from_pretrained(path)
             self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -23,7 +23,7 @@ from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, lo
                                  load_policy, load_tokenizer, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, write_run_header)
 from tidyrl.host_memory import release_freed_memory
-from tidyrl.lora import adapter_note, is_adapter_folder, reference_of
+from tidyrl.lora import adapter_folder_problem, adapter_note, reference_of
 from tidyrl.sharding import ShardingError, full_weights, sharding_kind
 from tidyrl.plan import epochs_done, plan_from_config
 
@@ -126,11 +126,9 @@ class _RLRun:
                      (models[0], "critic.model (default: the first reward model)") if models else
                      (cfg.model, "critic.model (default: the policy)"))
         load_model_config(path)  # exists and loads
-        if is_adapter_folder(path):
-            raise ModelLoadError(
-                f"{key}={path!r} is a LoRA adapter folder; a critic starts from full weights. Point critic.model "
-                "at the merged model (the earlier run's final/merged/, written with lora.save_merged: true)."
-            )
+        problem = adapter_folder_problem(path, key, "a critic")
+        if problem:
+            raise ModelLoadError(problem)
         try:
             vocab = AutoTokenizer.from_pretrained(path).get_vocab()
         except (OSError, ValueError):
@@ -151,7 +149,7 @@ class _RLRun:
         # A resumed run continues from the checkpoint's weights; the reference stays the starting model.
         self.model = load_policy(cfg, self.resume_path)
         # The reference of the KL penalty: a second, frozen copy of the starting model; with LoRA, none is
-        # loaded: the policy with its adapter disabled is the starting model (`_reference`).
+        # loaded: the policy with its adapter disabled is the starting model (`lora.reference_of`).
         self.use_reference = self.algo.kl_coef > 0
         self.ref_model = None
         if self.use_reference and not cfg.lora.enabled:
