@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -89,7 +90,6 @@ def write_jsonl(path, rows: list[dict]):
 def expected_lrs(total: int, warmup: int, name: str, lr: float) -> list[float]:
     """The rates transformers.get_scheduler gives over `total` steps, stepped once per step: what every
     stage's metrics.jsonl `lr` column must equal."""
-    import torch
     from transformers import get_scheduler
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
@@ -100,3 +100,51 @@ def expected_lrs(total: int, warmup: int, name: str, lr: float) -> list[float]:
         opt.step()
         sched.step()
     return lrs
+
+
+VOCAB = 40  # the vocabulary of the Llama-layout test models below
+
+
+def llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=2)
+    config.update(overrides)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**config)).eval()
+
+
+def qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        pad_token_id=0, eos_token_id=2)).eval()
+
+
+def mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=1, sliding_window=None,
+                                            max_position_embeddings=128, pad_token_id=0, eos_token_id=2)).eval()
+
+
+# Tiny random models of every layout tidyrl.llama_decode / llama_forward compute, with the features that
+# change the maths: grouped-query heads, biases, rope scalings, tied embeddings, eager attention.
+LLAMA_LAYOUTS = {
+    "llama-gqa": lambda: llama(),
+    "llama-mha-bias": lambda: llama(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+    "llama-linear-rope": lambda: llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+    "llama3-rope": lambda: llama(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                                   "rope_theta": 10000.0}),
+    "llama-dynamic-rope": lambda: llama(max_position_embeddings=12,
+                                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+    "llama-tied-eager": lambda: llama(tie_word_embeddings=True, attn_implementation="eager"),
+    "qwen2": qwen2,
+    "mistral": mistral,
+}

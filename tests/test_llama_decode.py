@@ -5,55 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import LLAMA_LAYOUTS as MODELS
+from conftest import VOCAB as V
+from conftest import llama as _llama
 
 from tidyrl import llama_decode
 from tidyrl.llama_decode import LlamaDecodeStep, attention_bias, supports
 from tidyrl.rollout import _buffered_cache, generate, left_pad, sample_seed
-
-V = 40
-
-
-def _llama(**overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=2)
-    config.update(overrides)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**config)).eval()
-
-
-def _qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        pad_token_id=0, eos_token_id=2)).eval()
-
-
-def _mistral():
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    return MistralForCausalLM(MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=1, sliding_window=None,
-                                            max_position_embeddings=128, pad_token_id=0, eos_token_id=2)).eval()
-
-
-MODELS = {
-    "llama-gqa": lambda: _llama(),
-    "llama-mha-bias": lambda: _llama(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
-    "llama-linear-rope": lambda: _llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
-    "llama3-rope": lambda: _llama(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
-                                                   "rope_theta": 10000.0}),
-    "llama-dynamic-rope": lambda: _llama(max_position_embeddings=12,
-                                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-    "llama-tied-eager": lambda: _llama(tie_word_embeddings=True, attn_implementation="eager"),
-    "qwen2": _qwen2,
-    "mistral": _mistral,
-}
 
 
 @pytest.mark.parametrize("copy_weights", [True, False], ids=["copied-weights", "own-weights"])

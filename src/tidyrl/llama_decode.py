@@ -90,7 +90,7 @@ COPY_MAX_BYTES = 32 * 2**20
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     # w * x / sqrt(mean(x^2) + eps), in float32, cast back before the weight (as LlamaRMSNorm). For float32
     # input torch's rms_norm is those same ops in that order, in one call.
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
@@ -100,13 +100,15 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * x32.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     # RoFormer eq. 34 in the half-split layout: x * cos + (-x2, x1) * sin. (-x2, x1) * sin is
     # roll(x) * (-sin1, sin2), the same products up to an exact sign flip, in one op fewer.
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+    # `sin_signed` is `signed_sin(sin)`.
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
 
 
-def _signed(sin: torch.Tensor) -> torch.Tensor:
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """(-sin1, sin2) for the two halves of the head dimension: the factor `rope` multiplies roll(x) by."""
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
@@ -138,7 +140,7 @@ class LlamaDecodeStep:
             # returns for each position alone), looked up per step.
             positions = torch.arange(max_positions, device=inner.embed_tokens.weight.device)[None]
             cos, sin = rotary(inner.embed_tokens.weight[:1], positions)  # (1, P, D) each, in the model's dtype
-            self.rope_table = (cos[0], _signed(sin[0]))
+            self.rope_table = (cos[0], signed_sin(sin[0]))
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         self.copies = None
         if sum(m.weight.numel() * m.weight.element_size() for m in linears) <= COPY_MAX_BYTES:
@@ -157,18 +159,18 @@ class LlamaDecodeStep:
             cos, sin = (F.embedding(positions_B1[:, 0], t).view(B, 1, D) for t in self.rope_table)
         else:
             cos, sin = inner.rotary_emb(x, positions_B1)  # (B, 1, D): the model's own call, as in its forward
-            cos, sin = cos.view(B, 1, D), _signed(sin).view(B, 1, D)
+            cos, sin = cos.view(B, 1, D), signed_sin(sin).view(B, 1, D)
         for i, (layer, kv) in enumerate(zip(self.layers, cache_layers)):
             attn, mlp = layer.self_attn, layer.mlp
-            h = _rms_norm(x, layer.input_layernorm)
+            h = rms_norm(x, layer.input_layernorm)
             if self.copies is not None:
                 qkv_w, o_w, gate_up_w, down_w = self.copies[i]
                 qkv = _mm(h, qkv_w).view(B, H + 2 * Hkv, D)
-                qk = _rope(qkv[:, : H + Hkv], cos, sin)  # one rope for the query and key heads together
+                qk = rope(qkv[:, : H + Hkv], cos, sin)  # one rope for the query and key heads together
                 q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
             else:
-                q = _rope(F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(B, H, D), cos, sin)
-                k = _rope(F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(B, Hkv, D), cos, sin)
+                q = rope(F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(B, H, D), cos, sin)
+                k = rope(F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(B, Hkv, D), cos, sin)
                 v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(B, Hkv, D)
             keys, values = kv.update(k.view(B, Hkv, 1, D), v.view(B, Hkv, 1, D))  # (B, Hkv, L, D)
             # Grouped-query attention for one query token: the R query heads of group g (heads g*R .. g*R+R-1,
@@ -179,15 +181,15 @@ class LlamaDecodeStep:
             o = torch.matmul(probs, values).view(B, H * D)  # (B, H*D)
             if self.copies is not None:
                 x = x + _mm(o, o_w)
-                gate, up = _mm(_rms_norm(x, layer.post_attention_layernorm), gate_up_w).chunk(2, dim=-1)
+                gate, up = _mm(rms_norm(x, layer.post_attention_layernorm), gate_up_w).chunk(2, dim=-1)
                 x = x + _mm(mlp.act_fn(gate) * up, down_w)
             else:
                 x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
-                h = _rms_norm(x, layer.post_attention_layernorm)
+                h = rms_norm(x, layer.post_attention_layernorm)
                 gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
                 up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
                 x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        x = _rms_norm(x, inner.norm)
+        x = rms_norm(x, inner.norm)
         if self.copies is not None:
             return _mm(x, self.head)
         return F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)  # (B, V)

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from tidyrl.llama_decode import attention_bias, decode_step_for
+from tidyrl.llama_forward import logits_if_lean
 from tidyrl.ops import entropy_from_logits, gather_logprobs
 from tidyrl.sharding import is_sharded
 
@@ -376,6 +377,9 @@ def _forward_logits(model, batch: Rollout) -> torch.Tensor:
     When several rows share a prompt (the k samples of a group), the prompt is run once and its keys and
     values are copied to its rows (`_shared_prompt_logits`): the same maths with fewer FLOPs."""
     tc = batch.completion_ids.shape[1]
+    lean = logits_if_lean(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    if lean is not None:  # Llama layouts: prompts and completions in one lean pass (tidyrl.llama_forward)
+        return lean
     shared = _shared_prompt_logits(model, batch) if tc > 1 else None
     if shared is not None:
         return shared

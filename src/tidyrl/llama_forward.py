@@ -1,0 +1,227 @@
+"""A lean forward pass for scoring and training completions of Llama-layout models (the layouts of
+`tidyrl.llama_decode.supports`: Llama, Qwen2, Mistral without sliding windows).
+
+Why: scoring and the policy-gradient updates run the model on a rollout's rows, k samples per prompt. The
+Hugging Face forward would run every prompt k times; tidyrl's generic path (`rollout._shared_prompt_logits`)
+runs the distinct prompts once and the completions on their keys and values, in two forward passes, each
+with its module calls, mask building and output objects, recorded op by op by autograd. For a small model
+that bookkeeping costs as much as the arithmetic (docs/benchmarks.md). Here both go through the layers in
+one pass: the distinct prompts' tokens and the completions' tokens are the rows of one (N, hidden) matrix,
+so every projection is one matmul (q/k/v and gate/up concatenated for small models), and only attention
+splits them: the prompts attend causally within themselves, each completion to its prompt's keys and
+values (indexed per row, so backward sums the k copies' gradients into the shared prompt) and causally to
+itself.
+
+The maths is the model's, per decoder layer (see tidyrl.llama_decode for the references: RMSNorm, RoPE,
+grouped-query attention, SwiGLU), with the attention masks of the one-pass forward over
+[prompt, completion] with the row's attention mask, so every score that is read equals the HF forward's
+to float rounding (tests/test_llama_forward.py checks logits and gradients). Queries that nothing reads
+differ: a prompt's left-padding positions attend to themselves only (HF would leave them with no key at all).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from tidyrl.llama_decode import COPY_MAX_BYTES, rms_norm, rope, signed_sin, supports
+
+
+def can_run(model) -> bool:
+    """True when `completion_logits` computes what `model`'s own forward would, and its gradients reach
+    the parameters as they would through the model: a plain (not DDP-wrapped: DDP syncs gradients only for
+    passes through its own forward) Llama-layout model, without gradient checkpointing (whose memory saving
+    the user asked for) and without attention dropout in training (this pass applies none)."""
+    if isinstance(model, DistributedDataParallel) or not supports(model):
+        return False
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name
+    if checkpointing if checkpointing is not None else getattr(model, "is_gradient_checkpointing", False):
+        return False
+    return not (model.training and getattr(model.config, "attention_dropout", 0.0))
+
+
+def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                      completion_mask: torch.Tensor) -> torch.Tensor:
+    """Logits (B, Tc, V) that predict each completion token (position t predicts completion token t) for
+    left-padded prompts (B, Lp) and right-padded completions (B, Tc), as `model`'s forward over the rows
+    [prompt, completion] with attention mask [prompt_mask, completion_mask] would give them. Gradients flow
+    to `model`'s parameters when called with grad enabled. See `can_run` for the models it takes."""
+    inner = model.model
+    device = inner.embed_tokens.weight.device
+    B, Lp = prompt_ids.shape
+    Tc = completion_ids.shape[1]
+    Tq = Tc - 1  # completion tokens read as inputs: the last one predicts nothing that is scored
+    # The distinct prompts (a prompt is its ids and its padding), U of them; row b's is unique[inverse[b]].
+    unique, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    U = unique.shape[0]
+    u_ids, u_mask = unique[:, :Lp].to(device), unique[:, Lp:].to(device).bool()
+    inverse = inverse.to(device)
+    c_mask = completion_mask.to(device) > 0
+    # Position ids as the one-pass forward derives them from the row's mask: cumsum - 1, padding at 0.
+    u_pos = (u_mask.long().cumsum(-1) - 1).clamp(min=0)  # (U, Lp)
+    c_pos = u_pos[:, -1:].index_select(0, inverse) + c_mask[:, :Tq].long().cumsum(-1)  # (B, Tq)
+    tokens = torch.cat([u_ids.reshape(-1), completion_ids[:, :Tq].to(device).reshape(-1)])  # (N,)
+    positions = torch.cat([u_pos.reshape(-1), c_pos.reshape(-1)])
+    NP = U * Lp  # the prompt rows come first, then the completion rows
+
+    # Masks (True = may attend), the one-pass forward's for every query that is read. Prompt queries: causal
+    # over real keys; a padding query attends to itself only (its output is never read, and it needs a key
+    # to stay finite). Completion queries: every real key of their prompt, then causal over real completion
+    # keys.
+    causal_p = torch.ones(Lp, Lp, dtype=torch.bool, device=device).tril()
+    mask_p = (causal_p & u_mask[:, None, :]) | torch.eye(Lp, dtype=torch.bool, device=device)  # (U, Lp, Lp)
+    causal_c = torch.ones(Tq, Tq, dtype=torch.bool, device=device).tril()
+    mask_c = torch.cat([u_mask.index_select(0, inverse)[:, None, :].expand(B, Tq, Lp),
+                        causal_c & c_mask[:, None, :Tq]], dim=-1)  # (B, Tq, Lp + Tq)
+    mask_p, mask_c = mask_p[:, None], mask_c[:, None]  # broadcast over heads
+
+    bias_p, bias_c = _additive(mask_p), _additive(mask_c)
+
+    attn0 = inner.layers[0].self_attn
+    D, H, Hkv = attn0.head_dim, model.config.num_attention_heads, model.config.num_key_value_heads
+    x = inner.embed_tokens(tokens)  # (N, hidden); the module's own call keeps its padding_idx (no gradient there)
+    cos, sin = inner.rotary_emb(x, positions[None])  # the model's own rotary module: every rope scaling it has
+    cos, sin = cos[0, :, None, :], signed_sin(sin[0])[:, None, :]  # (N, 1, D)
+    fused = _weight_bytes(model) <= COPY_MAX_BYTES
+    rows = [NP, B * Tq]
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        h = _rms_norm(x, layer.input_layernorm)
+        # torch.split rather than slicing throughout: the backward of a split is one concatenation, that of
+        # each slice a zero-filled tensor of the whole input.
+        if fused:  # small models: one (N, hidden) x (hidden, (H + 2 Hkv) D) product instead of three
+            qk, v = _linear(h, attn.q_proj, attn.k_proj, attn.v_proj).view(-1, H + 2 * Hkv, D).split([H + Hkv, Hkv], 1)
+            q, k = rope(qk, cos, sin).split([H, Hkv], 1)  # the query and key heads in one rope
+        else:
+            q = rope(_linear(h, attn.q_proj).view(-1, H, D), cos, sin)
+            k = rope(_linear(h, attn.k_proj).view(-1, Hkv, D), cos, sin)
+            v = _linear(h, attn.v_proj).view(-1, Hkv, D)
+        # (rows, heads, L, D) per part; the completions' keys/values follow their prompt's.
+        (q_p, q_c), (k_p, k_c), (v_p, v_c) = (t.split(rows) for t in (q, k, v))
+        q_p, k_p, v_p = (t.view(U, Lp, -1, D).transpose(1, 2) for t in (q_p, k_p, v_p))
+        q_c, k_c, v_c = (t.view(B, Tq, -1, D).transpose(1, 2) for t in (q_c, k_c, v_c))
+        k_c = torch.cat([k_p.index_select(0, inverse), k_c], dim=2)
+        v_c = torch.cat([v_p.index_select(0, inverse), v_c], dim=2)
+        o_p = _attention(q_p, k_p, v_p, mask_p, bias_p, attn.scaling)
+        o_c = _attention(q_c, k_c, v_c, mask_c, bias_c, attn.scaling)
+        o = torch.cat([o_p.transpose(1, 2).reshape(NP, H * D), o_c.transpose(1, 2).reshape(B * Tq, H * D)])
+        x = x + _linear(o, attn.o_proj)
+        h = _rms_norm(x, layer.post_attention_layernorm)
+        # gate and up as two products: as halves of one, each is a strided view, and the element-wise SwiGLU
+        # on views costs more (forward + backward) than the second matmul call saves.
+        gate, up = _linear(h, mlp.gate_proj), _linear(h, mlp.up_proj)
+        x = x + _linear(_gated(mlp.act_fn, gate, up), mlp.down_proj)
+    # Only the rows that predict completion tokens go through the head: each prompt's last position (left
+    # padding puts it at Lp - 1), then the completion rows.
+    x_p, x_c = x.split(rows)
+    last = x_p.view(U, Lp, -1).split([Lp - 1, 1], dim=1)[1][:, 0]
+    h = _rms_norm(torch.cat([last, x_c]), inner.norm)
+    logits = _linear(h, model.lm_head)  # (U + B*Tq, V)
+    first, rest = logits.split([U, B * Tq])
+    return torch.cat([first.index_select(0, inverse)[:, None], rest.view(B, Tq, -1)], dim=1)
+
+
+# Attention whose probabilities (rows x heads x queries x keys, float32) fit in this many bytes is computed as
+# matmul-softmax-matmul, above it with torch's fused scaled_dot_product_attention (which never holds them all).
+# At the sizes of a short RL completion the fused CPU kernel costs more than the arithmetic: on a 2-core CPU,
+# forward + backward of 32 rows x 4 heads x 31 queries x 48 keys took 3.1 ms fused and 2.0 ms plain, and
+# 16 x 8 x 127 x 150 (head size 64) 34 vs 29 ms.
+MATH_ATTENTION_MAX_BYTES = 32 * 2**20
+
+
+def _attention(q, k, v, mask, bias, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v (Vaswani et al. 2017, eq. 1) for q (B, H, T, D) and keys/values
+    (B, Hkv, L, D): query head h reads key/value head h // (H / Hkv) (grouped-query attention, Ainslie et
+    al. 2023; HF's repeat_kv order), never copying a key/value head. `mask` (B, 1, T, L) is True where a
+    query may attend; `bias` is its additive form (0 / -inf)."""
+    B, H, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    if B * H * T * L * 4 > MATH_ATTENTION_MAX_BYTES:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
+    R = H // Hkv
+    # The R query heads of group g are consecutive (g*R .. g*R + R - 1): as (B, Hkv, R*T, D) they are R*T
+    # query rows against the group's L keys. The softmax in float32, as in the models' eager attention.
+    scores = torch.matmul(q.reshape(B, Hkv, R * T, D), k.transpose(-1, -2)).view(B, Hkv, R, T, L)
+    probs = torch.softmax(torch.add(bias[:, :, None], scores, alpha=scale).float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs.view(B, Hkv, R * T, L), v).view(B, H, T, D)
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """w * x / sqrt(mean(x^2) + eps) for float32 x (Zhang & Sennrich 2019, eq. 4), with its backward written
+    out: d x = rstd * (g_hat - x_hat * mean(g_hat * x_hat)), g_hat = g * w; d w = sum(g * x_hat). One graph
+    node instead of six, and only x_hat and rstd kept."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        x_hat = x * rstd
+        ctx.save_for_backward(x_hat, rstd, weight)
+        return x_hat * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_hat, rstd, weight = ctx.saved_tensors
+        grad_weight = (grad * x_hat).reshape(-1, x_hat.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        g_hat = grad * weight
+        grad_x = rstd * (g_hat - x_hat * (g_hat * x_hat).mean(-1, keepdim=True))
+        return grad_x, grad_weight, None
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return _RMSNorm.apply(x, norm.weight, norm.variance_epsilon)
+    return rms_norm(x, norm)  # other dtypes: HF's casts, op by op
+
+
+class _SiluGate(torch.autograd.Function):
+    """silu(gate) * up (SwiGLU, Shazeer 2020), keeping only gate and up for backward (autograd op by op would
+    also keep silu(gate): one more (tokens, intermediate) tensor per layer)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)  # (grad * up) * silu'(gate), one kernel
+        return grad_gate, grad * F.silu(gate)
+
+
+def _gated(act_fn: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation":
+        return _SiluGate.apply(gate, up)
+    return act_fn(gate) * up
+
+
+def _linear(x: torch.Tensor, *linears: nn.Linear) -> torch.Tensor:
+    """x through linears that read the same input, side by side (their outputs concatenated), as one
+    product. The weights are concatenated for this call (autograd splits their gradients back)."""
+    if len(linears) == 1:
+        return F.linear(x, linears[0].weight, linears[0].bias)
+    weight = torch.cat([m.weight for m in linears])
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+    return F.linear(x, weight, bias)
+
+
+def _weight_bytes(model) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def logits_if_lean(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> Optional[torch.Tensor]:
+    """`completion_logits` when `can_run(model)` and the completions are at least 2 tokens wide (one is the
+    model's ordinary one-position forward), else None."""
+    if completion_ids.shape[1] < 2 or not can_run(model):
+        return None
+    return completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)

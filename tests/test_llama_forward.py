@@ -1,0 +1,119 @@
+"""The lean scoring/training pass computes the logits and gradients of the Hugging Face forward, for every
+Llama layout it takes, and the generic path is kept for everything else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import LLAMA_LAYOUTS, VOCAB, llama
+
+from tidyrl import llama_forward, rollout
+from tidyrl.llama_forward import can_run, completion_logits, logits_if_lean
+from tidyrl.rollout import Rollout, completion_logprobs, left_pad
+
+K = 3  # samples per prompt
+
+
+def _batch(distinct_prompts: bool = False) -> Rollout:
+    """Prompts of 2, 7 and 4 tokens (left-padded), K samples each, completions of 9 tokens with EOS (then
+    padding) at different places in some rows."""
+    prompts = [[5, 6], [7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 17]]
+    rows = [p + [i] if distinct_prompts else p for p in prompts for i in range(K)]
+    ids, mask = left_pad(rows, 0)
+    g = torch.Generator().manual_seed(1)
+    completions = torch.randint(4, VOCAB, (len(rows), 9), generator=g)
+    completions[0, 2] = completions[5, 0] = 0  # the pad id sampled as a token: its embedding gets no gradient
+    cmask = torch.ones(len(rows), 9)
+    for row, eos_at in ((1, 3), (4, 0), (6, 8), (8, 5)):
+        completions[row, eos_at] = 2
+        completions[row, eos_at + 1:] = 0
+        cmask[row, eos_at + 1:] = 0
+    return Rollout(ids, mask, completions, cmask, torch.zeros(len(rows), dtype=torch.bool))
+
+
+def _reference_logits(model, batch: Rollout) -> torch.Tensor:
+    """The model's own forward over [prompt, completion] with the rows' mask and positions: what is scored."""
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False)
+    return out.logits[:, batch.prompt_ids.shape[1] - 1: -1]  # (B, Tc, V): position t predicts token t
+
+
+def _grads(model, logits: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    (logits * weights).sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-qkv", "separate-qkv"])
+@pytest.mark.parametrize("name", sorted(LLAMA_LAYOUTS))
+def test_logits_and_gradients_equal_the_model_forward(name, fused, attention, monkeypatch):
+    """Shared prompts of different lengths, completions ending at different places: every logit that is read
+    (up to and including each row's EOS) equals the HF forward's, and so does every parameter's gradient of a
+    weighted sum of them, in training mode."""
+    monkeypatch.setattr(llama_forward, "COPY_MAX_BYTES", 2**40 if fused else 0)
+    monkeypatch.setattr(llama_forward, "MATH_ATTENTION_MAX_BYTES", 2**40 if attention == "matmul" else 0)
+    model = LLAMA_LAYOUTS[name]().train()
+    assert can_run(model)
+    batch = _batch()
+    read = batch.completion_mask[..., None]  # (B, Tc, 1)
+    want = _reference_logits(model, batch)
+    got = completion_logits(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    assert got.shape == want.shape == (3 * K, 9, VOCAB)
+    torch.testing.assert_close(got * read, want * read, atol=2e-5, rtol=1e-5)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)) * read
+    theirs, ours = _grads(model, want, weights), _grads(model, got, weights)
+    assert theirs.keys() == ours.keys()
+    for key in theirs:
+        scale = theirs[key].abs().max().item()
+        assert scale > 0, key  # every parameter is reached, the embedding and the head included
+        torch.testing.assert_close(ours[key], theirs[key], atol=2e-5 * scale, rtol=1e-4, msg=key)
+
+
+def test_distinct_prompts_and_two_token_completions():
+    """Nothing shared (every prompt distinct) and the narrowest width the pass takes (Tc = 2): the same logits."""
+    model = llama().train()
+    batch = _batch(distinct_prompts=True)
+    for width in (9, 2):
+        part = Rollout(batch.prompt_ids, batch.prompt_mask, batch.completion_ids[:, :width],
+                       batch.completion_mask[:, :width], batch.truncated)
+        read = part.completion_mask[..., None]
+        got = completion_logits(model, part.prompt_ids, part.prompt_mask, part.completion_ids, part.completion_mask)
+        torch.testing.assert_close(got * read, _reference_logits(model, part) * read, atol=2e-5, rtol=1e-5)
+
+
+def test_completion_logprobs_takes_the_lean_pass_and_agrees_with_the_generic_one(monkeypatch):
+    """`completion_logprobs` (scoring and training) goes through the lean pass for a Llama layout, and gives
+    what the generic two-pass path gives, log-probs and entropy."""
+    model = llama().train()
+    batch = _batch()
+    calls = []
+    real = llama_forward.completion_logits
+    monkeypatch.setattr(llama_forward, "completion_logits", lambda *a: calls.append(1) or real(*a))
+    lean_lp, lean_ent = completion_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    assert calls == [1]
+    monkeypatch.setattr(rollout, "logits_if_lean", lambda *a: None)
+    generic_lp, generic_ent = completion_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    assert calls == [1]
+    m = batch.completion_mask
+    torch.testing.assert_close(lean_lp * m, generic_lp * m, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lean_ent * m, generic_ent * m, atol=1e-5, rtol=0)
+
+
+def test_models_it_cannot_run_keep_the_generic_path():
+    batch = _batch()
+    args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    model = llama().train()
+    assert can_run(model) and logits_if_lean(model, *args) is not None
+    assert logits_if_lean(model, *(a[:, :1] if i >= 2 else a for i, a in enumerate(args))) is None  # Tc = 1
+    model.activation_checkpointing_enable()  # the user asked for recomputation: the model's forward does it
+    assert not can_run(model)
+    dropout = llama(attention_dropout=0.1)
+    assert not can_run(dropout.train()) and can_run(dropout.eval())  # this pass applies no dropout
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    assert not can_run(qwen3)  # q_norm / k_norm: not a layout this pass computes
+    assert logits_if_lean(qwen3, *args) is None
