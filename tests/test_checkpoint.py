@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import tidyrl
@@ -190,3 +191,32 @@ def test_resume_without_a_checkpoint_says_what_to_do(tmp_path, tiny_model_dir, p
     config = write_config(tmp_path, tiny_model_dir, prompt_file, "none")
     with pytest.raises(CheckpointError, match="holds no complete checkpoint-N.*log.save_every"):
         tidyrl.train(config, ["resume_from=latest"])
+
+
+def test_loaded_weights_get_their_own_aligned_memory(tmp_path):
+    """from_pretrained leaves weights inside the memory-mapped file, at whatever alignment the file's header
+    gives (48 mod 64 for the test model); matmul rounding can depend on it, which broke exact resume on one
+    CPU. Loaded models own their memory: every tensor 64-byte aligned, the same values, tied weights still one
+    tensor."""
+    from safetensors.torch import load_file
+
+    from conftest import llama
+    from tidyrl.loops.common import in_own_memory, load_causal_lm
+
+    model = llama(tie_word_embeddings=True)
+    weight = model.model.embed_tokens.weight
+    values = weight.detach().clone()
+    misaligned = torch.empty(weight.numel() + 16)[4: 4 + weight.numel()].view(weight.shape)  # 16 bytes off
+    misaligned.copy_(values)
+    weight.data = misaligned
+    assert weight.data_ptr() % 64 == 16
+    assert in_own_memory(model) is model
+    assert weight.data_ptr() % 64 == 0 and torch.equal(weight, values)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    model.save_pretrained(tmp_path / "m")
+    loaded = load_causal_lm(str(tmp_path / "m"))
+    assert all(t.data_ptr() % 64 == 0 for t in [*loaded.parameters(), *loaded.buffers()])
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in load_file(tmp_path / "m" / "model.safetensors").items())

@@ -156,7 +156,7 @@ def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False):
     model_config = AutoConfig.from_pretrained(path)
     if not dropout:
         without_dropout(model_config)
-    return AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype))
+    return in_own_memory(AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype)))
 
 
 def load_policy(cfg: Config, resume_path: Optional[Path] = None):
@@ -181,7 +181,25 @@ def load_critic(path: str, dtype: str = "float32"):
     config = without_dropout(AutoConfig.from_pretrained(path))
     config.classifier_dropout = 0.0
     config.num_labels = 1
-    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch_dtype(dtype))
+    return in_own_memory(AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch_dtype(dtype)))
+
+
+def in_own_memory(model):
+    """`model` with every CPU parameter and buffer that `from_pretrained` left inside the memory-mapped
+    safetensors file moved to memory of its own (torch's allocator aligns it to 64 bytes).
+
+    Why: a tensor mapped from a file sits where the file's header puts it (8-byte aligned, seen at 48 mod 64),
+    and on some CPUs a matmul's last bits depend on its operands' alignment (seen on an AMD EPYC with torch
+    2.13's CPU kernels; not on an Intel Xeon). The same weights loaded from two files, the start model and a
+    checkpoint, then round differently, and an exact resume is not exact (tests/test_ppo.py caught it). It also
+    makes the run independent of the file once loaded. Tied weights stay tied (one Parameter, its data
+    replaced in place)."""
+    import itertools
+
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type == "cpu" and tensor.data_ptr() % 64:
+            tensor.data = tensor.data.clone()
+    return model
 
 
 def enable_gradient_checkpointing(model) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import (TrainResult, prepare_for_training,
+from tidyrl.loops.common import (TrainResult, in_own_memory, prepare_for_training,
                                  load_tokenizer, make_accelerator, prepare_output_dir, save_pretrained_atomic,
                                  torch_dtype, without_dropout, write_run_header)
 
@@ -40,7 +40,8 @@ def load_reward_model(path: str, pad_id: int, dtype: str = "float32"):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "score.weight newly initialized": expected here, and said by the caller
     try:
-        return AutoModelForSequenceClassification.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype))
+        return in_own_memory(
+            AutoModelForSequenceClassification.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype)))
     finally:
         hf_logging.set_verbosity(verbosity)
 
