@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import LLAMA_LAYOUTS, VOCAB, llama
 
-from tidyrl import llama_forward, rollout
+from tidyrl import llama_forward
 from tidyrl.llama_forward import can_run, completion_logits, logits_if_lean
 from tidyrl.rollout import Rollout, completion_logprobs, left_pad
 
@@ -93,8 +93,8 @@ def test_completion_logprobs_takes_the_lean_pass_and_agrees_with_the_generic_one
     monkeypatch.setattr(llama_forward, "completion_logits", lambda *a: calls.append(1) or real(*a))
     lean_lp, lean_ent = completion_logprobs(model, batch, temperature=0.7, with_entropy=True)
     assert calls == [1]
-    monkeypatch.setattr(rollout, "logits_if_lean", lambda *a: None)
-    generic_lp, generic_ent = completion_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    generic_lp, generic_ent = completion_logprobs(model, batch, temperature=0.7, with_entropy=True,
+                                                  use_lean_pass=False)
     assert calls == [1]
     m = batch.completion_mask
     torch.testing.assert_close(lean_lp * m, generic_lp * m, atol=1e-5, rtol=0)

@@ -371,15 +371,19 @@ def _model_inputs(model, batch: Rollout) -> dict:
     return {"input_ids": input_ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)}
 
 
-def _forward_logits(model, batch: Rollout) -> torch.Tensor:
+def _forward_logits(model, batch: Rollout, use_lean_pass: bool = True) -> torch.Tensor:
     """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
 
     When several rows share a prompt (the k samples of a group), the prompt is run once and its keys and
-    values are copied to its rows (`_shared_prompt_logits`): the same maths with fewer FLOPs."""
+    values are copied to its rows: for Llama layouts in one lean pass of our own (`tidyrl.llama_forward`,
+    unless `use_lean_pass` is False), for other models in two passes of the model's forward
+    (`_shared_prompt_logits`): the same maths with fewer FLOPs."""
     tc = batch.completion_ids.shape[1]
-    lean = logits_if_lean(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
-    if lean is not None:  # Llama layouts: prompts and completions in one lean pass (tidyrl.llama_forward)
-        return lean
+    if use_lean_pass:
+        lean = logits_if_lean(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                              batch.completion_mask)
+        if lean is not None:
+            return lean
     shared = _shared_prompt_logits(model, batch) if tc > 1 else None
     if shared is not None:
         return shared
@@ -451,11 +455,12 @@ def score_values(critic, rollout: Rollout, chunk_size: int) -> torch.Tensor:
     return out
 
 
-def completion_logprobs(model, batch: Rollout, temperature: float, with_entropy: bool = False
-                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def completion_logprobs(model, batch: Rollout, temperature: float, with_entropy: bool = False,
+                        use_lean_pass: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
-    per-token entropy (computed without grad). Gradients flow when called outside no_grad."""
-    logits = _forward_logits(model, batch)  # (B, Tc, V)
+    per-token entropy (computed without grad). Gradients flow when called outside no_grad. `use_lean_pass`:
+    see `_forward_logits`."""
+    logits = _forward_logits(model, batch, use_lean_pass)  # (B, Tc, V)
     if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
         logits = logits / temperature
     ids = batch.completion_ids.to(logits.device)
