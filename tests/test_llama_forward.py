@@ -117,3 +117,15 @@ def test_models_it_cannot_run_keep_the_generic_path():
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16))
     assert not can_run(qwen3)  # q_norm / k_norm: not a layout this pass computes
     assert logits_if_lean(qwen3, *args) is None
+
+
+def test_a_forward_with_something_around_it_keeps_the_generic_path():
+    """accelerate's mixed precision wraps the model's forward in autocast, and hooks run around a module's
+    forward: a pass that calls no forward would skip them, so such models are not taken."""
+    assert can_run(llama())
+    autocast = llama()  # what accelerate's prepare does for mixed precision (without its process-wide state)
+    autocast.forward = torch.autocast("cpu", dtype=torch.bfloat16)(autocast.forward)
+    assert not can_run(autocast)
+    hooked = llama()
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert not can_run(hooked)

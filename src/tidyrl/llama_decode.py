@@ -61,6 +61,8 @@ def supports(model) -> bool:
         return False
     if is_sharded(model):  # FSDP shards the parameters in place (and whole ones are gathered only for a while)
         return False
+    if any(_wrapped(m) for m in model.modules()):
+        return False
     for layer in inner.layers:
         if {name for name, _ in layer.named_children()} != _LAYER_CHILDREN:
             return False
@@ -77,6 +79,12 @@ def supports(model) -> bool:
             if not type(norm).__name__.endswith("RMSNorm") or list(norm.children()):
                 return False
     return type(inner.norm).__name__.endswith("RMSNorm")
+
+
+def _wrapped(module: nn.Module) -> bool:
+    """Something runs around this module's forward that a pass calling no forward would skip: an instance-level
+    forward (accelerate's autocast for mixed precision, its offloading hooks) or registered forward hooks."""
+    return "forward" in vars(module) or bool(module._forward_hooks) or bool(module._forward_pre_hooks)
 
 
 # Below this many bytes of weights, `LlamaDecodeStep` works on a copy of them made for one generation:
