@@ -241,7 +241,11 @@ def _one_pass_logprobs(model, batch, temperature):
     return gather_logprobs(logits, batch.completion_ids)
 
 
-def test_shared_prompt_forward_gives_the_one_pass_logprobs_and_gradients(tiny_model_dir, tiny_model_and_tokenizer):
+@pytest.mark.parametrize("lean", [False, True], ids=["two-pass", "lean-pass"])
+def test_shared_prompt_forward_gives_the_one_pass_logprobs_and_gradients(lean, tiny_model_dir,
+                                                                          tiny_model_and_tokenizer):
+    """Both ways of running a shared prompt once: the model's forward in two passes (any model) and the lean
+    Llama pass (tidyrl.llama_forward)."""
     from transformers import AutoModelForCausalLM
 
     from tidyrl.rollout import _shared_prompt_logits, completion_logprobs
@@ -259,7 +263,7 @@ def test_shared_prompt_forward_gives_the_one_pass_logprobs_and_gradients(tiny_mo
         (lp * batch.completion_mask * torch.linspace(-1, 1, lp.shape[1])).sum().backward()
         return lp.detach(), [p.grad.clone() for p in model.parameters()]
 
-    lp_shared, g_shared = grads_of(lambda: completion_logprobs(model, batch, 0.8)[0])
+    lp_shared, g_shared = grads_of(lambda: completion_logprobs(model, batch, 0.8, use_lean_pass=lean)[0])
     lp_plain, g_plain = grads_of(lambda: _one_pass_logprobs(model, batch, 0.8))
     mask = batch.completion_mask > 0
     torch.testing.assert_close(lp_shared[mask], lp_plain[mask], atol=1e-5, rtol=0)
