@@ -9,7 +9,6 @@ completions. Alternates the two paths so that machine drift hits both alike; med
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -18,24 +17,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_vs_trl import WORKLOADS, prompt_texts  # noqa: E402
+from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 
 from tidyrl.rollout import generate, sample_seed  # noqa: E402
-from tidyrl.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    w = WORKLOADS[args.workload]
-    tok = build_char_tokenizer()
-    model = build_tiny_llama(len(tok), hidden_size=w["hidden"], num_layers=w["layers"], num_heads=w["heads"],
-                             intermediate_size=w["intermediate"], bos_token_id=tok.bos_token_id,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).eval()
+    args, w, tok, model = in_process_setup(__doc__, default_repeats=5)
+    model.eval()
     texts = prompt_texts(w["prompts"])
     prompts = [tok(t)["input_ids"] for t in texts for _ in range(w["k"])]
     T = w["max_new_tokens"]

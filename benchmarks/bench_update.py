@@ -14,7 +14,6 @@ and gradients. Alternates the two paths so that machine drift hits both alike; m
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,10 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_vs_trl import WORKLOADS, prompt_texts  # noqa: E402
+from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 
 from tidyrl.rollout import Rollout, completion_logprobs, left_pad  # noqa: E402
-from tidyrl.tiny import build_char_tokenizer, build_tiny_llama  # noqa: E402
 
 
 def saved_bytes(fn) -> tuple[object, int]:
@@ -45,18 +43,8 @@ def saved_bytes(fn) -> tuple[object, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    w = WORKLOADS[args.workload]
-    tok = build_char_tokenizer()
-    model = build_tiny_llama(len(tok), hidden_size=w["hidden"], num_layers=w["layers"], num_heads=w["heads"],
-                             intermediate_size=w["intermediate"], max_position_embeddings=256, seed=0,
-                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id).train()
+    args, w, tok, model = in_process_setup(__doc__, default_repeats=20)
+    model.train()
     m, k, T = w["micro_batch"], w["k"], w["max_new_tokens"]
     texts = prompt_texts(max(1, m // k))
     rows = [tok(t)["input_ids"] for t in texts for _ in range(k)][:m]

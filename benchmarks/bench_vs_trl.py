@@ -209,8 +209,8 @@ def run_child(library: str, spec: dict, threads: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- parent
-def build_workload(name: str, folder: Path) -> tuple[str, str, dict]:
-    """Save the workload's model and tokenizer and the prompt file; return their paths and FLOP facts."""
+def workload_model(name: str):
+    """(tokenizer, model) of a workload: the character-level tokenizer and the Llama, seed 0."""
     from tidyrl.tiny import build_char_tokenizer, build_tiny_llama
 
     w = WORKLOADS[name]
@@ -219,6 +219,26 @@ def build_workload(name: str, folder: Path) -> tuple[str, str, dict]:
                              intermediate_size=w["intermediate"], max_position_embeddings=256, seed=0,
                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id)
+    return tok, model
+
+
+def in_process_setup(doc: str, default_repeats: int):
+    """The command line of the in-process benchmarks (bench_decode.py, bench_update.py): --workload, --repeats,
+    --threads. Returns (args, workload dict, tokenizer, model), torch's thread count set."""
+    import torch
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
+    parser.add_argument("--repeats", type=int, default=default_repeats)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return (args, WORKLOADS[args.workload], *workload_model(args.workload))
+
+
+def build_workload(name: str, folder: Path) -> tuple[str, str, dict]:
+    """Save the workload's model and tokenizer and the prompt file; return their paths and FLOP facts."""
+    tok, model = workload_model(name)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model_dir = folder / "model"
