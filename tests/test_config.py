@@ -318,3 +318,20 @@ def test_groups_of_one_are_refused_only_where_a_baseline_needs_the_group():
         assert load_config(dict(data, algorithm=algorithm)).rollout.samples_per_prompt == 1
     assert problems(load_config, dict(data, algorithm="reinforce_pp_baseline"))[0].startswith(
         "rollout.samples_per_prompt: must be >= 2 for reinforce_pp_baseline")
+
+
+def test_known_scheduler_names_are_transformers_own_and_validate_without_importing_it():
+    """LR_SCHEDULERS (validated without importing transformers.trainer_utils, which takes seconds) is exactly
+    the installed transformers' scheduler list minus the unsupported ones."""
+    import subprocess
+    import sys
+
+    from tidyrl.config import LR_SCHEDULERS, supported_schedulers
+
+    assert list(LR_SCHEDULERS) == supported_schedulers()
+    code = ("import sys, tidyrl.config as c; c.load_config({'model': 'm', 'data': {'path': 'p.jsonl'}, "
+            "'rewards': [{'function': 'tidyrl.demo:anagram_reward'}], 'train': {'rollouts': 10}}, "
+            "['train.lr_scheduler=cosine']); "
+            "print('transformers.trainer_utils' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -338,6 +338,13 @@ SCALE_REWARDS = ("group", "batch", "none")
 # Names transformers.get_scheduler knows but tidyrl cannot drive: it steps the
 # schedule once per optimizer step with no metric, and has no field for
 # scheduler-specific arguments yet.
+# transformers' SchedulerType names that tidyrl steps once per optimizer step, as of transformers 5.23
+# (tests/test_config.py checks this against the installed transformers). Known names validate without importing
+# transformers.trainer_utils, which takes seconds (it imports peft when installed): `tidyrl plan` and config
+# errors come back at once. A name not listed here is still looked up in transformers before it is refused.
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt")
+
 UNSUPPORTED_SCHEDULERS = {
     "reduce_lr_on_plateau": "it steps on a metric, not once per optimizer step",
     "greedy": "it steps on a metric, not once per optimizer step",
@@ -345,6 +352,13 @@ UNSUPPORTED_SCHEDULERS = {
     "cosine_warmup_with_min_lr": "it needs min_lr through scheduler arguments, which tidyrl has no field for",
     "warmup_stable_decay": "it needs decay lengths through scheduler arguments, which tidyrl has no field for",
 }
+
+
+def supported_schedulers() -> list[str]:
+    """The installed transformers' scheduler names that tidyrl supports (imports transformers.trainer_utils)."""
+    from transformers.trainer_utils import SchedulerType
+
+    return [s.value for s in SchedulerType if s.value not in UNSUPPORTED_SCHEDULERS]
 
 
 ALGORITHM_SECTIONS = {"reinforce_pp_baseline": "reinforce_pp"}
@@ -536,9 +550,9 @@ def validate(cfg: Config) -> None:
     need(0 <= t.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {t.adam_beta2}")
     need(t.adam_epsilon > 0, "train.adam_epsilon", f"must be > 0, got {t.adam_epsilon}")
     need(t.max_grad_norm >= 0, "train.max_grad_norm", f"must be >= 0 (0 = no clipping), got {t.max_grad_norm}")
-    from transformers.trainer_utils import SchedulerType  # lazily: `import tidyrl` stays light
-
-    schedulers = [s.value for s in SchedulerType if s.value not in UNSUPPORTED_SCHEDULERS]
+    # The known names need no transformers import; any other (train's or the critic's) is looked up there.
+    known = all(name is None or name in LR_SCHEDULERS for name in (t.lr_scheduler, cfg.critic.lr_scheduler))
+    schedulers = list(LR_SCHEDULERS) if known else supported_schedulers()
     if t.lr_scheduler in UNSUPPORTED_SCHEDULERS:
         problems.append(f"train.lr_scheduler: {t.lr_scheduler!r} is not supported because "
                         f"{UNSUPPORTED_SCHEDULERS[t.lr_scheduler]}; use one of {', '.join(schedulers)}")
