@@ -79,10 +79,9 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                         causal_c & c_mask[:, None, :Tq]], dim=-1)  # (B, Tq, Lp + Tq)
     mask_p, mask_c = mask_p[:, None], mask_c[:, None]  # broadcast over heads
 
-    bias_p, bias_c = _additive(mask_p), _additive(mask_c)
-
     attn0 = inner.layers[0].self_attn
     D, H, Hkv = attn0.head_dim, model.config.num_attention_heads, model.config.num_key_value_heads
+    mask_p, mask_c = _attention_mask(mask_p, H), _attention_mask(mask_c, H)  # the form _attention computes with
     x = inner.embed_tokens(tokens)  # (N, hidden); the module's own call keeps its padding_idx (no gradient there)
     cos, sin = inner.rotary_emb(x, positions[None])  # the model's own rotary module: every rope scaling it has
     cos, sin = cos[0, :, None, :], signed_sin(sin[0])[:, None, :]  # (N, 1, D)
@@ -106,8 +105,8 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
         q_c, k_c, v_c = (t.view(B, Tq, -1, D).transpose(1, 2) for t in (q_c, k_c, v_c))
         k_c = torch.cat([k_p.index_select(0, inverse), k_c], dim=2)
         v_c = torch.cat([v_p.index_select(0, inverse), v_c], dim=2)
-        o_p = _attention(q_p, k_p, v_p, mask_p, bias_p, attn.scaling)
-        o_c = _attention(q_c, k_c, v_c, mask_c, bias_c, attn.scaling)
+        o_p = _attention(q_p, k_p, v_p, mask_p, attn.scaling)
+        o_c = _attention(q_c, k_c, v_c, mask_c, attn.scaling)
         o = torch.cat([o_p.transpose(1, 2).reshape(NP, H * D), o_c.transpose(1, 2).reshape(B * Tq, H * D)])
         x = x + _linear(o, attn.o_proj)
         h = _rms_norm(x, layer.post_attention_layernorm)
@@ -133,25 +132,31 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
 MATH_ATTENTION_MAX_BYTES = 32 * 2**20
 
 
-def _attention(q, k, v, mask, bias, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + bias) v (Vaswani et al. 2017, eq. 1) for q (B, H, T, D) and keys/values
+def _attention_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
+    """The mask (B, 1, T, L) as `_attention` takes it: its additive form (0 / -inf, float32) where the
+    probabilities fit in MATH_ATTENTION_MAX_BYTES (matmul attention), else as is (True = may attend: SDPA)."""
+    B, _, T, L = mask.shape
+    if B * heads * T * L * 4 > MATH_ATTENTION_MAX_BYTES:
+        return mask
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v (Vaswani et al. 2017, eq. 1) for q (B, H, T, D) and keys/values
     (B, Hkv, L, D): query head h reads key/value head h // (H / Hkv) (grouped-query attention, Ainslie et
-    al. 2023; HF's repeat_kv order), never copying a key/value head. `mask` (B, 1, T, L) is True where a
-    query may attend; `bias` is its additive form (0 / -inf)."""
+    al. 2023; HF's repeat_kv order), never copying a key/value head. `mask` (B, 1, T, L) from
+    `_attention_mask`: boolean (True = may attend) for torch's SDPA, or additive (0 / -inf) for matmul
+    attention."""
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
-    if B * H * T * L * 4 > MATH_ATTENTION_MAX_BYTES:
+    if mask.dtype == torch.bool:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
     R = H // Hkv
     # The R query heads of group g are consecutive (g*R .. g*R + R - 1): as (B, Hkv, R*T, D) they are R*T
     # query rows against the group's L keys. The softmax in float32, as in the models' eager attention.
     scores = torch.matmul(q.reshape(B, Hkv, R * T, D), k.transpose(-1, -2)).view(B, Hkv, R, T, L)
-    probs = torch.softmax(torch.add(bias[:, :, None], scores, alpha=scale).float(), dim=-1).to(v.dtype)
+    probs = torch.softmax(torch.add(mask[:, :, None], scores, alpha=scale).float(), dim=-1).to(v.dtype)
     return torch.matmul(probs.view(B, Hkv, R * T, L), v).view(B, H, T, D)
-
-
-def _additive(mask: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 class _RMSNorm(torch.autograd.Function):
