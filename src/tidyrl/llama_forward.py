@@ -7,8 +7,8 @@ runs the distinct prompts once and the completions on their keys and values, in 
 with its module calls, mask building and output objects, recorded op by op by autograd. For a small model
 that bookkeeping costs as much as the arithmetic (docs/benchmarks.md). Here both go through the layers in
 one pass: the distinct prompts' tokens and the completions' tokens are the rows of one (N, hidden) matrix,
-so every projection is one matmul (q/k/v and gate/up concatenated for small models), and only attention
-splits them: the prompts attend causally within themselves, each completion to its prompt's keys and
+so every projection is one matmul (q/k/v concatenated for small models), and only attention splits
+them: the prompts attend causally within themselves, each completion to its prompt's keys and
 values (indexed per row, so backward sums the k copies' gradients into the shared prompt) and causally to
 itself.
 
@@ -93,7 +93,8 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
         # torch.split rather than slicing throughout: the backward of a split is one concatenation, that of
         # each slice a zero-filled tensor of the whole input.
         if fused:  # small models: one (N, hidden) x (hidden, (H + 2 Hkv) D) product instead of three
-            qk, v = _linear(h, attn.q_proj, attn.k_proj, attn.v_proj).view(-1, H + 2 * Hkv, D).split([H + Hkv, Hkv], 1)
+            qkv = _linear(h, attn.q_proj, attn.k_proj, attn.v_proj).view(-1, H + 2 * Hkv, D)
+            qk, v = qkv.split([H + Hkv, Hkv], 1)
             q, k = rope(qk, cos, sin).split([H, Hkv], 1)  # the query and key heads in one rope
         else:
             q = rope(_linear(h, attn.q_proj).view(-1, H, D), cos, sin)
