@@ -149,9 +149,8 @@ class LlamaDecodeStep:
             positions = torch.arange(max_positions, device=inner.embed_tokens.weight.device)[None]
             cos, sin = rotary(inner.embed_tokens.weight[:1], positions)  # (1, P, D) each, in the model's dtype
             self.rope_table = (cos[0], signed_sin(sin[0]))
-        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         self.copies = None
-        if sum(m.weight.numel() * m.weight.element_size() for m in linears) <= COPY_MAX_BYTES:
+        if linear_weight_bytes(model) <= COPY_MAX_BYTES:
             with torch.no_grad():
                 self.copies = [(_t(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), _t(l.self_attn.o_proj),
                                 _t(l.mlp.gate_proj, l.mlp.up_proj), _t(l.mlp.down_proj)) for l in self.layers]
@@ -205,17 +204,36 @@ class LlamaDecodeStep:
 
 def attention_bias(mask_BL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive form (B, 1, 1, L) of a 0/1 key mask: 0 where attended, -inf where masked."""
-    bias = torch.zeros(mask_BL.shape, dtype=dtype, device=mask_BL.device)
-    return bias.masked_fill_(mask_BL == 0, float("-inf"))[:, None, None, :]
+    return additive_mask(mask_BL != 0, dtype)[:, None, None, :]
 
 
-def _t(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """A copy of the weights of linears that read the same input, as one (in, sum of outs) matrix, and their
-    concatenated bias (None when none has one): x @ w + b computes all of them side by side."""
-    weight = torch.cat([m.weight for m in linears]).t().contiguous()
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as an additive one of the same shape: 0 where True, -inf where False."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def concatenated(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The weights of linears that read the same input as one (sum of outs, in) matrix, and their concatenated
+    bias (zeros for a linear without one; None when none has one): F.linear with them computes all of them
+    side by side. Differentiable: autograd splits the gradients back to each linear."""
+    if len(linears) == 1:
+        return linears[0].weight, linears[0].bias
+    weight = torch.cat([m.weight for m in linears])
     if all(m.bias is None for m in linears):
         return weight, None
     return weight, torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+
+
+def linear_weight_bytes(model) -> int:
+    """Bytes of all nn.Linear weights of `model` (what decides whether small-model copies/fusions pay off)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def _t(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A copy of `concatenated(*linears)` with the weight transposed to (in, sum of outs): x @ w + b computes
+    all of them side by side."""
+    weight, bias = concatenated(*linears)
+    return weight.t().contiguous(), bias
 
 
 def _mm(x: torch.Tensor, weight_bias: tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:

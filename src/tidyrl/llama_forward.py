@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tidyrl.llama_decode import COPY_MAX_BYTES, rms_norm, rope, signed_sin, supports
+from tidyrl.llama_decode import (COPY_MAX_BYTES, additive_mask, concatenated, linear_weight_bytes, rms_norm, rope,
+                                 signed_sin, supports)
+from tidyrl.loops.common import activation_checkpointing_on
 
 
 def can_run(model) -> bool:
@@ -36,10 +38,7 @@ def can_run(model) -> bool:
     the parameters as they would through the model: a plain (not DDP-wrapped: DDP syncs gradients only for
     passes through its own forward) Llama-layout model, without gradient checkpointing (whose memory saving
     the user asked for) and without attention dropout in training (this pass applies none)."""
-    if isinstance(model, DistributedDataParallel) or not supports(model):
-        return False
-    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name
-    if checkpointing if checkpointing is not None else getattr(model, "is_gradient_checkpointing", False):
+    if isinstance(model, DistributedDataParallel) or not supports(model) or activation_checkpointing_on(model):
         return False
     return not (model.training and getattr(model.config, "attention_dropout", 0.0))
 
@@ -85,7 +84,7 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     x = inner.embed_tokens(tokens)  # (N, hidden); the module's own call keeps its padding_idx (no gradient there)
     cos, sin = inner.rotary_emb(x, positions[None])  # the model's own rotary module: every rope scaling it has
     cos, sin = cos[0, :, None, :], signed_sin(sin[0])[:, None, :]  # (N, 1, D)
-    fused = _weight_bytes(model) <= COPY_MAX_BYTES
+    fused = linear_weight_bytes(model) <= COPY_MAX_BYTES
     rows = [NP, B * Tq]
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -137,9 +136,7 @@ def _attention_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
     """The mask (B, 1, T, L) as `_attention` takes it: its additive form (0 / -inf, float32) where the
     probabilities fit in MATH_ATTENTION_MAX_BYTES (matmul attention), else as is (True = may attend: SDPA)."""
     B, _, T, L = mask.shape
-    if B * heads * T * L * 4 > MATH_ATTENTION_MAX_BYTES:
-        return mask
-    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask if B * heads * T * L * 4 > MATH_ATTENTION_MAX_BYTES else additive_mask(mask, torch.float32)
 
 
 def _attention(q, k, v, mask, scale: float) -> torch.Tensor:
@@ -210,19 +207,9 @@ def _gated(act_fn: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Ten
 
 
 def _linear(x: torch.Tensor, *linears: nn.Linear) -> torch.Tensor:
-    """x through linears that read the same input, side by side (their outputs concatenated), as one
-    product. The weights are concatenated for this call (autograd splits their gradients back)."""
-    if len(linears) == 1:
-        return F.linear(x, linears[0].weight, linears[0].bias)
-    weight = torch.cat([m.weight for m in linears])
-    bias = None
-    if any(m.bias is not None for m in linears):
-        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
-    return F.linear(x, weight, bias)
-
-
-def _weight_bytes(model) -> int:
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+    """x through linears that read the same input, side by side (their outputs concatenated), as one product
+    (`llama_decode.concatenated`: the weights are concatenated for this call, autograd splits their gradients)."""
+    return F.linear(x, *concatenated(*linears))
 
 
 def logits_if_lean(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> Optional[torch.Tensor]:

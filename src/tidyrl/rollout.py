@@ -38,6 +38,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from tidyrl.llama_decode import attention_bias, decode_step_for
 from tidyrl.llama_forward import logits_if_lean
+from tidyrl.loops.common import activation_checkpointing_on
 from tidyrl.ops import entropy_from_logits, gather_logprobs
 from tidyrl.sharding import is_sharded
 
@@ -428,8 +429,7 @@ def _can_share_prompts(model) -> bool:
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     if not isinstance(inner, PreTrainedModel):
         return False
-    checkpointing = getattr(inner, "is_activation_checkpointing", None)  # transformers 5's name
-    if checkpointing if checkpointing is not None else inner.is_gradient_checkpointing:
+    if activation_checkpointing_on(inner):
         return False
     if is_sharded(inner):  # FSDP2 shards the parameters in place
         return False

@@ -202,6 +202,12 @@ def in_own_memory(model):
     return model
 
 
+def activation_checkpointing_on(model) -> bool:
+    """Whether `model` (a transformers model) recomputes activations in backward (gradient checkpointing)."""
+    on = getattr(model, "is_activation_checkpointing", None)  # transformers 5's name
+    return bool(on if on is not None else getattr(model, "is_gradient_checkpointing", False))
+
+
 def enable_gradient_checkpointing(model) -> None:
     # transformers 5 renamed it; older releases only have the old name.
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
