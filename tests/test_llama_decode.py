@@ -96,3 +96,29 @@ def test_layouts_it_does_not_compute_are_refused():
     wrapped.model.layers[1].self_attn.q_proj = Adapter(old.in_features, old.out_features, bias=False)
     assert not supports(wrapped)
     assert supports(_llama()) and not supports(_llama(attn_implementation="flex_attention"))
+
+
+def test_one_step_per_model_its_copies_rewritten_before_every_generation():
+    """decode_step_for keeps one step per model and rewrites its copies in place each time, also after an
+    update that leaves no trace in the parameters' version counters (fused AdamW); a model moved to another
+    dtype gets a new step; the step does not keep its model alive."""
+    import gc
+    import weakref
+
+    model = _llama()
+    step = llama_decode.decode_step_for(model, 16)
+    assert step.copies is not None
+    buffers = [c.weight for c in step.copies]
+    model.model.layers[0].mlp.down_proj.weight.grad = torch.ones_like(model.model.layers[0].mlp.down_proj.weight)
+    torch.optim.AdamW([model.model.layers[0].mlp.down_proj.weight], lr=0.5, fused=True).step()
+    assert llama_decode.decode_step_for(model, 24) is step  # longer generations extend the rope table
+    assert step.rope_table[0].shape[0] == 24
+    assert [c.weight for c in step.copies] == buffers  # the same tensors, rewritten
+    assert torch.equal(step.layers[0].down.weight, model.model.layers[0].mlp.down_proj.weight.t())
+    model.double()
+    again = llama_decode.decode_step_for(model, 16)
+    assert again is not step and again.copies[0].weight.dtype == torch.float64
+    gone = weakref.ref(model)
+    del model, step, again
+    gc.collect()
+    assert gone() is None

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tidyrl import rollout
 from tidyrl.rollout import (Rollout, filter_logits, generate, left_pad, sample_seed, score_logprobs,
                             eos_token_ids)
 
@@ -51,7 +52,10 @@ def test_generation_stops_at_every_eos_id_and_masks_what_follows():
     assert truncated.tolist() == [False, False, True]
 
 
-def test_min_new_tokens_forbids_eos_early():
+@pytest.mark.parametrize("steps_per_draw", [None, 2], ids=["one-draw", "ban-across-draws"])
+def test_min_new_tokens_forbids_eos_early(monkeypatch, steps_per_draw):
+    if steps_per_draw:  # uniforms drawn 2 steps at a time: the ban covers the first draw and half the second
+        monkeypatch.setattr(rollout, "_UNIFORMS_PER_DRAW", steps_per_draw * V)
     model = ScriptedLM({5: [EOS, EOS, EOS, EOS, EOS]})
     ids, mask, truncated = run(model, [[5]] * 4, min_new_tokens=3)
     for row in ids.tolist():
@@ -184,19 +188,27 @@ def _reference_completion(model, prompt, key, max_new_tokens, eos_ids, min_new_t
     return out
 
 
-def test_lean_decoding_matches_a_naive_reference(tiny_model_and_tokenizer):
-    """Shared prefill (k samples per prompt), buffered keys/values and dropping finished rows change no
-    completion: each equals the one a cache-free, one-sequence-at-a-time loop draws from the same key."""
+@pytest.mark.parametrize("min_new_tokens,steps_per_draw", [(2, None), (7, 3)],
+                         ids=["one-draw", "ban-across-draws"])
+def test_lean_decoding_matches_a_naive_reference(tiny_model_and_tokenizer, monkeypatch, min_new_tokens,
+                                                 steps_per_draw):
+    """Shared prefill (k samples per prompt), buffered keys/values, dropping finished rows, uniforms drawn
+    several steps at a time and the EOS ban applied per draw change no completion: each equals the one a
+    cache-free, one-sequence-at-a-time loop draws from the same key."""
     model, tok = tiny_model_and_tokenizer
+    if steps_per_draw:  # uniforms for 3 steps per draw: the min_new_tokens ban spans three draws
+        monkeypatch.setattr(rollout, "_UNIFORMS_PER_DRAW", steps_per_draw * model.config.vocab_size)
     eos = [tok.eos_token_id]
     prompts = [tok(w)["input_ids"] for w in ["apple:", "a much longer prompt:", "fig:"] for _ in range(6)]
     keys = [sample_seed(7, 1, i) for i in range(len(prompts))]
-    ids, mask, truncated = generate(model, prompts, sample_keys=keys, max_new_tokens=30, min_new_tokens=2,
-                                    temperature=1.5, eos_ids=eos, pad_id=tok.pad_token_id, batch_size=18)
+    ids, mask, truncated = generate(model, prompts, sample_keys=keys, max_new_tokens=30,
+                                    min_new_tokens=min_new_tokens, temperature=1.5, eos_ids=eos,
+                                    pad_id=tok.pad_token_id, batch_size=18)
     lengths = mask.sum(1).long().tolist()
     assert sum(not t for t in truncated.tolist()) >= 5 and truncated.any()  # rows ended early (and were dropped)
+    assert min(lengths) > min_new_tokens
     for i, (prompt, key) in enumerate(zip(prompts, keys)):
-        want = _reference_completion(model, prompt, key, 30, eos, min_new_tokens=2, temperature=1.5)
+        want = _reference_completion(model, prompt, key, 30, eos, min_new_tokens=min_new_tokens, temperature=1.5)
         assert ids[i, : lengths[i]].tolist() == want
         assert (ids[i, lengths[i]:] == tok.pad_token_id).all()
 

@@ -3,8 +3,8 @@
 Why: in the overhead-bound regime (a small model, a few dozen rows) a Hugging Face decoding step is
 mostly the fixed cost of its module calls, mask and position bookkeeping, output dataclasses and
 kwargs plumbing, not arithmetic (docs/benchmarks.md). This step does the same maths with plain tensor ops,
-on the model's own parameters, or for small models on a transposed, concatenated copy of them made for one
-generation (`COPY_MAX_BYTES`; a step object is built per generation, so nothing is ever out of date).
+on the model's own parameters, or for small models on a transposed, concatenated copy of them
+(`COPY_MAX_BYTES`; rewritten in place before every generation, so never out of date).
 
 The maths, per decoder layer, for one new token per row (Touvron et al. 2023, "LLaMA"; the HF
 `modeling_llama.py` is the reference it is checked against in tests/test_llama_decode.py):
@@ -32,7 +32,8 @@ keeps the model's own forward.
 
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,7 @@ def _wrapped(module: nn.Module) -> bool:
     return "forward" in vars(module) or bool(module._forward_hooks) or bool(module._forward_pre_hooks)
 
 
-# Below this many bytes of weights, `LlamaDecodeStep` works on a copy of them made for one generation:
+# Below this many bytes of weights, `LlamaDecodeStep` works on a copy of them, kept up to date in place:
 # transposed to (in, out), the layout in which a (rows, in) x (in, out) product is ~30 % faster on CPU than
 # nn.Linear's x W^T, and with q/k/v and gate/up concatenated (5 matmuls per layer become 2). That regime is
 # overhead-bound: a step costs far more in per-op dispatch than in arithmetic, and the copy is small. Above
@@ -98,14 +99,14 @@ COPY_MAX_BYTES = 32 * 2**20
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # w * x / sqrt(mean(x^2) + eps), in float32, cast back before the weight (as LlamaRMSNorm). For float32
     # input torch's rms_norm is those same ops in that order, in one call.
-    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x32.to(x.dtype)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -121,64 +122,109 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
+class _Layer(NamedTuple):
+    """What one decoder layer's step reads, looked up once (nn.Module attribute lookups cost microseconds each,
+    per layer per step). `qkv`, `o`, `gate_up`, `down`: `_Copy`s for small models, else tuples of the
+    projections' (weight, bias) for F.linear (q, k, v and gate, up separately)."""
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    act_fn: Callable[[torch.Tensor], torch.Tensor]  # F.silu for SiLU modules (their forward, minus the module call)
+    qkv: object
+    o: object
+    gate_up: object
+    down: object
+
+
 class LlamaDecodeStep:
     """logits = step(tokens_B, bias_B11L, positions_B1, cache_layers): one new token per row, through every
     layer, its keys and values written into the cache layers (objects with `update(k, v)` that return all keys
     and values so far, such as rollout._BufferedLayer). `bias_B11L` is the additive attention mask: 0 where a
     row may attend, -inf at its padding (see `attention_bias`).
 
-    Made for one generation (`max_positions`: the largest position id it will see, plus one) with the weights
-    as they are: small models' weights are copied here (see COPY_MAX_BYTES), so build a new one after an
-    optimizer step."""
+    Holds the model's parameters (not the model) and, for small models (see COPY_MAX_BYTES), transposed
+    copies of them: `decode_step_for` keeps one step per model and calls `refresh` before each generation,
+    which rewrites them in place (cheaper than building a step: no allocation, one strided copy per weight)."""
 
     def __init__(self, model, max_positions: int):
-        self.model = model
         inner = model.model
         config = model.config
-        self.layers = list(inner.layers)
-        attn = self.layers[0].self_attn
+        layers = list(inner.layers)
+        attn = layers[0].self_attn
         self.head_dim = attn.head_dim
         self.n_kv = config.num_key_value_heads
         self.n_rep = config.num_attention_heads // config.num_key_value_heads
         self.scale = attn.scaling
-        rotary = inner.rotary_emb
-        self.rope_table = None
-        if getattr(rotary, "rope_type", "default") not in _POSITION_DEPENDENT_ROPE:
-            # The rotary module's cos/sin for every position (elementwise in the position: the same values it
-            # returns for each position alone), looked up per step.
-            positions = torch.arange(max_positions, device=inner.embed_tokens.weight.device)[None]
-            cos, sin = rotary(inner.embed_tokens.weight[:1], positions)  # (1, P, D) each, in the model's dtype
-            self.rope_table = (cos[0], signed_sin(sin[0]))
-        self.copies = None
-        if linear_weight_bytes(model) <= COPY_MAX_BYTES:
+        self.embed = inner.embed_tokens.weight
+        self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.rotary = inner.rotary_emb  # a submodule: holding it does not keep the model alive
+        self.rope_table, self.max_positions = None, 0
+        self.params = list(model.parameters())
+        self.pointers = [p.data_ptr() for p in self.params]
+        self.copied = linear_weight_bytes(model) <= COPY_MAX_BYTES
+        proj = _Copy if self.copied else _own
+        self.layers = [
+            _Layer(l.input_layernorm.weight, l.input_layernorm.variance_epsilon, l.post_attention_layernorm.weight,
+                   l.post_attention_layernorm.variance_epsilon, F.silu if is_silu(l.mlp.act_fn) else l.mlp.act_fn,
+                   proj(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), proj(l.self_attn.o_proj),
+                   proj(l.mlp.gate_proj, l.mlp.up_proj), proj(l.mlp.down_proj))
+            for l in layers
+        ]
+        self.head = proj(model.lm_head)
+        self.copies = [c for l in self.layers for c in l[5:]] + [self.head] if self.copied else None
+        self.extend(max_positions)
+
+    def matches(self, model) -> bool:
+        """True while `model` still has the parameters this step was built on: the same tensors in the same
+        storage (not replaced, not moved to another device or dtype)."""
+        params = list(model.parameters())
+        return len(params) == len(self.params) and all(
+            a is b and a.data_ptr() == ptr for a, b, ptr in zip(params, self.params, self.pointers))
+
+    def refresh(self, max_positions: int) -> "LlamaDecodeStep":
+        """Rewrite the copies from the parameters as they are now, in place, and extend the rope table up to
+        `max_positions`. Always: parameters change without a trace that could be checked cheaply (torch's fused
+        AdamW updates them in place without bumping their version counters)."""
+        if self.copies is not None:
             with torch.no_grad():
-                self.copies = [(_t(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), _t(l.self_attn.o_proj),
-                                _t(l.mlp.gate_proj, l.mlp.up_proj), _t(l.mlp.down_proj)) for l in self.layers]
-                self.head = _t(model.lm_head)
+                for copy in self.copies:
+                    copy.refresh()
+        self.extend(max_positions)
+        return self
+
+    def extend(self, max_positions: int) -> None:
+        if getattr(self.rotary, "rope_type", "default") in _POSITION_DEPENDENT_ROPE or max_positions <= self.max_positions:
+            return
+        # The rotary module's cos/sin for every position (elementwise in the position: the same values it
+        # returns for each position alone), looked up per step.
+        with torch.no_grad():
+            positions = torch.arange(max_positions, device=self.embed.device)[None]
+            cos, sin = self.rotary(self.embed[:1], positions)  # (1, P, D) each, in the model's dtype
+        self.rope_table, self.max_positions = (cos[0], signed_sin(sin[0])), max_positions
 
     def __call__(self, tokens_B: torch.Tensor, bias_B11L: torch.Tensor, positions_B1: torch.Tensor,
                  cache_layers) -> torch.Tensor:
-        inner = self.model.model
         B, D, Hkv, R = tokens_B.shape[0], self.head_dim, self.n_kv, self.n_rep
         H = Hkv * R
-        x = F.embedding(tokens_B, inner.embed_tokens.weight)  # (B, hidden)
+        x = F.embedding(tokens_B, self.embed)  # (B, hidden)
         if self.rope_table is not None:
             cos, sin = (F.embedding(positions_B1[:, 0], t).view(B, 1, D) for t in self.rope_table)
         else:
-            cos, sin = inner.rotary_emb(x, positions_B1)  # (B, 1, D): the model's own call, as in its forward
+            cos, sin = self.rotary(x, positions_B1)  # (B, 1, D): the model's own call, as in its forward
             cos, sin = cos.view(B, 1, D), signed_sin(sin).view(B, 1, D)
-        for i, (layer, kv) in enumerate(zip(self.layers, cache_layers)):
-            attn, mlp = layer.self_attn, layer.mlp
-            h = rms_norm(x, layer.input_layernorm)
-            if self.copies is not None:
-                qkv_w, o_w, gate_up_w, down_w = self.copies[i]
-                qkv = _mm(h, qkv_w).view(B, H + 2 * Hkv, D)
+        copied = self.copied
+        for layer, kv in zip(self.layers, cache_layers):
+            h = rms_norm(x, layer.input_norm, layer.input_eps)
+            if copied:
+                qkv = layer.qkv(h).view(B, H + 2 * Hkv, D)
                 qk = rope(qkv[:, : H + Hkv], cos, sin)  # one rope for the query and key heads together
                 q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
             else:
-                q = rope(F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(B, H, D), cos, sin)
-                k = rope(F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(B, Hkv, D), cos, sin)
-                v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(B, Hkv, D)
+                (qw, qb), (kw, kb), (vw, vb) = layer.qkv
+                q = rope(F.linear(h, qw, qb).view(B, H, D), cos, sin)
+                k = rope(F.linear(h, kw, kb).view(B, Hkv, D), cos, sin)
+                v = F.linear(h, vw, vb).view(B, Hkv, D)
             keys, values = kv.update(k.view(B, Hkv, 1, D), v.view(B, Hkv, 1, D))  # (B, Hkv, L, D)
             # Grouped-query attention for one query token: the R query heads of group g (heads g*R .. g*R+R-1,
             # HF's repeat_kv order) attend to key/value head g, as an (R, D) x (D, L) product per group.
@@ -186,20 +232,52 @@ class LlamaDecodeStep:
             scores = torch.matmul(q.view(B, Hkv, R, D), keys.transpose(-1, -2))  # (B, Hkv, R, L)
             probs = torch.softmax(torch.add(bias_B11L, scores, alpha=self.scale).float(), dim=-1).to(values.dtype)
             o = torch.matmul(probs, values).view(B, H * D)  # (B, H*D)
-            if self.copies is not None:
-                x = x + _mm(o, o_w)
-                gate, up = _mm(rms_norm(x, layer.post_attention_layernorm), gate_up_w).chunk(2, dim=-1)
-                x = x + _mm(mlp.act_fn(gate) * up, down_w)
+            if copied:
+                x = x + layer.o(o)
+                gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).chunk(2, dim=-1)
+                x = x + layer.down(layer.act_fn(gate) * up)
             else:
-                x = x + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
-                h = rms_norm(x, layer.post_attention_layernorm)
-                gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-                up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-                x = x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        x = rms_norm(x, inner.norm)
-        if self.copies is not None:
-            return _mm(x, self.head)
-        return F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)  # (B, V)
+                x = x + F.linear(o, *layer.o[0])
+                h = rms_norm(x, layer.post_norm, layer.post_eps)
+                (gw, gb), (uw, ub) = layer.gate_up
+                x = x + F.linear(layer.act_fn(F.linear(h, gw, gb)) * F.linear(h, uw, ub), *layer.down[0])
+        x = rms_norm(x, self.norm, self.norm_eps)
+        return self.head(x) if copied else F.linear(x, *self.head[0])  # (B, V)
+
+
+def is_silu(act_fn: nn.Module) -> bool:
+    """True for torch's and transformers' SiLU modules, whose forward is F.silu."""
+    return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+
+
+def _own(*linears: nn.Linear) -> tuple[tuple[torch.Tensor, Optional[torch.Tensor]], ...]:
+    return tuple((m.weight, m.bias) for m in linears)
+
+
+class _Copy:
+    """Linears that read the same input, as one transposed (in, sum of outs) weight and a concatenated bias:
+    `copy(x)` is x @ w (+ b), all of them side by side. `refresh()` rewrites the copy from the linears'
+    current weights, in place."""
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        first = linears[0].weight
+        self.weight = first.new_empty((first.shape[1], sum(m.out_features for m in linears)))
+        self.bias = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        with torch.no_grad():
+            start = 0
+            for m in self.linears:  # written transposed, straight into place: one copy per weight
+                self.weight[:, start: start + m.out_features].copy_(m.weight.t())
+                start += m.out_features
+            if any(m.bias is not None for m in self.linears):
+                self.bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                       for m in self.linears])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
 
 def attention_bias(mask_BL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -229,19 +307,18 @@ def linear_weight_bytes(model) -> int:
     return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def _t(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """A copy of `concatenated(*linears)` with the weight transposed to (in, sum of outs): x @ w + b computes
-    all of them side by side."""
-    weight, bias = concatenated(*linears)
-    return weight.t().contiguous(), bias
-
-
-def _mm(x: torch.Tensor, weight_bias: tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:
-    weight, bias = weight_bias
-    return x @ weight if bias is None else torch.addmm(bias, x, weight)
+# One step per model, for as long as the model lives (a step holds its parameters, never the model itself).
+_STEPS: "weakref.WeakKeyDictionary[nn.Module, LlamaDecodeStep]" = weakref.WeakKeyDictionary()
 
 
 def decode_step_for(model, max_positions: int) -> Optional[LlamaDecodeStep]:
-    """The lean step for `model` (see `LlamaDecodeStep`), or None when it is not a layout this module computes
-    exactly."""
-    return LlamaDecodeStep(model, max_positions) if supports(model) else None
+    """The lean step for `model` (see `LlamaDecodeStep`), up to date with its weights, or None when it is not a
+    layout this module computes exactly. The step is kept between generations, its copies rewritten in place."""
+    if not supports(model):
+        _STEPS.pop(model, None)
+        return None
+    step = _STEPS.get(model)
+    if step is None or not step.matches(model):
+        step = _STEPS[model] = LlamaDecodeStep(model, max_positions)
+        return step
+    return step.refresh(max_positions)

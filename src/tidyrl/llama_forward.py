@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tidyrl.llama_decode import (COPY_MAX_BYTES, additive_mask, concatenated, linear_weight_bytes, rms_norm, rope,
-                                 signed_sin, supports)
+from tidyrl.llama_decode import (COPY_MAX_BYTES, additive_mask, concatenated, is_silu, linear_weight_bytes,
+                                 rms_norm, rope, signed_sin, supports)
 from tidyrl.loops.common import activation_checkpointing_on
 
 
@@ -181,7 +181,7 @@ class _RMSNorm(torch.autograd.Function):
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
         return _RMSNorm.apply(x, norm.weight, norm.variance_epsilon)
-    return rms_norm(x, norm)  # other dtypes: HF's casts, op by op
+    return rms_norm(x, norm.weight, norm.variance_epsilon)  # other dtypes: HF's casts, op by op
 
 
 class _SiluGate(torch.autograd.Function):
@@ -201,7 +201,7 @@ class _SiluGate(torch.autograd.Function):
 
 
 def _gated(act_fn: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation":
+    if is_silu(act_fn):
         return _SiluGate.apply(gate, up)
     return act_fn(gate) * up
 

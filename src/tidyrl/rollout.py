@@ -240,7 +240,6 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     next_pos = u_pos[inv, -1:] + 1  # (B, 1)
 
     ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    alive = torch.zeros((B, max_new_tokens), device=device)
     logprobs = torch.zeros((B, max_new_tokens), device=device)
     at: slice | torch.Tensor = slice(None)  # the chunk rows still in the batch (all, until the first drop)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -255,6 +254,10 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         if step % block == 0:
             u = torch.stack([torch.rand((block, vocab), generator=g, device=device) for g in generators])
             gumbel_BSV = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))  # (b, block, V)
+            if not filtering and step < min_new_tokens:
+                # The EOS ban, for the block's steps before min_new_tokens, in the noise: the same argmax as
+                # banning in the logits, since -inf + anything finite is -inf; one write per block, not per step.
+                gumbel_BSV[:, : min_new_tokens - step, eos] = float("-inf")
         gumbel = gumbel_BSV[:, step % block]  # (b, V)
         scaled = logits.float() / temperature if temperature != 1.0 else logits.float()  # (b, V)
         if filtering:
@@ -262,19 +265,14 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
             if step < min_new_tokens:
                 z[:, eos] = float("-inf")
             noisy = filter_logits(z, top_k, top_p) + gumbel
-        else:  # the same argmax: -inf + noise is -inf, so the EOS ban can follow the noise
+        else:
             noisy = scaled + gumbel
-            if step < min_new_tokens:
-                noisy[:, eos] = float("-inf")
         token = torch.argmax(noisy, dim=-1)
         # log softmax(scaled)[token]: the unfiltered policy, as in training.
         chosen = torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         if done:  # rows that ended earlier emit padding, masked out
             token = torch.where(finished, torch.full_like(token, pad_id), token)
             chosen = chosen.masked_fill(finished, 0.0)
-            alive[at, step] = (~finished).float()
-        else:
-            alive[at, step] = 1.0
         ids[at, step] = token
         logprobs[at, step] = chosen
         finished = finished | (token == eos_ids[0] if len(eos_ids) == 1 else torch.isin(token, eos))
@@ -299,7 +297,12 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
                         past_key_values=cache, use_cache=True)
             logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
-    return ids[:, :steps], alive[:, :steps], logprobs[:, :steps]
+    ids = ids[:, :steps]
+    # A position is part of the completion up to and including the first EOS: where no EOS came before it (rows
+    # emit padding after theirs, or left the batch with padding in place, whatever pad_id is).
+    is_eos = torch.isin(ids, eos)
+    alive = (is_eos.cumsum(-1) == is_eos.long()).float()
+    return ids, alive, logprobs[:, :steps]
 
 
 # Uniforms one sequence draws at once (its next `block` steps of V each; one step when V is larger).
