@@ -11,7 +11,7 @@ from conftest import llama as _llama
 
 from tidyrl import llama_decode
 from tidyrl.llama_decode import LlamaDecodeStep, attention_bias, supports
-from tidyrl.rollout import _buffered_cache, generate, left_pad, sample_seed
+from tidyrl.rollout import _BufferedLayer, _buffered_cache, generate, left_pad, sample_seed
 
 
 @pytest.mark.parametrize("copy_weights", [True, False], ids=["copied-weights", "own-weights"])
@@ -45,6 +45,32 @@ def test_decode_step_logits_equal_the_model_forward(name, copy_weights, monkeypa
                 torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-5)
                 torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-5)
             token, next_pos = want.argmax(-1), next_pos + 1
+
+
+@pytest.mark.parametrize("copy_weights", [True, False], ids=["copied-weights", "own-weights"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_prefill_equals_the_model_forward(name, copy_weights, monkeypatch):
+    """The lean prefill of left-padded prompts gives the model's own last-position logits, and writes the keys
+    and values its cache holds, at every real position."""
+    monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
+    model = MODELS[name]()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    ids, mask = left_pad(prompts, 0)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    Lp = ids.shape[1]
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        step = LlamaDecodeStep(model, Lp + 4)
+        empty = torch.empty((len(prompts), step.n_kv, 0, step.head_dim))
+        layers = [_BufferedLayer(empty, empty, Lp + 4) for _ in step.layers]
+        got = step.prefill(ids, mask, pos, layers)
+    torch.testing.assert_close(got, want.logits[:, -1], atol=2e-5, rtol=1e-5)
+    real = mask.bool()
+    for ours, theirs in zip(layers, want.past_key_values.layers):
+        assert ours.get_seq_length() == Lp
+        for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):  # (B, Hkv, Lp, D)
+            torch.testing.assert_close(a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=2e-5, rtol=1e-5)
+            assert torch.isfinite(a).all()
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "llama-dynamic-rope"])

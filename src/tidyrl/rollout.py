@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -221,16 +222,21 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     u_ids, u_attn = u_ids.to(device), u_attn.to(device)
     u_pos = (u_attn.cumsum(-1) - 1).clamp(min=0)
     Lp = u_ids.shape[1]
-    out = model(input_ids=u_ids, attention_mask=u_attn, position_ids=u_pos, use_cache=True, logits_to_keep=1)
     inv = torch.as_tensor(inverse, device=device)
-    logits = out.logits[:, -1, :][inv]  # (B, V)
-    cache = out.past_key_values
-    if lean:
-        cache = _buffered_cache(cache, inv, Lp + max_new_tokens)
+    # Llama layouts get our own prefill and decode step (tidyrl.llama_decode), which takes the mask as an
+    # additive bias.
+    step_fn = decode_step_for(model, Lp + max_new_tokens) if lean and use_lean_step else None
+    if step_fn is not None:
+        empty = torch.empty((len(unique), step_fn.n_kv, 0, step_fn.head_dim), dtype=step_fn.embed.dtype, device=device)
+        prefill_cache = SimpleNamespace(layers=[_BufferedLayer(empty, empty, Lp) for _ in step_fn.layers])
+        u_logits = step_fn.prefill(u_ids, u_attn, u_pos, prefill_cache.layers)
+    else:
+        out = model(input_ids=u_ids, attention_mask=u_attn, position_ids=u_pos, use_cache=True, logits_to_keep=1)
+        u_logits, prefill_cache = out.logits[:, -1, :], out.past_key_values
+    logits = u_logits[inv]  # (B, V)
+    cache = _buffered_cache(prefill_cache, inv, Lp + max_new_tokens) if lean else prefill_cache
     attn = torch.ones((B, Lp + max_new_tokens), dtype=u_attn.dtype, device=device)
     attn[:, :Lp] = u_attn[inv]
-    # Llama layouts get our own decode step (tidyrl.llama_decode), which takes the mask as an additive bias.
-    step_fn = decode_step_for(model, Lp + max_new_tokens) if lean and use_lean_step else None
     if step_fn is not None:
         attn = attention_bias(attn, logits.dtype)
     elif lean and getattr(model.config, "_attn_implementation", None) == "sdpa":
