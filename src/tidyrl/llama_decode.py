@@ -208,9 +208,12 @@ class LlamaDecodeStep:
         # The same maths as `_qkv` and `_rest_of_layer` (which `prefill` calls), inline: this runs per token
         # in the overhead-bound regime, where two method calls per layer cost ~2 % of a generation.
         B, D, Hkv, R = tokens_B.shape[0], self.head_dim, self.n_kv, self.n_rep
-        H = Hkv * R
+        H, L = Hkv * R, bias_B11L.shape[-1]
         x = F.embedding(tokens_B, self.embed)  # (B, hidden)
         cos, sin = self._rope_factors(x, positions_B1)
+        # The mask once per step in the (B * Hkv, R, L) layout of the attention products below, so that one
+        # baddbmm per layer computes q k^T * scale + bias.
+        bias = bias_B11L.expand(B, Hkv, R, L).reshape(B * Hkv, R, L)
         copied = self.copied
         for layer, kv in zip(self.layers, cache_layers):
             h = rms_norm(x, layer.input_norm, layer.input_eps)
@@ -222,11 +225,14 @@ class LlamaDecodeStep:
                 q, k, v = self._qkv(layer, x, cos, sin)
             keys, values = kv.update(k.view(B, Hkv, 1, D), v.view(B, Hkv, 1, D))  # (B, Hkv, L, D)
             # Grouped-query attention for one query token: the R query heads of group g (heads g*R .. g*R+R-1,
-            # HF's repeat_kv order) attend to key/value head g, as an (R, D) x (D, L) product per group.
-            # softmax(q k^T * scale + bias) v, with the softmax in float32 as in the models' eager attention.
-            scores = torch.matmul(q.view(B, Hkv, R, D), keys.transpose(-1, -2))  # (B, Hkv, R, L)
-            probs = torch.softmax(torch.add(bias_B11L, scores, alpha=self.scale).float(), dim=-1).to(values.dtype)
-            o = torch.matmul(probs, values).view(B, H * D)
+            # HF's repeat_kv order) attend to key/value head g, as an (R, D) x (D, L) product per group, all
+            # groups of all rows as one batch (the cache buffers' rows and heads merge into one dimension
+            # without a copy). softmax(q k^T * scale + bias) v, the softmax in float32 as in the models' eager
+            # attention.
+            scores = torch.baddbmm(bias, q.reshape(B * Hkv, R, D), keys.reshape(B * Hkv, L, D).transpose(1, 2),
+                                   alpha=self.scale)
+            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+            o = torch.bmm(probs, values.reshape(B * Hkv, L, D)).view(B, H * D)
             if copied:
                 x = x + layer.o(o)
                 gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).chunk(2, dim=-1)
