@@ -1,4 +1,5 @@
-"""A lean one-token decoding step for Llama-layout models (Llama, Qwen2, Mistral without sliding windows).
+"""A lean prefill and one-token decoding step for Llama-layout models (Llama, Qwen2, Mistral without sliding
+windows).
 
 Why: in the overhead-bound regime (a small model, a few dozen rows) a Hugging Face decoding step is
 mostly the fixed cost of its module calls, mask and position bookkeeping, output dataclasses and
