@@ -33,6 +33,8 @@ def test_decode_step_logits_equal_the_model_forward(name, copy_weights, monkeypa
         ours = _buffered_cache(prefill.past_key_values, rows, Lp + steps)
         step = LlamaDecodeStep(model, Lp + steps)
         assert (step.copies is not None) == copy_weights
+        # The float32-copies loop where it applies, the general one for biases and the model's own weights.
+        assert step.plain_fp32 == (copy_weights and name not in ("llama-mha-bias", "qwen2"))
         full_mask = torch.cat([mask, torch.ones(len(prompts), steps, dtype=mask.dtype)], dim=1)
         bias = attention_bias(full_mask, torch.float32)
         token, next_pos = prefill.logits[:, -1].argmax(-1), pos[:, -1:] + 1
