@@ -133,9 +133,22 @@ def mistral():
                                             max_position_embeddings=128, pad_token_id=0, eos_token_id=2)).eval()
 
 
+def with_random_norms_and_biases(model):
+    """`model` with its RMSNorm weights and linear biases drawn at random: freshly initialised they are ones
+    and zeros, under which a pass that skipped a norm weight or misplaced a bias would still match."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=g))
+            elif isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(0.05 * torch.randn(module.bias.shape, generator=g))
+    return model
+
+
 # Tiny random models of every layout tidyrl.llama_decode / llama_forward compute, with the features that
 # change the maths: grouped-query heads, biases, rope scalings, tied embeddings, eager attention.
-LLAMA_LAYOUTS = {
+_LAYOUTS = {
     "llama-gqa": lambda: llama(),
     "llama-mha-bias": lambda: llama(num_key_value_heads=4, attention_bias=True, mlp_bias=True),
     "llama-linear-rope": lambda: llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
@@ -148,3 +161,4 @@ LLAMA_LAYOUTS = {
     "qwen2": qwen2,
     "mistral": mistral,
 }
+LLAMA_LAYOUTS = {name: (lambda build=build: with_random_norms_and_biases(build())) for name, build in _LAYOUTS.items()}
