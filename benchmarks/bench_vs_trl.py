@@ -414,6 +414,9 @@ def main(argv=None) -> None:
         labels = {"tidyrl": "tidyrl", "trl": "TRL"}
         print_table(name, w, facts, {labels[lib]: median_of(runs) for lib, runs in per_lib.items()}, peak,
                     args.repeats)
+        if len(per_lib) == 2:  # each tidyrl run against the TRL run right after it: how much the machine drifts
+            pairs = [a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(per_lib["tidyrl"], per_lib["trl"])]
+            print("   per pair (tidyrl/TRL episodes/s): " + ", ".join(f"{p:.2f}x" for p in pairs))
     if not args.keep:
         import shutil
 
