@@ -22,31 +22,44 @@ def test_decode_step_logits_equal_the_model_forward(name, copy_weights, monkeypa
     monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
     model = MODELS[name]()
     assert supports(model)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    ids, mask = left_pad(prompts, 0)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    steps, Lp = 12, ids.shape[1]
+    ids, mask, pos = _left_padded_prompts()
+    steps = 12
     with torch.no_grad():
         prefill = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        rows = torch.arange(len(prompts))
-        theirs = _buffered_cache(prefill.past_key_values, rows, Lp + steps)
-        ours = _buffered_cache(prefill.past_key_values, rows, Lp + steps)
-        step = LlamaDecodeStep(model, Lp + steps)
+        step = LlamaDecodeStep(model, ids.shape[1] + steps)
         assert (step.copies is not None) == copy_weights
         # The float32-copies loop where it applies, the general one for biases and the model's own weights.
         assert step.plain_fp32 == (copy_weights and name not in ("llama-mha-bias", "qwen2"))
-        full_mask = torch.cat([mask, torch.ones(len(prompts), steps, dtype=mask.dtype)], dim=1)
-        bias = attention_bias(full_mask, torch.float32)
-        token, next_pos = prefill.logits[:, -1].argmax(-1), pos[:, -1:] + 1
-        for t in range(steps):
-            want = model(input_ids=token[:, None], attention_mask=full_mask[:, : Lp + t + 1], position_ids=next_pos,
-                         past_key_values=theirs, use_cache=True).logits[:, -1]
-            got = step(token, bias[..., : Lp + t + 1], next_pos, ours.layers)
+        for got, want, ours, theirs in _decode_side_by_side(model, step, prefill, mask, pos, steps):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
             for a, b in zip(ours.layers, theirs.layers):  # the same keys and values were written
                 torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-5)
                 torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-5)
-            token, next_pos = want.argmax(-1), next_pos + 1
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+
+
+def _left_padded_prompts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PROMPTS left-padded: ids, 0/1 mask and position ids (B, Lp)."""
+    ids, mask = left_pad(PROMPTS, 0)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _decode_side_by_side(model, step, prefill, mask, pos, steps: int):
+    """Yields (our logits, the model's logits, our cache, its cache) at each of `steps` decoding steps: the lean
+    step and the model's own forward, each on a copy of `prefill`'s cache, both fed the model's greedy token."""
+    B, Lp = mask.shape
+    rows = torch.arange(B)
+    theirs, ours = (_buffered_cache(prefill.past_key_values, rows, Lp + steps) for _ in range(2))
+    full_mask = torch.cat([mask, torch.ones(B, steps, dtype=mask.dtype)], dim=1)
+    bias = attention_bias(full_mask, prefill.logits.dtype)
+    token, next_pos = prefill.logits[:, -1].argmax(-1), pos[:, -1:] + 1
+    for t in range(steps):
+        want = model(input_ids=token[:, None], attention_mask=full_mask[:, : Lp + t + 1], position_ids=next_pos,
+                     past_key_values=theirs, use_cache=True).logits[:, -1]
+        yield step(token, bias[..., : Lp + t + 1], next_pos, ours.layers), want, ours, theirs
+        token, next_pos = want.argmax(-1), next_pos + 1
 
 
 @pytest.mark.parametrize("copy_weights", [True, False], ids=["copied-weights", "own-weights"])
@@ -56,14 +69,12 @@ def test_prefill_equals_the_model_forward(name, copy_weights, monkeypatch):
     and values its cache holds, at every real position."""
     monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
     model = MODELS[name]()
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    ids, mask = left_pad(prompts, 0)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = _left_padded_prompts()
     Lp = ids.shape[1]
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         step = LlamaDecodeStep(model, Lp + 4)
-        empty = torch.empty((len(prompts), step.n_kv, 0, step.head_dim))
+        empty = torch.empty((len(PROMPTS), step.n_kv, 0, step.head_dim))
         layers = [_BufferedLayer(empty, empty, Lp + 4) for _ in step.layers]
         got = step.prefill(ids, mask, pos, layers)
     torch.testing.assert_close(got, want.logits[:, -1], atol=2e-5, rtol=1e-5)
@@ -158,28 +169,17 @@ def test_bfloat16_prefill_and_steps_stay_within_rounding_of_the_model(name):
     logits stay within a few bfloat16 roundings of the model's (1-2 units in the last place measured; a wrong
     mask, position or weight is off by the logits' own size)."""
     model = MODELS[name]().to(torch.bfloat16)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    ids, mask = left_pad(prompts, 0)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = _left_padded_prompts()
     steps, Lp = 8, ids.shape[1]
     with torch.no_grad():
         prefill = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         step = LlamaDecodeStep(model, Lp + steps)
         assert not step.plain_fp32
         tol = 2**-5 * prefill.logits.float().abs().max().item()
-        empty = torch.empty((len(prompts), step.n_kv, 0, step.head_dim), dtype=torch.bfloat16)
+        empty = torch.empty((len(PROMPTS), step.n_kv, 0, step.head_dim), dtype=torch.bfloat16)
         layers = [_BufferedLayer(empty, empty, Lp + steps) for _ in step.layers]
         got = step.prefill(ids, mask, pos, layers)
         torch.testing.assert_close(got.float(), prefill.logits[:, -1].float(), atol=tol, rtol=0)
-        rows = torch.arange(len(prompts))
-        theirs, ours = (_buffered_cache(prefill.past_key_values, rows, Lp + steps) for _ in range(2))
-        full_mask = torch.cat([mask, torch.ones(len(prompts), steps, dtype=mask.dtype)], dim=1)
-        bias = attention_bias(full_mask, torch.bfloat16)
-        token, next_pos = prefill.logits[:, -1].argmax(-1), pos[:, -1:] + 1
-        for t in range(steps):
-            want = model(input_ids=token[:, None], attention_mask=full_mask[:, : Lp + t + 1], position_ids=next_pos,
-                         past_key_values=theirs, use_cache=True).logits[:, -1]
-            got = step(token, bias[..., : Lp + t + 1], next_pos, ours.layers)
+        for got, want, _, _ in _decode_side_by_side(model, step, prefill, mask, pos, steps):
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
-            token, next_pos = want.argmax(-1), next_pos + 1
