@@ -173,7 +173,8 @@ class LlamaDecodeStep:
             for l in layers
         ]
         self.head = proj(model.lm_head)
-        self.copies = [c for l in self.layers for c in l[5:]] + [self.head] if self.copied else None
+        self.copies = ([c for l in self.layers for c in (l.qkv, l.o, l.gate_up, l.down)] + [self.head]
+                       if self.copied else None)
         # The common small-model case, float32 copies without biases (Llama, Mistral): `__call__` runs a loop
         # specialised to it, without per-op dtype and bias branches (~4 % of a tiny model's generation).
         self.plain_fp32 = self.copied and all(
@@ -201,7 +202,9 @@ class LlamaDecodeStep:
         return self
 
     def extend(self, max_positions: int) -> None:
-        if getattr(self.rotary, "rope_type", "default") in _POSITION_DEPENDENT_ROPE or max_positions <= self.max_positions:
+        """Tabulate the rotary module's cos/sin up to `max_positions` (not for position-dependent rope types)."""
+        position_dependent = getattr(self.rotary, "rope_type", "default") in _POSITION_DEPENDENT_ROPE
+        if position_dependent or max_positions <= self.max_positions:
             return
         # The rotary module's cos/sin for every position (elementwise in the position: the same values it
         # returns for each position alone), looked up per step.
@@ -236,24 +239,15 @@ class LlamaDecodeStep:
 
     def _general_step(self, tokens_B: torch.Tensor, bias_B11L: torch.Tensor, positions_B1: torch.Tensor,
                       cache_layers) -> torch.Tensor:
-        # The same maths as `_qkv` and `_rest_of_layer` (which `prefill` calls), inline: this runs per token
-        # in the overhead-bound regime, where two method calls per layer cost ~2 % of a generation.
         B, D, Hkv, R = tokens_B.shape[0], self.head_dim, self.n_kv, self.n_rep
-        H, L = Hkv * R, bias_B11L.shape[-1]
+        L = bias_B11L.shape[-1]
         x = F.embedding(tokens_B, self.embed)  # (B, hidden)
         cos, sin = self._rope_factors(x, positions_B1)
         # The mask once per step in the (B * Hkv, R, L) layout of the attention products below, so that one
         # baddbmm per layer computes q k^T * scale + bias.
         bias = bias_B11L.expand(B, Hkv, R, L).reshape(B * Hkv, R, L)
-        copied = self.copied
         for layer, kv in zip(self.layers, cache_layers):
-            h = rms_norm(x, layer.input_norm, layer.input_eps)
-            if copied:
-                qkv = layer.qkv(h).view(B, H + 2 * Hkv, D)
-                qk = rope(qkv[:, : H + Hkv], cos, sin)  # one rope for the query and key heads together
-                q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
-            else:
-                q, k, v = self._qkv(layer, x, cos, sin)
+            q, k, v = self._qkv(layer, x, cos, sin)
             keys, values = kv.update(k.view(B, Hkv, 1, D), v.view(B, Hkv, 1, D))  # (B, Hkv, L, D)
             # Grouped-query attention for one query token: the R query heads of group g (heads g*R .. g*R+R-1,
             # HF's repeat_kv order) attend to key/value head g, as an (R, D) x (D, L) product per group, all
@@ -263,13 +257,7 @@ class LlamaDecodeStep:
             scores = torch.baddbmm(bias, q.reshape(B * Hkv, R, D), keys.reshape(B * Hkv, L, D).transpose(1, 2),
                                    alpha=self.scale)
             probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-            o = torch.bmm(probs, values.reshape(B * Hkv, L, D)).view(B, H * D)
-            if copied:
-                x = x + layer.o(o)
-                gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).chunk(2, dim=-1)
-                x = x + layer.down(layer.act_fn(gate) * up)
-            else:
-                x = self._rest_of_layer(layer, x, o)
+            x = self._rest_of_layer(layer, x, torch.bmm(probs, values.reshape(B * Hkv, L, D)).view(B, -1))
         return self._logits(x)  # (B, V)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache_layers) -> torch.Tensor:
@@ -351,7 +339,6 @@ class _Copy:
         self.linears = linears
         first = linears[0].weight
         self.weight = first.new_empty((first.shape[1], sum(m.out_features for m in linears)))
-        self.bias = None
         self.refresh()
 
     def refresh(self) -> None:
@@ -360,9 +347,7 @@ class _Copy:
             for m in self.linears:  # written transposed, straight into place: one copy per weight
                 self.weight[:, start: start + m.out_features].copy_(m.weight.t())
                 start += m.out_features
-            if any(m.bias is not None for m in self.linears):
-                self.bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
-                                       for m in self.linears])
+            self.bias = _concatenated_bias(self.linears)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
@@ -384,10 +369,14 @@ def concatenated(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tens
     side by side. Differentiable: autograd splits the gradients back to each linear."""
     if len(linears) == 1:
         return linears[0].weight, linears[0].bias
-    weight = torch.cat([m.weight for m in linears])
+    return torch.cat([m.weight for m in linears]), _concatenated_bias(linears)
+
+
+def _concatenated_bias(linears) -> Optional[torch.Tensor]:
+    """The linears' biases side by side (zeros for a linear without one), or None when none has one."""
     if all(m.bias is None for m in linears):
-        return weight, None
-    return weight, torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
 
 def linear_weight_bytes(model) -> int:

@@ -227,7 +227,8 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     # additive bias.
     step_fn = decode_step_for(model, Lp + max_new_tokens) if lean and use_lean_step else None
     if step_fn is not None:
-        empty = torch.empty((len(unique), step_fn.n_kv, 0, step_fn.head_dim), dtype=step_fn.embed.dtype, device=device)
+        empty = torch.empty((len(unique), step_fn.n_kv, 0, step_fn.head_dim), dtype=step_fn.embed.dtype,
+                            device=device)
         prefill_cache = SimpleNamespace(layers=[_BufferedLayer(empty, empty, Lp) for _ in step_fn.layers])
         u_logits = step_fn.prefill(u_ids, u_attn, u_pos, prefill_cache.layers)
     else:
