@@ -56,6 +56,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def gloo_cpu_env(**extra) -> dict:
+    """The environment of a test that runs several processes on CPU with gloo: CUDA hidden, so that on a
+    machine with one GPU the test still runs what it means to (two CPU processes), not a CUDA launch."""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **extra)
+
+
 def torchrun_train(config: dict, folder, world: int = 2) -> None:
     """`tidyrl train` on `world` gloo processes under torchrun (the config dict saved as YAML in `folder`)."""
     import subprocess
@@ -66,10 +72,9 @@ def torchrun_train(config: dict, folder, world: int = 2) -> None:
 
     path = Path(folder) / "torchrun.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                            "--master_port", str(free_port()), "-m", "tidyrl", "train", str(path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=gloo_cpu_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import free_port
+from conftest import free_port, gloo_cpu_env
 import yaml
 
 from tidyrl.cli import main
@@ -104,7 +104,7 @@ def test_two_processes_with_torchrun_match_one_process(yaml_run, tmp_path):
                     "--master_port", str(free_port())] if world == 2 else [sys.executable]
         # R = 2*4 = 8, M = 2: 4 episodes per mini-batch, 2 per process with W = 2; m = 2 suits both.
         cmd = launcher + ["-m", "tidyrl", "train", str(yaml_run), f"output_dir={out}", "train.micro_batch_size=2"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=gloo_cpu_env())
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.count("done:") == 1  # printed by the main process only
         outs[world] = out

@@ -9,6 +9,7 @@ from conftest import LLAMA_LAYOUTS, VOCAB, llama
 
 from tidyrl import llama_forward
 from tidyrl.llama_forward import can_run, completion_logits, logits_if_lean
+from tidyrl.loops.common import enable_gradient_checkpointing
 from tidyrl.rollout import Rollout, completion_logprobs, left_pad
 
 K = 3  # samples per prompt
@@ -111,7 +112,7 @@ def test_models_it_cannot_run_keep_the_generic_path():
     model = llama().train()
     assert can_run(model) and logits_if_lean(model, *args) is not None
     assert logits_if_lean(model, *(a[:, :1] if i >= 2 else a for i, a in enumerate(args))) is None  # Tc = 1
-    model.activation_checkpointing_enable()  # the user asked for recomputation: the model's forward does it
+    enable_gradient_checkpointing(model)  # the user asked for recomputation: the model's forward does it
     assert not can_run(model)
     dropout = llama(attention_dropout=0.1)
     assert not can_run(dropout.train()) and can_run(dropout.eval())  # this pass applies no dropout

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import expected_lrs, read_jsonl, write_jsonl, with_sections
+from conftest import expected_lrs, free_port, gloo_cpu_env, read_jsonl, write_jsonl, with_sections
 
 import tidyrl
 from tidyrl.data import DataError, PromptStream
@@ -217,8 +217,6 @@ def test_sizes_that_do_not_divide_are_rejected_with_valid_values(tiny_model_dir,
 def test_two_processes_match_one(tiny_model_dir, sft_file, tmp_path):
     """torchrun with W = 2 (each process 2 of the 4 examples per step, m = 1) gives the parameters of one
     process with m = 4: the loss is normalised over the global batch and scaled by W for DDP's average."""
-    import os
-    import socket
     import subprocess
     import sys
 
@@ -228,13 +226,9 @@ def test_two_processes_match_one(tiny_model_dir, sft_file, tmp_path):
     cfg = sft_config(tiny_model_dir, sft_file, tmp_path / "two", train={"micro_batch_size": 1, "dataset_epochs": 1.2})
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    with socket.socket() as probe:  # a free port, so parallel test runs do not collide
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(port), "-m", "tidyrl", "train", str(path)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                           str(free_port()), "-m", "tidyrl", "train", str(path)],
+                          env=gloo_cpu_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "plan.json").read_text())["world_size"] == 2
     one = tidyrl.train(sft_config(tiny_model_dir, sft_file, tmp_path / "one",

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import free_port
+from conftest import free_port, gloo_cpu_env
 
 from tidyrl.sharding import ShardingError, check_supported
 
@@ -20,7 +20,7 @@ def test_fsdp2_generation_gathers_once_and_matches_the_unsharded_model(tiny_mode
     child = Path(__file__).with_name("fsdp_child.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), str(child), str(tiny_model_dir), str(report)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=gloo_cpu_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         r = json.loads(Path(f"{report}.{rank}").read_text())

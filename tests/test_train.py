@@ -106,7 +106,9 @@ def test_rloo_with_kl_scores_a_reference_and_logs_kl(tiny_model_dir, prompt_file
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 2
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy equals the reference before any update
-    assert rows[1]["kl"] > 0
+    # RLOO's default estimator is k1 = log pi - log pi_ref, unbiased but negative on some samples: after an
+    # update the policy differs from the reference, so the estimate is non-zero, of either sign.
+    assert abs(rows[1]["kl"]) > 1e-6
 
 
 def test_without_kl_no_reference_model_is_loaded(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
@@ -187,9 +189,13 @@ def test_demo_task_reward_rises(tmp_path):
     result = tidyrl.train(config_path, ["train.rollouts=30", "log.progress_bar=false"])
     rewards = [r["reward_mean"] for r in read_jsonl(result.output_dir / "metrics.jsonl")[::2]]  # M = 2
     assert len(rewards) == 30
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    # A random model spells ~15% of the word; 30 rollouts take it to ~29% (seeded run on CPU).
-    assert last > first + 0.08, (first, last)
+    # A random model spells ~15% of the word; 30 rollouts take it to ~29% here (seeded run on CPU), to ~22% on
+    # a GPU whose rounding takes another path. So the test asks for what holds on every device: the last five
+    # rollouts' mean reward is above the first five's by more than 3 standard errors of that difference
+    # (estimated from the rollouts' own spread), not for a fixed amount.
+    first, last = torch.tensor(rewards[:5]), torch.tensor(rewards[-5:])
+    standard_error = (first.var() / 5 + last.var() / 5).sqrt().item()
+    assert last.mean() - first.mean() > 3 * standard_error, (rewards, standard_error)
 
 
 def test_chat_message_prompts_are_rendered_with_the_chat_template(tiny_model_dir, tmp_path):

@@ -45,10 +45,28 @@ class TrainResult:
     """False in the other processes of a multi-process run (they print nothing)."""
 
 
+class LaunchError(RuntimeError):
+    """The processes were launched in a way the machine cannot run; the message says how to launch instead."""
+
+
+def check_processes_fit_devices(local_processes: int, cuda_devices: int) -> None:
+    """Each process of a CUDA run takes its own GPU (`cuda:LOCAL_RANK`): more processes on one machine than
+    GPUs would fail inside the first CUDA call with "invalid device ordinal", after the launch. Refused here,
+    before anything loads, with both numbers and the two ways out."""
+    if local_processes > cuda_devices:
+        raise LaunchError(
+            f"{local_processes} processes were started on this machine, but it has {cuda_devices} CUDA "
+            f"device{'s' if cuda_devices != 1 else ''}: each process needs a GPU of its own. Start at most "
+            f"{cuda_devices} (`torchrun --nproc_per_node {cuda_devices}` or `accelerate launch --num_processes "
+            f"{cuda_devices}`), or run all processes on CPU (gloo) with ACCELERATE_USE_CPU=1 or CUDA_VISIBLE_DEVICES=''."
+        )
+
+
 def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     """The one Accelerator of a run. Under torchrun / accelerate launch on a machine without CUDA,
     accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
-    process would silently train alone and all would write the same output_dir. With `cfg`, a sharding
+    process would silently train alone and all would write the same output_dir. On CUDA, more processes per
+    machine than GPUs are refused first (`check_processes_fit_devices`). With `cfg`, a sharding
     mode the launch asks for and tidyrl cannot run `cfg` under is refused here (tidyrl.sharding)."""
     import torch
     from accelerate import Accelerator
@@ -56,7 +74,10 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     from tidyrl.sharding import check_supported, sharding_kind
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    accelerator = Accelerator(cpu=launched and not torch.cuda.is_available(), **kwargs)
+    on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if launched and not on_cpu:
+        check_processes_fit_devices(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    accelerator = Accelerator(cpu=launched and on_cpu, **kwargs)
     if launched and accelerator.num_processes == 1:
         raise RuntimeError(
             f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate formed no process group; "

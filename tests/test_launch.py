@@ -1,0 +1,41 @@
+"""Launching more processes on a machine than it has GPUs is refused before anything loads."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tidyrl.loops.common import LaunchError, check_processes_fit_devices, make_accelerator
+
+
+def test_more_processes_than_gpus_is_refused_with_both_numbers_and_the_fix():
+    check_processes_fit_devices(2, 2)
+    check_processes_fit_devices(1, 4)
+    with pytest.raises(LaunchError) as err:
+        check_processes_fit_devices(2, 1)
+    message = str(err.value)
+    assert "2 processes" in message and "1 CUDA device:" in message
+    assert "--nproc_per_node 1" in message and "ACCELERATE_USE_CPU=1" in message
+
+
+def test_make_accelerator_checks_before_forming_the_process_group(monkeypatch):
+    """As torchrun --nproc_per_node 2 on a machine with one GPU: the error comes from tidyrl, not from a CUDA
+    call inside accelerate ("invalid device ordinal"); asking for CPU runs the processes on gloo instead."""
+    import accelerate
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    built = []  # what accelerate.Accelerator was asked for (a stub: no process group is formed here)
+    monkeypatch.setattr(accelerate, "Accelerator",
+                        lambda **kwargs: built.append(kwargs) or SimpleNamespace(num_processes=2))
+    with pytest.raises(LaunchError, match="2 processes were started on this machine, but it has 1 CUDA device"):
+        make_accelerator()
+    assert built == []  # refused before accelerate touched a device
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    make_accelerator()
+    assert built == [{"cpu": True}]
