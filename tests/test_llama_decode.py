@@ -119,6 +119,23 @@ def test_generation_uses_the_weights_as_they_are_now():
     assert not torch.allclose(after[3], before[3])
 
 
+def test_gradient_checkpointing_keeps_the_lean_step_for_generation():
+    """Checkpointing is for training: a model with it enabled (which hooks its input embeddings to require grad)
+    still generates with the cache and the lean step, drawing the same completions as without it."""
+    from tidyrl.loops.common import enable_gradient_checkpointing
+
+    plain, checkpointed = _llama(), _llama()
+    enable_gradient_checkpointing(checkpointed)
+    checkpointed.eval()
+    assert checkpointed.model.embed_tokens._forward_hooks  # the hook is there, and harmless without grad
+    assert supports(checkpointed)
+    common = dict(sample_keys=[1, 2, 3, 4], max_new_tokens=10, eos_ids=[2], pad_id=0, batch_size=4)
+    for a, b in zip(generate(plain, [[5, 6, 7]] * 4, **common), generate(checkpointed, [[5, 6, 7]] * 4, **common)):
+        assert torch.equal(a, b)
+    checkpointed.model.embed_tokens.register_forward_hook(lambda *a: None)  # any other hook still refuses it
+    assert not supports(checkpointed)
+
+
 def test_layouts_it_does_not_compute_are_refused():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
