@@ -230,9 +230,13 @@ def activation_checkpointing_on(model) -> bool:
 
 
 def enable_gradient_checkpointing(model) -> None:
-    # transformers 5 renamed it; older releases only have the old name.
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
+    # Non-reentrant checkpoints (torch's recommendation, transformers 5's default): transformers 4 defaulted to
+    # reentrant ones, whose recomputed segments have no grad path when the embeddings are frozen (LoRA) and
+    # fail with "element 0 of tensors does not require grad". transformers 5 renamed the method.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
 
 
