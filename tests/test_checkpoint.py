@@ -166,6 +166,68 @@ def test_a_full_disk_during_a_save_keeps_the_earlier_checkpoints(tmp_path, tiny_
     assert weights(out / "final") == weights(reference_run / "final")
 
 
+# `tidyrl train` in a process that is killed (kill -9) halfway through writing checkpoint-8.
+KILL_MID_SAVE = textwrap.dedent('''
+    import os, signal, sys
+
+    import torch
+
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if ".checkpoint-8.tmp" in str(path) and str(path).endswith("scheduler.pt"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, path, *args, **kwargs)
+
+    torch.save = save
+    from tidyrl.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+''')
+
+
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_path, tiny_model_dir,
+                                                                                prompt_file, reference_run):
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "torn")
+    out = tmp_path / "torn"
+    (tmp_path / "kill_mid_save.py").write_text(KILL_MID_SAVE)
+    killed = subprocess.run([sys.executable, str(tmp_path / "kill_mid_save.py"), "train", str(config),
+                             "log.save_every=4"], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (out / ".checkpoint-8.tmp" / "trainer_state" / "optimizer.pt").exists()  # died mid-write
+    assert [step for step, _ in complete_checkpoints(out)] == [4]
+    assert (out / ".tidyrl.lock").exists()  # its lock record too: the kernel lock died with it
+    resumed = subprocess.run(tidyrl_cmd(config, "log.save_every=4", "resume_from=latest"), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "had a lock left by a run that is gone" in resumed.stdout
+    assert rows(out / "metrics.jsonl") == rows(reference_run / "metrics.jsonl")
+    assert weights(out / "final") == weights(reference_run / "final")
+    assert not list(out.glob(".checkpoint-*")) and not (out / ".tidyrl.lock").exists()
+
+
+def test_a_full_disk_while_saving_the_final_model_leaves_no_partial_folder(tmp_path, tiny_model_dir, prompt_file,
+                                                                           monkeypatch):
+    from transformers import PreTrainedModel
+
+    real = PreTrainedModel.save_pretrained
+
+    def save(self, path, *args, **kwargs):
+        real(self, path, *args, **kwargs)
+        if ".final.tmp" in str(path):  # the weights are written, then the tokenizer does not fit
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save)
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "full-final")
+    out = tmp_path / "full-final"
+    with pytest.raises(CheckpointError, match=r"could not save .*final \(the disk is full\); nothing partial was "
+                                              r"left behind.*checkpoint-8 \(resume_from=latest\)"):
+        tidyrl.train(config, ["log.save_every=4"])
+    assert not (out / "final").exists() and not list(out.glob(".final*"))
+    assert [step for step, _ in complete_checkpoints(out)] == [4, 8]
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == list(range(1, 13))
+
+
 def test_resume_refuses_changes_to_the_maths_and_allows_memory_knobs(tmp_path, tiny_model_dir, prompt_file,
                                                                      reference_run):
     config = write_config(tmp_path, tiny_model_dir, prompt_file, "changed")
