@@ -282,3 +282,38 @@ def test_loaded_weights_get_their_own_aligned_memory(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     state = loaded.state_dict()
     assert all(torch.equal(state[k], v) for k, v in load_file(tmp_path / "m" / "model.safetensors").items())
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an fd's file through /proc (Linux)")
+def test_a_checkpoint_is_on_disk_before_the_rename_publishes_it(tmp_path, tiny_model_dir, monkeypatch):
+    """After a power cut, a checkpoint-N that exists must hold its data: every file and folder of the hidden
+    .checkpoint-N.tmp is fsynced before the rename, and the output folder (the rename itself) after it."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidyrl.checkpoint import save_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save_checkpoint(tmp_path, 3, model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+                    optimizer=optimizer, scheduler=scheduler, state={"step": 3}, rollout=None, keep_last=2)
+    tmp = tmp_path / ".checkpoint-3.tmp"
+    published = events.index(("replace", str(tmp)))
+    synced = {path for kind, path in events[:published] if kind == "fsync"}
+    written = {str(tmp / p.relative_to(tmp_path / "checkpoint-3")) for p in (tmp_path / "checkpoint-3").rglob("*")}
+    assert len(written) > 5 and written | {str(tmp)} <= synced
+    assert ("fsync", str(tmp_path)) in events[published:]

@@ -303,3 +303,9 @@ def test_a_nan_loss_stops_an_offline_stage_before_the_update(tmp_path, tiny_mode
                           "not applied and training stopped")
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert not (out / "final").exists() and not (out / LOCK_NAME).exists()
+
+
+def test_an_output_dir_that_cannot_be_created_is_a_clear_error(tmp_path, tiny_model_dir, prompt_file):
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(RunLockError, match=r"output_dir .*a-file/run cannot be created or written \((FileExists|NotADirectory)"):
+        tidyrl.train(config(tiny_model_dir, prompt_file, tmp_path / "a-file" / "run"))

@@ -14,13 +14,18 @@ rollout, ...) rather than drawn from a running RNG, so these files are all the
 state there is: a resumed run replays the remaining steps bit for bit.
 
 Written atomically: everything goes into a hidden `.checkpoint-<step>.tmp/`
-folder that is renamed into place only when complete, so a crash or a full
-disk mid-save leaves the earlier checkpoints as they were and no folder that
-looks complete but is not.
+folder that is flushed to disk (fsync) and renamed into place only when
+complete, so a crash, a power cut or a full disk mid-save leaves the earlier
+checkpoints as they were and no folder that looks complete but is not.
+
+Read as data only: the trainer state loads with `torch.load(weights_only=True)`
+(tensors and plain Python values; unpickling anything else could run code), and
+a damaged file is reported by name with the checkpoints to fall back on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -146,6 +151,7 @@ def save_checkpoint(output_dir: Path, step: int, *, model, tokenizer, optimizer,
             torch.save(critic_scheduler.state_dict(), trainer / "critic_scheduler.pt")
         # state.json last: its presence is what marks the folder complete (with the rename).
         (trainer / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        _sync_to_disk(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -158,9 +164,24 @@ def save_checkpoint(output_dir: Path, step: int, *, model, tokenizer, optimizer,
             f"checkpoints are intact ({', '.join(kept) or 'none'}). Free space or fix the cause, then resume "
             "with resume_from=latest."
         ) from err
+    with contextlib.suppress(OSError):  # the rename itself (some file systems cannot fsync a folder)
+        _sync_to_disk(Path(output_dir), recursive=False)
     for _, old in complete_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _sync_to_disk(folder: Path, recursive: bool = True) -> None:
+    """fsync every file under `folder` and the folders themselves. The rename that follows publishes the
+    checkpoint; after a power cut it must not name files whose data never reached the disk (a kill alone
+    loses nothing written: the kernel still holds it)."""
+    paths = [*sorted(folder.rglob("*"), reverse=True), folder] if recursive else [folder]
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:

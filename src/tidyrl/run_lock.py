@@ -153,6 +153,9 @@ def hold_output_dir(folder: Path, accelerator) -> None:
             lock = RunLock(folder).acquire()
         except RunLockError as err:
             problem = str(err)
+        except OSError as err:  # the folder cannot be created or written: say so in every process
+            problem = (f"output_dir {folder} cannot be created or written ({type(err).__name__}: {err}); choose "
+                       "another `output_dir` or fix its permissions.")
         else:
             _held[folder] = lock
             if lock.stale:
