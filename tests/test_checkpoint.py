@@ -166,6 +166,68 @@ def test_a_full_disk_during_a_save_keeps_the_earlier_checkpoints(tmp_path, tiny_
     assert weights(out / "final") == weights(reference_run / "final")
 
 
+# `tidyrl train` in a process that is killed (kill -9) halfway through writing checkpoint-8.
+KILL_MID_SAVE = textwrap.dedent('''
+    import os, signal, sys
+
+    import torch
+
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if ".checkpoint-8.tmp" in str(path) and str(path).endswith("scheduler.pt"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, path, *args, **kwargs)
+
+    torch.save = save
+    from tidyrl.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+''')
+
+
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint_and_resume_is_exact(tmp_path, tiny_model_dir,
+                                                                                prompt_file, reference_run):
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "torn")
+    out = tmp_path / "torn"
+    (tmp_path / "kill_mid_save.py").write_text(KILL_MID_SAVE)
+    killed = subprocess.run([sys.executable, str(tmp_path / "kill_mid_save.py"), "train", str(config),
+                             "log.save_every=4"], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (out / ".checkpoint-8.tmp" / "trainer_state" / "optimizer.pt").exists()  # died mid-write
+    assert [step for step, _ in complete_checkpoints(out)] == [4]
+    assert (out / ".tidyrl.lock").exists()  # its lock record too: the kernel lock died with it
+    resumed = subprocess.run(tidyrl_cmd(config, "log.save_every=4", "resume_from=latest"), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "had a lock left by a run that is gone" in resumed.stdout
+    assert rows(out / "metrics.jsonl") == rows(reference_run / "metrics.jsonl")
+    assert weights(out / "final") == weights(reference_run / "final")
+    assert not list(out.glob(".checkpoint-*")) and not (out / ".tidyrl.lock").exists()
+
+
+def test_a_full_disk_while_saving_the_final_model_leaves_no_partial_folder(tmp_path, tiny_model_dir, prompt_file,
+                                                                           monkeypatch):
+    from transformers import PreTrainedModel
+
+    real = PreTrainedModel.save_pretrained
+
+    def save(self, path, *args, **kwargs):
+        real(self, path, *args, **kwargs)
+        if ".final.tmp" in str(path):  # the weights are written, then the tokenizer does not fit
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save)
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "full-final")
+    out = tmp_path / "full-final"
+    with pytest.raises(CheckpointError, match=r"could not save .*final \(the disk is full\); nothing partial was "
+                                              r"left behind.*checkpoint-8 \(resume_from=latest\)"):
+        tidyrl.train(config, ["log.save_every=4"])
+    assert not (out / "final").exists() and not list(out.glob(".final*"))
+    assert [step for step, _ in complete_checkpoints(out)] == [4, 8]
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == list(range(1, 13))
+
+
 def test_resume_refuses_changes_to_the_maths_and_allows_memory_knobs(tmp_path, tiny_model_dir, prompt_file,
                                                                      reference_run):
     config = write_config(tmp_path, tiny_model_dir, prompt_file, "changed")
@@ -220,3 +282,38 @@ def test_loaded_weights_get_their_own_aligned_memory(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     state = loaded.state_dict()
     assert all(torch.equal(state[k], v) for k, v in load_file(tmp_path / "m" / "model.safetensors").items())
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an fd's file through /proc (Linux)")
+def test_a_checkpoint_is_on_disk_before_the_rename_publishes_it(tmp_path, tiny_model_dir, monkeypatch):
+    """After a power cut, a checkpoint-N that exists must hold its data: every file and folder of the hidden
+    .checkpoint-N.tmp is fsynced before the rename, and the output folder (the rename itself) after it."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidyrl.checkpoint import save_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save_checkpoint(tmp_path, 3, model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+                    optimizer=optimizer, scheduler=scheduler, state={"step": 3}, rollout=None, keep_last=2)
+    tmp = tmp_path / ".checkpoint-3.tmp"
+    published = events.index(("replace", str(tmp)))
+    synced = {path for kind, path in events[:published] if kind == "fsync"}
+    written = {str(tmp / p.relative_to(tmp_path / "checkpoint-3")) for p in (tmp_path / "checkpoint-3").rglob("*")}
+    assert len(written) > 5 and written | {str(tmp)} <= synced
+    assert ("fsync", str(tmp_path)) in events[published:]

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from tidyrl.config import Config, config_base_dir, load_config
 from tidyrl.loops.common import TrainResult
+from tidyrl.run_lock import release_output_dir
 
 LOOPS = {
     "grpo": "tidyrl.loops.rl",
@@ -34,4 +35,7 @@ def train(config: Config | dict | str | Path, overrides: Sequence[str] = ()) -> 
 
         require_peft()  # before any data or weights are read
     loop = importlib.import_module(LOOPS[cfg.algorithm])
-    return loop.run(cfg, config_base_dir(config))
+    try:
+        return loop.run(cfg, config_base_dir(config))
+    finally:  # the output folder's lock, taken by the loop (tidyrl.run_lock), is given back however it ends
+        release_output_dir(cfg.output_dir)

@@ -14,17 +14,23 @@ rollout, ...) rather than drawn from a running RNG, so these files are all the
 state there is: a resumed run replays the remaining steps bit for bit.
 
 Written atomically: everything goes into a hidden `.checkpoint-<step>.tmp/`
-folder that is renamed into place only when complete, so a crash or a full
-disk mid-save leaves the earlier checkpoints as they were and no folder that
-looks complete but is not.
+folder that is flushed to disk (fsync) and renamed into place only when
+complete, so a crash, a power cut or a full disk mid-save leaves the earlier
+checkpoints as they were and no folder that looks complete but is not.
+
+Read as data only: the trainer state loads with `torch.load(weights_only=True)`
+(tensors and plain Python values; unpickling anything else could run code), and
+a damaged file is reported by name with the checkpoints to fall back on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -75,6 +81,14 @@ def find_checkpoint(output_dir: Path, resume_from: str) -> Path:
     return path
 
 
+def last_good_checkpoint(output_dir: Path) -> str:
+    """Where a stopped run can resume from, in words: for error messages."""
+    saved = complete_checkpoints(output_dir)
+    if saved:
+        return f"the last good checkpoint is {saved[-1][1]} (resume_from=latest)"
+    return "no checkpoint was saved, so the run must start again (set log.save_every to keep some)"
+
+
 def refused_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
     """The dotted keys whose values differ between two config dicts and are not in RESUMABLE_CHANGES."""
     changes = []
@@ -89,10 +103,13 @@ def refused_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
 
 
 def rng_state() -> dict:
+    """Python, NumPy and torch RNG states, as plain values and tensors only (what a weights_only load reads)."""
     import numpy as np
     import torch
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+            "torch": torch.get_rng_state()}
 
 
 def set_rng_state(state: dict) -> None:
@@ -100,7 +117,8 @@ def set_rng_state(state: dict) -> None:
     import torch
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
 
 
@@ -133,6 +151,7 @@ def save_checkpoint(output_dir: Path, step: int, *, model, tokenizer, optimizer,
             torch.save(critic_scheduler.state_dict(), trainer / "critic_scheduler.pt")
         # state.json last: its presence is what marks the folder complete (with the rename).
         (trainer / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        _sync_to_disk(tmp)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -145,29 +164,91 @@ def save_checkpoint(output_dir: Path, step: int, *, model, tokenizer, optimizer,
             f"checkpoints are intact ({', '.join(kept) or 'none'}). Free space or fix the cause, then resume "
             "with resume_from=latest."
         ) from err
+    with contextlib.suppress(OSError):  # the rename itself (some file systems cannot fsync a folder)
+        _sync_to_disk(Path(output_dir), recursive=False)
     for _, old in complete_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return target
 
 
+def _sync_to_disk(folder: Path, recursive: bool = True) -> None:
+    """fsync every file under `folder` and the folders themselves. The rename that follows publishes the
+    checkpoint; after a power cut it must not name files whose data never reached the disk (a kill alone
+    loses nothing written: the kernel still holds it)."""
+    paths = [*sorted(folder.rglob("*"), reverse=True), folder] if recursive else [folder]
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def load_trainer_state(path: Path) -> dict[str, Any]:
-    """Everything but the weights: state.json, optimizer, scheduler, RNG and the unfinished rollout."""
+    """Everything but the weights: state.json, optimizer, scheduler, RNG and the unfinished rollout. Also opens
+    the weight files' headers, so a damaged checkpoint is reported here, before any weights load."""
+    trainer = Path(path) / STATE_DIR
+    try:
+        state = json.loads((trainer / "state.json").read_text())
+    except (OSError, ValueError) as err:
+        raise _damaged(trainer / "state.json", path, f"{type(err).__name__}: {err}") from None
+    loaded = {"state": state, "rollout": None}
+    for name in ("optimizer", "scheduler", "rng", "rollout", "critic_optimizer", "critic_scheduler"):
+        if name in ("optimizer", "scheduler", "rng") or (trainer / f"{name}.pt").exists():
+            loaded[name] = _load_pt(trainer / f"{name}.pt", path)
+    _check_weight_files(Path(path))
+    return loaded
+
+
+def _load_pt(file: Path, checkpoint: Path):
+    """torch.load restricted to tensors and plain Python values (`weights_only=True`): unpickling anything else
+    could run code, so a file that holds more is refused, never executed. tidyrl writes nothing else."""
+    import pickle
+
     import torch
 
-    trainer = Path(path) / STATE_DIR
-    loaded = {
-        "state": json.loads((trainer / "state.json").read_text()),
-        "optimizer": torch.load(trainer / "optimizer.pt", weights_only=False),
-        "scheduler": torch.load(trainer / "scheduler.pt", weights_only=False),
-        "rng": torch.load(trainer / "rng.pt", weights_only=False),
-        "rollout": None,
-    }
-    if (trainer / "rollout.pt").exists():
-        loaded["rollout"] = torch.load(trainer / "rollout.pt", weights_only=False)
-    for name in ("critic_optimizer", "critic_scheduler"):
-        if (trainer / f"{name}.pt").exists():
-            loaded[name] = torch.load(trainer / f"{name}.pt", weights_only=False)
-    return loaded
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        text = str(err)
+        if "GLOBAL" in text or "allowlist" in text:  # the restricted unpickler met something it does not build
+            found = re.search(r"GLOBAL (\S+)", text)
+            raise CheckpointError(
+                f"{file} holds more than tensors and plain values ({found.group(1) if found else 'a Python object'}); "
+                "tidyrl refuses to load it, since unpickling it could run arbitrary code. tidyrl's own checkpoints "
+                "never hold such objects: this file was altered or comes from elsewhere. Resume from a checkpoint "
+                "you trust (resume_from=path/to/checkpoint-N), or start afresh with resume_from=null."
+            ) from None
+        raise _damaged(file, checkpoint, f"{type(err).__name__}: {_first_line(err)}") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as err:  # truncated or not a torch file at all
+        raise _damaged(file, checkpoint, f"{type(err).__name__}: {_first_line(err)}") from None
+
+
+def _check_weight_files(checkpoint: Path) -> None:
+    """Open the header of each safetensors file (cheap, no weights read): a truncated file fails here."""
+    from safetensors import safe_open
+
+    for file in sorted(checkpoint.rglob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt") as f:
+                f.keys()
+        except Exception as err:  # safetensors raises its own SafetensorError, or OSError
+            raise _damaged(file, checkpoint, f"{type(err).__name__}: {_first_line(err)}") from None
+
+
+def _damaged(file: Path, checkpoint: Path, why: str) -> CheckpointError:
+    """The error for an unreadable file of `checkpoint`, naming the other checkpoints beside it."""
+    checkpoint = Path(checkpoint)
+    others = [p.name for _, p in complete_checkpoints(checkpoint.parent) if p.name != checkpoint.name]
+    earlier = (f"resume from an earlier one instead (resume_from=path/to/{others[-1]}; complete ones here: "
+               f"{', '.join(others)})" if others else "no other checkpoint is in that folder, so the run must start "
+               "again (resume_from=null)")
+    return CheckpointError(f"{file} is damaged or truncated ({why}); {checkpoint.name} cannot be resumed: {earlier}.")
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[0].strip() if lines else ""
 
 
 def truncate_jsonl(path: Path, keep) -> None:

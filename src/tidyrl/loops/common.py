@@ -89,7 +89,12 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
 
 
 def prepare_output_dir(out: Path, overwrite: bool, accelerator) -> None:
-    """Refuse a folder that holds a run unless `overwrite`; with it, remove that run's files."""
+    """Lock the folder for this run (tidyrl.run_lock; `tidyrl.train` releases it), then refuse a folder that
+    holds a run unless `overwrite`; with it, remove that run's files. Locked first: a running run's files are
+    neither judged nor deleted here."""
+    from tidyrl.run_lock import hold_output_dir
+
+    hold_output_dir(out, accelerator)
     held = [name for name in RUN_FILES if (out / name).exists()]
     held += sorted(p.name for p in out.glob("checkpoint-*")) + (["final"] if (out / "final").exists() else [])
     if held and not overwrite:
@@ -300,18 +305,30 @@ def save_pretrained_atomic(accelerator, model, tokenizer, target: Path, extra_mo
     model = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
         tmp = target.with_name(f".{target.name}.tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
-        tokenizer.save_pretrained(tmp)
-        if merged and unwrap_peft(model) is not None:
-            save_merged(model, tmp / "merged", tokenizer)
-        for name, extra in (extra_models or {}).items():
-            accelerator.unwrap_model(extra).save_pretrained(tmp / name, safe_serialization=True,
-                                                            state_dict=extra_states[name])
-            tokenizer.save_pretrained(tmp / name)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state)
+            tokenizer.save_pretrained(tmp)
+            if merged and unwrap_peft(model) is not None:
+                save_merged(model, tmp / "merged", tokenizer)
+            for name, extra in (extra_models or {}).items():
+                accelerator.unwrap_model(extra).save_pretrained(tmp / name, safe_serialization=True,
+                                                                state_dict=extra_states[name])
+                tokenizer.save_pretrained(tmp / name)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        except OSError as err:  # a full disk, a quota, permissions: say so, leave nothing half-written
+            import errno
+
+            from tidyrl.checkpoint import CheckpointError, last_good_checkpoint
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            why = "the disk is full" if err.errno == errno.ENOSPC else f"{type(err).__name__}: {err}"
+            raise CheckpointError(
+                f"could not save {target} ({why}); nothing partial was left behind, and metrics.jsonl is kept; "
+                f"{last_good_checkpoint(target.parent)}. Free space or fix the cause, then run again."
+            ) from err
     accelerator.wait_for_everyone()
     return target

@@ -96,7 +96,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                         float(reward_rejected_B.sum()), float(logps_2B[:b].sum()), float(logps_2B[b:].sum()),
                     ], dtype=torch.float64)
             sums = reduce_sum(accelerator, sums)
-            lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm)
+            lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm,
+                                           step + 1, float(sums[0]))
             n = plan.batch_size
             log.row(step + 1, lr, float(sums[0]), grad_norm, {
                 # Implicit rewards beta * log(pi / pi_ref) (Rafailov et al. 2023, §5), before this step's update.

@@ -96,11 +96,23 @@ def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logprobs_BT, batch["target_mask"][:, 1:]
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm: float) -> tuple[float, float]:
+def optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm: float, step: int = 0,
+                   loss: float = 0.0) -> tuple[float, float]:
     """Clip, step, step the LR schedule exactly once (in every process), zero the gradients.
-    Returns (the learning rate this step used, the gradient norm before clipping)."""
+    Returns (the learning rate this step used, the gradient norm before clipping). A NaN or infinite `loss` or
+    gradient norm stops the run before the update (NonFiniteLossError naming `step`, 1-based)."""
     max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
+        from tidyrl.loops.rl import NonFiniteLossError
+
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(
+            f"optimizer step {step}: the loss is {loss} and the gradient norm {float(grad_norm)}; the update was not "
+            "applied and training stopped (metrics.jsonl keeps the steps before it; this stage writes no "
+            "checkpoints, so the run must start again). Lower train.learning_rate, check the data, or set "
+            "train.max_grad_norm."
+        )
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()

@@ -107,7 +107,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                     sums += torch.tensor([float(loss), float((chosen_B > rejected_B).sum()), float(chosen_B.sum()),
                                           float(rejected_B.sum()), float(margin_B.sum())], dtype=torch.float64)
             sums = reduce_sum(accelerator, sums)
-            lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm)
+            lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm,
+                                           step + 1, float(sums[0]))
             n = plan.batch_size
             log.row(step + 1, lr, float(sums[0]), grad_norm, {
                 "rewards/accuracy": float(sums[1]) / n,  # fraction of pairs with r_chosen > r_rejected

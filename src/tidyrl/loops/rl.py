@@ -87,6 +87,9 @@ class _RLRun:
         # lengths, plan, rewards, output folder. No weights are loaded before all of it has passed.
         self.resume_path, self.resumed = None, None
         if cfg.resume_from:
+            from tidyrl.run_lock import hold_output_dir
+
+            hold_output_dir(self.out, self.accelerator)  # before reading a checkpoint another run could delete
             self.resume_path = find_checkpoint(self.out, cfg.resume_from)
             self.resumed = load_trainer_state(self.resume_path)
             changes = refused_changes(self.resumed["state"]["config"], config_to_dict(cfg))
@@ -268,7 +271,7 @@ class _RLRun:
                         rollout, stats = unfinished
                         unfinished = None
                     else:
-                        rollout, stats = self.make_rollout(r)
+                        rollout, stats = self._make_rollout_or_stop(r, step)
                         for sample in stats.pop("_samples"):
                             samples_log.write({"rollout": r + 1, "step": step, **sample})
                     first_reward = stats["reward_mean"] if first_reward is None else first_reward
@@ -329,6 +332,17 @@ class _RLRun:
         return bool(self._reduce_sum(torch.tensor([float(flag)])).item() > 0)
 
     # ------------------------------------------------------------------ one rollout
+    def _make_rollout_or_stop(self, r: int, step: int):
+        """make_rollout(r); a reward that fails (raises, NaN, inf, ...) stops the run with where it stopped."""
+        from tidyrl.checkpoint import last_good_checkpoint
+        from tidyrl.rewards import RewardError
+
+        try:
+            return self.make_rollout(r)
+        except RewardError as err:
+            raise RewardError(f"{err}\nStopped in rollout {r + 1}, after optimizer step {step}; "
+                              f"{last_good_checkpoint(self.out)}.") from None
+
     def make_rollout(self, r: int):
         """Generate, reward and score rollout `r` (0-based). Returns the global Rollout (every process
         holds all R episodes, so mini-batches are the same whatever W is) and its metrics."""
@@ -569,14 +583,12 @@ class _RLRun:
             self.optimizer.zero_grad(set_to_none=True)
             if critic is not None:
                 self.critic_optimizer.zero_grad(set_to_none=True)
-            from tidyrl.checkpoint import complete_checkpoints
+            from tidyrl.checkpoint import last_good_checkpoint
 
-            saved = complete_checkpoints(self.out)
-            last = f"the last good checkpoint is {saved[-1][1]} (resume_from=latest)" if saved else \
-                "no checkpoint was saved (set log.save_every to keep some)"
             raise NonFiniteLossError(
                 f"optimizer step {step}: the loss is {float(sums[0])} and the gradient norm {float(grad_norm)}; "
-                f"the update was not applied and training stopped. {last}. Lower train.learning_rate, "
+                f"the update was not applied and training stopped; {last_good_checkpoint(self.out)}. "
+                "Lower train.learning_rate, "
                 "check the rewards' scale, or set train.max_grad_norm."
             )
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses

@@ -79,7 +79,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                 with torch.no_grad():
                     sums += torch.tensor([float(loss), float(-(logprobs_BT * mask_BT).sum())], dtype=torch.float64)
             sums = reduce_sum(accelerator, sums)
-            lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm)
+            lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm,
+                                           step + 1, float(sums[0]))
             log.row(step + 1, lr, float(sums[0]), grad_norm, {
                 "tokens": num_targets,  # trained (target) tokens of the global batch
                 "nll_token_mean": float(sums[1]) / max(num_targets, 1),  # = loss with token_mean
