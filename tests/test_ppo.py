@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from conftest import expected_lrs, with_sections
 
 import tidyrl
@@ -84,8 +85,12 @@ def test_ppo_with_a_reward_model_of_another_tokenizer_writes_everything(tiny_mod
 
 
 def test_the_default_critic_is_the_reward_model_when_it_shares_the_tokenizer(tiny_model_dir, same_vocab_rm,
-                                                                           other_rm, prompt_file, tmp_path):
+                                                                           other_rm, prompt_file, tmp_path, capsys):
+    """README: critic.model defaults to the reward model if it shares the policy's tokenizer, else the policy;
+    plan.json, `tidyrl plan` and the log say which was taken and why."""
     from safetensors.torch import load_file
+
+    from tidyrl.cli import main
 
     cfg = ppo_config(tiny_model_dir, same_vocab_rm, prompt_file, tmp_path / "a", critic={"model": None},
                      train={"rollouts": 1, "learning_rate": 0.0, "warmup_steps": 0})
@@ -95,9 +100,31 @@ def test_the_default_critic_is_the_reward_model_when_it_shares_the_tokenizer(tin
     rm = load_file(same_vocab_rm / "model.safetensors")
     critic = load_file(tmp_path / "a" / "final" / "critic" / "model.safetensors")
     assert torch.equal(critic["score.weight"], rm["score.weight"])
-    # A reward model with another vocabulary cannot read the policy's tokens: a clear error, before loading.
-    with pytest.raises(RuntimeError, match=r"critic.model \(default: the first reward model\)=.*another vocabulary"):
-        tidyrl.train(ppo_config(tiny_model_dir, other_rm, prompt_file, tmp_path / "b", critic={"model": None}))
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    assert plan["critic_model"] == str(same_vocab_rm)
+    assert plan["critic_model_reason"] == "the first reward model sharing the policy's vocabulary"
+
+    # A reward model of another vocabulary cannot read the policy's tokens: the critic starts from the policy.
+    cfg = ppo_config(tiny_model_dir, other_rm, prompt_file, tmp_path / "b", critic={"model": None},
+                     train={"rollouts": 1, "learning_rate": 0.0, "warmup_steps": 0})
+    cfg["critic"]["learning_rate"] = 0.0
+    capsys.readouterr()
+    tidyrl.train(cfg)
+    why = f"the policy: the reward model {other_rm} reads another vocabulary"
+    assert f"tidyrl: critic initialised from {tiny_model_dir} ({why})" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert (plan["critic_model"], plan["critic_model_reason"]) == (str(tiny_model_dir), why)
+    policy = load_file(tiny_model_dir / "model.safetensors")
+    critic = load_file(tmp_path / "b" / "final" / "critic" / "model.safetensors")
+    assert torch.equal(critic["model.embed_tokens.weight"], policy["model.embed_tokens.weight"])
+    config = tmp_path / "b.yaml"
+    config.write_text(yaml.safe_dump({**cfg, "output_dir": str(tmp_path / "c")}))
+    assert main(["plan", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out)["critic_model_reason"] == why
+
+    # Named explicitly, a model of another vocabulary is an error, before any weights load.
+    with pytest.raises(RuntimeError, match=r"critic.model=.*has another vocabulary"):
+        tidyrl.train(ppo_config(tiny_model_dir, other_rm, prompt_file, tmp_path / "d", critic={"model": str(other_rm)}))
 
 
 def test_ppo_resumes_exactly_with_the_critic_and_the_adaptive_kl(tiny_model_dir, other_rm, prompt_file, tmp_path):

@@ -144,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
                 if report:
                     print(f"tidyrl: {report}", file=sys.stderr)
             num_prompts = len(dataset)
-            plan = plan_from_config(cfg, num_prompts, args.num_processes)
-            print(json.dumps(plan.to_dict(), indent=2))
+            plan = plan_from_config(cfg, num_prompts, args.num_processes).to_dict()
+            if cfg.algorithm == "ppo":  # which model the critic starts from (tokenizer files only, no weights)
+                from tidyrl.loops.common import load_tokenizer
+                from tidyrl.loops.rl import choose_critic
+
+                path, why = choose_critic(cfg, load_tokenizer(cfg.tokenizer or cfg.model).get_vocab())
+                plan.update(critic_model=path, critic_model_reason=why)
+            print(json.dumps(plan, indent=2))
         elif args.command == "train":
             from tidyrl.api import train
 

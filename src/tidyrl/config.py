@@ -218,7 +218,8 @@ class ReinforcePPConfig(PolicyLossConfig):
 class CriticConfig:
     model: Optional[str] = None
     """PPO's value model: initialised from this folder (a causal LM or a sequence classifier); default: the
-    first reward model when there is one, else the policy. It must share the policy's tokenizer."""
+    first reward model that shares the policy's tokenizer, else the policy. It must share the policy's
+    tokenizer (it reads the policy's tokens); plan.json names the model taken and why."""
     learning_rate: Optional[float] = None
     """Peak learning rate of the critic; default: train.learning_rate."""
     lr_scheduler: Optional[str] = None

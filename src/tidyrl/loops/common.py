@@ -111,11 +111,12 @@ def prepare_output_dir(out: Path, overwrite: bool, accelerator) -> None:
     accelerator.wait_for_everyone()
 
 
-def write_run_header(cfg: Config, plan: Plan, out: Path, accelerator) -> None:
-    """config.yaml (resolved) and plan.json, written once by the main process."""
+def write_run_header(cfg: Config, plan: Plan, out: Path, accelerator, extra: Optional[dict] = None) -> None:
+    """config.yaml (resolved) and plan.json (with `extra`: choices the run made, e.g. PPO's critic), written
+    once by the main process."""
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
-        (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+        (out / "plan.json").write_text(json.dumps({**plan.to_dict(), **(extra or {})}, indent=2) + "\n")
 
 
 def torch_dtype(name: str):

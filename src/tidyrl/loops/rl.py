@@ -63,6 +63,47 @@ class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN or infinite; the update was not applied."""
 
 
+def choose_critic(cfg: Config, policy_vocab: dict) -> tuple[str, str]:
+    """PPO's value model: (path, why it was chosen). `critic.model` when set, else the first reward model that
+    shares the policy's vocabulary, else the policy. The critic reads the policy's tokens, so a model of another
+    vocabulary cannot be one: as a default it is passed over (the reward model still scores with its own
+    tokenizer); named explicitly, it is an error. Reads configs and tokenizer files only, no weights."""
+    from transformers import AutoTokenizer
+
+    def vocabulary(path):
+        try:
+            return AutoTokenizer.from_pretrained(path).get_vocab()
+        except (OSError, ValueError):
+            return None  # a folder without tokenizer files: trust it
+
+    def usable(path, key):
+        load_model_config(path)  # exists and loads
+        problem = adapter_folder_problem(path, key, "a critic")
+        if problem:
+            raise ModelLoadError(problem)
+        vocab = vocabulary(path)
+        return vocab is None or vocab == policy_vocab
+
+    if cfg.critic.model:
+        if not usable(cfg.critic.model, "critic.model"):
+            raise ModelLoadError(
+                f"critic.model={cfg.critic.model!r} has another vocabulary than the policy's tokenizer, but the "
+                "critic reads the policy's tokens. Set critic.model to the policy (or a model sharing its "
+                "tokenizer), or leave it unset to take the default."
+            )
+        return cfg.critic.model, "critic.model"
+    passed_over = []
+    for reward in cfg.rewards:
+        if reward.model and reward.model not in passed_over:
+            if usable(reward.model, "critic.model (default: the first reward model of the policy's vocabulary)"):
+                return reward.model, "the first reward model sharing the policy's vocabulary"
+            passed_over.append(reward.model)
+    if passed_over:
+        return cfg.model, (f"the policy: the reward model{'s' if len(passed_over) > 1 else ''} "
+                           f"{', '.join(passed_over)} read{'' if len(passed_over) > 1 else 's'} another vocabulary")
+    return cfg.model, "the policy: no reward model to start from"
+
+
 class _RLRun:
     """State of one run; `run()` is the loop. Split into small methods only where it reads better."""
 
@@ -113,6 +154,7 @@ class _RLRun:
         # rewards[i].normalize: running moments of that reward's scores over the whole run (global batch).
         self.reward_moments = {f.name: RunningMoments() for f, c in zip(self.reward_fns, cfg.rewards) if c.normalize}
         self.stream = PromptStream(len(self.dataset), cfg.seed)
+        self.critic_choice = None  # PPO: {"critic_model": path, "critic_model_reason": why}, for plan.json
         self.critic_path = self._critic_path() if cfg.algorithm == "ppo" else None
         if self.resumed is None:
             prepare_output_dir(self.out, cfg.overwrite, self.accelerator)
@@ -120,28 +162,10 @@ class _RLRun:
 
     # ------------------------------------------------------------------ setup
     def _critic_path(self) -> str:
-        """critic.model, else the first reward model, else the policy; it must read the policy's tokens."""
-        from transformers import AutoTokenizer
-
-        cfg = self.cfg
-        models = [r.model for r in cfg.rewards if r.model]
-        path, key = ((cfg.critic.model, "critic.model") if cfg.critic.model else
-                     (models[0], "critic.model (default: the first reward model)") if models else
-                     (cfg.model, "critic.model (default: the policy)"))
-        load_model_config(path)  # exists and loads
-        problem = adapter_folder_problem(path, key, "a critic")
-        if problem:
-            raise ModelLoadError(problem)
-        try:
-            vocab = AutoTokenizer.from_pretrained(path).get_vocab()
-        except (OSError, ValueError):
-            vocab = None  # a folder without tokenizer files: trust it
-        if vocab is not None and vocab != self.tokenizer.get_vocab():
-            raise ModelLoadError(
-                f"{key}={path!r} has another vocabulary than the policy's tokenizer, but the critic reads the "
-                "policy's tokens. Set critic.model to the policy (or a model sharing its tokenizer); the reward "
-                "model keeps scoring with its own tokenizer either way."
-            )
+        path, why = choose_critic(self.cfg, self.tokenizer.get_vocab())
+        if self.is_main:
+            print(f"tidyrl: critic initialised from {path} ({why})", flush=True)
+        self.critic_choice = {"critic_model": path, "critic_model_reason": why}
         return path
 
     def _load_models(self) -> None:
@@ -256,7 +280,7 @@ class _RLRun:
         if self.resumed is not None:
             step, elapsed, first_reward, unfinished = self._restore()
         else:
-            write_run_header(cfg, plan, self.out, self.accelerator)
+            write_run_header(cfg, plan, self.out, self.accelerator, self.critic_choice)
         # metrics.jsonl + samples.jsonl, forwarded to the trackers of log.report_to (main process only).
         metrics_log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
         samples_log = metrics_log.samples
