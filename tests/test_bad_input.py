@@ -4,9 +4,11 @@ be), the message names the problem and the fix, and nothing already written is l
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import with_sections
 
 import tidyrl
@@ -45,9 +47,117 @@ def snapshot(folder: Path) -> dict:
 
 def test_a_model_path_that_does_not_exist(tmp_path, prompt_file, earlier_run):
     out, before = earlier_run
-    with pytest.raises(RuntimeError, match=r"model='/nowhere/model' cannot be loaded.*Set `model`"):
+    with pytest.raises(RuntimeError, match=r"model='/nowhere/model': no such folder or hub id"):
         tidyrl.train(config("/nowhere/model", prompt_file, out, overwrite=True))
     assert snapshot(out) == before
+
+
+ANAGRAM = [{"function": "tidyrl.demo:anagram_reward"}]
+"""A reward function a YAML file can name (the callables above cannot be written to one)."""
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """As on a machine that cannot reach the hub (this one, CI's, or HF_HUB_OFFLINE=1): decided once, no retry."""
+    from tidyrl.loops import common
+
+    monkeypatch.setattr(common, "hub_reachable", lambda: False)
+
+
+def test_a_mistyped_hub_id_fails_at_once_when_offline(tiny_model_dir, prompt_file, tmp_path, offline, capsys):
+    """It took ~25 s of hub retries before: each model key fails in well under a second of checking, naming
+    the key, before any weights load or any file is written."""
+    import time
+
+    from tidyrl.cli import main
+    from tidyrl.tiny import save_tiny_reward_model
+
+    rm = save_tiny_reward_model(tmp_path / "rm", seed=1)
+    cases = {
+        "model": config("nosuch/model-id", prompt_file, tmp_path / "a"),
+        "tokenizer": {**config(tiny_model_dir, prompt_file, tmp_path / "b"), "tokenizer": "nosuch/tok"},
+        "rewards[0].model": config(tiny_model_dir, prompt_file, tmp_path / "c", rewards=[{"model": "nosuch/rm"}]),
+        "critic.model": config(tiny_model_dir, prompt_file, tmp_path / "d", algorithm="ppo",
+                               rewards=[{"model": str(rm)}], critic={"model": "nosuch/critic"}),
+    }
+    for key, cfg in cases.items():
+        start = time.perf_counter()
+        with pytest.raises(RuntimeError, match=rf"{re.escape(key)}='nosuch/\w+(-id)?': no such folder or hub id .*"
+                                               r"not in the local cache"):
+            tidyrl.train(cfg)
+        assert time.perf_counter() - start < 5, key
+        assert not Path(cfg["output_dir"]).exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config("nosuch/model-id", prompt_file, tmp_path / "e", rewards=ANAGRAM)))
+    assert main(["plan", str(bad)]) == 2
+    assert "model='nosuch/model-id': no such folder or hub id" in capsys.readouterr().err
+
+
+def test_hub_reachable_is_false_offline(monkeypatch):
+    from huggingface_hub import constants
+
+    from tidyrl.loops.common import hub_reachable
+
+    hub_reachable.cache_clear()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hub_reachable() is False
+    hub_reachable.cache_clear()
+
+
+def test_prompt_and_completion_must_fit_the_context_before_anything_loads(tiny_model_dir, prompt_file, tmp_path,
+                                                                         capsys):
+    """The tiny model's context is 256 positions: max_new_tokens that leave no room, or an explicit
+    max_prompt_length that overflows with them, are refused by `tidyrl plan` and `train` alike."""
+    from tidyrl.cli import main
+    from tidyrl.config import ConfigError
+
+    overflows = {
+        "rollout.max_new_tokens=256": "rollout.max_new_tokens=256 leaves no room for a prompt in the model's "
+                                      "context of 256 tokens",
+        "data.max_prompt_length=20 rollout.max_new_tokens=250":
+            "data.max_prompt_length=20 + rollout.max_new_tokens=250 = 270 tokens overflow the model's context "
+            "of 256 (max_position_embeddings); lower one of them (e.g. data.max_prompt_length=6)",
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config(tiny_model_dir, prompt_file, tmp_path / "out", rewards=ANAGRAM)))
+    for overrides, message in overflows.items():
+        with pytest.raises(ConfigError) as err:
+            tidyrl.train(path, overrides.split())
+        assert message in str(err.value)
+        assert main(["plan", str(path), *overrides.split()]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def needs_answer(completions, answer):
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def test_plan_checks_the_rewards_before_train_would(tiny_model_dir, prompt_file, tmp_path, capsys):
+    """`tidyrl plan` runs the checks `train` makes before loading weights: a reward function that does not
+    import, a reward model that does not exist, a column a reward function needs that the data lacks."""
+    from tidyrl.cli import main
+
+    cases = {
+        "tidyrl.nosuch:fn": "rewards[0].function",
+        f"{Path(__file__).resolve()}:nosuch_function": "nosuch_function",
+        f"{Path(__file__).resolve()}:needs_answer": "reward function 'needs_answer' requires argument(s) ['answer'], "
+                                                    "which are neither prompts, completions, completion_ids nor "
+                                                    "columns of data.path (columns: ['word'])",
+    }
+    for spec, message in cases.items():
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(config(tiny_model_dir, prompt_file, tmp_path / "out",
+                                              rewards=[{"function": spec}])))
+        assert main(["plan", str(path)]) == 2, spec
+        assert message in capsys.readouterr().err, spec
+    path.write_text(yaml.safe_dump(config(tiny_model_dir, prompt_file, tmp_path / "out",
+                                          rewards=[{"model": str(tmp_path / "no-rm")}])))
+    assert main(["plan", str(path)]) == 2
+    assert f"rewards[0].model='{tmp_path / 'no-rm'}': no such folder or hub id" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump(config(tiny_model_dir, prompt_file, tmp_path / "out", rewards=ANAGRAM)))
+    assert main(["plan", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["total_optimizer_steps"] == 6
 
 
 def test_a_data_path_that_does_not_exist(tmp_path, tiny_model_dir, earlier_run):

@@ -94,7 +94,7 @@ def test_help_lists_the_stages_and_points_to_the_reference(argv, capsys):
     assert "docs/config-reference.md" in text
 
 
-def test_concepts_page_shows_what_tidyrl_plan_prints_for_its_worked_example(tmp_path, capsys):
+def test_concepts_page_shows_what_tidyrl_plan_prints_for_its_worked_example(tmp_path, capsys, tiny_model_dir):
     """The JSON on docs/concepts.md is the real `tidyrl plan` output of the page's worked example."""
     import json
 
@@ -104,9 +104,10 @@ def test_concepts_page_shows_what_tidyrl_plan_prints_for_its_worked_example(tmp_
     shown = json.loads(re.search(r"```json\n(.*?)```", page, flags=re.S).group(1))
     example = yaml.safe_load(re.search(r"```yaml\n(rollout:.*?)```", page, flags=re.S).group(1))
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(100)))  # N = 100
+    prompts.write_text("".join(json.dumps({"prompt": f"q{i}", "word": "fig"}) + "\n" for i in range(100)))  # N = 100
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"model": "m", "data": {"path": str(prompts)},
-                                      "rewards": [{"function": "a:b"}], **example}))
+    # `tidyrl plan` checks what `train` would before loading weights: a real model folder and reward function.
+    config.write_text(yaml.safe_dump({"model": str(tiny_model_dir), "data": {"path": str(prompts)},
+                                      "rewards": [{"function": "tidyrl.demo:anagram_reward"}], **example}))
     assert main(["plan", str(config)]) == 0
     assert json.loads(capsys.readouterr().out) == shown

@@ -246,9 +246,11 @@ def test_build_names_the_entry_in_errors(tmp_path):
         build_reward_functions([RewardConfig(function=lambda completions: []), RewardConfig(function="nocolon")])
 
 
-def test_build_names_a_reward_model_that_does_not_load():
-    with pytest.raises(RuntimeError, match=r"^rewards\[0\]\.model='path/to/rm' does not load"):
+def test_build_names_a_reward_model_that_does_not_load(tmp_path):
+    with pytest.raises(RuntimeError, match=r"^rewards\[0\]\.model='path/to/rm': no such folder or hub id"):
         build_reward_functions([RewardConfig(model="path/to/rm")])
+    with pytest.raises(RuntimeError, match=rf"^rewards\[0\]\.model='{tmp_path}' does not load"):  # no config.json
+        build_reward_functions([RewardConfig(model=str(tmp_path))])
 
 
 def test_build_rejects_empty_entry_and_bad_weight():

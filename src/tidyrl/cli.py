@@ -124,33 +124,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             from tidyrl.config import OFFLINE_ALGORITHMS, load_config
-            from tidyrl.data import load_prompt_dataset
             from tidyrl.plan import plan_from_config
 
             cfg = load_config(args.config, args.overrides)
             if cfg.algorithm in OFFLINE_ALGORITHMS:  # rows of examples/pairs (packed rows with sft.packing)
+                from tidyrl.loops.common import load_model_config
                 from tidyrl.offline_data import count_offline_examples
 
+                load_model_config(cfg.model)  # the policy exists (at once, offline too)
                 plan = plan_from_config(cfg, count_offline_examples(cfg), args.num_processes)
                 print(json.dumps(plan.to_dict(), indent=2))
                 return 0
-            dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
-            if cfg.data.overlong_prompts == "skip":  # N is the prompts kept: needs the tokenizer, not the model
-                from tidyrl.loops.common import load_model_config, load_tokenizer
-                from tidyrl.loops.rl import encode_prompt_set
+            from tidyrl.config import config_base_dir
+            from tidyrl.loops.rl import check_rl_inputs
 
-                tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-                dataset, _, report = encode_prompt_set(cfg, dataset, tokenizer, load_model_config(cfg.model))
-                if report:
-                    print(f"tidyrl: {report}", file=sys.stderr)
-            num_prompts = len(dataset)
-            plan = plan_from_config(cfg, num_prompts, args.num_processes).to_dict()
-            if cfg.algorithm == "ppo":  # which model the critic starts from (tokenizer files only, no weights)
-                from tidyrl.loops.common import load_tokenizer
-                from tidyrl.loops.rl import choose_critic
-
-                path, why = choose_critic(cfg, load_tokenizer(cfg.tokenizer or cfg.model).get_vocab())
-                plan.update(critic_model=path, critic_model_reason=why)
+            # The checks `train` makes before loading weights, the same function (tokenizer and data files only).
+            inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes)
+            if inputs.report:
+                print(f"tidyrl: {inputs.report}", file=sys.stderr)
+            plan = {**inputs.plan.to_dict(), **(inputs.critic or {})}
             print(json.dumps(plan, indent=2))
         elif args.command == "train":
             from tidyrl.api import train

@@ -38,6 +38,9 @@ class RewardModel:
         problem = adapter_folder_problem(path, key, "a reward model")
         if problem:
             raise RewardModelError(problem)
+        from tidyrl.loops.common import check_model_source
+
+        check_model_source(path, key)
         try:
             self.config = AutoConfig.from_pretrained(path)
             self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -298,6 +298,19 @@ def compute_rewards(
     return RewardResult(total=total, per_function=per_function)
 
 
+def check_reward_columns(funcs: list[RewardFunction], columns: list[str]) -> None:
+    """Before any weights load: every argument a reward function needs (no default) is one it will be offered,
+    a standard argument or a column of the prompt data. (Functions taking **kwargs name nothing to check.)"""
+    for func in funcs:
+        missing = sorted(func.required - set(ARGUMENTS) - set(columns))
+        if missing:
+            raise RewardError(
+                f"reward function {func.name!r} requires argument(s) {missing}, which are neither "
+                f"{', '.join(ARGUMENTS)} nor columns of data.path (columns: {columns}). "
+                "Add the column to the prompt data or give the argument a default."
+            )
+
+
 def _kwargs_for(func: RewardFunction, offered: dict[str, list]) -> dict[str, list]:
     """The keyword arguments `func` accepts: all of them with **kwargs, else only those it names."""
     # Fresh lists per function: one function mutating its inputs cannot change another's.

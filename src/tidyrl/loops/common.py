@@ -3,8 +3,10 @@ LR schedule, and saving a Hugging Face folder. Each loop stays explicit; these a
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,12 +127,59 @@ def torch_dtype(name: str):
     return "auto" if name == "auto" else getattr(torch, name)
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+"""What a Hugging Face hub id looks like: `name` or `owner/name`."""
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable() -> bool:
+    """Whether the Hugging Face hub (HF_ENDPOINT) accepts a connection: asked once per process, 3 s at most.
+    Offline (HF_HUB_OFFLINE) counts as unreachable. Without this, a missing id costs ~25 s of hub retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+    except OSError:
+        return False
+    return True
+
+
+def check_model_source(path: str, key: str) -> None:
+    """Fail at once, before any download or retry, when `path` names neither a folder nor a hub id this machine
+    can read: a path that does not exist, a string that is no hub id, or an id that is not in the local hub
+    cache while the hub cannot be reached (offline). A reachable hub answers for the rest itself (quickly)."""
+    if os.path.exists(os.path.expanduser(path)):
+        return
+    where = f"no folder {path!r} (relative to {os.getcwd()})"
+    if not _HUB_ID.fullmatch(path) or path.startswith("."):
+        raise ModelLoadError(f"{key}={path!r}: no such folder or hub id ({where}, and it is not a hub id). "
+                             "Check the spelling, or give the path of a Hugging Face model folder.")
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if any(isinstance(try_to_load_from_cache(path, name), str) for name in ("config.json", "tokenizer_config.json")):
+        return  # in the local hub cache
+    if not hub_reachable():
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{constants.ENDPOINT} cannot be reached"
+        raise ModelLoadError(
+            f"{key}={path!r}: no such folder or hub id ({where}; as a hub id it is not in the local cache "
+            f"{constants.HF_HUB_CACHE}, and {why}). Check the spelling, give the path of a model folder, or "
+            "download the model on a machine with access to the hub first."
+        )
+
+
 def load_tokenizer(path: str, key: str = "tokenizer"):
     """`AutoTokenizer.from_pretrained(path)`, with an error that names the config key."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    check_model_source(path, key)
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
@@ -140,7 +189,7 @@ def load_tokenizer(path: str, key: str = "tokenizer"):
         ) from None
 
 
-def load_model_config(path: str):
+def load_model_config(path: str, key: str = "model"):
     """The model's config (no weights): checks early that `model` names a local folder or a hub id. For a LoRA
     adapter folder (a LoRA run's final/ or checkpoint-N/), its base model's config."""
     from transformers import AutoConfig
@@ -148,14 +197,15 @@ def load_model_config(path: str):
     from tidyrl.lora import adapter_base, is_adapter_folder
 
     if is_adapter_folder(path):
-        return load_model_config(adapter_base(path))
+        return load_model_config(adapter_base(path), key)
+    check_model_source(path, key)
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
         where = "a local folder" if os.path.exists(path) else \
             f"not a folder (no such path relative to {os.getcwd()}) and not a hub id this machine can reach"
         raise ModelLoadError(
-            f"model={path!r} cannot be loaded: it is {where}. Set `model` to a Hugging Face model folder "
+            f"{key}={path!r} cannot be loaded: it is {where}. Set `{key}` to a Hugging Face model folder "
             f"(with config.json) or a hub id. ({type(err).__name__}: {str(err).splitlines()[0]})"
         ) from None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,20 +40,71 @@ def encode_prompt_set(cfg: Config, dataset, tokenizer, model_config):
     Returns (the dataset of the prompts kept, their token ids, a one-line report or "")."""
     from tidyrl.data import encode_prompts, fit_prompts
 
-    encoded = encode_prompts(dataset[cfg.data.prompt_column], tokenizer)
+    from tidyrl.config import ConfigError
+
     limit = cfg.data.max_prompt_length
     context = getattr(model_config, "max_position_embeddings", None)
+    new = cfg.rollout.max_new_tokens
+    # A prompt and its completion must fit the model's context: beyond it, models with learned positions fail
+    # mid-run and rotary ones read positions they were never trained on. Checked before anything is encoded.
+    if context is not None and limit is None and new >= context:
+        raise ConfigError([f"rollout.max_new_tokens={new} leaves no room for a prompt in the model's context of "
+                           f"{context} tokens (max_position_embeddings); lower rollout.max_new_tokens."])
+    if context is not None and limit is not None and limit + new > context:
+        raise ConfigError([f"data.max_prompt_length={limit} + rollout.max_new_tokens={new} = {limit + new} tokens "
+                           f"overflow the model's context of {context} (max_position_embeddings); lower one of them "
+                           f"(e.g. data.max_prompt_length={max(context - new, 0)}) or leave data.max_prompt_length "
+                           "unset (then it is the context minus max_new_tokens)."])
+    encoded = encode_prompts(dataset[cfg.data.prompt_column], tokenizer)
     if limit is None and context is not None:
-        limit = context - cfg.rollout.max_new_tokens
-        if limit < 1:
-            raise ValueError(
-                f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
-                f"model's context of {context} tokens; lower rollout.max_new_tokens."
-            )
+        limit = context - new
     if limit is None:
         return dataset, encoded, ""
     kept, encoded, report = fit_prompts(encoded, limit, cfg.data.overlong_prompts)
     return (dataset if len(kept) == len(dataset) else dataset.select(kept)), encoded, report
+
+
+@dataclass
+class RLInputs:
+    """What `check_rl_inputs` read and checked, for the run to use."""
+
+    tokenizer: Any
+    dataset: Any
+    """The prompts kept (data.overlong_prompts)."""
+    prompt_ids: list
+    """Their token ids."""
+    report: str
+    """A line on overlong prompts, or ""."""
+    plan: Any
+    columns: list
+    """The data columns offered to reward functions."""
+    reward_fns: list
+    critic: Optional[dict]
+    """PPO: {"critic_model": path, "critic_model_reason": why}."""
+
+
+def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RLInputs:
+    """Everything an RL run can check before any weights load, in order: the policy and tokenizer exist (at once,
+    offline too), the data file reads, every prompt fits the context with max_new_tokens, the plan's sizes
+    divide, the reward functions import, the reward models exist, every argument a reward function needs is a
+    data column, and PPO's critic can read the policy's tokens. `tidyrl plan` runs the same checks, so a plan
+    that prints is a run that starts."""
+    from tidyrl.data import load_prompt_dataset, other_columns
+    from tidyrl.rewards import build_reward_functions, check_reward_columns
+
+    model_config = load_model_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
+    dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
+    dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config)
+    plan = plan_from_config(cfg, len(dataset), world_size)
+    columns = other_columns(dataset, cfg.data.prompt_column)
+    reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir, forward_batch_size=cfg.rollout.forward_batch_size)
+    check_reward_columns(reward_fns, columns)
+    critic = None
+    if cfg.algorithm == "ppo":
+        path, why = choose_critic(cfg, tokenizer.get_vocab())
+        critic = {"critic_model": path, "critic_model_reason": why}
+    return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic)
 
 
 class TrainingInterrupted(RuntimeError):
@@ -77,7 +129,7 @@ def choose_critic(cfg: Config, policy_vocab: dict) -> tuple[str, str]:
             return None  # a folder without tokenizer files: trust it
 
     def usable(path, key):
-        load_model_config(path)  # exists and loads
+        load_model_config(path, key)  # exists and loads
         problem = adapter_folder_problem(path, key, "a critic")
         if problem:
             raise ModelLoadError(problem)
@@ -98,6 +150,9 @@ def choose_critic(cfg: Config, policy_vocab: dict) -> tuple[str, str]:
             if usable(reward.model, "critic.model (default: the first reward model of the policy's vocabulary)"):
                 return reward.model, "the first reward model sharing the policy's vocabulary"
             passed_over.append(reward.model)
+    problem = adapter_folder_problem(cfg.model, "critic.model (default: the policy)", "a critic")
+    if problem:
+        raise ModelLoadError(problem)
     if passed_over:
         return cfg.model, (f"the policy: the reward model{'s' if len(passed_over) > 1 else ''} "
                            f"{', '.join(passed_over)} read{'' if len(passed_over) > 1 else 's'} another vocabulary")
@@ -112,9 +167,8 @@ class _RLRun:
 
         from tidyrl.checkpoint import CheckpointError, find_checkpoint, load_trainer_state, refused_changes
         from tidyrl.config import config_to_dict
-        from tidyrl.data import PromptStream, load_prompt_dataset, other_columns
+        from tidyrl.data import PromptStream
         from tidyrl.reward_model import RunningMoments
-        from tidyrl.rewards import build_reward_functions
 
         self.cfg = cfg
         self.algo = algorithm_section(cfg)  # cfg.grpo, cfg.rloo, cfg.ppo or cfg.reinforce_pp
@@ -141,33 +195,24 @@ class _RLRun:
                     "Only memory knobs (micro/generation/forward batch sizes, gradient checkpointing) and the "
                     "saving cadence may change on resume."
                 )
-        model_config = load_model_config(cfg.model)
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
-        self.dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
-        self.dataset, self.prompt_ids, report = encode_prompt_set(cfg, self.dataset, self.tokenizer, model_config)
-        if report and self.is_main:
-            print(f"tidyrl: {report}", flush=True)
-        self.plan = plan_from_config(cfg, len(self.dataset), self.world_size)
-        self.columns = other_columns(self.dataset, cfg.data.prompt_column)
-        self.reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir,
-                                                 forward_batch_size=cfg.rollout.forward_batch_size)
+        inputs = check_rl_inputs(cfg, base_dir, self.world_size)
+        self.tokenizer, self.dataset, self.prompt_ids = inputs.tokenizer, inputs.dataset, inputs.prompt_ids
+        self.plan, self.columns, self.reward_fns = inputs.plan, inputs.columns, inputs.reward_fns
+        if inputs.report and self.is_main:
+            print(f"tidyrl: {inputs.report}", flush=True)
         # rewards[i].normalize: running moments of that reward's scores over the whole run (global batch).
         self.reward_moments = {f.name: RunningMoments() for f, c in zip(self.reward_fns, cfg.rewards) if c.normalize}
         self.stream = PromptStream(len(self.dataset), cfg.seed)
-        self.critic_choice = None  # PPO: {"critic_model": path, "critic_model_reason": why}, for plan.json
-        self.critic_path = self._critic_path() if cfg.algorithm == "ppo" else None
+        self.critic_choice = inputs.critic  # PPO: {"critic_model": path, "critic_model_reason": why}, for plan.json
+        self.critic_path = inputs.critic["critic_model"] if inputs.critic else None
+        if inputs.critic and self.is_main:
+            print(f"tidyrl: critic initialised from {inputs.critic['critic_model']} "
+                  f"({inputs.critic['critic_model_reason']})", flush=True)
         if self.resumed is None:
             prepare_output_dir(self.out, cfg.overwrite, self.accelerator)
         torch.manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ setup
-    def _critic_path(self) -> str:
-        path, why = choose_critic(self.cfg, self.tokenizer.get_vocab())
-        if self.is_main:
-            print(f"tidyrl: critic initialised from {path} ({why})", flush=True)
-        self.critic_choice = {"critic_model": path, "critic_model_reason": why}
-        return path
-
     def _load_models(self) -> None:
         from tidyrl.reward_model import RewardModel
         from tidyrl.rollout import eos_token_ids, pad_token_id
