@@ -165,11 +165,37 @@ def test_folder_that_is_not_a_saved_dataset(tmp_path):
         load_prompt_dataset(str(tmp_path))
 
 
-def test_malformed_jsonl(tmp_path):
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": "a"}\n\n{not json\n', "line 3: not valid JSON (Expecting property name enclosed in double quotes "
+                                          "at column 2): '{not json'. Each line of a .jsonl file must be one JSON object"),
+    (b'{"prompt": "a"}\n{"prompt": "b"', "line 2: not valid JSON (Expecting ',' delimiter at column 15)"),  # cut short
+    (b'{"prompt": "a"}\n["b"]\n', "line 2: a JSON list, not an object: '[\"b\"]'"),
+    (b'{"prompt": "caf\xe9"}\n', "line 1: byte 0xe9 at column 16 is not UTF-8 text; save the file as UTF-8"),
+    (b"\n  \n", "holds no rows"),
+])
+def test_a_bad_jsonl_file_is_named_with_its_line(tmp_path, content, message):
+    """Bad data fails before any model loads, naming the file and the line (1-based): corrupt or cut-short
+    lines, a line that is not an object, bytes that are not UTF-8, an empty file, a column of mixed types.
+    The SFT and preference loaders read files through the same code (tests/test_sft.py, test_dpo.py)."""
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "a"}\n{not json\n')
-    with pytest.raises(DataError, match="could not be read as jsonl"):
+    path.write_bytes(content)
+    with pytest.raises(DataError) as info:
         load_prompt_dataset(str(path))
+    assert f"data.path = {str(path)!r}" in str(info.value)
+    assert message in str(info.value)
+
+
+def test_a_column_of_mixed_types_loads_as_written_or_is_named_with_its_lines(tmp_path):
+    """Newer datasets (5.2 here) keep a column whose lines hold several JSON types as they are (a Json feature);
+    datasets 3 cannot build such a column: then the error names the column and both lines."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": "two"}])
+    try:
+        dataset = load_prompt_dataset(str(path))
+    except DataError as err:
+        assert "could not be read as jsonl: column 'answer' holds a str on line 2 but a number on line 1; a " \
+               "column must hold one type on every line (null for a missing value)" in str(err)
+    else:
+        assert dataset["answer"] == [1, "two"]
 
 
 def test_missing_prompt_column_lists_columns(tmp_path):
@@ -197,7 +223,7 @@ def test_invalid_prompt_names_the_row(tmp_path, bad, why):
     with pytest.raises(DataError) as info:
         load_prompt_dataset(write_jsonl(tmp_path / "p.jsonl", rows))
     message = str(info.value)
-    assert "row 2 (0-based)" in message
+    assert "p.jsonl', line 3 (row 2, 0-based)" in message
     assert "data.prompt_column = 'prompt'" in message
     assert why in message
     assert "must be a non-empty string, or a non-empty list of chat messages" in message

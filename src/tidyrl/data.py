@@ -17,6 +17,7 @@ positions [i*P, (i+1)*P), so no prompt is skipped at an epoch boundary.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,13 @@ def load_prompt_dataset(path: str, prompt_column: str = "prompt", split: str = "
     Every row is checked: the prompt must be a non-empty string or a non-empty
     list of `{"role", "content"}` messages. Problems raise `DataError`.
     """
+    if _is_jsonl_file(path):
+        # Checked on the lines themselves, before `datasets` reads them: the error names the line (and on
+        # datasets 3, a column mixing types would fail inside Arrow before any row could be named).
+        for index, (line, row) in enumerate(read_jsonl_rows(path)):
+            if prompt_column in row:
+                _raise_on_bad_prompt(os.path.expanduser(str(path)), f"line {line} (row {index}, 0-based)",
+                                     row[prompt_column], prompt_column)
     dataset = load_table(path, split)
     path = os.path.expanduser(str(path))
     if prompt_column not in dataset.column_names:
@@ -55,15 +63,75 @@ def load_prompt_dataset(path: str, prompt_column: str = "prompt", split: str = "
             f"the columns present are {dataset.column_names}. Set data.prompt_column to one of them."
         )
     for index, prompt in enumerate(dataset[prompt_column]):
-        problem = _prompt_problem(prompt)
-        if problem is not None:
-            raise DataError(
-                f"data.path = {path!r}, row {index} (0-based): the prompt column "
-                f"(data.prompt_column = {prompt_column!r}) holds {_short(prompt)}, which {problem}. "
-                'Each prompt must be a non-empty string, or a non-empty list of chat messages like '
-                '[{"role": "user", "content": "..."}].'
-            )
+        _raise_on_bad_prompt(path, f"row {index} (0-based)", prompt, prompt_column)
     return dataset
+
+
+def _raise_on_bad_prompt(path: str, place: str, prompt: Any, prompt_column: str) -> None:
+    problem = _prompt_problem(prompt)
+    if problem is not None:
+        raise DataError(
+            f"data.path = {path!r}, {place}: the prompt column "
+            f"(data.prompt_column = {prompt_column!r}) holds {_short(prompt)}, which {problem}. "
+            'Each prompt must be a non-empty string, or a non-empty list of chat messages like '
+            '[{"role": "user", "content": "..."}].'
+        )
+
+
+def _is_jsonl_file(path) -> bool:
+    path = os.path.expanduser(str(path or ""))
+    return os.path.isfile(path) and os.path.splitext(path)[1].lower() == ".jsonl"
+
+
+def read_jsonl_rows(path: str) -> list[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a JSON Lines file. A line that is not UTF-8 text, not
+    JSON, or JSON but not an object raises `DataError` naming the file and the line (1-based)."""
+    path = os.path.expanduser(str(path))
+    rows = []
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"data.path = {path!r}, line {number}: byte {raw[err.start]:#04x} at column {err.start + 1} "
+                    "is not UTF-8 text; save the file as UTF-8 (JSON Lines files are UTF-8)."
+                ) from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise DataError(
+                    f"data.path = {path!r}, line {number}: not valid JSON ({err.msg} at column {err.colno}): "
+                    f"{_short(text.strip())}. Each line of a .jsonl file must be one JSON object."
+                ) from None
+            if not isinstance(row, dict):
+                raise DataError(
+                    f"data.path = {path!r}, line {number}: a JSON {type(row).__name__}, not an object: "
+                    f"{_short(text.strip())}. Each line of a .jsonl file must be one JSON object, e.g. "
+                    '{"prompt": "..."}.'
+                )
+            rows.append((number, row))
+    return rows
+
+
+def _mixed_column(rows: list[tuple[int, dict]]) -> str | None:
+    """The first column whose values have two JSON types on two lines (null aside; ints and floats are one
+    type), said with both line numbers: what `datasets` cannot turn into one Arrow column."""
+    def kind(value):
+        return "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
+
+    first: dict[str, tuple[str, int]] = {}
+    for number, row in rows:
+        for column, value in row.items():
+            if value is None:
+                continue
+            seen = first.setdefault(column, (kind(value), number))
+            if seen[0] != kind(value):
+                return (f"column {column!r} holds a {kind(value)} on line {number} but a {seen[0]} on line "
+                        f"{seen[1]}; a column must hold one type on every line (null for a missing value)")
+    return None
 
 
 def load_table(path: str, split: str = "train") -> "datasets.Dataset":
@@ -105,6 +173,9 @@ def _load_file(path: str) -> "datasets.Dataset":
         )
     # keep_in_memory + a throw-away cache_dir: the Arrow cache the builder writes
     # goes to a temporary folder that is deleted at once, not to ~/.cache.
+    rows = read_jsonl_rows(path) if extension == ".jsonl" else None  # names a bad line before datasets reads it
+    if rows == []:
+        raise DataError(_EMPTY.format(path=path))
     with tempfile.TemporaryDirectory(prefix="tidyrl-data-", ignore_cleanup_errors=True) as cache_dir:
         try:
             return datasets.load_dataset(
@@ -117,6 +188,9 @@ def _load_file(path: str) -> "datasets.Dataset":
         except Exception as error:  # the builders raise many types; name the file and the cause
             if _file_has_no_rows(path, extension):  # datasets cannot build an empty split
                 raise DataError(_EMPTY.format(path=path)) from error
+            mixed = _mixed_column(rows) if rows else None
+            if mixed:
+                raise DataError(f"data.path = {path!r} could not be read as jsonl: {mixed}.") from error
             raise DataError(
                 f"data.path = {path!r} could not be read as {extension[1:]}: {type(error).__name__}: {error}. "
                 "Check that the file is valid (one JSON object per line for .jsonl)."
