@@ -122,3 +122,15 @@ def test_two_processes_with_torchrun_match_one_process(yaml_run, tmp_path):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6)
     w1, w2 = (load_file(outs[w] / "final" / "model.safetensors") for w in (1, 2))
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-6
+
+
+def test_the_demo_prints_one_summary(tmp_path, capsys):
+    """The demo printed its own reward summary (first/last 5 rollouts) under the run's (first/last rollout):
+    two numbers for one quantity. Now the run's summary is the only one, and the demo adds examples."""
+    from tidyrl.demo import run_demo
+
+    run_demo(tmp_path / "demo", ("train.rollouts=3", "log.progress_bar=false"))
+    out = capsys.readouterr().out
+    assert out.count("reward_mean") == 1 and "mean reward" not in out  # one line says what the reward did
+    assert out.count("written to") == 1 and out.count("optimizer steps") == 1
+    assert "  examples: rollout 1 '" in out and "rollout 3 '" in out
