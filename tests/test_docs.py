@@ -111,3 +111,37 @@ def test_concepts_page_shows_what_tidyrl_plan_prints_for_its_worked_example(tmp_
                                       "rewards": [{"function": "tidyrl.demo:anagram_reward"}], **example}))
     assert main(["plan", str(config)]) == 0
     assert json.loads(capsys.readouterr().out) == shown
+
+
+def test_the_quickstart_files_and_plan_commands_do_what_the_page_says(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """The quickstart's prompt file, reward function and config, written as the page shows them (the model
+    pointed at a local tiny one): every `tidyrl plan` line of section 4 succeeds or is refused as its comment
+    says, and the accepted ones print the same totals."""
+    import json
+    import shlex
+
+    import yaml
+
+    page = (ROOT / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    (tmp_path / "prompts.jsonl").write_text(re.search(r"```jsonl\n(.*?)```", page, flags=re.S).group(1))
+    (tmp_path / "my_rewards.py").write_text(re.search(r"```python\n(# my_rewards.py.*?)```", page, flags=re.S).group(1))
+    config = yaml.safe_load(re.search(r"```yaml\n(# grpo.yaml.*?)```", page, flags=re.S).group(1))
+    config.update(model=str(tiny_model_dir), output_dir=str(tmp_path / "run"))
+    config["log"].pop("report_to")
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)  # where a user runs the commands, beside the files
+    section = page.split("## 4.")[1].split("## 5.")[0]
+    lines = [line for line in re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1).splitlines() if line]
+    assert len(lines) == 3
+    totals = []
+    for line in lines:
+        command, _, comment = line.partition("#")
+        args = shlex.split(command)[1:]
+        code = main(args)
+        out, err = capsys.readouterr()
+        if "refused" in comment:
+            assert code == 2 and "does not divide" in err, line
+        else:
+            assert code == 0, (line, err)
+            totals.append({k: v for k, v in json.loads(out).items() if k.startswith("total")})
+    assert len(totals) == 2 and totals[0] == totals[1]
