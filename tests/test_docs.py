@@ -145,3 +145,4 @@ def test_the_quickstart_files_and_plan_commands_do_what_the_page_says(tmp_path, 
             assert code == 0, (line, err)
             totals.append({k: v for k, v in json.loads(out).items() if k.startswith("total")})
     assert len(totals) == 2 and totals[0] == totals[1]
+
