@@ -265,3 +265,25 @@ def test_log_every_counts_optimizer_steps_and_keeps_the_last(tiny_model_dir, pro
                                     "micro_batch_size": 8},
                              log={"log_every": 4, "progress_bar": False}))
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [4, 6]  # 3 rollouts * 2 steps = 6
+
+
+def test_sample_episodes_show_different_prompts_first():
+    from tidyrl.metrics import sample_episodes
+
+    # 3 prompts x 4 samples, prompt-major: prompt p's samples are episodes 4p .. 4p+3.
+    assert sample_episodes(3, 4, 2) == [0, 4]  # sample 0 of prompts 0 and 1 (was [0, 1]: one prompt twice)
+    assert sample_episodes(3, 4, 5) == [0, 4, 8, 1, 5]  # then second samples
+    assert sample_episodes(3, 4, 20) == sorted(range(12), key=lambda e: (e % 4, e // 4))  # all 12, capped
+    assert sample_episodes(3, 4, 0) == []
+
+
+def test_samples_jsonl_shows_different_prompts(tiny_model_dir, prompt_file, tmp_path):
+    out = tmp_path / "run"
+    tidyrl.train(base_config(tiny_model_dir, prompt_file, out, train={"rollouts": 2, "epochs_per_rollout": 1},
+                             log={"samples_per_rollout": 6, "progress_bar": False}))
+    rows = read_jsonl(out / "samples.jsonl")
+    assert len(rows) == 12
+    for r in (1, 2):
+        shown = [row for row in rows if row["rollout"] == r]
+        assert len({row["prompt"] for row in shown[:4]}) == 4  # P = 4 prompts, one sample of each first
+        assert [row["sample"] for row in shown] == [0, 0, 0, 0, 1, 1]

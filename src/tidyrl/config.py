@@ -143,7 +143,8 @@ class LogConfig:
     keep_last: int = 2
     """Number of checkpoints to keep."""
     samples_per_rollout: int = 2
-    """Episodes of each rollout written to samples.jsonl."""
+    """Episodes of each rollout written to samples.jsonl: one of each of the rollout's first prompts (then second
+    samples, ...)."""
     progress_bar: bool = True
     """Show a progress bar (total = total optimizer steps)."""
     report_to: list[str] = field(default_factory=list)

@@ -164,6 +164,15 @@ class RunLogger:
             tracker.close()
 
 
+def sample_episodes(prompts: int, samples_per_prompt: int, n: int) -> list[int]:
+    """The global episodes samples.jsonl shows for a rollout of `prompts` x `samples_per_prompt` episodes
+    (prompt-major: episode e is sample e % k of prompt e // k): the first sample of each prompt, then the
+    second of each, ..., the first `n` of that order. Different prompts first, and the same choice on any
+    number of processes (global indices)."""
+    order = [p * samples_per_prompt + s for s in range(samples_per_prompt) for p in range(prompts)]
+    return order[:n]
+
+
 def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[float],
                    last_reward: Optional[float], output_dir: Path, final_dir: Path,
                    tracker_locations: Optional[dict] = None) -> str:

@@ -418,6 +418,7 @@ class _RLRun:
         import torch
 
         from tidyrl.algorithms.losses import masked_mean
+        from tidyrl.metrics import sample_episodes
         from tidyrl.rewards import compute_rewards
         from tidyrl.rollout import Rollout, generate, left_pad, sample_seed, score_logprobs, score_values
 
@@ -503,10 +504,10 @@ class _RLRun:
         stats["time/generate_s"] = t_generate
         stats["time/reward_s"] = t_reward
         stats["time/score_s"] = t_score
-        # The first episodes of the *global* rollout, so samples.jsonl does not depend on W.
+        # One sample of each of the first prompts (then second samples...), by global index: the same on any W.
+        shown = sample_episodes(len(rollout) // k, k, cfg.log.samples_per_rollout)
         stats["_samples"] = [self._sample_row(rollout, e, prompt_rows[cfg.data.prompt_column][e // k], scores,
-                                              raw_per_fn) for e in range(min(cfg.log.samples_per_rollout, len(rollout)))
-                             ] if self.is_main else []
+                                              raw_per_fn) for e in shown] if self.is_main else []
         return rollout, stats
 
     def _sample_row(self, rollout, e: int, prompt, scores, raw_per_fn) -> dict:
@@ -519,6 +520,7 @@ class _RLRun:
         adv = rollout.advantages
         return {
             "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "sample": e % self.cfg.rollout.samples_per_prompt,  # which of the prompt's k completions
             "completion": self.tokenizer.decode(rollout.completion_ids[e, :n].tolist(), skip_special_tokens=True),
             "reward": float(scores[e]),
             "rewards": {name: None if math.isnan(float(v[e])) else float(v[e]) for name, v in raw_per_fn.items()},
