@@ -87,3 +87,39 @@ def test_eval_errors_name_what_is_missing(tiny_model_dir, prompt_file, tmp_path,
     assert "drop --config" in capsys.readouterr().err
     assert main(["eval", str(config), "rollout.max_new_tokns=3", "--output-dir", str(tmp_path / "e")]) == 2
     assert "rollout.max_new_tokens" in capsys.readouterr().err  # the suggestion for the mistyped key
+
+
+def test_an_evaluation_never_replaces_another(tiny_model_dir, prompt_file, tmp_path):
+    """Each call got eval-<model>/ and replaced the last one's files; now the next is eval-<model>-2, -3, and
+    an explicit --output-dir that holds an evaluation is refused."""
+    import shutil
+
+    from tidyrl.evaluate import EvalError, evaluate
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    common = dict(model=str(model), data=str(prompt_file), rewards=["tidyrl.demo:anagram_reward"], num_prompts=2,
+                  samples_per_prompt=1, quiet=True, overrides=["rollout.max_new_tokens=4"])
+    first, second = evaluate(seed=0, **common), evaluate(seed=1, **common)
+    assert (first.output_dir, second.output_dir) == (tmp_path / "eval-m", tmp_path / "eval-m-2")
+    assert json.loads((first.output_dir / "eval.json").read_text())["settings"]["seed"] == 0  # kept as it was
+    before = (first.output_dir / "eval.json").read_bytes()
+    with pytest.raises(EvalError, match="already holds an evaluation"):
+        evaluate(output_dir=first.output_dir, **common)
+    assert (first.output_dir / "eval.json").read_bytes() == before
+
+
+def test_eval_says_a_normalized_reward_is_reported_raw(tiny_model_dir, prompt_file, tmp_path, capsys):
+    """Training normalises a `normalize: true` reward with its run's moments; eval reports the raw scores and
+    says so (in eval.json and in print), so reward_mean is the weighted total of the raw means."""
+    from tidyrl.evaluate import evaluate
+
+    config = {"model": str(tiny_model_dir), "data": {"path": str(prompt_file)}, "train": {"rollouts": 1},
+              "rewards": [{"function": "tidyrl.demo:anagram_reward", "weight": 2.0, "normalize": True}]}
+    result = evaluate(config, num_prompts=4, samples_per_prompt=2, output_dir=tmp_path / "e",
+                      overrides=["rollout.max_new_tokens=4"])
+    summary = json.loads((tmp_path / "e" / "eval.json").read_text())
+    assert summary["normalize_not_applied"] == ["reward/anagram_reward"]
+    assert summary["reward_mean"] == pytest.approx(2.0 * summary["rewards"]["reward/anagram_reward"])
+    assert "note: reward/anagram_reward set normalize: true; eval scores are raw" in capsys.readouterr().out
+    assert result.summary == summary

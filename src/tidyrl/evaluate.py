@@ -17,8 +17,11 @@ What is evaluated:
   difference. `greedy` takes the most likely token at every step (top_k = 1) and one sample per prompt.
 - scores: the config's reward functions, raw per function and as the weighted total.
 
+- normalize: a reward with `normalize: true` is reported raw (see `normalize_not_applied` in eval.json).
+
 Writes eval.json (the means and the settings) and eval_samples.jsonl (every sample) into `output_dir`,
-by default a folder `eval-<model folder name>` beside the model (runs/my-run/eval-final).
+by default a folder `eval-<model folder name>` beside the model (runs/my-run/eval-final), numbered
+(eval-final-2, ...) when an earlier evaluation is there: none is ever replaced.
 """
 
 from __future__ import annotations
@@ -83,12 +86,20 @@ def resolve_eval_config(config=None, *, model: Optional[str] = None, data: Optio
 
 
 def default_output_dir(model: str) -> Path:
-    """eval-<name> beside a local model folder; eval/<hub id with / as -->> for a hub id."""
+    """eval-<name> beside a local model folder (eval/<hub id with / as --> for a hub id), or, when an earlier
+    evaluation is there, the first of eval-<name>-2, -3, ... that holds none: an evaluation never replaces
+    another (the earlier one may be of other prompts, settings or weights)."""
     path = Path(model).expanduser()
     if path.is_dir():
         path = path.resolve()
-        return path.parent / f"eval-{path.name}"
-    return Path("eval") / model.replace("/", "--")
+        base = path.parent / f"eval-{path.name}"
+    else:
+        base = Path("eval") / model.replace("/", "--")
+    candidate, n = base, 1
+    while (candidate / "eval.json").exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
 
 
 def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = None, rewards: Sequence = (),
@@ -113,6 +124,9 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     seed = cfg.seed if seed is None else seed
     top_k = 1 if greedy else ro.top_k
     out = Path(output_dir) if output_dir is not None else default_output_dir(cfg.model)
+    if output_dir is not None and (out / "eval.json").exists():
+        raise EvalError(f"--output-dir {out} already holds an evaluation (eval.json); choose another folder, or "
+                        "leave --output-dir out (then each evaluation gets its own eval-<model>[-N] folder).")
 
     # Cheap checks first (data, rewards, tokenizer, prompt lengths), then the weights.
     dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
@@ -173,6 +187,10 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
         "weights": {f"reward/{f.name}": f.weight for f in reward_fns},
         "completion_length_mean": sum(lengths) / len(lengths),
         "truncated_fraction": float(truncated.float().mean()),
+        # Training normalises a `normalize: true` reward with the moments of its own run, which a model folder
+        # does not carry; normalising on this evaluation's own scores would centre them at 0 for every model
+        # and hide the difference an evaluation is for. So eval reports raw scores, and says so.
+        "normalize_not_applied": [f"reward/{f.name}" for f, c in zip(reward_fns, cfg.rewards) if c.normalize],
         "settings": {"seed": seed, "greedy": greedy, "max_new_tokens": ro.max_new_tokens,
                      "min_new_tokens": ro.min_new_tokens, "temperature": ro.temperature, "top_p": ro.top_p,
                      "top_k": top_k, "prompt_column": cfg.data.prompt_column},
@@ -202,6 +220,10 @@ def format_eval(summary: dict, samples: list[dict], output_dir: Path) -> str:
     for name, value in summary["rewards"].items():
         shown = "n/a (scored no sample)" if value is None else f"{value:.4f}"
         lines.append(f"  {name}: {shown}  (weight {summary['weights'][name]:g})")
+    if summary.get("normalize_not_applied"):
+        lines.append(f"  note: {', '.join(summary['normalize_not_applied'])} set normalize: true; eval scores are raw "
+                     "(training normalises with its run's moments), so reward_mean is the weighted total of raw "
+                     "scores, not training's reward_mean")
     lines.append(f"  completion_length_mean: {summary['completion_length_mean']:.1f} tokens, "
                  f"truncated_fraction: {summary['truncated_fraction']:.3f}")
     for s in samples:
