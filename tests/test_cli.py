@@ -134,3 +134,31 @@ def test_the_demo_prints_one_summary(tmp_path, capsys):
     assert out.count("reward_mean") == 1 and "mean reward" not in out  # one line says what the reward did
     assert out.count("written to") == 1 and out.count("optimizer steps") == 1
     assert "  examples: rollout 1 '" in out and "rollout 3 '" in out
+
+
+def test_tidyrl_tiny_writes_model_folders_that_load_and_train(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    import tidyrl
+    from tidyrl.cli import main
+
+    assert main(["tiny", str(tmp_path / "policy"), "--seed", "3"]) == 0
+    assert main(["tiny", str(tmp_path / "rm"), "--reward-model"]) == 0
+    out = capsys.readouterr().out
+    assert f"use it as  model: {tmp_path / 'policy'}" in out and "rewards: [{model: " in out
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    assert policy.config.hidden_size == 64 and policy.config.num_hidden_layers == 2
+    assert AutoTokenizer.from_pretrained(tmp_path / "policy").chat_template
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").config.num_labels == 1
+    before = (tmp_path / "policy" / "model.safetensors").read_bytes()
+    assert main(["tiny", str(tmp_path / "policy")]) == 2  # never writes over a folder
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "policy" / "model.safetensors").read_bytes() == before
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in ["fig", "kiwi"]))
+    result = tidyrl.train({"model": str(tmp_path / "policy"), "output_dir": str(tmp_path / "run"),
+                           "data": {"path": str(prompts)}, "rewards": [{"model": str(tmp_path / "rm")}],
+                           "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 4},
+                           "train": {"rollouts": 1, "micro_batch_size": 4}, "log": {"progress_bar": False}})
+    assert result.plan.total_episodes == 4 and (result.final_dir / "model.safetensors").exists()

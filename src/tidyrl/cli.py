@@ -5,6 +5,7 @@
     tidyrl demo  [--output-dir DIR] [section.key=value ...]
     tidyrl eval  CONFIG.yaml|MODEL [section.key=value ...] [--model M] [--data D] [--reward SPEC] ...
     tidyrl plot  RUN_DIR [RUN_DIR ...] [--out DIR]
+    tidyrl tiny  OUT_DIR [--reward-model] [--seed S] [--hidden-size H] [--layers L]
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the built-in end-to-end example (tiny local model, CPU, minutes)")
     d.add_argument("--output-dir", default="runs/demo", help="where the demo writes (default runs/demo)")
     d.add_argument("overrides", nargs="*", help="section.key=value overrides of the demo config")
+    ti = sub.add_parser("tiny", help="write a tiny random model folder to try things with (seconds, no download)",
+                        description="Write a tiny Llama (a character tokenizer with a chat template, random weights) "
+                        "that AutoModelForCausalLM.from_pretrained loads, the model the demo trains; with "
+                        "--reward-model, a tiny sequence-classification reward model with its own tokenizer.")
+    ti.add_argument("output_dir", help="the folder to write (must not exist, or be empty)")
+    ti.add_argument("--reward-model", action="store_true", help="a reward model (AutoModelForSequenceClassification)")
+    ti.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    ti.add_argument("--hidden-size", type=int, default=None, help="hidden size (default 64; 32 for a reward model)")
+    ti.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
 
     e = sub.add_parser(
         "eval", help="generate with one model and score it with the rewards (compare before/after training)",
@@ -157,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             run_demo(args.output_dir, tuple(args.overrides))
         elif args.command == "eval":
             _eval(args)
+        elif args.command == "tiny":
+            _tiny(args)
         elif args.command == "plot":
             from tidyrl.plot import DEFAULT_METRICS, plot_runs
 
@@ -172,6 +184,27 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     return 0
+
+
+def _tiny(args) -> None:
+    from pathlib import Path
+
+    from tidyrl.config import ConfigError
+    from tidyrl.tiny import save_tiny_model, save_tiny_reward_model
+
+    out = Path(args.output_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError([f"{out} already exists and is not an empty folder; choose a new OUT_DIR "
+                           "(tidyrl tiny never writes over files)"])
+    size = {"hidden_size": args.hidden_size} if args.hidden_size else {}
+    if args.reward_model:
+        save_tiny_reward_model(out, seed=args.seed, num_layers=args.layers, **size)
+        print(f"tidyrl: a tiny reward model is in {out}/ (AutoModelForSequenceClassification, its own tokenizer "
+              f"and chat template); use it as  rewards: [{{model: {out}}}]")
+    else:
+        save_tiny_model(out, seed=args.seed, num_layers=args.layers, **size)
+        print(f"tidyrl: a tiny model is in {out}/ (AutoModelForCausalLM, a character tokenizer with a chat "
+              f"template, random weights); use it as  model: {out}")
 
 
 def _eval(args) -> None:
