@@ -20,8 +20,9 @@ def letters(prompts, completions, word, **_):
 
 
 def length_bonus(completions, **_):
-    """Scores only even-indexed samples (None elsewhere), to exercise 'no score from this function'."""
-    return [len(c) / 10 if i % 2 == 0 else None for i, c in enumerate(completions)]
+    """Scores only every eighth completion of the batch (None elsewhere), to exercise 'no score from this
+    function': with k = 4, the first sample of every other prompt."""
+    return [len(c) / 10 if i % 8 == 0 else None for i, c in enumerate(completions)]
 
 
 def base_config(model_dir, prompt_file, out, **sections):
@@ -82,6 +83,8 @@ def test_grpo_run_writes_every_output_with_exact_counts(tiny_model_dir, prompt_f
         scored = {k: v for k, v in s["rewards"].items()}
         want = scored["letters"] + (0.5 * scored["length_bonus"] if scored["length_bonus"] is not None else 0)
         assert s["reward"] == pytest.approx(want)
+    # samples.jsonl shows sample 0 of prompts 0 and 1 (episodes 0 and 4): only episode 0 has a length bonus.
+    assert [s["sample"] for s in samples[:2]] == [0, 0] and samples[0]["prompt"] != samples[1]["prompt"]
     assert samples[0]["rewards"]["length_bonus"] is not None and samples[1]["rewards"]["length_bonus"] is None
 
     saved = load_config(out / "config.yaml")
@@ -164,7 +167,8 @@ def test_dataset_epochs_and_the_prompt_stream(tiny_model_dir, prompt_file, tmp_p
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 4 and [r["epoch"] for r in rows] == pytest.approx([0.4, 0.8, 1.2, 1.6])
     samples = read_jsonl(out / "samples.jsonl")
-    prompts = [s["prompt"] for s in samples[::4]]  # one per prompt (k = 4 samples each)
+    # 16 samples of a rollout's 4 x 4 episodes: sample 0 of each prompt first, so every 4th row starts a rollout
+    prompts = [s["prompt"] for rollout in range(4) for s in samples[16 * rollout: 16 * rollout + 4]]
     assert len(set(prompts[:10])) == 10  # the first dataset epoch uses every prompt exactly once
 
 
