@@ -486,7 +486,7 @@ class _RLRun:
         # The weighted sum over the functions that scored each episode (every episode has one: checked).
         scores = sum(f.weight * torch.nan_to_num(per_fn[f.name], nan=0.0) for f in self.reward_fns)  # (R,)
 
-        algo_stats = self._advantages(rollout, scores)
+        algo_stats = self._advantages(rollout, scores, policy_is_reference=(r == 0))
         lengths_R = rollout.completion_mask.sum(1)
         adv = rollout.advantages
         stats: dict[str, Any] = {
@@ -529,7 +529,7 @@ class _RLRun:
             "truncated": bool(rollout.truncated[e]),
         }
 
-    def _advantages(self, rollout, scores) -> dict:
+    def _advantages(self, rollout, scores, policy_is_reference: bool = False) -> dict:
         """Set rollout.advantages (and PPO's returns) by the algorithm (DESIGN §3, step 4); returns the
         algorithm's rollout metrics. Every statistic is over the global rollout, so W does not change it."""
         import torch
@@ -542,8 +542,14 @@ class _RLRun:
         if name == "grpo":  # KL, if any, goes into the loss (optimizer_step)
             rollout.advantages = grpo_advantages(scores, k, scale=a.scale_rewards)
             return {}
+        # Before the first update the policy is the reference (the same starting weights; with LoRA, B = 0), so
+        # the KL is exactly 0. Its estimate is not: the sampler's and the scorer's log-probs of the same weights
+        # differ by float rounding (~1e-7, and differently with another batch split). Where a group's scores tie,
+        # the baseline leaves only that rounding, the whitening scales it up, and AdamW turns a gradient of
+        # rounding into steps of the full learning rate: the run trained on noise and drifted ~lr per step
+        # between 1 and 2 processes (REINFORCE++-baseline, RLOO). So the first rollout's KL is taken as the 0 it is.
         kl_BT = (kl_per_token(rollout.old_logprobs, rollout.ref_logprobs, a.kl_estimator)
-                 if self.use_reference else torch.zeros_like(mask))
+                 if self.use_reference and not policy_is_reference else torch.zeros_like(mask))
         if name == "rloo":  # KL in the sequence reward, then the leave-one-out baseline
             rollout.advantages = rloo_advantages(kl_shaped_rewards(scores, kl_BT, mask, a.kl_coef), k)
             return {}
@@ -621,7 +627,12 @@ class _RLRun:
                 token_loss, clipped = clipped_policy_loss(logprobs, old, adv, algo.clip_eps, algo.clip_eps_high)
                 kl = None
                 if part.ref_logprobs is not None:
-                    kl = kl_per_token(logprobs, part.ref_logprobs.to(logprobs.device), algo.kl_estimator)
+                    # At step 1 the policy is the reference: its own log-probs are the reference's exactly, while
+                    # the scored ones differ by rounding, whose KL gradient AdamW would turn into full steps
+                    # where a group's advantages tie at 0 (see _advantages). k2/k3 and their gradients are then
+                    # exactly 0; k1 keeps its gradient (that of log pi).
+                    ref = logprobs.detach() if step == 1 else part.ref_logprobs.to(logprobs.device)
+                    kl = kl_per_token(logprobs, ref, algo.kl_estimator)
                     if cfg.algorithm == "grpo":  # GRPO: KL in the loss (Shao et al. 2024, eq. 3)
                         token_loss = token_loss + algo.kl_coef * kl
                 loss = aggregate_loss(token_loss, mask, algo.loss_aggregation, normaliser)
