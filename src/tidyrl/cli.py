@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="YAML config file")
     t.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    pl = sub.add_parser("plan", help="print the derived batch plan as JSON; loads no model")
+    pl = sub.add_parser("plan", help="print the derived batch plan as JSON after train's checks; loads no weights")
     pl.add_argument("config", help="YAML config file")
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides")
     pl.add_argument("--num-processes", type=int, default=1, help="number of processes W (default 1)")
