@@ -27,6 +27,7 @@ GATED_REWARD = textwrap.dedent('''
     import os, time
 
     def gated(completions, **kwargs):
+        open(os.environ["TIDYRL_TEST_GATE"] + ".waiting", "w").close()  # the run has written all it will before
         deadline = time.time() + 120
         while not os.path.exists(os.environ["TIDYRL_TEST_GATE"]) and time.time() < deadline:
             time.sleep(0.02)
@@ -81,7 +82,8 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_names_the_first(tmp_path
     first = subprocess.Popen([sys.executable, "-m", "tidyrl", "train", str(path)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: (out / "plan.json").exists(), first)  # it holds the folder and waits at its first reward
+        # It holds the folder and waits in its first reward (every file it opens before that exists by then).
+        wait_for(lambda: Path(f"{gate}.waiting").exists(), first)
         before = files(out)
         for overrides in (["overwrite=true"], ["resume_from=latest"], []):
             with pytest.raises(RunLockError) as err:
