@@ -249,9 +249,11 @@ class DPOConfig:
     beta: float = 0.1
     """beta of DPO (strength of the implicit KL to the reference); IPO's tau."""
     loss_type: str = "sigmoid"
-    """sigmoid (DPO, Rafailov et al. 2023, eq. 7) or ipo (Azar et al. 2023, eq. 17)."""
+    """sigmoid (DPO, Rafailov et al. 2023, eq. 7), ipo (Azar et al. 2023, eq. 17) or robust (Chowdhury et al.
+    2024, eq. 8: unbiased under label flips at rate label_smoothing)."""
     label_smoothing: float = 0.0
-    """sigmoid only: assumed probability that a preference label is flipped (conservative DPO); 0 = plain DPO."""
+    """sigmoid and robust: assumed probability eps that a preference label is flipped; sigmoid = conservative DPO
+    (Mitchell 2023), robust = provably robust DPO; 0 = plain DPO."""
 
 
 @dataclass
@@ -605,7 +607,7 @@ def validate(cfg: Config) -> None:
 
 
 SFT_LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
 
 def _validate_offline(cfg: Config, need) -> None:
@@ -651,8 +653,8 @@ def _validate_offline(cfg: Config, need) -> None:
         need(p.loss_type in DPO_LOSS_TYPES, "dpo.loss_type",
              f"{p.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
         need(0 <= p.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
-        need(p.label_smoothing == 0 or p.loss_type == "sigmoid", "dpo.label_smoothing",
-             f"only with dpo.loss_type=sigmoid; set it to 0 for {p.loss_type}")
+        need(p.label_smoothing == 0 or p.loss_type != "ipo", "dpo.label_smoothing",
+             f"only with dpo.loss_type=sigmoid or robust; set it to 0 for {p.loss_type}")
 
 
 def config_to_dict(cfg: Config) -> dict:
