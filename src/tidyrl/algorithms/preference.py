@@ -22,6 +22,9 @@ from torch import Tensor
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust")
 """Valid `loss_type` values of `dpo_loss` (config key `dpo.loss_type`)."""
 
+REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")
+"""`dpo.loss_type` values that need no reference model (`simpo_loss`, `orpo_odds_ratio_loss`)."""
+
 
 def sequence_logps(logprobs_BT: Tensor, mask_BT: Tensor) -> Tensor:
     """log pi(y | x) of each sequence: the sum of its completion tokens' log-probs.

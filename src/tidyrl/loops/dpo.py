@@ -1,14 +1,14 @@
-"""Direct preference optimisation (`algorithm: dpo`, sigmoid or IPO loss), explicit from top to bottom.
+"""Preference optimisation (`algorithm: dpo`: DPO sigmoid, IPO, robust DPO, SimPO, ORPO), explicit from top to bottom.
 
     tokenise the pairs: prompt + chosen, prompt + rejected, as a rollout would (prompt and completion apart,
     EOS appended); the completion tokens are the targets
-    load the policy and, frozen, the reference: the same starting model
+    load the policy and, frozen, the reference: the same starting model (none for simpo and orpo)
     for each optimizer step:
         the next train.batch_size pairs of the stream
         micro-batches of m pairs (2m sequences in one forward):
             reference sequence log-probs, under no_grad (once per pair and step)
-            policy sequence log-probs -> DPO / IPO loss per pair, summed and divided by the pairs of the whole
-            global batch -> backward
+            policy sequence log-probs -> the loss per pair, summed and divided by the pairs of the whole
+            global batch (orpo's SFT term: by the chosen completions' tokens of the whole global batch) -> backward
         clip -> optimizer step -> one LR-scheduler step -> one metrics row
     final/: the policy, for the next stage
 """
@@ -30,7 +30,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train with DPO or IPO from a validated Config (see `tidyrl.train`)."""
     import torch
 
-    from tidyrl.algorithms.preference import dpo_loss, sequence_logps
+    from tidyrl.algorithms.preference import dpo_loss, orpo_odds_ratio_loss, sequence_logps, simpo_loss
     from tidyrl.data import PromptStream
     from tidyrl.loops.offline import (StepLog, micro_batches, model_pad_id, optimizer_step, pad_batch, reduce_sum,
                                       say, sync_context, target_logprobs)
@@ -56,7 +56,10 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     # second copy: the reference is the policy with its adapter disabled.
     model = load_policy(cfg)
     ref_model = None
-    if not cfg.lora.enabled:
+    reference_free = opts.loss_type in ("simpo", "orpo")
+    if reference_free:
+        say(accelerator, [f"dpo.loss_type={opts.loss_type} is reference-free: no reference model loaded"])
+    elif not cfg.lora.enabled:
         ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(accelerator.device)
         ref_model.eval().requires_grad_(False)
     say(accelerator, [adapter_note(model)] if cfg.lora.enabled else [])
@@ -73,22 +76,41 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
             parts = micro_batches(batch, plan, rank)
             # loss, correct, sum reward chosen, sum reward rejected, sum logp chosen, sum logp rejected
             sums = torch.zeros(6, dtype=torch.float64)
+            orpo_sums = torch.zeros(2, dtype=torch.float64)  # orpo: SFT loss, sum log odds ratio
+            # orpo's SFT term is a token mean over the chosen completions of the GLOBAL batch (the same count on
+            # every process: the batch indices are global), so micro-batching and processes leave it unchanged.
+            chosen_tokens = max(1, sum(sum(pairs[i].chosen.target_mask) for i in batch))
             for k, idx in enumerate(parts):
                 b = len(idx)
                 sequences = [pairs[i].chosen for i in idx] + [pairs[i].rejected for i in idx]  # chosen first
                 inputs = pad_batch(sequences, pad_id, accelerator.device)
-                with torch.no_grad(), reference_of(accelerator.unwrap_model(model), ref_model) as reference:
-                    ref_lp_BT, mask_BT = target_logprobs(reference, inputs)
-                    ref_logps_2B = sequence_logps(ref_lp_BT, mask_BT)  # (2b,)
+                if not reference_free:
+                    with torch.no_grad(), reference_of(accelerator.unwrap_model(model), ref_model) as reference:
+                        ref_lp_BT, mask_BT = target_logprobs(reference, inputs)
+                        ref_logps_2B = sequence_logps(ref_lp_BT, mask_BT)  # (2b,)
                 with sync_context(accelerator, model, k == len(parts) - 1, cfg.train.sync_each_microbatch):
                     logprobs_BT, mask_BT = target_logprobs(model, inputs)
                     logps_2B = sequence_logps(logprobs_BT, mask_BT)  # (2b,)
-                    loss_B, reward_chosen_B, reward_rejected_B = dpo_loss(
-                        logps_2B[:b], logps_2B[b:], ref_logps_2B[:b], ref_logps_2B[b:],
-                        beta=opts.beta, loss_type=opts.loss_type, label_smoothing=opts.label_smoothing)
-                    # Normalised by the pairs of the whole global batch, never this micro-batch; scaled by W since
-                    # DDP averages gradients over processes.
-                    loss = loss_B.sum() / plan.batch_size
+                    lengths_2B = mask_BT.sum(dim=-1)
+                    if opts.loss_type == "simpo":
+                        loss_B, reward_chosen_B, reward_rejected_B = simpo_loss(
+                            logps_2B[:b], logps_2B[b:], lengths_2B[:b], lengths_2B[b:], opts.beta, opts.simpo_gamma)
+                        loss = loss_B.sum() / plan.batch_size
+                    elif opts.loss_type == "orpo":
+                        mean_2B = logps_2B / lengths_2B.clamp(min=1)
+                        or_loss_B, log_odds_ratio_B = orpo_odds_ratio_loss(mean_2B[:b], mean_2B[b:])
+                        # Rewards for the metrics: the mean per-token log-probs (no reference to compare with).
+                        reward_chosen_B, reward_rejected_B = mean_2B[:b].detach(), mean_2B[b:].detach()
+                        sft = -logps_2B[:b].sum() / chosen_tokens
+                        loss = sft + opts.orpo_lambda * or_loss_B.sum() / plan.batch_size
+                        orpo_sums += torch.tensor([float(sft.detach()), float(log_odds_ratio_B.sum())], dtype=torch.float64)
+                    else:
+                        loss_B, reward_chosen_B, reward_rejected_B = dpo_loss(
+                            logps_2B[:b], logps_2B[b:], ref_logps_2B[:b], ref_logps_2B[b:],
+                            beta=opts.beta, loss_type=opts.loss_type, label_smoothing=opts.label_smoothing)
+                        # Normalised by the pairs of the whole global batch, never this micro-batch; scaled by W
+                        # since DDP averages gradients over processes.
+                        loss = loss_B.sum() / plan.batch_size
                     accelerator.backward(loss * W)
                 with torch.no_grad():
                     sums += torch.tensor([
@@ -96,6 +118,10 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                         float(reward_rejected_B.sum()), float(logps_2B[:b].sum()), float(logps_2B[b:].sum()),
                     ], dtype=torch.float64)
             sums = reduce_sum(accelerator, sums)
+            extra = {}
+            if opts.loss_type == "orpo":
+                orpo_sums = reduce_sum(accelerator, orpo_sums)
+                extra = {"orpo/sft_loss": float(orpo_sums[0]), "orpo/log_odds_ratio": float(orpo_sums[1]) / plan.batch_size}
             lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm)
             n = plan.batch_size
             log.row(step + 1, lr, float(sums[0]), grad_norm, {
@@ -106,6 +132,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                 "rewards/rejected": float(sums[3]) / n,
                 "logps/chosen": float(sums[4]) / n,  # mean sequence log-prob under the policy
                 "logps/rejected": float(sums[5]) / n,
+                **extra,
                 "time/update_s": time.perf_counter() - t0,
             })
 
