@@ -191,3 +191,15 @@ def test_orpo_logs_its_terms_and_is_micro_batch_invariant(tiny_model_dir, pairs_
         assert a["orpo/sft_loss"] == pytest.approx(b["orpo/sft_loss"], abs=1e-6)
     worst = max((pa - pb).abs().max().item() for pa, pb in zip(finals[0].parameters(), finals[1].parameters()))
     assert worst < 1e-5
+
+
+def test_pairs_with_chosen_equal_to_rejected_are_refused_by_row(tiny_model_dir, tmp_path):
+    from tidyrl.data import DataError
+
+    path = tmp_path / "same.jsonl"
+    rows = [{"prompt": f"{w}:", "chosen": w, "rejected": w if i in (1, 3) else "zz" + w} for i, w in enumerate(WORDS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"2 of 12 rows have chosen and rejected the same tokens.*rows 1, 3 \(0-based\)"):
+        tidyrl.train(dpo_config(tiny_model_dir, path, out))
+    assert not out.exists()  # refused before anything was written

@@ -34,7 +34,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     from tidyrl.data import PromptStream
     from tidyrl.loops.offline import (StepLog, micro_batches, model_pad_id, optimizer_step, pad_batch, reduce_sum,
                                       say, sync_context, target_logprobs)
-    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs
+    from tidyrl.offline_data import check_distinct_pairs, completion_eos_ids, load_preference_pairs
     from tidyrl.plan import offline_plan_from_config
 
     accelerator = make_accelerator(cfg)
@@ -45,6 +45,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     eos_ids = completion_eos_ids(cfg.model, tokenizer)
     pairs, notes = load_preference_pairs(cfg, tokenizer, eos_ids, whole_text=False)
+    check_distinct_pairs(pairs, cfg.data.path, cfg.data.max_length)
     plan = offline_plan_from_config(cfg, len(pairs), W)
     out = Path(cfg.output_dir)
     prepare_output_dir(out, cfg.overwrite, accelerator)
