@@ -6,7 +6,8 @@
     for each optimizer step:
         the next train.batch_size pairs of the stream
         micro-batches of m pairs (2m sequences in one forward):
-            reference sequence log-probs, under no_grad (once per pair and step)
+            reference sequence log-probs: read from the cache scored once before training (the reference is
+            frozen, so a pair's reference log-prob never changes: 2N sequences scored once, not once per epoch)
             policy sequence log-probs -> the loss per pair, summed and divided by the pairs of the whole
             global batch (orpo's SFT term: by the chosen completions' tokens of the whole global batch) -> backward
         clip -> optimizer step -> one LR-scheduler step -> one metrics row
@@ -24,6 +25,36 @@ from tidyrl.loops.common import (TrainResult, prepare_for_training,
                                  load_causal_lm, load_policy, load_tokenizer, make_accelerator, prepare_output_dir,
                                  save_pretrained_atomic, write_run_header)
 from tidyrl.lora import adapter_note, reference_of
+
+
+def reference_logps_cache(accelerator, reference, pairs, pad_id: int, chunk: int):
+    """[N, 2] sequence log-probs (chosen, rejected) of every pair under the frozen reference, float32 on the CPU.
+
+    Scored once, under no_grad, `chunk` pairs (2 * chunk sequences) per forward; process r scores chunks
+    r, r + W, ... and the rows are summed over processes (each row is non-zero on one process only, so the
+    sum is exact). Deterministic, so a resumed run recomputes the same values.
+    """
+    import torch
+
+    from tidyrl.algorithms.preference import sequence_logps
+    from tidyrl.loops.offline import pad_batch, reduce_sum, target_logprobs
+
+    W, rank = accelerator.num_processes, accelerator.process_index
+    cache = torch.zeros((len(pairs), 2), dtype=torch.float64)
+    was_training = reference.training
+    reference.eval()
+    with torch.no_grad():
+        for c, start in enumerate(range(0, len(pairs), chunk)):
+            if c % W != rank:
+                continue
+            idx = range(start, min(start + chunk, len(pairs)))
+            b = len(idx)
+            inputs = pad_batch([pairs[i].chosen for i in idx] + [pairs[i].rejected for i in idx], pad_id,
+                               accelerator.device)
+            logps_2B = sequence_logps(*target_logprobs(reference, inputs)).double().cpu()
+            cache[start:start + b, 0], cache[start:start + b, 1] = logps_2B[:b], logps_2B[b:]
+    reference.train(was_training)
+    return reduce_sum(accelerator, cache).float()
 
 
 def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
@@ -65,6 +96,15 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
         ref_model.eval().requires_grad_(False)
     say(accelerator, [adapter_note(model)] if cfg.lora.enabled else [])
     model, optimizer, scheduler = prepare_for_training(accelerator, model, cfg.train, plan)
+    ref_cache_N2 = None
+    if not reference_free:
+        with reference_of(accelerator.unwrap_model(model), ref_model) as reference:
+            ref_cache_N2 = reference_logps_cache(accelerator, reference, pairs, pad_id, cfg.train.micro_batch_size)
+        ref_model = None  # no longer needed: its memory is free for training
+        n_chunks = -(-len(pairs) // cfg.train.micro_batch_size)
+        say(accelerator, [f"reference: {2 * len(pairs)} sequences scored once before training ({n_chunks} forward "
+                          f"passes of up to {2 * cfg.train.micro_batch_size} sequences, split over {W} process(es)); "
+                          f"kept as {len(pairs)} x 2 floats"])
     write_run_header(cfg, plan, out, accelerator)
 
     # 3. One optimizer step per train.batch_size pairs.
@@ -86,9 +126,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                 sequences = [pairs[i].chosen for i in idx] + [pairs[i].rejected for i in idx]  # chosen first
                 inputs = pad_batch(sequences, pad_id, accelerator.device)
                 if not reference_free:
-                    with torch.no_grad(), reference_of(accelerator.unwrap_model(model), ref_model) as reference:
-                        ref_lp_BT, mask_BT = target_logprobs(reference, inputs)
-                        ref_logps_2B = sequence_logps(ref_lp_BT, mask_BT)  # (2b,)
+                    ref_B2 = ref_cache_N2[torch.tensor(idx)].to(accelerator.device)
+                    ref_logps_2B = torch.cat([ref_B2[:, 0], ref_B2[:, 1]])  # (2b,) chosen first
                 with sync_context(accelerator, model, k == len(parts) - 1, cfg.train.sync_each_microbatch):
                     logprobs_BT, mask_BT = target_logprobs(model, inputs)
                     logps_2B = sequence_logps(logprobs_BT, mask_BT)  # (2b,)
