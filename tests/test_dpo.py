@@ -203,3 +203,25 @@ def test_pairs_with_chosen_equal_to_rejected_are_refused_by_row(tiny_model_dir, 
     with pytest.raises(DataError, match=r"2 of 12 rows have chosen and rejected the same tokens.*rows 1, 3 \(0-based\)"):
         tidyrl.train(dpo_config(tiny_model_dir, path, out))
     assert not out.exists()  # refused before anything was written
+
+
+def test_reference_cache_does_not_depend_on_its_chunking(tiny_model_dir, pairs_file, tmp_path):
+    """The cache scored in chunks of 5 padded pairs equals each pair scored alone (no padding), to 1e-6."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidyrl.config import load_config
+    from tidyrl.loops.common import make_accelerator
+    from tidyrl.loops.dpo import reference_logps_cache
+    from tidyrl.loops.offline import model_pad_id
+    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs
+
+    cfg = load_config(dpo_config(tiny_model_dir, pairs_file, tmp_path / "unused"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos_ids = completion_eos_ids(str(tiny_model_dir), tokenizer)
+    pairs, _ = load_preference_pairs(cfg, tokenizer, eos_ids, whole_text=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    accelerator, pad_id = make_accelerator(cfg), model_pad_id(tokenizer, eos_ids)
+    alone = reference_logps_cache(accelerator, model, pairs, pad_id, chunk=1)
+    chunked = reference_logps_cache(accelerator, model, pairs, pad_id, chunk=5)
+    assert alone.shape == (12, 2) and (alone < 0).all()
+    assert (alone - chunked).abs().max().item() < 1e-6
