@@ -294,7 +294,10 @@ def test_offline_stage_options_are_checked():
     assert [p.split(":")[0] for p in problems(load_config, data)] == ["dpo.beta", "dpo.label_smoothing"]
     data = offline("dpo")
     data["dpo"] = {"loss_type": "hinge"}
-    assert problems(load_config, data) == ["dpo.loss_type: 'hinge' is not one of sigmoid, ipo"]
+    assert problems(load_config, data) == ["dpo.loss_type: 'hinge' is not one of sigmoid, ipo, robust, simpo, orpo"]
+    data["dpo"] = {"loss_type": "simpo", "simpo_gamma": -1, "orpo_lambda": float("nan"), "label_smoothing": 0.1}
+    assert [p.split(":")[0] for p in problems(load_config, data)] == [
+        "dpo.simpo_gamma", "dpo.orpo_lambda", "dpo.label_smoothing"]
     data = offline("reward")
     data["data"].update(max_length=1, rejected_column="")
     data["log"] = {"save_every": 5}

@@ -141,3 +141,87 @@ def test_two_processes_match_one(tiny_model_dir, pairs_file, tmp_path):
         assert [r[key] for r in rows_one] == pytest.approx([r[key] for r in rows_two], abs=1e-5), key
     a, b = load_file(one.final_dir / "model.safetensors"), load_file(tmp_path / "two" / "final" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_robust_dpo_first_step_is_log_2_and_the_margin_rises(tiny_model_dir, pairs_file, tmp_path):
+    out = tmp_path / "robust"
+    tidyrl.train(dpo_config(tiny_model_dir, pairs_file, out, dpo={"loss_type": "robust", "label_smoothing": 0.1},
+                            train={"dataset_epochs": None, "max_steps": 3}))
+    rows = read_jsonl(out / "metrics.jsonl")
+    # h = 0 at the reference: [0.9 * log 2 - 0.1 * log 2] / 0.8 = log 2.
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[-1]["rewards/margin"] > 0
+
+
+def test_simpo_runs_without_a_reference_and_raises_the_margin(tiny_model_dir, pairs_file, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "simpo"
+    result = tidyrl.train(dpo_config(tiny_model_dir, pairs_file, out,
+                                     dpo={"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 1.0},
+                                     train={"dataset_epochs": None, "max_steps": 4}))
+    assert "reference-free: no reference model loaded" in capsys.readouterr().out
+    rows = read_jsonl(out / "metrics.jsonl")
+    # rewards are beta * mean token log-probs: negative, and the chosen ones gain on the rejected ones.
+    assert rows[0]["rewards/chosen"] < 0
+    assert rows[-1]["rewards/margin"] > rows[0]["rewards/margin"]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    AutoModelForCausalLM.from_pretrained(result.final_dir)
+
+
+def test_orpo_logs_its_terms_and_is_micro_batch_invariant(tiny_model_dir, pairs_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    finals, logs = [], []
+    for m in (1, 4):
+        result = tidyrl.train(dpo_config(tiny_model_dir, pairs_file, tmp_path / f"orpo{m}",
+                                         dpo={"loss_type": "orpo", "orpo_lambda": 0.5},
+                                         train={"micro_batch_size": m, "dataset_epochs": None, "max_steps": 4}))
+        finals.append(AutoModelForCausalLM.from_pretrained(result.final_dir))
+        logs.append(read_jsonl(result.output_dir / "metrics.jsonl"))
+    rows = logs[0]
+    for row in rows:
+        # loss = SFT + lambda * L_OR, and L_OR >= 0.
+        assert row["loss"] >= row["orpo/sft_loss"]
+    assert rows[-1]["orpo/sft_loss"] < rows[0]["orpo/sft_loss"]
+    assert rows[-1]["orpo/log_odds_ratio"] > rows[0]["orpo/log_odds_ratio"]
+    # The SFT term is normalised by the global batch's chosen tokens: micro-batch size changes nothing.
+    for a, b in zip(*logs):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["orpo/sft_loss"] == pytest.approx(b["orpo/sft_loss"], abs=1e-6)
+    worst = max((pa - pb).abs().max().item() for pa, pb in zip(finals[0].parameters(), finals[1].parameters()))
+    assert worst < 1e-5
+
+
+def test_pairs_with_chosen_equal_to_rejected_are_refused_by_row(tiny_model_dir, tmp_path):
+    from tidyrl.data import DataError
+
+    path = tmp_path / "same.jsonl"
+    rows = [{"prompt": f"{w}:", "chosen": w, "rejected": w if i in (1, 3) else "zz" + w} for i, w in enumerate(WORDS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"2 of 12 rows have chosen and rejected the same tokens.*rows 1, 3 \(0-based\)"):
+        tidyrl.train(dpo_config(tiny_model_dir, path, out))
+    assert not out.exists()  # refused before anything was written
+
+
+def test_reference_cache_does_not_depend_on_its_chunking(tiny_model_dir, pairs_file, tmp_path):
+    """The cache scored in chunks of 5 padded pairs equals each pair scored alone (no padding), to 1e-6."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidyrl.config import load_config
+    from tidyrl.loops.common import make_accelerator
+    from tidyrl.loops.dpo import reference_logps_cache
+    from tidyrl.loops.offline import model_pad_id
+    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs
+
+    cfg = load_config(dpo_config(tiny_model_dir, pairs_file, tmp_path / "unused"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos_ids = completion_eos_ids(str(tiny_model_dir), tokenizer)
+    pairs, _ = load_preference_pairs(cfg, tokenizer, eos_ids, whole_text=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    accelerator, pad_id = make_accelerator(cfg), model_pad_id(tokenizer, eos_ids)
+    alone = reference_logps_cache(accelerator, model, pairs, pad_id, chunk=1)
+    chunked = reference_logps_cache(accelerator, model, pairs, pad_id, chunk=5)
+    assert alone.shape == (12, 2) and (alone < 0).all()
+    assert (alone - chunked).abs().max().item() < 1e-6

@@ -1,11 +1,13 @@
-"""Offline-stage losses on hand-worked numbers: masked SFT NLL, Bradley–Terry (with margin), DPO sigmoid and IPO."""
+"""Offline-stage losses on hand-worked numbers: masked SFT NLL, Bradley–Terry (with margin), DPO sigmoid, IPO,
+robust DPO, SimPO, ORPO and KTO."""
 
 import math
 
 import pytest
 import torch
 
-from tidyrl.algorithms.preference import bradley_terry_loss, dpo_loss, sequence_logps
+from tidyrl.algorithms.preference import (bradley_terry_loss, dpo_loss, kto_loss, kto_reference_point, log_odds,
+                                         orpo_odds_ratio_loss, sequence_logps, simpo_loss)
 from tidyrl.algorithms.sft import sft_loss, sft_normaliser
 
 
@@ -142,12 +144,90 @@ def test_ipo_loss():
 
 def test_dpo_rejects_bad_options():
     args = (POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED)
-    with pytest.raises(ValueError, match="sigmoid, ipo"):
+    with pytest.raises(ValueError, match="sigmoid, ipo, robust"):
         dpo_loss(*args, beta=0.1, loss_type="hinge")
     with pytest.raises(ValueError, match="beta"):
         dpo_loss(*args, beta=0.0)
     with pytest.raises(ValueError, match="label_smoothing"):
         dpo_loss(*args, beta=0.1, loss_type="ipo", label_smoothing=0.1)
+
+
+def test_robust_dpo_loss():
+    loss, _, _ = dpo_loss(POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, loss_type="robust",
+                          label_smoothing=0.1)
+    # beta h = 1: [0.9 * -log sigmoid(1) + 0.1 * log sigmoid(-1)] / 0.8
+    #           = (0.9 * 0.313262 - 0.1 * 1.313262) / 0.8 = 0.150609 / 0.8 = 0.188262
+    assert loss.item() == pytest.approx(0.1882617)
+    # eps = 0 is plain DPO: -log sigmoid(1) = 0.313262.
+    plain, _, _ = dpo_loss(POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, loss_type="robust")
+    assert plain.item() == pytest.approx(softplus(-1.0))
+
+
+def test_robust_dpo_is_unbiased_under_label_flips():
+    # Labels flipped with probability eps: the expected robust loss is the clean DPO loss (Chowdhury et al. Lemma 3.1).
+    # cDPO's expectation is not.
+    eps, args = 0.2, (POLICY_CHOSEN, POLICY_REJECTED, REF_CHOSEN, REF_REJECTED)
+    flipped = (POLICY_REJECTED, POLICY_CHOSEN, REF_REJECTED, REF_CHOSEN)
+    clean = dpo_loss(*args, beta=0.5)[0].item()
+    for loss_type, unbiased in (("robust", True), ("sigmoid", False)):
+        expected = ((1 - eps) * dpo_loss(*args, beta=0.5, loss_type=loss_type, label_smoothing=eps)[0]
+                    + eps * dpo_loss(*flipped, beta=0.5, loss_type=loss_type, label_smoothing=eps)[0]).item()
+        assert (expected == pytest.approx(clean)) is unbiased
+
+
+# ---------------------------------------------------------------- SimPO
+
+
+def test_simpo_loss():
+    # Chosen: log-prob -2 over 2 tokens; rejected: -6 over 3 tokens. beta = 2, gamma = 1:
+    # r_w = 2 * -2/2 = -2, r_l = 2 * -6/3 = -4; -log sigmoid(-2 + 4 - 1) = -log sigmoid(1) = 0.313262.
+    loss, chosen_reward, rejected_reward = simpo_loss(torch.tensor([-2.0]), torch.tensor([-6.0]),
+                                                      torch.tensor([2]), torch.tensor([3]), beta=2.0, gamma=1.0)
+    assert loss.item() == pytest.approx(softplus(-1.0))
+    assert chosen_reward.item() == pytest.approx(-2.0) and rejected_reward.item() == pytest.approx(-4.0)
+    # Gradient: d/dlogp_w = -(beta / |y_w|) * sigmoid(-1) = -1 * 0.268941.
+    chosen = torch.tensor([-2.0], requires_grad=True)
+    simpo_loss(chosen, torch.tensor([-6.0]), torch.tensor([2]), torch.tensor([3]), beta=2.0, gamma=1.0)[0].backward()
+    assert chosen.grad.item() == pytest.approx(-1 / (1 + math.e))
+    with pytest.raises(ValueError, match="gamma"):
+        simpo_loss(chosen, chosen, torch.tensor([1]), torch.tensor([1]), beta=2.0, gamma=-1.0)
+
+
+# ---------------------------------------------------------------- ORPO
+
+
+def test_orpo_odds_ratio_loss():
+    # P_w = 0.5 -> odds 1, log odds 0; P_l = 0.2 -> odds 0.25, log odds -log 4.
+    # L_OR = -log sigmoid(log 4) = log(1 + 1/4) = 0.223144.
+    loss, ratio = orpo_odds_ratio_loss(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.2)]))
+    assert ratio.item() == pytest.approx(math.log(4))
+    assert loss.item() == pytest.approx(math.log(1.25))
+    # log odds is finite near P = 1 and P = 0: P = 1 - 1e-6 -> log((1 - 1e-6) / 1e-6) = 13.815510.
+    assert log_odds(torch.tensor([math.log1p(-1e-6)], dtype=torch.float64)).item() == pytest.approx(13.8155096)
+
+
+# ---------------------------------------------------------------- KTO
+
+
+def test_kto_loss():
+    # beta = 0.5, z0 = 1. Desirable, r = 3: 1 - sigmoid(0.5 * (3 - 1)) = 1 - sigmoid(1) = sigmoid(-1) = 0.268941.
+    # Undesirable, r = -1, lambda_U = 2: 2 - 2 * sigmoid(0.5 * (1 + 1)) = 2 * sigmoid(-1) = 0.537883.
+    policy = torch.tensor([1.0, -3.0], requires_grad=True)
+    ref = torch.tensor([-2.0, -2.0])
+    loss, rewards = kto_loss(policy, ref, torch.tensor([True, False]), 1.0, beta=0.5, undesirable_weight=2.0)
+    assert loss.tolist() == pytest.approx([0.2689414, 0.5378828])
+    assert rewards.tolist() == pytest.approx([1.5, -0.5])
+    loss.sum().backward()
+    # d/dr [1 - sigmoid(beta (r - z0))] = -beta s (1 - s) with s = sigmoid(1) = 0.731059: -0.5 * 0.196612 = -0.098306;
+    # undesirable: +2 * 0.5 * 0.196612 = +0.196612.
+    assert policy.grad.tolist() == pytest.approx([-0.0983060, 0.1966119])
+
+
+def test_kto_reference_point_is_a_clamped_mean():
+    # Mean log-ratio -3 / 3 = -1 -> max(0, -1) = 0; 3 / 2 = 1.5.
+    assert kto_reference_point(-3.0, 3).item() == 0.0
+    assert kto_reference_point(torch.tensor(3.0, requires_grad=True), 2).item() == 1.5
+    assert not kto_reference_point(torch.tensor(3.0, requires_grad=True), 2).requires_grad
 
 
 def test_config_names_match_the_loss_modules():

@@ -251,9 +251,18 @@ class DPOConfig:
     beta: float = 0.1
     """beta of DPO (strength of the implicit KL to the reference); IPO's tau."""
     loss_type: str = "sigmoid"
-    """sigmoid (DPO, Rafailov et al. 2023, eq. 7) or ipo (Azar et al. 2023, eq. 17)."""
+    """sigmoid (DPO, Rafailov et al. 2023, eq. 7), ipo (Azar et al. 2023, eq. 17), robust (Chowdhury et al.
+    2024, eq. 8: unbiased under label flips at rate label_smoothing), simpo (Meng et al. 2024, eq. 6:
+    reference-free, length-normalised; set beta ~2) or orpo (Hong et al. 2024, eq. 6-7: SFT loss plus
+    orpo_lambda times an odds-ratio loss, reference-free). simpo and orpo load no reference model."""
     label_smoothing: float = 0.0
-    """sigmoid only: assumed probability that a preference label is flipped (conservative DPO); 0 = plain DPO."""
+    """sigmoid and robust: assumed probability eps that a preference label is flipped; sigmoid = conservative DPO
+    (Mitchell 2023), robust = provably robust DPO; 0 = plain DPO."""
+    simpo_gamma: float = 1.0
+    """simpo only: the target reward margin gamma of eq. 6, absolute (the paper's tables quote gamma/beta:
+    gamma = ratio * beta, e.g. beta 2.0 and ratio 0.5 give 1.0)."""
+    orpo_lambda: float = 0.1
+    """orpo only: lambda, the weight of the odds-ratio loss added to the chosen completions' SFT loss."""
 
 
 @dataclass
@@ -607,7 +616,8 @@ def validate(cfg: Config) -> None:
 
 
 SFT_LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust")
+REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")
 
 
 def _validate_offline(cfg: Config, need) -> None:
@@ -650,11 +660,15 @@ def _validate_offline(cfg: Config, need) -> None:
     if a == "dpo":
         p = cfg.dpo
         need(p.beta > 0 and math.isfinite(p.beta), "dpo.beta", f"must be a number > 0, got {p.beta}")
-        need(p.loss_type in DPO_LOSS_TYPES, "dpo.loss_type",
-             f"{p.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
+        need(p.loss_type in DPO_LOSS_TYPES + REFERENCE_FREE_LOSS_TYPES, "dpo.loss_type",
+             f"{p.loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES + REFERENCE_FREE_LOSS_TYPES)}")
+        need(p.simpo_gamma >= 0 and math.isfinite(p.simpo_gamma), "dpo.simpo_gamma",
+             f"must be a number >= 0, got {p.simpo_gamma}")
+        need(p.orpo_lambda >= 0 and math.isfinite(p.orpo_lambda), "dpo.orpo_lambda",
+             f"must be a number >= 0, got {p.orpo_lambda}")
         need(0 <= p.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
-        need(p.label_smoothing == 0 or p.loss_type == "sigmoid", "dpo.label_smoothing",
-             f"only with dpo.loss_type=sigmoid; set it to 0 for {p.loss_type}")
+        need(p.label_smoothing == 0 or p.loss_type in ("sigmoid", "robust"), "dpo.label_smoothing",
+             f"only with dpo.loss_type=sigmoid or robust; set it to 0 for {p.loss_type}")
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -159,6 +159,21 @@ def load_preference_pairs(cfg, tokenizer, eos_ids: list[int], *, whole_text: boo
     return pairs, notes
 
 
+def check_distinct_pairs(pairs: list[TokenizedPair], path: str, max_length: Optional[int]) -> None:
+    """Refuse pairs whose chosen and rejected are the same tokens, naming every such row.
+
+    Such a pair gives every preference loss zero gradient (h = 0 for any policy; ORPO keeps only its SFT term)
+    and is almost surely a data bug, so it is an error rather than a silent drop.
+    """
+    same = [i for i, p in enumerate(pairs) if p.chosen.input_ids == p.rejected.input_ids]
+    if same:
+        shown = ", ".join(map(str, same[:20])) + (f", ... ({len(same)} in all)" if len(same) > 20 else "")
+        raise DataError(f"data.path = {path!r}: {len(same)} of {len(pairs)} rows have chosen and rejected the same "
+                        f"tokens{' after cutting to data.max_length' if max_length else ''}, so no loss can prefer "
+                        f"one: rows {shown} (0-based). Fix or remove them"
+                        f"{' or raise data.max_length' if max_length else ''}.")
+
+
 def count_offline_examples(cfg, tokenizer=None) -> int:
     """N of an offline stage's plan, for `tidyrl plan`: rows of the data (packed rows with sft.packing,
     which needs the tokenizer, loaded from cfg.tokenizer or cfg.model when not given)."""

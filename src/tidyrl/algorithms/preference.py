@@ -1,4 +1,4 @@
-"""Preference losses: the reward model's Bradley–Terry loss, DPO and IPO.
+"""Preference losses: the reward model's Bradley–Terry loss, DPO, IPO, robust DPO, SimPO, ORPO and KTO.
 
 Pure tensor functions (no model, no config). Each returns one loss per pair,
 shape (B,); the loop sums them over a micro-batch and divides by the number
@@ -19,8 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust")
 """Valid `loss_type` values of `dpo_loss` (config key `dpo.loss_type`)."""
+
+REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")
+"""`dpo.loss_type` values that need no reference model (`simpo_loss`, `orpo_odds_ratio_loss`)."""
 
 
 def sequence_logps(logprobs_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -105,6 +108,15 @@ def dpo_loss(
     it does not overfit deterministic preferences. As in the paper, h uses
     summed (not length-averaged) log-probs.
 
+    robust: Chowdhury et al. 2024, "Provably Robust DPO: Aligning Language
+    Models with Noisy Feedback", eq. 8, with label_smoothing = eps the
+    label-flip rate: an unbiased estimate of the clean-label loss,
+
+        loss_b = [-(1 - eps) log sigmoid(beta * h_b) + eps log sigmoid(-beta * h_b)] / (1 - 2 eps)
+
+    cDPO minimises the loss under the noisy labels' distribution (biased
+    towards h = 0); robust DPO de-biases it. eps = 0 gives plain DPO.
+
     The implicit rewards (DPO §5) are beta * log(pi / pi_ref) of each
     completion; they are detached (for metrics).
 
@@ -112,8 +124,8 @@ def dpo_loss(
         policy_chosen_logps_B, policy_rejected_logps_B: [B] sequence log-probs under the policy (with grad).
         ref_chosen_logps_B, ref_rejected_logps_B: [B] sequence log-probs under the reference (no grad).
         beta: > 0; DPO's beta, IPO's tau.
-        loss_type: "sigmoid" or "ipo".
-        label_smoothing: in [0, 0.5); sigmoid only.
+        loss_type: "sigmoid", "ipo" or "robust".
+        label_smoothing: in [0, 0.5); cDPO's eps (sigmoid) or the flip rate (robust); not with ipo.
 
     Returns:
         (loss_B, chosen_rewards_B, rejected_rewards_B), each [B].
@@ -122,14 +134,131 @@ def dpo_loss(
         raise ValueError(f"unknown DPO loss type {loss_type!r}; valid values: {', '.join(DPO_LOSS_TYPES)}")
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
-    if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type != "sigmoid"):
-        raise ValueError(f"label_smoothing must be in [0, 0.5) and only with loss_type='sigmoid', "
+    if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type == "ipo"):
+        raise ValueError(f"label_smoothing must be in [0, 0.5) and only with loss_type='sigmoid' or 'robust', "
                          f"got {label_smoothing} with {loss_type!r}")
     chosen_logratio_B = policy_chosen_logps_B - ref_chosen_logps_B.detach()
     rejected_logratio_B = policy_rejected_logps_B - ref_rejected_logps_B.detach()
     h_B = chosen_logratio_B - rejected_logratio_B
     if loss_type == "sigmoid":
         loss_B = -(1 - label_smoothing) * F.logsigmoid(beta * h_B) - label_smoothing * F.logsigmoid(-beta * h_B)
+    elif loss_type == "robust":
+        eps = label_smoothing
+        loss_B = (-(1 - eps) * F.logsigmoid(beta * h_B) + eps * F.logsigmoid(-beta * h_B)) / (1 - 2 * eps)
     else:
         loss_B = (h_B - 1 / (2 * beta)) ** 2
     return loss_B, beta * chosen_logratio_B.detach(), beta * rejected_logratio_B.detach()
+
+
+def simpo_loss(chosen_logps_B: Tensor, rejected_logps_B: Tensor, chosen_lengths_B: Tensor,
+               rejected_lengths_B: Tensor, beta: float, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+    """SimPO loss per pair: reference-free, length-normalised.
+
+    Meng et al. 2024, "SimPO: Simple Preference Optimization with a
+    Reference-Free Reward", eq. 6:
+
+        r_w = beta / |y_w| * log pi(y_w|x),   r_l = beta / |y_l| * log pi(y_l|x)
+        loss_b = -log sigmoid(r_w - r_l - gamma)
+
+    gamma is the paper's absolute target margin (eq. 6); the paper's tables
+    quote gamma / beta, so gamma = ratio * beta (e.g. beta = 2, ratio 0.5 ->
+    gamma = 1).
+
+    Args:
+        chosen_logps_B, rejected_logps_B: [B] summed sequence log-probs under the policy.
+        chosen_lengths_B, rejected_lengths_B: [B] completion token counts (>= 1).
+        beta: > 0, the reward scale.
+        gamma: >= 0, the target reward margin.
+
+    Returns:
+        (loss_B, chosen_rewards_B, rejected_rewards_B); the rewards detached.
+    """
+    if beta <= 0 or gamma < 0:
+        raise ValueError(f"SimPO needs beta > 0 and gamma >= 0, got beta={beta}, gamma={gamma}")
+    chosen_B = beta * chosen_logps_B / chosen_lengths_B.clamp(min=1).to(chosen_logps_B.dtype)
+    rejected_B = beta * rejected_logps_B / rejected_lengths_B.clamp(min=1).to(rejected_logps_B.dtype)
+    loss_B = -F.logsigmoid(chosen_B - rejected_B - gamma)
+    return loss_B, chosen_B.detach(), rejected_B.detach()
+
+
+def log_odds(mean_logps_B: Tensor) -> Tensor:
+    """log odds(y|x) = log P - log(1 - P), with log P the mean per-token log-prob (ORPO eq. 4-5).
+
+    log(1 - P) = log(-expm1(log P)): exact for P near 0 and near 1.
+    """
+    return mean_logps_B - torch.log(-torch.expm1(mean_logps_B))
+
+
+def orpo_odds_ratio_loss(chosen_mean_logps_B: Tensor, rejected_mean_logps_B: Tensor) -> tuple[Tensor, Tensor]:
+    """ORPO's odds-ratio term per pair, L_OR, and the log odds ratio (detached).
+
+    Hong et al. 2024, "ORPO: Monolithic Preference Optimization without
+    Reference Model", eq. 6-7, with P(y|x) = exp(mean_t log pi(y_t|x, y_<t))
+    (the length-normalised likelihood of eq. 4):
+
+        odds(y|x) = P(y|x) / (1 - P(y|x))
+        L_OR = -log sigmoid(log odds(y_w|x) - log odds(y_l|x))
+        L_ORPO = L_SFT(y_w) + lambda * L_OR
+
+    L_SFT (the chosen completion's token-mean NLL) is `tidyrl.algorithms.sft.sft_loss`;
+    the loop adds the two with lambda = `orpo_lambda`.
+
+    Args:
+        chosen_mean_logps_B, rejected_mean_logps_B: [B] mean per-token log-probs (< 0) under the policy.
+
+    Returns:
+        (loss_B, log_odds_ratio_B).
+    """
+    ratio_B = log_odds(chosen_mean_logps_B) - log_odds(rejected_mean_logps_B)
+    return -F.logsigmoid(ratio_B), ratio_B.detach()
+
+
+def kto_loss(policy_logps_B: Tensor, ref_logps_B: Tensor, desirable_B: Tensor, z0: Tensor | float, beta: float,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> tuple[Tensor, Tensor]:
+    """KTO loss per example (unpaired), and the implicit rewards.
+
+    Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic
+    Optimization", eq. 8:
+
+        r_b = log pi(y|x) - log pi_ref(y|x)
+        v_b = lambda_D * sigmoid(beta * (r_b - z0))   if y is desirable
+              lambda_U * sigmoid(beta * (z0 - r_b))   if y is undesirable
+        loss_b = lambda_y - v_b
+
+    z0 is the reference point, a constant (no gradient): see `kto_reference_point`.
+
+    Args:
+        policy_logps_B: [B] sequence log-probs under the policy (with grad).
+        ref_logps_B: [B] sequence log-probs under the frozen reference.
+        desirable_B: [B] bool, True for desirable examples.
+        z0: the reference point (scalar).
+        beta: > 0.
+        desirable_weight, undesirable_weight: lambda_D, lambda_U > 0.
+
+    Returns:
+        (loss_B, rewards_B): rewards beta * r_b, detached.
+    """
+    if beta <= 0 or desirable_weight <= 0 or undesirable_weight <= 0:
+        raise ValueError(f"KTO needs beta, desirable_weight, undesirable_weight > 0, got "
+                         f"{beta}, {desirable_weight}, {undesirable_weight}")
+    z0 = torch.as_tensor(z0, dtype=policy_logps_B.dtype, device=policy_logps_B.device).detach()
+    r_B = policy_logps_B - ref_logps_B.detach()
+    desirable_B = desirable_B.bool()
+    lam_B = torch.where(desirable_B, torch.full_like(r_B, desirable_weight), torch.full_like(r_B, undesirable_weight))
+    v_B = lam_B * torch.sigmoid(torch.where(desirable_B, beta * (r_B - z0), beta * (z0 - r_B)))
+    return lam_B - v_B, beta * r_B.detach()
+
+
+def kto_reference_point(kl_logratio_sum: Tensor | float, count: int) -> Tensor:
+    """KTO's reference point z0 = max(0, mean KL log-ratio), detached.
+
+    Ethayarajh et al. 2024, §4.1: z0 estimates KL(pi || pi_ref) from
+    mismatched pairs (x_i, y_j), j != i, in the same batch:
+
+        z0 = max(0, 1/m * sum_i [log pi(y_j|x_i) - log pi_ref(y_j|x_i)])
+
+    The caller sums the log-ratios over the GLOBAL optimizer batch (all
+    micro-batches and processes) so z0 does not depend on how the batch is split.
+    """
+    total = torch.as_tensor(kl_logratio_sum, dtype=torch.float32).detach()
+    return (total / max(count, 1)).clamp(min=0)
