@@ -300,9 +300,27 @@ def test_offline_stage_options_are_checked():
         "dpo.simpo_gamma", "dpo.orpo_lambda", "dpo.label_smoothing"]
     data = offline("reward")
     data["data"].update(max_length=1, rejected_column="")
-    data["log"] = {"save_every": 5}
+    data["log"] = {"save_every": 5, "report_to": [], "eval_every": 2}  # checkpoints and trackers: as RL stages
     assert [p.split(":")[0] for p in problems(load_config, data)] == [
-        "log.save_every", "data.rejected_column", "data.max_length"]
+        "log.eval_every", "data.rejected_column", "data.max_length"]
+    data = offline("sft")
+    data["data"].update(eval_path="held.jsonl", eval_fraction=0.1)
+    data["log"] = {"best_metric": "loss"}
+    assert [p.split(":")[0] for p in problems(load_config, data)] == ["data.eval_fraction", "log.best_metric"]
+    data["data"].update(eval_path=None, eval_fraction=1.0)
+    assert [p.split(":")[0] for p in problems(load_config, data)] == ["data.eval_fraction", "log.best_metric"]
+    data["data"].update(eval_fraction=0.25)
+    data["log"] = {"best_metric": "eval/loss", "eval_every": 3}
+    assert load_config(data).data.eval_fraction == 0.25
+
+
+def test_rl_stages_refuse_evaluation_during_training_for_now():
+    data = minimal()
+    data["data"]["eval_fraction"] = 0.1
+    data["log"] = {"eval_every": 2}
+    found = problems(load_config, data)
+    assert [p.split(":")[0] for p in found] == ["data.eval_fraction", "log.eval_every"]
+    assert "tidyrl eval" in found[0]
 
 
 def test_rl_stages_reject_offline_sizes():

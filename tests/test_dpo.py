@@ -127,16 +127,22 @@ def test_pairs_are_tokenised_like_a_rollout(tiny_model_dir, tmp_path):
 
 
 def test_two_processes_match_one(tiny_model_dir, pairs_file, tmp_path):
-    """W = 2 (each process 2 of the 4 pairs per step, m = 1) against W = 1 with m = 4: the same losses and
-    parameters; the reference log-probs are per pair, so sharding the pairs changes nothing."""
+    """W = 2 (each process 2 of the 4 pairs per step, m = 1) against W = 1 with m = 4: the same losses, held-out
+    metrics and parameters; the reference log-probs are per pair, so sharding the pairs changes nothing. Two of
+    the twelve pairs are held out (10 train pairs, 2 epochs: 5 steps), scored after steps 2, 4 and 5."""
     from safetensors.torch import load_file
 
-    torchrun_train(dpo_config(tiny_model_dir, pairs_file, tmp_path / "two", train={"micro_batch_size": 1}), tmp_path)
-    one = tidyrl.train(dpo_config(tiny_model_dir, pairs_file, tmp_path / "one", train={"micro_batch_size": 4}))
+    held = {"data": {"eval_fraction": 0.2}, "log": {"eval_every": 2}}
+    torchrun_train(dpo_config(tiny_model_dir, pairs_file, tmp_path / "two", train={"micro_batch_size": 1}, **held),
+                   tmp_path)
+    one = tidyrl.train(dpo_config(tiny_model_dir, pairs_file, tmp_path / "one", train={"micro_batch_size": 4}, **held))
     assert json.loads((tmp_path / "two" / "plan.json").read_text())["world_size"] == 2
     rows_one, rows_two = read_jsonl(one.output_dir / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
-    assert [r["step"] for r in rows_one] == [r["step"] for r in rows_two] == list(range(1, 7))
+    assert [r["step"] for r in rows_one] == [r["step"] for r in rows_two] == list(range(1, 6))
     assert [r["lr"] for r in rows_one] == [r["lr"] for r in rows_two]
+    assert [r.get("eval/loss") is not None for r in rows_two] == [False, True, False, True, True]
+    for key in ("eval/loss", "eval/accuracy", "eval/margin"):
+        assert [r.get(key) for r in rows_one] == pytest.approx([r.get(key) for r in rows_two], abs=1e-5), key
     for key in ("loss", "rewards/margin", "rewards/accuracy"):
         assert [r[key] for r in rows_one] == pytest.approx([r[key] for r in rows_two], abs=1e-5), key
     a, b = load_file(one.final_dir / "model.safetensors"), load_file(tmp_path / "two" / "final" / "model.safetensors")

@@ -51,6 +51,10 @@ class DataConfig:
     """sft, reward, dpo: longest tokenised example (prompt + completion) in tokens. Longer ones are cut: sft and dpo
     at the end (the prompt kept whole), reward at the start (a reward model scores the end, as in RL). null = no
     limit. Required by sft.packing (the packed row length)."""
+    eval_path: Optional[str] = None
+    """sft, reward, dpo: a held-out file (the format of `path`) scored during training: log.eval_every."""
+    eval_fraction: float = 0.0
+    """sft, reward, dpo: hold out this fraction of `path` instead (rows drawn with `seed`; at least one row)."""
 
 
 @dataclass
@@ -147,6 +151,10 @@ class LogConfig:
     samples, ...)."""
     progress_bar: bool = True
     """Show a progress bar (total = total optimizer steps)."""
+    eval_every: int = 0
+    """sft, reward, dpo: score the eval split (data.eval_path or data.eval_fraction) every this many optimizer steps; it is always scored after the last step. 0 = only then."""
+    best_metric: Optional[str] = None
+    """Keep the model with the best value of this eval metric in best/ (best.json says its step): a name ending in loss is better lower (eval/loss), any other higher (eval/accuracy). null = none."""
     report_to: list[str] = field(default_factory=list)
     """Experiment trackers that also receive the metrics rows and sample tables: any of tensorboard, wandb, trackio (each an optional extra: pip install 'tidyrl[wandb]'). Default: none."""
 
@@ -506,6 +514,11 @@ def validate(cfg: Config) -> None:
     offline = cfg.algorithm in OFFLINE_ALGORITHMS
     if offline:
         _validate_offline(cfg, need)
+    else:  # held-out evaluation during training is for the offline stages so far (RL: `tidyrl eval` after)
+        for key, unset in (("data.eval_path", cfg.data.eval_path is None), ("data.eval_fraction", not cfg.data.eval_fraction),
+                           ("log.eval_every", not cfg.log.eval_every), ("log.best_metric", cfg.log.best_metric is None)):
+            need(unset, key, f"evaluation during training is not available for {cfg.algorithm} yet; remove it and "
+                             "run `tidyrl eval` on the final model (or a checkpoint) instead")
     need(offline or len(cfg.rewards) > 0, "rewards",
          "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
     for i, reward in enumerate(cfg.rewards):
@@ -607,6 +620,7 @@ def validate(cfg: Config) -> None:
     need(log.log_every >= 1, "log.log_every", f"must be >= 1 (optimizer steps), got {log.log_every}")
     need(log.save_every >= 0, "log.save_every", f"must be >= 0 (0 = only the final model), got {log.save_every}")
     need(log.keep_last >= 1, "log.keep_last", f"must be >= 1, got {log.keep_last}")
+    need(log.eval_every >= 0, "log.eval_every", f"must be >= 0 (0 = only after the last step), got {log.eval_every}")
     need(log.samples_per_rollout >= 0, "log.samples_per_rollout", f"must be >= 0, got {log.samples_per_rollout}")
     from tidyrl.trackers import tracker_problems  # finds the tracker packages without importing them
 
@@ -639,10 +653,17 @@ def _validate_offline(cfg: Config, need) -> None:
     need(t.batch_size is not None, "train.batch_size",
          f"set the global number of {'examples' if a == 'sft' else 'pairs'} per optimizer step, e.g. 32")
     need(t.batch_size is None or t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
-    need(cfg.resume_from is None, "resume_from", f"resuming is not supported for {a} yet; set it to null")
-    need(cfg.log.save_every == 0, "log.save_every",
-         f"intermediate checkpoints are not supported for {a} yet; set it to 0 (final/ is always written)")
-    need(not cfg.log.report_to, "log.report_to", f"trackers are not wired into {a} yet; remove it")
+    need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}")
+    need(not (d.eval_path and d.eval_fraction), "data.eval_fraction",
+         "set data.eval_path or data.eval_fraction, not both")
+    need(d.eval_path is None or bool(d.eval_path.strip()), "data.eval_path", "set a file, or null for none")
+    has_eval = bool(d.eval_path) or d.eval_fraction > 0
+    need(cfg.log.eval_every == 0 or has_eval, "log.eval_every",
+         "there is no eval split to score: set data.eval_path or data.eval_fraction, or log.eval_every=0")
+    best = cfg.log.best_metric
+    need(best is None or (has_eval and best.startswith("eval/")), "log.best_metric",
+         f"{best!r}: the best model is chosen by an eval/ metric (e.g. eval/loss), which needs data.eval_path or "
+         "data.eval_fraction")
     for name in ("completion_column", "messages_column", "chosen_column", "rejected_column"):
         need(getattr(d, name) != "", f"data.{name}", "set the column name (see docs/stages.md)")
     need(d.max_length is None or d.max_length >= 2, "data.max_length",

@@ -71,11 +71,16 @@ class ProgressBar:
             self._bar = tqdm(total=total, initial=initial, unit="step", desc="tidyrl", dynamic_ncols=True)
 
     def step(self, reward: Optional[float], episodes: int) -> None:
-        if self._bar is None:
-            return
+        """RL: one optimizer step, showing the episodes so far and the rollout's mean reward."""
         postfix = {"episodes": episodes}
         if reward is not None:
             postfix["reward"] = f"{reward:.3f}"
+        self.advance(postfix)
+
+    def advance(self, postfix: dict) -> None:
+        """One optimizer step, showing `postfix` (e.g. the offline stages' loss and accuracy)."""
+        if self._bar is None:
+            return
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
 
@@ -173,6 +178,43 @@ def sample_episodes(prompts: int, samples_per_prompt: int, n: int) -> list[int]:
     return order[:n]
 
 
+def _clock(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, sec = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{sec:02d} ({seconds:.0f} s)"
+
+
+def format_offline_summary(algorithm: str, plan, timings: dict, wall_s: float, first: dict, last: dict,
+                           output_dir: Path, final_dir: Path, tracker_locations: Optional[dict] = None,
+                           best: Optional[dict] = None) -> str:
+    """The end-of-run summary of sft, reward and dpo: totals, wall time, each headline metric at the first step
+    and the last (`first` holds the first step's, kept in checkpoints so a resumed run still reports it),
+    the last eval metrics, where things are."""
+    def value(v):
+        return "n/a" if v is None else f"{v:.4f}"
+
+    epochs = "" if plan.dataset_epochs is None else f", {plan.dataset_epochs:g} dataset epochs"
+    lines = [f"tidyrl: finished {algorithm}: {plan.total_optimizer_steps} optimizer steps ({plan.total_examples} "
+             f"examples{epochs}) in {_clock(wall_s)}"]
+    steps = timings.get("steps", 0)
+    if steps and steps != plan.total_optimizer_steps:
+        lines.append(f"  (the last {steps} steps ran after resuming)")
+    for name in first:
+        lines.append(f"  {name}: {value(first[name])} (step 1) -> {value(last.get(name))} (last step)")
+    for name in sorted(k for k in last if k.startswith("eval/")):
+        lines.append(f"  {name}: {value(last[name])} (after the last step)")
+    if best:
+        lines.append(f"  best {best['metric']}: {value(best['value'])} at step {best['step']} -> {best['dir']}")
+    lines.append(f"  written to {output_dir}/: config.yaml, plan.json, metrics.jsonl")
+    lines.append(f"  model: {final_dir}")
+    for name, where in (tracker_locations or {}).items():
+        lines.append(f"  {name}: {where}")
+    lines.append(f"  next: tidyrl plot {output_dir}")
+    return "\n".join(lines)
+
+
 def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[float],
                    last_reward: Optional[float], output_dir: Path, final_dir: Path,
                    tracker_locations: Optional[dict] = None) -> str:
@@ -181,18 +223,11 @@ def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[fl
     `timings` holds seconds per part of TIME_METRICS and `steps`, the number of optimizer steps they
     cover (fewer than the plan's after a resume: then the split covers only the steps run since).
     """
-    def clock(seconds: float) -> str:
-        if seconds < 60:
-            return f"{seconds:.1f} s"
-        minutes, sec = divmod(int(round(seconds)), 60)
-        hours, minutes = divmod(minutes, 60)
-        return f"{hours}:{minutes:02d}:{sec:02d} ({seconds:.0f} s)"
-
     def reward(value):
         return "n/a" if value is None else f"{value:.4f}"
 
     lines = [f"tidyrl: finished {plan.total_optimizer_steps} optimizer steps ({plan.rollouts} rollouts, "
-             f"{plan.total_episodes} episodes) in {clock(wall_s)}"]
+             f"{plan.total_episodes} episodes) in {_clock(wall_s)}"]
     steps = timings.get("steps", 0)
     if steps:
         timed = {part: timings.get(part, 0.0) for part in TIME_METRICS}

@@ -57,9 +57,10 @@ class TokenizedPair:
 # Loading and checking
 
 
-def load_sft_examples(cfg, tokenizer, eos_ids: list[int]) -> tuple[list[TokenizedSequence], list[str]]:
-    """The SFT examples of `cfg.data`, tokenised (and packed with sft.packing); plus notes to print
-    (truncations, packing). Uses `messages` when the data has no completion column."""
+def load_sft_examples(cfg, tokenizer, eos_ids: list[int], pack: bool = True
+                      ) -> tuple[list[TokenizedSequence], list[str]]:
+    """The SFT examples of `cfg.data`, tokenised (and packed with sft.packing, unless `pack` is False); plus notes
+    to print (truncations, packing). Uses `messages` when the data has no completion column."""
     d = cfg.data
     table = load_table(d.path, d.split)
     columns = table.column_names
@@ -92,12 +93,23 @@ def load_sft_examples(cfg, tokenizer, eos_ids: list[int]) -> tuple[list[Tokenize
     if cut:
         notes.append(f"{cut} of {len(examples)} examples are longer than data.max_length={d.max_length} tokens "
                      "and were cut at the end")
-    if cfg.sft.packing:
-        packed = pack_sequences(examples, d.max_length)
-        notes.append(f"packed {len(examples)} examples into {len(packed)} rows of up to {d.max_length} tokens "
-                     "(train.batch_size counts rows)")
-        examples = packed
+    if cfg.sft.packing and pack:
+        examples, note = pack_examples(examples, d.max_length)
+        notes.append(note)
     return examples, notes
+
+
+def pack_examples(examples: list[TokenizedSequence], max_length: int) -> tuple[list[TokenizedSequence], str]:
+    """sft.packing: the examples packed into rows (pack_sequences), and the note that says so."""
+    packed = pack_sequences(examples, max_length)
+    return packed, (f"packed {len(examples)} examples into {len(packed)} rows of up to {max_length} tokens "
+                    "(train.batch_size counts rows)")
+
+
+def token_counts(sequences: list[TokenizedSequence]) -> tuple[int, int]:
+    """(real tokens, cells of the right-padded batch = rows x longest row): what padding costs a forward."""
+    lengths = [len(s.input_ids) for s in sequences]
+    return sum(lengths), len(lengths) * max(lengths, default=0)
 
 
 def load_preference_pairs(cfg, tokenizer, eos_ids: list[int], *, whole_text: bool
@@ -174,16 +186,70 @@ def check_distinct_pairs(pairs: list[TokenizedPair], path: str, max_length: Opti
                         f"{' or raise data.max_length' if max_length else ''}.")
 
 
+def held_out_rows(num_rows: int, fraction: float, seed: int) -> list[int]:
+    """The rows data.eval_fraction holds out of `num_rows`: round(fraction * N) of them (at least one), drawn
+    with `seed` (the same rows on every process and every run), in increasing order."""
+    import torch
+
+    n = max(1, round(fraction * num_rows))
+    if n >= num_rows:
+        raise DataError(f"data.eval_fraction = {fraction} holds out {n} of the {num_rows} rows, leaving none to "
+                        "train on; lower it or give a held-out file as data.eval_path")
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[:n])
+
+
+def split_train_eval(cfg, items: list, load_eval, key) -> tuple[list, list, list[str]]:
+    """(train items, eval items, notes). The eval items come from data.eval_path (`load_eval(cfg)` with that path)
+    or are data.eval_fraction of `items` (held_out_rows); none without either. An eval item whose `key(item)`
+    (its tokens) is also a training item is counted in a note: eval metrics on it measure memory, not
+    generalisation."""
+    import dataclasses
+
+    d = cfg.data
+    if d.eval_path:
+        eval_items = load_eval(dataclasses.replace(cfg, data=dataclasses.replace(d, path=d.eval_path)))
+        train_items = items
+    elif d.eval_fraction > 0:
+        rows = set(held_out_rows(len(items), d.eval_fraction, cfg.seed))
+        eval_items = [x for i, x in enumerate(items) if i in rows]
+        train_items = [x for i, x in enumerate(items) if i not in rows]
+    else:
+        return items, [], []
+    source = f"data.eval_path = {d.eval_path!r}" if d.eval_path else f"data.eval_fraction = {d.eval_fraction}"
+    notes = [f"eval: {len(eval_items)} held-out examples ({source}), scored every "
+             f"{cfg.log.eval_every or 'last'} optimizer step{'s' if cfg.log.eval_every != 1 else ''}"]
+    seen = {key(x) for x in train_items}
+    shared = sum(key(x) in seen for x in eval_items)
+    if shared:
+        notes.append(f"warning: {shared} of {len(eval_items)} eval examples also appear in the training data (the "
+                     f"same tokens); their eval metrics measure memory, not generalisation. Remove them from "
+                     f"{d.eval_path or d.path}.")
+    return train_items, eval_items, notes
+
+
+def sequence_key(seq: TokenizedSequence) -> tuple:
+    return tuple(seq.input_ids)
+
+
+def pair_key(pair: TokenizedPair) -> tuple:
+    return tuple(pair.chosen.input_ids), tuple(pair.rejected.input_ids)
+
+
 def count_offline_examples(cfg, tokenizer=None) -> int:
-    """N of an offline stage's plan, for `tidyrl plan`: rows of the data (packed rows with sft.packing,
-    which needs the tokenizer, loaded from cfg.tokenizer or cfg.model when not given)."""
+    """N of an offline stage's plan, for `tidyrl plan`: rows of the data less the held-out ones
+    (data.eval_fraction), or the packed rows with sft.packing (which needs the tokenizer, loaded from
+    cfg.tokenizer or cfg.model when not given)."""
     if cfg.algorithm == "sft" and cfg.sft.packing:
         if tokenizer is None:
             from tidyrl.loops.common import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        return len(load_sft_examples(cfg, tokenizer, completion_eos_ids(cfg.model, tokenizer))[0])
-    return len(load_table(cfg.data.path, cfg.data.split))
+        examples, _ = load_sft_examples(cfg, tokenizer, completion_eos_ids(cfg.model, tokenizer), pack=False)
+        train, _, _ = split_train_eval(cfg, examples, lambda c: [], sequence_key)
+        return len(pack_sequences(train, cfg.data.max_length))
+    rows = len(load_table(cfg.data.path, cfg.data.split))
+    return rows - len(held_out_rows(rows, cfg.data.eval_fraction, cfg.seed)) if cfg.data.eval_fraction else rows
 
 
 def completion_eos_ids(model_path: str, tokenizer) -> list[int]:

@@ -18,8 +18,11 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence
 
-DEFAULT_METRICS = ("reward_mean", "reward/*", "kl", "entropy", "clip_fraction", "completion_length_mean", "lr")
-"""Charts drawn by default, in order; `reward/*` is one chart per reward function (`reward/<name>`)."""
+DEFAULT_METRICS = ("reward_mean", "reward/*", "kl", "entropy", "clip_fraction", "completion_length_mean",
+                   "loss", "eval/*", "rewards/accuracy", "rewards/margin", "nll_token_mean", "padding_fraction", "lr")
+"""Charts drawn by default, in order, each only where a run logged it (RL stages: the rewards, KL, entropy, ...;
+sft, reward, dpo: the loss, the eval/ metrics, accuracy and margin); `reward/*` is one chart per reward function
+(`reward/<name>`), `eval/*` one per held-out metric."""
 
 TITLES = {
     "reward_mean": "mean reward (weighted sum)",
@@ -28,6 +31,14 @@ TITLES = {
     "clip_fraction": "fraction of tokens clipped",
     "completion_length_mean": "mean completion length (tokens)",
     "lr": "learning rate",
+    "loss": "training loss (per optimizer step)",
+    "rewards/accuracy": "fraction of pairs ranked right (chosen > rejected)",
+    "rewards/margin": "mean reward margin (chosen - rejected)",
+    "nll_token_mean": "NLL per target token",
+    "padding_fraction": "fraction of batch cells that are padding",
+    "eval/loss": "held-out loss",
+    "eval/accuracy": "held-out accuracy",
+    "eval/margin": "held-out reward margin",
 }
 
 

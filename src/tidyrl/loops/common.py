@@ -15,7 +15,7 @@ from typing import Optional
 from tidyrl.config import Config, save_config
 from tidyrl.plan import Plan
 
-RUN_FILES = ("config.yaml", "plan.json", "metrics.jsonl", "samples.jsonl")
+RUN_FILES = ("config.yaml", "plan.json", "metrics.jsonl", "samples.jsonl", "best.json")
 """Files whose presence means a folder already holds a run."""
 
 
@@ -98,7 +98,7 @@ def prepare_output_dir(out: Path, overwrite: bool, accelerator) -> None:
 
     hold_output_dir(out, accelerator)
     held = [name for name in RUN_FILES if (out / name).exists()]
-    held += sorted(p.name for p in out.glob("checkpoint-*")) + (["final"] if (out / "final").exists() else [])
+    held += sorted(p.name for p in out.glob("checkpoint-*")) + [d for d in ("best", "final") if (out / d).exists()]
     if held and not overwrite:
         raise RunDirError(
             f"output_dir {out} already holds a run ({', '.join(held)}). Choose another `output_dir`, "

@@ -13,11 +13,9 @@ The accounting is the RL loop's (DESIGN §2), with a fixed dataset in place of r
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -51,11 +49,6 @@ def micro_batches(batch: Sequence[int], plan: OfflinePlan, rank: int) -> list[li
     parts = [mine[i: i + plan.micro_batch_size] for i in range(0, per_process, plan.micro_batch_size)]
     assert len(parts) == plan.gradient_accumulation_steps
     return parts
-
-
-def sync_context(accelerator, model, last: bool, sync_each_microbatch: bool):
-    """Gradients are synchronised on the last micro-batch only (or on each, for FSDP memory)."""
-    return contextlib.nullcontext() if (last or sync_each_microbatch) else accelerator.no_sync(model)
 
 
 def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device) -> dict:
@@ -96,82 +89,224 @@ def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logprobs_BT, batch["target_mask"][:, 1:]
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, max_grad_norm: float, step: int = 0,
-                   loss: float = 0.0) -> tuple[float, float]:
-    """Clip, step, step the LR schedule exactly once (in every process), zero the gradients.
-    Returns (the learning rate this step used, the gradient norm before clipping). A NaN or infinite `loss` or
-    gradient norm stops the run before the update (NonFiniteLossError naming `step`, 1-based)."""
-    max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-    if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
-        from tidyrl.loops.rl import NonFiniteLossError
+class OfflineStage(Protocol):
+    """What a stage (sft, reward, dpo, ...) supplies to `OfflineRun.train`: its loss and metrics, nothing else.
 
-        optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(
-            f"optimizer step {step}: the loss is {loss} and the gradient norm {float(grad_norm)}; the update was not "
-            "applied and training stopped (metrics.jsonl keeps the steps before it; this stage writes no "
-            "checkpoints, so the run must start again). Lower train.learning_rate, check the data, or set "
-            "train.max_grad_norm."
-        )
-    lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return lr, float(grad_norm)
+    sums:        names of the per-micro-batch sums (`loss` first), reduced over processes once per step
+    bar:         row metrics shown beside the loss in the progress bar (e.g. rewards/accuracy)
+    begin_step(batch)   the global batch's example indices, before its micro-batches (global normalisers)
+    micro_batch(idx)    -> (loss, sums): this micro-batch's loss, already divided by the GLOBAL batch's
+                        normaliser (so m and W change nothing), and its sums by name
+    metrics(sums, batch) -> the row's stage metrics from the reduced sums
+    evaluate(idx)       -> sums of a held-out micro-batch under no_grad (eval_sums names them), or None
+    eval_metrics(sums, n) -> eval/ metrics from the reduced eval sums over n held-out examples
+    """
 
+    sums: tuple[str, ...]
+    bar: tuple[str, ...]
+    eval_sums: tuple[str, ...]
 
-def reduce_sum(accelerator, tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a small per-process tensor over processes (metrics only; the losses are already global)."""
-    if accelerator.num_processes == 1:
-        return tensor
-    return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").cpu()
+    def begin_step(self, batch: list[int]) -> None: ...
+
+    def micro_batch(self, idx: list[int]) -> tuple[torch.Tensor, dict]: ...
+
+    def metrics(self, sums: dict, batch: list[int]) -> dict: ...
+
+    def evaluate(self, idx: list[int]) -> dict: ...
+
+    def eval_metrics(self, sums: dict, n: int) -> dict: ...
 
 
-class StepLog:
-    """metrics.jsonl and the progress bar of an offline stage. `row(step, values)` builds the row (fixed fields
-    first) and writes it every log.log_every steps and at the last; closing checks that the run took exactly the
-    plan's steps. Use as a context manager: the bar and the file are closed whatever happens."""
+class OfflineRun:
+    """One offline run: its accelerator, output folder and resume state, and `train`, the loop every offline
+    stage shares (the RL loop's contract: checkpoints every log.save_every steps that resume bit for bit, the
+    trackers of log.report_to, a stop on Ctrl-C/SIGTERM with a checkpoint, a clean stop on a NaN loss, the
+    end-of-run summary). Built first, so a bad resume_from fails before any data or weights load."""
 
-    def __init__(self, out: Path, plan: OfflinePlan, log_cfg, accelerator):
-        from tidyrl.metrics import JsonlWriter, ProgressBar
+    def __init__(self, cfg):
+        from tidyrl.loops.common import make_accelerator
+        from tidyrl.loops.training import check_resume
 
-        self.plan, self.log_every = plan, log_cfg.log_every
-        enabled = accelerator.is_main_process
-        self.metrics = JsonlWriter(Path(out) / "metrics.jsonl", enabled=enabled)
-        self.bar = ProgressBar(plan.total_optimizer_steps, enabled=enabled and log_cfg.progress_bar)
-        self.start = time.perf_counter()
-        self.steps = 0
-        self.last_row: dict = {}
+        self.cfg = cfg
+        self.accelerator = make_accelerator(cfg)
+        self.world_size, self.rank = self.accelerator.num_processes, self.accelerator.process_index
+        self.is_main = self.accelerator.is_main_process
+        self.out = Path(cfg.output_dir)
+        self.resume_path, self.resumed = check_resume(cfg, self.out, self.accelerator)
 
-    def __enter__(self) -> "StepLog":
-        return self
+    def say(self, lines: Sequence[str]) -> None:
+        say(self.accelerator, lines)
 
-    def row(self, step: int, lr: float, loss: float, grad_norm: float, extra: dict) -> dict:
-        """Record optimizer step `step` (1-based)."""
-        plan = self.plan
-        self.steps = step
-        row = {
-            "step": step,
-            "epoch": offline_epochs_done(plan, step),
-            "examples": step * plan.batch_size,
-            "lr": lr,
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "time_s": time.perf_counter() - self.start,
-            **extra,
-        }
-        if step % self.log_every == 0 or step == plan.total_optimizer_steps:
-            self.metrics.write(row)
-        self.bar.step(None, row["examples"])
-        self.last_row = row
-        return row
+    def open_output(self, notes: Sequence[str] = ()) -> None:
+        """A new run takes its output folder (refused if it holds another run, unless overwrite); a resumed one
+        keeps it (already held). Then the notes are printed."""
+        from tidyrl.loops.common import prepare_output_dir
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.bar.close()
-        self.metrics.close()
-        if exc_type is None and self.steps != self.plan.total_optimizer_steps:
-            raise AssertionError(f"ran {self.steps} optimizer steps, plan says {self.plan.total_optimizer_steps}")
+        if self.resumed is None:
+            prepare_output_dir(self.out, self.cfg.overwrite, self.accelerator)
+        self.say(notes)
 
+    def train(self, stage: OfflineStage, model, optimizer, scheduler, tokenizer, plan: OfflinePlan,
+              num_examples: int, eval_examples: int = 0, header: Optional[dict] = None):
+        """The loop (DESIGN §2), from step 0 or the resumed checkpoint's step to the plan's last:
+
+            for step: the next B examples of the stream (each dataset epoch a fresh shuffle by seed)
+                this process's B/W in micro-batches of m: stage.micro_batch -> backward (synchronised on the last)
+                the sums reduced by name -> clip -> optimizer step -> one LR-scheduler step -> one metrics row
+                every log.eval_every steps and at the last: the held-out examples scored (eval/ metrics)
+                every log.save_every steps: a checkpoint; on Ctrl-C/SIGTERM: a checkpoint, then stop
+            final/: the model; the summary
+        """
+        from tidyrl.checkpoint import set_rng_state, truncate_jsonl
+        from tidyrl.data import PromptStream
+        from tidyrl.loops.common import TrainResult, save_pretrained_atomic, write_run_header
+        from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update,
+                                           no_sync)
+        from tidyrl.metrics import ProgressBar, RunLogger, format_offline_summary
+
+        cfg, acc, W = self.cfg, self.accelerator, self.world_size
+        step, elapsed, first, self.best = 0, 0.0, {}, None
+        if self.resumed is not None:
+            optimizer.load_state_dict(self.resumed["optimizer"])
+            scheduler.load_state_dict(self.resumed["scheduler"])
+            set_rng_state(self.resumed["rng"])
+            state = self.resumed["state"]
+            step, elapsed, first = state["step"], state["elapsed_s"], state.get("first_row") or {}
+            self.best = state.get("best")
+            acc.wait_for_everyone()
+            if self.is_main:  # the rows the remaining steps write again
+                truncate_jsonl(self.out / "metrics.jsonl", lambda row: row["step"] <= step)
+            acc.wait_for_everyone()
+        else:
+            write_run_header(cfg, plan, self.out, acc, header)
+        log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
+        bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar, initial=step)
+        stream = PromptStream(num_examples, cfg.seed)
+        eval_every = cfg.log.eval_every
+        self.start = time.perf_counter() - elapsed
+        row: dict = {}
+        try:
+            with StopSignals() as stop:
+                while step < plan.total_optimizer_steps:
+                    t0 = time.perf_counter()
+                    batch = stream.rollout_indices(step, plan.batch_size)  # global: the same list on every process
+                    step += 1
+                    model.train()
+                    stage.begin_step(batch)
+                    parts = micro_batches(batch, plan, self.rank)
+                    sums = Sums(*stage.sums)
+                    for k, idx in enumerate(parts):
+                        with no_sync(acc, [model], cfg.train.sync_each_microbatch or k == len(parts) - 1):
+                            loss, values = stage.micro_batch(idx)
+                            # DDP averages gradients over W processes; the loss is this process's share of the
+                            # global batch loss, so scale by W to make the synchronised gradient the global one.
+                            acc.backward(loss * W)
+                        sums.add(**values)
+                    totals = sums.reduced(acc)
+                    [(lr, grad_norm)] = apply_update(
+                        acc, [(model, optimizer, scheduler)], cfg.train.max_grad_norm, step, totals["loss"], self.out,
+                        "Lower train.learning_rate, check the data, or set train.max_grad_norm.")
+                    row = {
+                        "step": step,
+                        "epoch": offline_epochs_done(plan, step),
+                        "examples": step * plan.batch_size,
+                        "lr": lr,
+                        "loss": totals["loss"],
+                        "grad_norm": grad_norm,
+                        "time_s": time.perf_counter() - self.start,
+                        **stage.metrics(totals, batch),
+                        "time/update_s": time.perf_counter() - t0,
+                    }
+                    if "real_tokens" in totals:  # what padding costs (packing lowers it), and the throughput
+                        row["padding_fraction"] = 1.0 - totals["real_tokens"] / max(totals["token_cells"], 1.0)
+                        row["tokens_per_s"] = totals["real_tokens"] / max(row["time/update_s"], 1e-9)
+                    if eval_examples and (step == plan.total_optimizer_steps or (eval_every and step % eval_every == 0)):
+                        row.update(self._evaluate(stage, model, eval_examples))
+                        self._keep_if_best(row, model, tokenizer)
+                    if not first:  # the summary's "from" values
+                        first = {k: row[k] for k in ("loss", *stage.bar) if row.get(k) is not None}
+                    if step % cfg.log.log_every == 0 or step == plan.total_optimizer_steps:
+                        log.write(row)
+                    log.observe(row)
+                    bar.advance({"loss": f"{row['loss']:.4f}",
+                                 **{k.split("/")[-1]: f"{row[k]:.3f}" for k in stage.bar if row.get(k) is not None}})
+                    if agree(acc, stop.requested):
+                        self._save_checkpoint(model, tokenizer, optimizer, scheduler, plan, step, first)
+                        raise TrainingInterrupted(
+                            f"stopped by {stop.name} after optimizer step {step} of {plan.total_optimizer_steps}; "
+                            f"checkpoint saved to {self.out}/checkpoint-{step}. "
+                            "Resume with: tidyrl train CONFIG.yaml resume_from=latest")
+                    if cfg.log.save_every and step % cfg.log.save_every == 0 and step < plan.total_optimizer_steps:
+                        self._save_checkpoint(model, tokenizer, optimizer, scheduler, plan, step, first)
+        finally:  # whatever happens, the bar is closed and every row written so far is on disk
+            bar.close()
+            log.close()
+        if step != plan.total_optimizer_steps:
+            raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
+        final_dir = save_pretrained_atomic(acc, model, tokenizer, self.out / "final", merged=cfg.lora.save_merged)
+        if self.is_main:
+            print(format_offline_summary(cfg.algorithm, plan, log.timings, time.perf_counter() - self.start, first,
+                                         row, self.out, final_dir, log.tracker_locations, self.best), flush=True)
+        return TrainResult(output_dir=self.out, final_dir=final_dir, plan=plan, metrics=row,
+                           is_main_process=self.is_main)
+
+    def _evaluate(self, stage: OfflineStage, model, n: int) -> dict:
+        """The held-out examples 0..n-1, in micro-batches of m split over processes (chunk c on process
+        c mod W), under no_grad; the sums reduced by name, then the stage's eval/ metrics."""
+        from tidyrl.loops.training import Sums
+
+        m = self.cfg.train.micro_batch_size
+        t0 = time.perf_counter()
+        sums = Sums(*stage.eval_sums)
+        model.eval()
+        with torch.no_grad():
+            for c, start in enumerate(range(0, n, m)):
+                if c % self.world_size == self.rank:
+                    sums.add(**stage.evaluate(list(range(start, min(start + m, n)))))
+        model.train()
+        return {**stage.eval_metrics(sums.reduced(self.accelerator), n), "time/eval_s": time.perf_counter() - t0}
+
+    def _keep_if_best(self, row: dict, model, tokenizer) -> None:
+        """log.best_metric: when this evaluation beats every earlier one, the model goes to best/ (atomically,
+        replacing the previous best) and best.json records the step and value. A name ending in `loss` is better
+        lower, any other higher. The first evaluation is always the best so far."""
+        import json
+
+        from tidyrl.loops.common import save_pretrained_atomic
+
+        name = self.cfg.log.best_metric
+        if name is None:
+            return
+        if name not in row or row[name] is None:
+            raise KeyError(f"log.best_metric = {name!r} is not among this stage's eval metrics "
+                           f"({', '.join(k for k in row if k.startswith('eval/'))}); choose one of them")
+        value = float(row[name])
+        better = (lambda a, b: a < b) if name.endswith("loss") else (lambda a, b: a > b)
+        if self.best is not None and not better(value, self.best["value"]):
+            return
+        # With LoRA, the adapter only: merging would fold it into the weights still being trained.
+        best_dir = save_pretrained_atomic(self.accelerator, model, tokenizer, self.out / "best")
+        self.best = {"metric": name, "value": value, "step": row["step"], "dir": str(best_dir)}
+        if self.is_main:
+            (self.out / "best.json").write_text(json.dumps(self.best, indent=2) + "\n")
+
+    def _save_checkpoint(self, model, tokenizer, optimizer, scheduler, plan, step: int, first: dict) -> None:
+        """checkpoint-<step> (main process; atomic, tidyrl.checkpoint)."""
+        from tidyrl.checkpoint import save_checkpoint
+        from tidyrl.config import config_to_dict
+        from tidyrl.sharding import ShardingError, sharding_kind
+
+        acc = self.accelerator
+        if sharding_kind(acc) != "none":  # only a stop signal gets here (save_every is refused under FSDP)
+            raise ShardingError(f"stopped after optimizer step {step}; under FSDP no checkpoint can be written yet "
+                                "(docs/memory.md), so the run must start again.")
+        acc.wait_for_everyone()
+        if self.is_main:
+            state = {"step": step, "elapsed_s": time.perf_counter() - self.start, "first_row": first, "best": self.best,
+                     "world_size": self.world_size, "plan": plan.to_dict(), "config": config_to_dict(self.cfg)}
+            save_checkpoint(self.out, step, model=acc.unwrap_model(model), tokenizer=tokenizer, optimizer=optimizer,
+                            scheduler=scheduler, state=state, rollout=None, keep_last=self.cfg.log.keep_last)
+        acc.wait_for_everyone()
 
 def model_pad_id(tokenizer, eos_ids: Sequence[int]) -> int:
     """Padding filler (masked out everywhere): the tokenizer's pad token, else the first EOS id."""

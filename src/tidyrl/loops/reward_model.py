@@ -2,11 +2,12 @@
 
     tokenise the pairs: prompt + chosen, prompt + rejected (whole text, as a reward model reads it)
     load `model` as AutoModelForSequenceClassification with one output (a new score head on the backbone)
-    for each optimizer step:
+    for each optimizer step (tidyrl.loops.offline.OfflineRun.train, the loop every offline stage shares):
         the next train.batch_size pairs of the stream
         micro-batches of m pairs: score the 2m sequences in one forward ->
         Bradley–Terry loss per pair, summed and divided by the pairs of the whole global batch -> backward
-        clip -> optimizer step -> one LR-scheduler step -> one metrics row
+        clip -> optimizer step -> one LR-scheduler step -> one metrics row            (RewardStage below)
+    eval: the held-out pairs' loss, accuracy and margin (eval/loss, eval/accuracy, eval/margin)
     final/: a sequence-classification folder (num_labels=1, pad_token_id set) that RL stages load as a
     reward model or as a critic's initialisation
 
@@ -17,14 +18,11 @@ config's pad_token_id, so training reads the score where inference will.
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import (TrainResult, in_own_memory, prepare_for_training,
-                                 load_tokenizer, make_accelerator, prepare_output_dir, save_pretrained_atomic,
-                                 torch_dtype, without_dropout, write_run_header)
+from tidyrl.loops.common import (TrainResult, in_own_memory, load_tokenizer, prepare_for_training, torch_dtype,
+                                 without_dropout)
 
 
 def load_reward_model(path: str, pad_id: int, dtype: str = "float32"):
@@ -46,79 +44,105 @@ def load_reward_model(path: str, pad_id: int, dtype: str = "float32"):
         hf_logging.set_verbosity(verbosity)
 
 
+class RewardStage:
+    """The Bradley–Terry loss on a micro-batch of pairs (Ouyang et al. 2022, eq. 1; with margins, Touvron et al.
+    2023 §3.2.2), divided by the pairs of the whole global batch."""
+
+    sums = ("loss", "correct", "reward_chosen", "reward_rejected", "margin", "real_tokens", "token_cells")
+    bar = ("rewards/accuracy",)
+    eval_sums = ("loss", "correct", "reward_chosen", "reward_rejected")
+
+    def __init__(self, model, pairs, held_out, pad_id: int, device, batch_size: int, with_margin: bool):
+        self.model, self.pairs, self.held_out = model, pairs, held_out
+        self.pad_id, self.device, self.batch_size, self.with_margin = pad_id, device, batch_size, with_margin
+
+    def begin_step(self, batch):
+        pass
+
+    def _score(self, pairs):
+        """Chosen and rejected in one forward: 2b sequences, chosen first. Returns (loss per pair, r_chosen,
+        r_rejected, margins, the sequences)."""
+        import torch
+
+        from tidyrl.algorithms.preference import bradley_terry_loss
+        from tidyrl.loops.offline import pad_batch
+
+        sequences = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+        inputs = pad_batch(sequences, self.pad_id, self.device)
+        rewards_2B = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                use_cache=False).logits.squeeze(-1).float()  # (2b,)
+        chosen_B, rejected_B = rewards_2B[: len(pairs)], rewards_2B[len(pairs):]
+        margin_B = torch.tensor([p.margin for p in pairs], device=rewards_2B.device)
+        return bradley_terry_loss(chosen_B, rejected_B, margin_B), chosen_B, rejected_B, margin_B, sequences
+
+    def micro_batch(self, idx):
+        from tidyrl.offline_data import token_counts
+
+        loss_B, chosen_B, rejected_B, margin_B, sequences = self._score([self.pairs[i] for i in idx])
+        # Normalised by the pairs of the whole global batch (not this micro-batch): the gradient does not
+        # depend on m or W.
+        loss = loss_B.sum() / self.batch_size
+        real, cells = token_counts(sequences)
+        chosen_B, rejected_B = chosen_B.detach(), rejected_B.detach()
+        return loss, {"loss": loss.detach(), "correct": (chosen_B > rejected_B).sum(), "reward_chosen": chosen_B.sum(),
+                      "reward_rejected": rejected_B.sum(), "margin": margin_B.sum(), "real_tokens": real,
+                      "token_cells": cells}
+
+    def metrics(self, sums, batch):
+        n = len(batch)
+        return {
+            "rewards/accuracy": sums["correct"] / n,  # fraction of pairs with r_chosen > r_rejected
+            "rewards/margin": (sums["reward_chosen"] - sums["reward_rejected"]) / n,  # mean r_chosen - r_rejected
+            "rewards/chosen": sums["reward_chosen"] / n,
+            "rewards/rejected": sums["reward_rejected"] / n,
+            **({"margin_mean": sums["margin"] / n} if self.with_margin else {}),
+        }
+
+    def evaluate(self, idx):
+        loss_B, chosen_B, rejected_B, _, _ = self._score([self.held_out[i] for i in idx])
+        return {"loss": loss_B.sum(), "correct": (chosen_B > rejected_B).sum(), "reward_chosen": chosen_B.sum(),
+                "reward_rejected": rejected_B.sum()}
+
+    def eval_metrics(self, sums, n):
+        return {"eval/loss": sums["loss"] / n, "eval/accuracy": sums["correct"] / n,
+                "eval/margin": (sums["reward_chosen"] - sums["reward_rejected"]) / n}
+
+
 def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train a reward model from a validated Config (see `tidyrl.train`)."""
     import torch
 
-    from tidyrl.algorithms.preference import bradley_terry_loss
-    from tidyrl.data import PromptStream
-    from tidyrl.loops.offline import (StepLog, micro_batches, model_pad_id, optimizer_step, pad_batch, reduce_sum,
-                                      say, sync_context)
-    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs
+    from tidyrl.loops.offline import OfflineRun, model_pad_id
+    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs, pair_key, split_train_eval
     from tidyrl.plan import offline_plan_from_config
 
-    accelerator = make_accelerator(cfg)
-    W, rank = accelerator.num_processes, accelerator.process_index
+    run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads
 
-    # 1. Everything checkable before the model: tokenizer, data, plan, output folder.
+    # 1. Everything checkable before the model: tokenizer, data, eval split, plan, output folder.
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     eos_ids = completion_eos_ids(cfg.model, tokenizer)
     pairs, notes = load_preference_pairs(cfg, tokenizer, eos_ids, whole_text=True)
-    plan = offline_plan_from_config(cfg, len(pairs), W)
-    out = Path(cfg.output_dir)
-    prepare_output_dir(out, cfg.overwrite, accelerator)
+    pairs, held_out, eval_notes = split_train_eval(
+        cfg, pairs, lambda c: load_preference_pairs(c, tokenizer, eos_ids, whole_text=True)[0], pair_key)
+    plan = offline_plan_from_config(cfg, len(pairs), run.world_size)
+    run.open_output(eval_notes)
     pad_id = model_pad_id(tokenizer, eos_ids)
     torch.manual_seed(cfg.seed)  # the new score head's initialisation
 
-    # 2. The model, the optimizer and the LR schedule (over the plan's total optimizer steps).
-    model = load_reward_model(cfg.model, pad_id, cfg.model_dtype)
+    # 2. The model (the checkpoint's when resuming), the optimizer and the LR schedule (over the plan's steps).
     if cfg.lora.enabled:  # the new score head is trained in full (peft's modules_to_save), the rest by LoRA
-        from tidyrl.lora import adapter_note, apply_lora
+        from tidyrl.lora import adapter_note, apply_lora, load_adapter
 
-        model = apply_lora(model, cfg.lora, cfg.model, task="sequence_classification")
+        model = load_reward_model(cfg.model, pad_id, cfg.model_dtype)
+        model = (load_adapter(model, run.resume_path, trainable=True) if run.resume_path else
+                 apply_lora(model, cfg.lora, cfg.model, task="sequence_classification"))
         notes = notes + [adapter_note(model)]
-    say(accelerator, notes + [f"reward model: {type(model).__name__} with one output on {cfg.model}"])
-    model, optimizer, scheduler = prepare_for_training(accelerator, model, cfg.train, plan)
-    write_run_header(cfg, plan, out, accelerator)
+    else:
+        model = load_reward_model(str(run.resume_path or cfg.model), pad_id, cfg.model_dtype)
+    run.say(notes + [f"reward model: {type(model).__name__} with one output on {cfg.model}"])
+    model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)
 
-    # 3. One optimizer step per train.batch_size pairs.
-    stream = PromptStream(len(pairs), cfg.seed)
-    with StepLog(out, plan, cfg.log, accelerator) as log:
-        for step in range(plan.total_optimizer_steps):
-            t0 = time.perf_counter()
-            batch = stream.rollout_indices(step, plan.batch_size)  # global pair indices, the same on every process
-            model.train()
-            parts = micro_batches(batch, plan, rank)
-            sums = torch.zeros(5, dtype=torch.float64)  # loss, correct, sum r_chosen, sum r_rejected, sum margin
-            for k, idx in enumerate(parts):
-                with sync_context(accelerator, model, k == len(parts) - 1, cfg.train.sync_each_microbatch):
-                    # Chosen and rejected in one forward: 2b sequences, chosen first.
-                    sequences = [pairs[i].chosen for i in idx] + [pairs[i].rejected for i in idx]
-                    inputs = pad_batch(sequences, pad_id, accelerator.device)
-                    rewards_2B = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                       use_cache=False).logits.squeeze(-1).float()  # (2b,)
-                    chosen_B, rejected_B = rewards_2B[: len(idx)], rewards_2B[len(idx):]
-                    margin_B = torch.tensor([pairs[i].margin for i in idx], device=rewards_2B.device)
-                    # Normalised by the pairs of the whole global batch (not this micro-batch): the gradient does
-                    # not depend on m or W. Scaled by W since DDP averages gradients over processes.
-                    loss = bradley_terry_loss(chosen_B, rejected_B, margin_B).sum() / plan.batch_size
-                    accelerator.backward(loss * W)
-                with torch.no_grad():
-                    sums += torch.tensor([float(loss), float((chosen_B > rejected_B).sum()), float(chosen_B.sum()),
-                                          float(rejected_B.sum()), float(margin_B.sum())], dtype=torch.float64)
-            sums = reduce_sum(accelerator, sums)
-            lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm,
-                                           step + 1, float(sums[0]))
-            n = plan.batch_size
-            log.row(step + 1, lr, float(sums[0]), grad_norm, {
-                "rewards/accuracy": float(sums[1]) / n,  # fraction of pairs with r_chosen > r_rejected
-                "rewards/margin": float(sums[2] - sums[3]) / n,  # mean r_chosen - r_rejected
-                "rewards/chosen": float(sums[2]) / n,
-                "rewards/rejected": float(sums[3]) / n,
-                **({"margin_mean": float(sums[4]) / n} if cfg.reward.margin_column else {}),
-                "time/update_s": time.perf_counter() - t0,
-            })
-
-    final_dir = save_pretrained_atomic(accelerator, model, tokenizer, out / "final", merged=cfg.lora.save_merged)
-    return TrainResult(output_dir=out, final_dir=final_dir, plan=plan, metrics=log.last_row,
-                       is_main_process=accelerator.is_main_process)
+    # 3. The loop: one optimizer step per train.batch_size pairs.
+    stage = RewardStage(model, pairs, held_out, pad_id, run.accelerator.device, plan.batch_size,
+                        cfg.reward.margin_column is not None)
+    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(pairs), len(held_out))

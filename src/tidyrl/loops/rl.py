@@ -12,7 +12,6 @@ All counts come from the plan (tidyrl.plan); nothing here recomputes them.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, load_critic, load_model_config,
                                  load_policy, load_tokenizer, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, write_run_header)
-from tidyrl.host_memory import release_freed_memory
+from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update, check_resume,
+                                   no_sync)
 from tidyrl.lora import adapter_folder_problem, adapter_note, reference_of
 from tidyrl.sharding import ShardingError, full_weights, sharding_kind
 from tidyrl.plan import epochs_done, plan_from_config
@@ -107,14 +107,6 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
     return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic)
 
 
-class TrainingInterrupted(RuntimeError):
-    """Ctrl-C or SIGTERM: the run stopped cleanly after an optimizer step and saved a checkpoint."""
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN or infinite; the update was not applied."""
-
-
 def choose_critic(cfg: Config, policy_vocab: dict) -> tuple[str, str]:
     """PPO's value model: (path, why it was chosen). `critic.model` when set, else the first reward model that
     shares the policy's vocabulary, else the policy. The critic reads the policy's tokens, so a model of another
@@ -165,8 +157,6 @@ class _RLRun:
     def __init__(self, cfg: Config, base_dir: Optional[str]):
         import torch
 
-        from tidyrl.checkpoint import CheckpointError, find_checkpoint, load_trainer_state, refused_changes
-        from tidyrl.config import config_to_dict
         from tidyrl.data import PromptStream
         from tidyrl.reward_model import RunningMoments
 
@@ -180,21 +170,7 @@ class _RLRun:
 
         # Everything cheap and checkable first: checkpoint, model and tokenizer paths, data, prompt
         # lengths, plan, rewards, output folder. No weights are loaded before all of it has passed.
-        self.resume_path, self.resumed = None, None
-        if cfg.resume_from:
-            from tidyrl.run_lock import hold_output_dir
-
-            hold_output_dir(self.out, self.accelerator)  # before reading a checkpoint another run could delete
-            self.resume_path = find_checkpoint(self.out, cfg.resume_from)
-            self.resumed = load_trainer_state(self.resume_path)
-            changes = refused_changes(self.resumed["state"]["config"], config_to_dict(cfg))
-            if changes:
-                raise CheckpointError(
-                    f"cannot resume from {self.resume_path}: these changes alter the plan or the maths:\n  "
-                    + "\n  ".join(changes) + "\nRevert them to resume, or start a new run in another output_dir. "
-                    "Only memory knobs (micro/generation/forward batch sizes, gradient checkpointing) and the "
-                    "saving cadence may change on resume."
-                )
+        self.resume_path, self.resumed = check_resume(cfg, self.out, self.accelerator)
         inputs = check_rl_inputs(cfg, base_dir, self.world_size)
         self.tokenizer, self.dataset, self.prompt_ids = inputs.tokenizer, inputs.dataset, inputs.prompt_ids
         self.plan, self.columns, self.reward_fns = inputs.plan, inputs.columns, inputs.reward_fns
@@ -334,7 +310,7 @@ class _RLRun:
         self.start = time.perf_counter() - elapsed
         row, last_reward = {}, None
         try:
-            with _StopSignals() as stop:
+            with StopSignals() as stop:
                 for r in range(step // steps_per_rollout, plan.rollouts):
                     if unfinished is not None:  # resumed inside this rollout: the saved one, not a new one
                         rollout, stats = unfinished
@@ -367,7 +343,7 @@ class _RLRun:
                         metrics_log.observe(row)  # every step: totals for the end-of-run summary
                         bar.step(stats["reward_mean"], row["episodes"])
                         inside = rollout if j < steps_per_rollout - 1 else None
-                        if self._agree(stop.requested):
+                        if agree(self.accelerator, stop.requested):
                             self._save_checkpoint(step, inside, stats, time.perf_counter() - self.start,
                                                   first_reward)
                             raise TrainingInterrupted(
@@ -392,15 +368,6 @@ class _RLRun:
                                  last_reward, self.out, final_dir, metrics_log.tracker_locations), flush=True)
         return TrainResult(self.out, final_dir, plan, row, first_reward, last_reward, self.is_main)
 
-    def _agree(self, flag: bool) -> bool:
-        """True in every process if it is true in any (so all stop at the same step)."""
-        if self.world_size == 1:
-            return flag
-        import torch
-
-        return bool(self._reduce_sum(torch.tensor([float(flag)])).item() > 0)
-
-    # ------------------------------------------------------------------ one rollout
     def _make_rollout_or_stop(self, r: int, step: int):
         """make_rollout(r); a reward that fails (raises, NaN, inf, ...) stops the run with where it stopped."""
         from tidyrl.checkpoint import last_good_checkpoint
@@ -611,16 +578,13 @@ class _RLRun:
         mine.sort(key=lambda e: e // plan.samples_per_prompt)
         micro_batches = list(chunks(mine, plan.micro_batch_size))
         assert len(micro_batches) == plan.gradient_accumulation_steps
-        # loss, kl*tokens, entropy*tokens, clipped, tokens, value loss, value-clipped tokens
-        sums = torch.zeros(7, dtype=torch.float64)
+        sums = Sums("loss", "kl_x_tokens", "entropy_x_tokens", "clipped_tokens", "tokens", "value_loss",
+                    "value_clipped_tokens")
         for i, idx in enumerate(micro_batches):
             part = rollout.select(idx)
             mask = part.completion_mask.to(self.accelerator.device)
             sync = cfg.train.sync_each_microbatch or i == len(micro_batches) - 1
-            with contextlib.ExitStack() as no_sync:
-                if not sync:  # accumulate locally; the last micro-batch synchronises (DESIGN §2)
-                    for m in models:
-                        no_sync.enter_context(self.accelerator.no_sync(m))
+            with no_sync(self.accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
                 logprobs, entropy = completion_logprobs(model, part, cfg.rollout.temperature, with_entropy=True)
                 old = part.old_logprobs.to(logprobs.device) if part.old_logprobs is not None else logprobs.detach()
                 adv = part.advantages.to(logprobs.device)
@@ -647,54 +611,31 @@ class _RLRun:
                 # global mean, so scale by W to make the synchronised gradient the global one.
                 self.accelerator.backward(loss * self.world_size)
             with torch.no_grad():
-                sums += torch.tensor([
-                    float(loss),
-                    float((kl * mask).sum()) if kl is not None else 0.0,
-                    float((entropy * mask).sum()),
-                    float((clipped.float() * mask).sum()),
-                    float(mask.sum()),
-                    float(value_loss),
-                    float((value_clipped.float() * mask).sum()),
-                ], dtype=torch.float64)
-        sums = self._reduce_sum(sums)
-        max_norm = cfg.train.max_grad_norm if cfg.train.max_grad_norm > 0 else math.inf
-        grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
-        critic_norm = self.accelerator.clip_grad_norm_(critic.parameters(), max_norm) if critic else torch.zeros(())
-        if not all(math.isfinite(float(x)) for x in (sums[0], grad_norm, critic_norm)):
-            # Stop before the update: a NaN step would poison every later one. Nothing saved is touched.
-            self.optimizer.zero_grad(set_to_none=True)
-            if critic is not None:
-                self.critic_optimizer.zero_grad(set_to_none=True)
-            from tidyrl.checkpoint import last_good_checkpoint
-
-            raise NonFiniteLossError(
-                f"optimizer step {step}: the loss is {float(sums[0])} and the gradient norm {float(grad_norm)}; "
-                f"the update was not applied and training stopped; {last_good_checkpoint(self.out)}. "
-                "Lower train.learning_rate, "
-                "check the rewards' scale, or set train.max_grad_norm."
-            )
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
-        self.optimizer.step()
-        self.scheduler.step()  # exactly once per optimizer step, in every process
-        self.optimizer.zero_grad(set_to_none=True)
-        release_freed_memory(self.accelerator.device)  # this step's activations and gradients (host_memory.py)
-        tokens = max(float(sums[4]), 1.0)
+                sums.add(loss=loss, kl_x_tokens=(kl * mask).sum() if kl is not None else 0.0,
+                         entropy_x_tokens=(entropy * mask).sum(), clipped_tokens=(clipped.float() * mask).sum(),
+                         tokens=mask.sum(), value_loss=value_loss,
+                         value_clipped_tokens=(value_clipped.float() * mask).sum())
+        sums = sums.reduced(self.accelerator)
+        parts = [(model, self.optimizer, self.scheduler)]
+        if critic is not None:  # the critic's own optimizer and schedule, also stepped once per optimizer step
+            parts.append((critic, self.critic_optimizer, self.critic_scheduler))
+        updates = apply_update(self.accelerator, parts, cfg.train.max_grad_norm, step, sums["loss"], self.out,
+                               "Lower train.learning_rate, check the rewards' scale, or set train.max_grad_norm.")
+        (lr, grad_norm), critic_norm = updates[0], (updates[1][1] if critic is not None else 0.0)
+        tokens = max(sums["tokens"], 1.0)
         out = {
             "lr": lr,
-            "loss": float(sums[0]),
-            "kl": float(sums[1]) / tokens if rollout.ref_logprobs is not None else None,
-            "entropy": float(sums[2]) / tokens,
-            "clip_fraction": float(sums[3]) / tokens,
-            "grad_norm": float(grad_norm),
+            "loss": sums["loss"],
+            "kl": sums["kl_x_tokens"] / tokens if rollout.ref_logprobs is not None else None,
+            "entropy": sums["entropy_x_tokens"] / tokens,
+            "clip_fraction": sums["clipped_tokens"] / tokens,
+            "grad_norm": grad_norm,
             "time/update_s": time.perf_counter() - t0,
         }
         if critic is not None:
-            out["critic_lr"] = self.critic_optimizer.param_groups[0]["lr"]
-            self.critic_optimizer.step()
-            self.critic_scheduler.step()  # the critic's own schedule, also once per optimizer step
-            self.critic_optimizer.zero_grad(set_to_none=True)
-            out.update({"value_loss": float(sums[5]), "value_clip_fraction": float(sums[6]) / tokens,
-                        "critic_grad_norm": float(critic_norm), "time/update_s": time.perf_counter() - t0})
+            out["critic_lr"] = updates[1][0]
+            out.update({"value_loss": sums["value_loss"], "value_clip_fraction": sums["value_clipped_tokens"] / tokens,
+                        "critic_grad_norm": critic_norm, "time/update_s": time.perf_counter() - t0})
         return out
 
     # ------------------------------------------------------------------ multi-process helpers
@@ -703,11 +644,6 @@ class _RLRun:
         if self.world_size == 1:
             return tensor
         return self.accelerator.gather(tensor.to(self.accelerator.device)).cpu()
-
-    def _reduce_sum(self, tensor):
-        if self.world_size == 1:
-            return tensor
-        return self.accelerator.reduce(tensor.to(self.accelerator.device), reduction="sum").cpu()
 
     def _gather_rollout(self, local):
         """Every process gets all R episodes (ids and masks are small), padded to common widths."""
@@ -734,36 +670,3 @@ class _RLRun:
             ref_logprobs=cat(local.ref_logprobs),
             old_values=cat(local.old_values),
         )
-
-
-class _StopSignals:
-    """Ctrl-C / SIGTERM ask the loop to stop after the current optimizer step (which then saves a
-    checkpoint); a second signal abandons the step at once. Installed in the main thread only."""
-
-    def __init__(self):
-        self.requested, self.name, self._previous = False, "", {}
-
-    def _handle(self, signum, frame):
-        import signal
-
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested, self.name = True, signal.Signals(signum).name
-        print(f"\ntidyrl: {self.name} received; stopping after this optimizer step (again to abandon it)",
-              flush=True)
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        import signal
-
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        return False

@@ -1,11 +1,12 @@
 """Supervised fine-tuning (`algorithm: sft`), explicit from top to bottom.
 
-    tokenise the examples (prompt + completion, or messages), pack them if asked
-    for each optimizer step:
+    tokenise the examples (prompt + completion, or messages); hold out the eval split; pack the rest if asked
+    for each optimizer step (tidyrl.loops.offline.OfflineRun.train, the loop every offline stage shares):
         the next train.batch_size examples of the stream
         micro-batches of m: masked NLL of the target tokens, normalised by the
-        target-token count of the whole global batch -> backward
+        target-token count of the whole global batch -> backward          (SFTStage below)
         clip -> optimizer step -> one LR-scheduler step -> one metrics row
+    eval: the held-out examples' NLL per target token (eval/loss)
     final/: the model, for the next stage (reward model, DPO, RL)
 
 All counts come from the plan (tidyrl.plan.make_offline_plan); docs/stages.md has the data format.
@@ -13,80 +14,91 @@ All counts come from the plan (tidyrl.plan.make_offline_plan); docs/stages.md ha
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import (TrainResult, prepare_for_training,
-                                 load_policy, load_tokenizer, make_accelerator, prepare_output_dir,
-                                 save_pretrained_atomic, write_run_header)
+from tidyrl.loops.common import TrainResult, load_policy, load_tokenizer, prepare_for_training
 from tidyrl.lora import adapter_note
+
+
+class SFTStage:
+    """The SFT loss on a micro-batch (Ouyang et al. 2022 §3.5: NLL of the demonstration's tokens), with the
+    normaliser of the whole global batch, so micro-batch size and process count change nothing."""
+
+    sums = ("loss", "nll", "real_tokens", "token_cells")
+    bar = ()
+    eval_sums = ("nll", "targets")
+
+    def __init__(self, model, examples, held_out, pad_id: int, device, mode: str):
+        self.model, self.examples, self.held_out = model, examples, held_out
+        self.pad_id, self.device, self.mode = pad_id, device, mode
+
+    def begin_step(self, batch):
+        from tidyrl.algorithms.sft import sft_normaliser
+
+        # Every process holds every example, so the whole batch's target count needs no all-reduce.
+        self.num_targets = sum(sum(self.examples[i].target_mask) for i in batch)
+        self.normaliser = sft_normaliser(self.mode, num_tokens=self.num_targets, num_sequences=len(batch))
+
+    def _nll(self, sequences):
+        from tidyrl.loops.offline import pad_batch, target_logprobs
+
+        logprobs_BT, mask_BT = target_logprobs(self.model, pad_batch(sequences, self.pad_id, self.device))
+        return logprobs_BT, mask_BT  # (b, T-1) each
+
+    def micro_batch(self, idx):
+        from tidyrl.algorithms.sft import sft_loss
+        from tidyrl.offline_data import token_counts
+
+        sequences = [self.examples[i] for i in idx]
+        logprobs_BT, mask_BT = self._nll(sequences)
+        loss = sft_loss(logprobs_BT, mask_BT, self.mode, self.normaliser)
+        real, cells = token_counts(sequences)
+        return loss, {"loss": loss.detach(), "nll": -(logprobs_BT.detach() * mask_BT).sum(), "real_tokens": real,
+                      "token_cells": cells}
+
+    def metrics(self, sums, batch):
+        return {"tokens": self.num_targets,  # trained (target) tokens of the global batch
+                "nll_token_mean": sums["nll"] / max(self.num_targets, 1)}  # = loss with token_mean
+
+    def evaluate(self, idx):
+        logprobs_BT, mask_BT = self._nll([self.held_out[i] for i in idx])
+        return {"nll": -(logprobs_BT * mask_BT).sum(), "targets": mask_BT.sum()}
+
+    def eval_metrics(self, sums, n):
+        return {"eval/loss": sums["nll"] / max(sums["targets"], 1)}  # NLL per held-out target token
 
 
 def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train with SFT from a validated Config (see `tidyrl.train`)."""
     import torch
 
-    from tidyrl.algorithms.sft import sft_loss, sft_normaliser
-    from tidyrl.data import PromptStream
-    from tidyrl.loops.offline import (StepLog, micro_batches, model_pad_id, optimizer_step, pad_batch, reduce_sum,
-                                      say, sync_context, target_logprobs)
-    from tidyrl.offline_data import completion_eos_ids, load_sft_examples
+    from tidyrl.loops.offline import OfflineRun, model_pad_id
+    from tidyrl.offline_data import (completion_eos_ids, load_sft_examples, pack_examples, sequence_key,
+                                     split_train_eval)
     from tidyrl.plan import offline_plan_from_config
 
-    accelerator = make_accelerator(cfg)
-    W, rank = accelerator.num_processes, accelerator.process_index
+    run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads
 
-    # 1. Everything checkable before the model: tokenizer, data, plan, output folder.
+    # 1. Everything checkable before the model: tokenizer, data, eval split, plan, output folder.
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     eos_ids = completion_eos_ids(cfg.model, tokenizer)
-    examples, notes = load_sft_examples(cfg, tokenizer, eos_ids)
-    plan = offline_plan_from_config(cfg, len(examples), W)
-    out = Path(cfg.output_dir)
-    prepare_output_dir(out, cfg.overwrite, accelerator)
-    say(accelerator, notes)
+    examples, notes = load_sft_examples(cfg, tokenizer, eos_ids, pack=False)
+    examples, held_out, eval_notes = split_train_eval(
+        cfg, examples, lambda c: load_sft_examples(c, tokenizer, eos_ids, pack=False)[0], sequence_key)
+    if cfg.sft.packing:  # after the split: a packed row never mixes train and eval examples
+        examples, note = pack_examples(examples, cfg.data.max_length)
+        notes.append(note)
+    plan = offline_plan_from_config(cfg, len(examples), run.world_size)
+    run.open_output(notes + eval_notes)
     pad_id = model_pad_id(tokenizer, eos_ids)
     torch.manual_seed(cfg.seed)
 
-    # 2. The model, the optimizer and the LR schedule (over the plan's total optimizer steps).
-    model = load_policy(cfg)
-    say(accelerator, [adapter_note(model)] if cfg.lora.enabled else [])
-    model, optimizer, scheduler = prepare_for_training(accelerator, model, cfg.train, plan)
-    write_run_header(cfg, plan, out, accelerator)
+    # 2. The model (the checkpoint's when resuming), the optimizer and the LR schedule (over the plan's steps).
+    model = load_policy(cfg, run.resume_path)
+    run.say([adapter_note(model)] if cfg.lora.enabled else [])
+    model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)
 
-    # 3. One optimizer step per train.batch_size examples; the stream crosses epoch boundaries (fresh shuffle each).
-    mode = cfg.sft.loss_aggregation
-    stream = PromptStream(len(examples), cfg.seed)
-    with StepLog(out, plan, cfg.log, accelerator) as log:
-        for step in range(plan.total_optimizer_steps):
-            t0 = time.perf_counter()
-            batch = stream.rollout_indices(step, plan.batch_size)  # global: the same list on every process
-            # Every process holds every example, so the whole batch's target count needs no all-reduce.
-            num_targets = sum(sum(examples[i].target_mask) for i in batch)
-            normaliser = sft_normaliser(mode, num_tokens=num_targets, num_sequences=len(batch))
-            model.train()
-            parts = micro_batches(batch, plan, rank)
-            sums = torch.zeros(2, dtype=torch.float64)  # loss, negative log-likelihood summed over targets
-            for k, idx in enumerate(parts):
-                with sync_context(accelerator, model, k == len(parts) - 1, cfg.train.sync_each_microbatch):
-                    inputs = pad_batch([examples[i] for i in idx], pad_id, accelerator.device)
-                    logprobs_BT, mask_BT = target_logprobs(model, inputs)  # (b, T-1) each
-                    loss = sft_loss(logprobs_BT, mask_BT, mode, normaliser)
-                    # DDP averages gradients over W processes; the loss is this process's share of the global
-                    # batch loss, so scale by W to make the synchronised gradient the global one.
-                    accelerator.backward(loss * W)
-                with torch.no_grad():
-                    sums += torch.tensor([float(loss), float(-(logprobs_BT * mask_BT).sum())], dtype=torch.float64)
-            sums = reduce_sum(accelerator, sums)
-            lr, grad_norm = optimizer_step(accelerator, model, optimizer, scheduler, cfg.train.max_grad_norm,
-                                           step + 1, float(sums[0]))
-            log.row(step + 1, lr, float(sums[0]), grad_norm, {
-                "tokens": num_targets,  # trained (target) tokens of the global batch
-                "nll_token_mean": float(sums[1]) / max(num_targets, 1),  # = loss with token_mean
-                "time/update_s": time.perf_counter() - t0,
-            })
-
-    final_dir = save_pretrained_atomic(accelerator, model, tokenizer, out / "final", merged=cfg.lora.save_merged)
-    return TrainResult(output_dir=out, final_dir=final_dir, plan=plan, metrics=log.last_row,
-                       is_main_process=accelerator.is_main_process)
+    # 3. The loop: one optimizer step per train.batch_size examples; the stream crosses epoch boundaries.
+    stage = SFTStage(model, examples, held_out, pad_id, run.accelerator.device, cfg.sft.loss_aggregation)
+    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(examples), len(held_out))

@@ -1,0 +1,160 @@
+"""The machinery every training loop shares, RL and offline alike (one module, not one copy per loop):
+
+    Sums            a step's metric sums, kept by name, reduced over processes in one collective
+    no_sync         gradient accumulation without synchronisation until the last micro-batch
+    apply_update    clip -> stop on NaN/inf -> optimizer step -> one LR-scheduler step -> zero the gradients
+    StopSignals     Ctrl-C / SIGTERM: stop after the current optimizer step, with a checkpoint
+    check_resume    the checkpoint `resume_from` names, read and compared with the current config
+    agree, reduce_sum   the small collectives
+
+The loops themselves stay explicit in their modules (loops/rl.py, loops/offline.py); these are their parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+
+class TrainingInterrupted(RuntimeError):
+    """Ctrl-C or SIGTERM: the run stopped cleanly after an optimizer step and saved a checkpoint."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became NaN or infinite; the update was not applied."""
+
+
+def reduce_sum(accelerator, tensor):
+    """Sum a small per-process tensor over processes (on one process: the tensor itself)."""
+    if accelerator.num_processes == 1:
+        return tensor
+    return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").cpu()
+
+
+def agree(accelerator, flag: bool) -> bool:
+    """True in every process if it is true in any (so that all stop at the same step)."""
+    if accelerator.num_processes == 1:
+        return flag
+    import torch
+
+    return bool(reduce_sum(accelerator, torch.tensor([float(flag)])).item() > 0)
+
+
+class Sums:
+    """A step's metric sums by name: `add(loss=..., correct=...)` per micro-batch, `reduced(accelerator)` once
+    per step (one all-reduce of every name). The names are fixed up front, so every process reduces the same
+    vector even when it saw no example of some kind."""
+
+    def __init__(self, *names: str):
+        import torch
+
+        self.names = tuple(names)
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self._values = torch.zeros(len(self.names), dtype=torch.float64)
+
+    def add(self, **values) -> None:
+        for name, value in values.items():
+            self._values[self._index[name]] += float(value)
+
+    def reduced(self, accelerator) -> dict[str, float]:
+        """The sums over every process, by name."""
+        total = reduce_sum(accelerator, self._values)
+        return {name: float(total[i]) for i, name in enumerate(self.names)}
+
+
+def no_sync(accelerator, models: Iterable, sync: bool):
+    """A context in which backward() accumulates gradients locally (`sync` False: not the last micro-batch of a
+    step) or synchronises them over processes (`sync` True), for every model in `models` (DESIGN §2)."""
+    stack = contextlib.ExitStack()
+    if not sync:
+        for model in models:
+            stack.enter_context(accelerator.no_sync(model))
+    return stack
+
+
+def apply_update(accelerator, parts: Sequence[tuple], max_grad_norm: float, step: int, loss: float,
+                 output_dir: Path, advice: str) -> list[tuple[float, float]]:
+    """Clip every (model, optimizer, scheduler) of `parts` to `max_grad_norm` (<= 0: no clipping), then, if the
+    loss and every gradient norm are finite, step each optimizer and its LR schedule exactly once and zero the
+    gradients. Returns (the learning rate this step used, the gradient norm before clipping) per part.
+
+    A NaN or infinite loss or norm stops the run before any update (a NaN step would poison every later one):
+    NonFiniteLossError names the 1-based `step`, where the run can resume from, and `advice`."""
+    from tidyrl.checkpoint import last_good_checkpoint
+    from tidyrl.host_memory import release_freed_memory
+
+    max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
+    norms = [float(accelerator.clip_grad_norm_(model.parameters(), max_norm)) for model, _, _ in parts]
+    if not all(math.isfinite(x) for x in (loss, *norms)):
+        for _, optimizer, _ in parts:
+            optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(
+            f"optimizer step {step}: the loss is {loss} and the gradient norm {norms[0]}; the update was not "
+            f"applied and training stopped; {last_good_checkpoint(output_dir)}. {advice}"
+        )
+    done = []
+    for (_, optimizer, scheduler), norm in zip(parts, norms):
+        done.append((optimizer.param_groups[0]["lr"], norm))  # the rate this step uses
+        optimizer.step()
+        scheduler.step()  # exactly once per optimizer step, in every process
+        optimizer.zero_grad(set_to_none=True)
+    release_freed_memory(accelerator.device)  # this step's activations and gradients (host_memory.py)
+    return done
+
+
+def check_resume(cfg, output_dir: Path, accelerator) -> tuple[Optional[Path], Optional[dict]]:
+    """(the checkpoint `cfg.resume_from` names, its trainer state), or (None, None) for a new run. Holds the
+    output folder first (before reading a checkpoint another run could delete) and refuses a config that
+    changes anything beyond the memory knobs and the saving cadence (checkpoint.RESUMABLE_CHANGES)."""
+    if not cfg.resume_from:
+        return None, None
+    from tidyrl.checkpoint import CheckpointError, find_checkpoint, load_trainer_state, refused_changes
+    from tidyrl.config import config_to_dict
+    from tidyrl.run_lock import hold_output_dir
+
+    hold_output_dir(output_dir, accelerator)
+    path = find_checkpoint(output_dir, cfg.resume_from)
+    loaded = load_trainer_state(path)
+    changes = refused_changes(loaded["state"]["config"], config_to_dict(cfg))
+    if changes:
+        raise CheckpointError(
+            f"cannot resume from {path}: these changes alter the plan or the maths:\n  " + "\n  ".join(changes)
+            + "\nRevert them to resume, or start a new run in another output_dir. Only memory knobs (micro/"
+            "generation/forward batch sizes, gradient checkpointing) and the saving cadence may change on resume."
+        )
+    return path, loaded
+
+
+class StopSignals:
+    """Ctrl-C / SIGTERM ask the loop to stop after the current optimizer step (which then saves a
+    checkpoint); a second signal abandons the step at once. Installed in the main thread only."""
+
+    def __init__(self):
+        self.requested, self.name, self._previous = False, "", {}
+
+    def _handle(self, signum, frame):
+        import signal
+
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested, self.name = True, signal.Signals(signum).name
+        print(f"\ntidyrl: {self.name} received; stopping after this optimizer step (again to abandon it)",
+              flush=True)
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
