@@ -46,6 +46,13 @@ def same_weights(a, b):
         assert torch.equal(wa[name], wb[name]), name
 
 
+def same_weights_within(a, b, tolerance):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst < tolerance, worst
+
+
 STAGES = {
     "sft": (sft_config, sft_rows, {"sft": {"packing": True}, "data": {"max_length": 24}}),
     "reward": (reward_config, pair_rows, {}),

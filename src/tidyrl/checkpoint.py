@@ -41,6 +41,7 @@ RESUMABLE_CHANGES = {
     "resume_from", "overwrite", "output_dir",
     "rollout.generation_batch_size", "rollout.forward_batch_size",
     "train.micro_batch_size", "train.gradient_checkpointing", "train.sync_each_microbatch",
+    "train.group_by_length", "train.padding_free",
     "log.progress_bar", "log.save_every", "log.keep_last", "lora.save_merged",
 }
 """Config keys that may differ on resume: memory knobs and saving cadence change speed and memory,

@@ -136,6 +136,10 @@ class TrainConfig:
     """Recompute activations in the backward pass to save memory."""
     sync_each_microbatch: bool = False
     """Synchronise gradients on every micro-batch instead of only the last (FSDP memory). Same results either way."""
+    group_by_length: bool = True
+    """sft, reward, dpo: order each process's share of a step by length before cutting it into micro-batches, so each pads little. Same examples per step, same gradient (up to summation order)."""
+    padding_free: Optional[bool] = None
+    """sft, dpo: each micro-batch as one row of its examples side by side, no padding (positions restart; the model is checked to keep examples apart). null = on where the attention has a varlen kernel (flash_attention_2/3), off otherwise (on CPU, group_by_length is faster: docs/benchmarks.md)."""
 
 
 @dataclass
@@ -514,7 +518,12 @@ def validate(cfg: Config) -> None:
     offline = cfg.algorithm in OFFLINE_ALGORITHMS
     if offline:
         _validate_offline(cfg, need)
+        need(not (cfg.algorithm == "reward" and cfg.train.padding_free), "train.padding_free",
+             "not available for reward models (their score is read at each row's last token); use "
+             "train.group_by_length, or null")
     else:  # held-out evaluation during training is for the offline stages so far (RL: `tidyrl eval` after)
+        need(cfg.train.padding_free is None, "train.padding_free",
+             f"only for sft and dpo; {cfg.algorithm} scores its rollouts with the rollout.forward_batch_size knob")
         for key, unset in (("data.eval_path", cfg.data.eval_path is None), ("data.eval_fraction", not cfg.data.eval_fraction),
                            ("log.eval_every", not cfg.log.eval_every), ("log.best_metric", cfg.log.best_metric is None)):
             need(unset, key, f"evaluation during training is not available for {cfg.algorithm} yet; remove it and "

@@ -106,11 +106,6 @@ def pack_examples(examples: list[TokenizedSequence], max_length: int) -> tuple[l
                     "(train.batch_size counts rows)")
 
 
-def token_counts(sequences: list[TokenizedSequence]) -> tuple[int, int]:
-    """(real tokens, cells of the right-padded batch = rows x longest row): what padding costs a forward."""
-    lengths = [len(s.input_ids) for s in sequences]
-    return sum(lengths), len(lengths) * max(lengths, default=0)
-
 
 def load_preference_pairs(cfg, tokenizer, eos_ids: list[int], *, whole_text: bool
                           ) -> tuple[list[TokenizedPair], list[str]]:

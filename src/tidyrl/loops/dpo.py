@@ -66,10 +66,13 @@ class PreferenceStage:
     eval_sums = ("loss", "correct", "reward_chosen", "reward_rejected", "orpo_nll", "orpo_tokens", "orpo_or")
 
     def __init__(self, model, pairs, held_out, ref_cache_N2, eval_ref_cache_N2, opts, pad_id: int, device,
-                 batch_size: int):
+                 batch_size: int, flat: bool):
         self.model, self.pairs, self.held_out = model, pairs, held_out
         self.ref_cache_N2, self.eval_ref_cache_N2 = ref_cache_N2, eval_ref_cache_N2
-        self.opts, self.pad_id, self.device, self.batch_size = opts, pad_id, device, batch_size
+        self.opts, self.pad_id, self.device, self.batch_size, self.flat = opts, pad_id, device, batch_size, flat
+
+    def length(self, i):  # chosen and rejected share the padded width
+        return max(len(self.pairs[i].chosen.input_ids), len(self.pairs[i].rejected.input_ids))
 
     def begin_step(self, batch):
         # orpo's SFT term is a token mean over the chosen completions of the GLOBAL batch (the same count on
@@ -83,11 +86,12 @@ class PreferenceStage:
         import torch
 
         from tidyrl.algorithms.preference import dpo_loss, orpo_odds_ratio_loss, sequence_logps, simpo_loss
-        from tidyrl.loops.offline import pad_batch, target_logprobs
+        from tidyrl.loops.offline import batch_cells, pad_batch, target_logprobs
 
         opts, b = self.opts, len(pairs)
         sequences = [p.chosen for p in pairs] + [p.rejected for p in pairs]  # chosen first
-        logprobs_BT, mask_BT = target_logprobs(self.model, pad_batch(sequences, self.pad_id, self.device))
+        inputs = pad_batch(sequences, self.pad_id, self.device, flat=self.flat)
+        logprobs_BT, mask_BT = target_logprobs(self.model, inputs)
         logps_2B = sequence_logps(logprobs_BT, mask_BT)  # (2b,)
         lengths_2B = mask_BT.sum(dim=-1)
         orpo = (torch.zeros(()), torch.zeros(()), torch.zeros(()))
@@ -109,18 +113,16 @@ class PreferenceStage:
                 logps_2B[:b], logps_2B[b:], ref[:, 0], ref[:, 1],
                 beta=opts.beta, loss_type=opts.loss_type, label_smoothing=opts.label_smoothing)
             loss = loss_B.sum() / num_pairs
-        return loss, reward_chosen_B.detach(), reward_rejected_B.detach(), logps_2B.detach(), orpo, sequences
+        return (loss, reward_chosen_B.detach(), reward_rejected_B.detach(), logps_2B.detach(), orpo,
+                (sum(len(s.input_ids) for s in sequences), batch_cells(inputs)))
 
     def micro_batch(self, idx):
         import torch
 
-        from tidyrl.offline_data import token_counts
-
         ref = None if self.ref_cache_N2 is None else self.ref_cache_N2[torch.tensor(idx)]
-        loss, chosen_B, rejected_B, logps_2B, orpo, sequences = self._losses(
+        loss, chosen_B, rejected_B, logps_2B, orpo, (real, cells) = self._losses(
             [self.pairs[i] for i in idx], ref, self.chosen_tokens, self.batch_size)
         b = len(idx)
-        real, cells = token_counts(sequences)
         return loss, {"loss": loss.detach(), "correct": (chosen_B > rejected_B).sum(),
                       "reward_chosen": chosen_B.sum(), "reward_rejected": rejected_B.sum(),
                       "logp_chosen": logps_2B[:b].sum(), "logp_rejected": logps_2B[b:].sum(),
@@ -165,7 +167,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train with a preference loss (dpo.loss_type) from a validated Config (see `tidyrl.train`)."""
     import torch
 
-    from tidyrl.loops.offline import OfflineRun, model_pad_id
+    from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
     from tidyrl.offline_data import (check_distinct_pairs, completion_eos_ids, load_preference_pairs, pair_key,
                                      split_train_eval)
     from tidyrl.plan import offline_plan_from_config
@@ -196,7 +198,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     elif not cfg.lora.enabled:
         ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(run.accelerator.device)
         ref_model.eval().requires_grad_(False)
-    run.say([adapter_note(model)] if cfg.lora.enabled else [])
+    flat, notes = choose_padding_free(cfg, model)
+    run.say(notes + ([adapter_note(model)] if cfg.lora.enabled else []))
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)
     ref_cache_N2 = eval_ref_cache_N2 = None
     if not reference_free:
@@ -213,5 +216,5 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 3. The loop: one optimizer step per train.batch_size pairs.
     stage = PreferenceStage(model, pairs, held_out, ref_cache_N2, eval_ref_cache_N2, opts, pad_id,
-                            run.accelerator.device, plan.batch_size)
+                            run.accelerator.device, plan.batch_size, flat)
     return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(pairs), len(held_out))

@@ -42,19 +42,36 @@ def say(accelerator, lines: Sequence[str]) -> None:
             print(f"tidyrl: {line}", flush=True)
 
 
-def micro_batches(batch: Sequence[int], plan: OfflinePlan, rank: int) -> list[list[int]]:
-    """This process's share of a global batch of example indices, B/W of them, in micro-batches of m."""
+def micro_batches(batch: Sequence[int], plan: OfflinePlan, rank: int, length=None) -> list[list[int]]:
+    """This process's share of a global batch of example indices, B/W of them, in micro-batches of m. With
+    `length` (train.group_by_length: example index -> tokens), the share is ordered by length first, so each
+    micro-batch holds examples of similar length and pads little. The step's examples, its normaliser and so
+    its gradient are the same either way (only the summation order differs, as with another m)."""
     per_process = plan.examples_per_process
     mine = list(batch[rank * per_process: (rank + 1) * per_process])
+    if length is not None:
+        mine.sort(key=length)  # stable: equal lengths keep the stream's order
     parts = [mine[i: i + plan.micro_batch_size] for i in range(0, per_process, plan.micro_batch_size)]
     assert len(parts) == plan.gradient_accumulation_steps
     return parts
 
 
-def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device) -> dict:
+def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat: bool = False) -> dict:
     """Right-padded (B, T) tensors: input_ids, target_mask (float), and either attention_mask (plain rows) or
     position_ids (packed rows: positions restart at each example; with no attention_mask, transformers builds a
-    block-diagonal causal mask from them, so packed examples never see each other)."""
+    block-diagonal causal mask from them, so packed examples never see each other).
+
+    `flat` (train.padding_free): the B sequences side by side in ONE row of their total length, no padding at
+    all, positions restarting at each; `lengths` records where each ends, so `target_logprobs` hands back the
+    (B, T-1) layout the losses expect."""
+    if flat:
+        ids = [t for s in sequences for t in s.input_ids]
+        positions = [p for s in sequences for p in (s.position_ids or range(len(s.input_ids)))]
+        targets = [t for s in sequences for t in s.target_mask]
+        return {"input_ids": torch.tensor([ids], device=device),
+                "position_ids": torch.tensor([positions], device=device),
+                "target_mask": torch.tensor([targets], dtype=torch.float32, device=device),
+                "lengths": [len(s.input_ids) for s in sequences]}
     width = max(len(s.input_ids) for s in sequences)
     B = len(sequences)
     ids = torch.full((B, width), pad_id, dtype=torch.long)
@@ -78,21 +95,98 @@ def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device) -> di
     return batch
 
 
+def batch_cells(batch: dict) -> int:
+    """Token cells a forward of `batch` computes (rows x width): with padding_fraction, what padding costs."""
+    return batch["input_ids"].numel()
+
+
 def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs (B, T-1) of tokens 1..T-1 under `model` (position t-1 predicts token t) and their target mask
-    (B, T-1). `gather_logprobs` never builds a (B, T, V) log-softmax."""
+    (B, T-1). `gather_logprobs` never builds a (B, T, V) log-softmax. A flat batch (pad_batch(flat=True)) is
+    scored as its one row, then laid out as B right-padded rows: the first token of each example, which the
+    previous example's last token "predicts" in the flat row, is never a target, so nothing crosses examples."""
     from tidyrl.ops import gather_logprobs
 
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     logits_BTV = model(**inputs, use_cache=False).logits
     logprobs_BT = gather_logprobs(logits_BTV[:, :-1], batch["input_ids"][:, 1:])
-    return logprobs_BT, batch["target_mask"][:, 1:]
+    mask_BT = batch["target_mask"][:, 1:]
+    if "lengths" not in batch:
+        return logprobs_BT, mask_BT
+    lengths = batch["lengths"]
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    width = max(lengths) - 1
+    # Row b, column j: the log-prob of example b's token j + 1, at flat index start_b + j of the shifted row.
+    index_BT = starts[:, None] + torch.arange(width)[None, :]
+    valid_BT = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None] - 1
+    index_BT = torch.where(valid_BT, index_BT, 0).to(logprobs_BT.device)
+    valid_BT = valid_BT.to(logprobs_BT.device)
+    logprobs = torch.where(valid_BT, logprobs_BT[0][index_BT], 0.0)
+    mask = torch.where(valid_BT, mask_BT[0][index_BT], 0.0)
+    return logprobs, mask
+
+
+def packed_attention_error(model) -> Optional[str]:
+    """Why examples side by side in one row (sft.packing, train.padding_free) would not be scored as they are
+    alone, or None when they are. Measured on the loaded model itself, whatever its attention implementation:
+    two short random sequences scored apart and packed (positions restarting, no attention mask); examples
+    that see each other, or positions that do not restart, change the logits by O(1), rounding by ~1e-6."""
+    unwrapped = getattr(model, "module", model)
+    config = unwrapped.config
+    device = next(unwrapped.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, config.vocab_size, (n,), generator=generator).to(device) for n in (5, 3))
+    was_training = unwrapped.training
+    unwrapped.eval()
+    with torch.no_grad():
+        apart = torch.cat([unwrapped(input_ids=x[None], use_cache=False).logits[0] for x in (a, b)]).float()
+        positions = torch.cat([torch.arange(5), torch.arange(3)])[None].to(device)
+        packed = unwrapped(input_ids=torch.cat([a, b])[None], position_ids=positions, use_cache=False).logits[0].float()
+    unwrapped.train(was_training)
+    # Rounding of another shape stays near 1e-6 in float32 (1e-3 in bfloat16); mixing examples, even in a random
+    # tiny model, shows at ~5e-3 and up (bloom's ALiBi, OPT's learned positions), in a trained one at O(1).
+    full_precision = next(unwrapped.parameters()).dtype in (torch.float32, torch.float64)
+    tolerance = 1e-4 if full_precision else 1e-2
+    error = float((packed - apart).abs().max()) / max(1.0, float(apart.abs().max()))
+    if error <= tolerance:
+        return None
+    return (f"the model ({config.model_type}, attention {getattr(config, '_attn_implementation', None)!r}) does not "
+            f"keep examples apart in one row: packed logits differ from separate ones by {error:.2g} (relative); "
+            "its attention or position handling ignores restarting position_ids")
+
+
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+"""Attention implementations that run a flat row's examples as separate sequences (varlen kernels): there
+padding-free micro-batches cost only their real tokens, so `train.padding_free: null` turns them on."""
+
+
+def choose_padding_free(cfg, model) -> tuple[bool, list[str]]:
+    """train.padding_free resolved for the loaded `model` (null: on with a varlen attention kernel), and notes.
+    It and sft.packing need the model to keep examples apart in one row (packed_attention_error, measured):
+    if asked for and the model does not, a ConfigError naming the model type, before training starts."""
+    from tidyrl.config import ConfigError
+
+    packing = cfg.algorithm == "sft" and cfg.sft.packing
+    wanted = cfg.train.padding_free
+    if wanted is None:
+        wanted = getattr(model.config, "_attn_implementation", None) in VARLEN_ATTENTION
+    if not (wanted or packing):
+        return False, []
+    problem = packed_attention_error(model)
+    if problem is not None:
+        if cfg.train.padding_free is None and not packing:
+            return False, [f"padding-free micro-batches off: {problem}"]
+        key = "sft.packing" if packing else "train.padding_free"
+        raise ConfigError([f"{key}: {problem}. Set {key}=false (train.group_by_length still cuts padding)."])
+    return wanted, (["padding-free micro-batches: each micro-batch is one row of its examples, no padding"]
+                    if wanted else [])
 
 
 class OfflineStage(Protocol):
     """What a stage (sft, reward, dpo, ...) supplies to `OfflineRun.train`: its loss and metrics, nothing else.
 
     sums:        names of the per-micro-batch sums (`loss` first), reduced over processes once per step
+    length(i)    tokens of example i (train.group_by_length sorts by it)
     bar:         row metrics shown beside the loss in the progress bar (e.g. rewards/accuracy)
     begin_step(batch)   the global batch's example indices, before its micro-batches (global normalisers)
     micro_batch(idx)    -> (loss, sums): this micro-batch's loss, already divided by the GLOBAL batch's
@@ -105,6 +199,8 @@ class OfflineStage(Protocol):
     sums: tuple[str, ...]
     bar: tuple[str, ...]
     eval_sums: tuple[str, ...]
+
+    def length(self, i: int) -> int: ...
 
     def begin_step(self, batch: list[int]) -> None: ...
 
@@ -193,7 +289,8 @@ class OfflineRun:
                     step += 1
                     model.train()
                     stage.begin_step(batch)
-                    parts = micro_batches(batch, plan, self.rank)
+                    parts = micro_batches(batch, plan, self.rank,
+                                          stage.length if cfg.train.group_by_length else None)
                     sums = Sums(*stage.sums)
                     for k, idx in enumerate(parts):
                         with no_sync(acc, [model], cfg.train.sync_each_microbatch or k == len(parts) - 1):

@@ -56,12 +56,15 @@ class RewardStage:
         self.model, self.pairs, self.held_out = model, pairs, held_out
         self.pad_id, self.device, self.batch_size, self.with_margin = pad_id, device, batch_size, with_margin
 
+    def length(self, i):  # chosen and rejected share the padded width
+        return max(len(self.pairs[i].chosen.input_ids), len(self.pairs[i].rejected.input_ids))
+
     def begin_step(self, batch):
         pass
 
     def _score(self, pairs):
         """Chosen and rejected in one forward: 2b sequences, chosen first. Returns (loss per pair, r_chosen,
-        r_rejected, margins, the sequences)."""
+        r_rejected, margins, the padded batch)."""
         import torch
 
         from tidyrl.algorithms.preference import bradley_terry_loss
@@ -73,20 +76,21 @@ class RewardStage:
                                 use_cache=False).logits.squeeze(-1).float()  # (2b,)
         chosen_B, rejected_B = rewards_2B[: len(pairs)], rewards_2B[len(pairs):]
         margin_B = torch.tensor([p.margin for p in pairs], device=rewards_2B.device)
-        return bradley_terry_loss(chosen_B, rejected_B, margin_B), chosen_B, rejected_B, margin_B, sequences
+        return bradley_terry_loss(chosen_B, rejected_B, margin_B), chosen_B, rejected_B, margin_B, inputs
 
     def micro_batch(self, idx):
-        from tidyrl.offline_data import token_counts
+        from tidyrl.loops.offline import batch_cells
 
-        loss_B, chosen_B, rejected_B, margin_B, sequences = self._score([self.pairs[i] for i in idx])
+        pairs = [self.pairs[i] for i in idx]
+        loss_B, chosen_B, rejected_B, margin_B, inputs = self._score(pairs)
         # Normalised by the pairs of the whole global batch (not this micro-batch): the gradient does not
         # depend on m or W.
         loss = loss_B.sum() / self.batch_size
-        real, cells = token_counts(sequences)
+        real = sum(len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in pairs)
         chosen_B, rejected_B = chosen_B.detach(), rejected_B.detach()
         return loss, {"loss": loss.detach(), "correct": (chosen_B > rejected_B).sum(), "reward_chosen": chosen_B.sum(),
                       "reward_rejected": rejected_B.sum(), "margin": margin_B.sum(), "real_tokens": real,
-                      "token_cells": cells}
+                      "token_cells": batch_cells(inputs)}
 
     def metrics(self, sums, batch):
         n = len(batch)

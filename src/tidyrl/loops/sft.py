@@ -29,9 +29,12 @@ class SFTStage:
     bar = ()
     eval_sums = ("nll", "targets")
 
-    def __init__(self, model, examples, held_out, pad_id: int, device, mode: str):
+    def __init__(self, model, examples, held_out, pad_id: int, device, mode: str, flat: bool):
         self.model, self.examples, self.held_out = model, examples, held_out
-        self.pad_id, self.device, self.mode = pad_id, device, mode
+        self.pad_id, self.device, self.mode, self.flat = pad_id, device, mode, flat
+
+    def length(self, i):
+        return len(self.examples[i].input_ids)
 
     def begin_step(self, batch):
         from tidyrl.algorithms.sft import sft_normaliser
@@ -41,28 +44,28 @@ class SFTStage:
         self.normaliser = sft_normaliser(self.mode, num_tokens=self.num_targets, num_sequences=len(batch))
 
     def _nll(self, sequences):
-        from tidyrl.loops.offline import pad_batch, target_logprobs
+        """(log-probs, target mask), (b, T-1) each, and the token cells the forward computed."""
+        from tidyrl.loops.offline import batch_cells, pad_batch, target_logprobs
 
-        logprobs_BT, mask_BT = target_logprobs(self.model, pad_batch(sequences, self.pad_id, self.device))
-        return logprobs_BT, mask_BT  # (b, T-1) each
+        inputs = pad_batch(sequences, self.pad_id, self.device, flat=self.flat)
+        logprobs_BT, mask_BT = target_logprobs(self.model, inputs)
+        return logprobs_BT, mask_BT, batch_cells(inputs)
 
     def micro_batch(self, idx):
         from tidyrl.algorithms.sft import sft_loss
-        from tidyrl.offline_data import token_counts
 
         sequences = [self.examples[i] for i in idx]
-        logprobs_BT, mask_BT = self._nll(sequences)
+        logprobs_BT, mask_BT, cells = self._nll(sequences)
         loss = sft_loss(logprobs_BT, mask_BT, self.mode, self.normaliser)
-        real, cells = token_counts(sequences)
-        return loss, {"loss": loss.detach(), "nll": -(logprobs_BT.detach() * mask_BT).sum(), "real_tokens": real,
-                      "token_cells": cells}
+        return loss, {"loss": loss.detach(), "nll": -(logprobs_BT.detach() * mask_BT).sum(),
+                      "real_tokens": sum(len(s.input_ids) for s in sequences), "token_cells": cells}
 
     def metrics(self, sums, batch):
         return {"tokens": self.num_targets,  # trained (target) tokens of the global batch
                 "nll_token_mean": sums["nll"] / max(self.num_targets, 1)}  # = loss with token_mean
 
     def evaluate(self, idx):
-        logprobs_BT, mask_BT = self._nll([self.held_out[i] for i in idx])
+        logprobs_BT, mask_BT, _ = self._nll([self.held_out[i] for i in idx])
         return {"nll": -(logprobs_BT * mask_BT).sum(), "targets": mask_BT.sum()}
 
     def eval_metrics(self, sums, n):
@@ -73,7 +76,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train with SFT from a validated Config (see `tidyrl.train`)."""
     import torch
 
-    from tidyrl.loops.offline import OfflineRun, model_pad_id
+    from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
     from tidyrl.offline_data import (completion_eos_ids, load_sft_examples, pack_examples, sequence_key,
                                      split_train_eval)
     from tidyrl.plan import offline_plan_from_config
@@ -96,9 +99,10 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 2. The model (the checkpoint's when resuming), the optimizer and the LR schedule (over the plan's steps).
     model = load_policy(cfg, run.resume_path)
-    run.say([adapter_note(model)] if cfg.lora.enabled else [])
+    flat, notes = choose_padding_free(cfg, model)  # and checks that packed rows keep examples apart
+    run.say(notes + ([adapter_note(model)] if cfg.lora.enabled else []))
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)
 
     # 3. The loop: one optimizer step per train.batch_size examples; the stream crosses epoch boundaries.
-    stage = SFTStage(model, examples, held_out, pad_id, run.accelerator.device, cfg.sft.loss_aggregation)
+    stage = SFTStage(model, examples, held_out, pad_id, run.accelerator.device, cfg.sft.loss_aggregation, flat)
     return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(examples), len(held_out))

@@ -1,0 +1,130 @@
+"""Less padding, the same maths: padding-free micro-batches (one row, positions restarting) and micro-batches
+grouped by length give the loss and update of plain padded micro-batches; a model that would mix packed
+examples is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import llama, mistral, qwen2, read_jsonl, write_jsonl
+from test_dpo import dpo_config
+from test_offline_runs import same_weights_within
+from test_sft import sft_config
+
+import tidyrl
+from tidyrl.config import ConfigError
+from tidyrl.loops.offline import pad_batch, packed_attention_error, target_logprobs
+from tidyrl.offline_data import TokenizedSequence
+
+WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach"]
+
+
+def mixed_sft_rows():
+    """Completions of 1, 4 and 7 words: lengths that differ, so padding matters."""
+    return [{"prompt": f"{w}:", "completion": " ".join([w[::-1]] * (1 + 3 * (i % 3)))} for i, w in enumerate(WORDS)]
+
+
+def sequences(generator, lengths, vocab=40):
+    out = []
+    for n in lengths:
+        ids = torch.randint(3, vocab, (n,), generator=generator).tolist()
+        out.append(TokenizedSequence(ids, [0] + [int(x) for x in torch.rand(n - 1, generator=generator) < 0.7]))
+    return out
+
+
+@pytest.mark.parametrize("build", [llama, qwen2, mistral], ids=["llama", "qwen2", "mistral"])
+def test_a_flat_row_gives_each_token_the_log_prob_it_has_alone(build):
+    model = build()
+    seqs = sequences(torch.Generator().manual_seed(0), [7, 3, 12, 5])
+    with torch.no_grad():
+        padded, padded_mask = target_logprobs(model, pad_batch(seqs, 0, "cpu"))
+        flat, flat_mask = target_logprobs(model, pad_batch(seqs, 0, "cpu", flat=True))
+    assert flat.shape == padded.shape == (4, 11)
+    assert torch.equal(flat_mask, padded_mask)
+    assert torch.allclose(flat * flat_mask, padded * padded_mask, atol=2e-6)
+    assert float(padded_mask.sum()) > 10  # targets on every example, not just the first
+
+
+def test_the_flat_layout_is_differentiable_like_the_padded_one():
+    model = llama()
+    seqs = sequences(torch.Generator().manual_seed(1), [6, 9, 4])
+    grads = []
+    for flat in (False, True):
+        model.zero_grad()
+        logprobs, mask = target_logprobs(model, pad_batch(seqs, 0, "cpu", flat=flat))
+        (-(logprobs * mask).sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_models_that_mix_packed_examples_are_named():
+    from transformers import BloomConfig, BloomForCausalLM, OPTConfig, OPTForCausalLM
+
+    assert packed_attention_error(llama()) is None
+    assert packed_attention_error(llama(attn_implementation="eager")) is None
+    torch.manual_seed(0)
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4))
+    assert "the model (bloom, attention 'eager') does not keep examples apart" in packed_attention_error(bloom)
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                   num_attention_heads=4, word_embed_proj_dim=32))
+    assert "(opt, attention 'sdpa')" in packed_attention_error(opt)
+
+
+VARIANTS = {
+    "padded": {"group_by_length": False, "padding_free": False},
+    "grouped": {"group_by_length": True, "padding_free": False},
+    "flat": {"group_by_length": False, "padding_free": True},
+    "grouped-flat": {"group_by_length": True, "padding_free": True},
+}
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_padding_free_and_grouping_change_padding_not_the_maths(stage, tiny_model_dir, tmp_path):
+    if stage == "sft":
+        data = write_jsonl(tmp_path / "data.jsonl", mixed_sft_rows())
+        make = sft_config
+    else:
+        data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": f"{w}:", "chosen": w[::-1] * (1 + i % 3),
+                                                      "rejected": "zz" + w} for i, w in enumerate(WORDS)])
+        make = dpo_config
+    runs = {}
+    for name, knobs in VARIANTS.items():
+        cfg = make(tiny_model_dir, data, tmp_path / name, train={"batch_size": 10, "micro_batch_size": 2,
+                                                                 "dataset_epochs": None, "max_steps": 3, **knobs})
+        result = tidyrl.train(cfg)
+        runs[name] = (result, read_jsonl(tmp_path / name / "metrics.jsonl"))
+    base_rows = runs["padded"][1]
+    for name, (result, rows) in runs.items():
+        for key in ("loss", "grad_norm", "rewards/margin" if stage == "dpo" else "nll_token_mean"):
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in base_rows], rel=1e-5, abs=1e-6), (name, key)
+        same_weights_within(result.final_dir, runs["padded"][0].final_dir, 1e-5)
+    padding = {name: sum(r["padding_fraction"] for r in rows) for name, (_, rows) in runs.items()}
+    assert padding["flat"] == padding["grouped-flat"] == 0.0
+    assert 0 < padding["grouped"] < padding["padded"]
+
+
+def test_padding_free_is_refused_for_a_model_that_mixes_examples(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BloomConfig, BloomForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", *"abcdefghijklmnopqrstuvwxyz:"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>")
+    torch.manual_seed(0)
+    model_dir = tmp_path / "bloom"
+    BloomForCausalLM(BloomConfig(vocab_size=len(vocab), hidden_size=32, n_layer=2, n_head=4, bos_token_id=1,
+                                 eos_token_id=2, pad_token_id=0)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = write_jsonl(tmp_path / "data.jsonl", mixed_sft_rows())
+    for knobs, key in (({"train": {"padding_free": True}}, "train.padding_free"),
+                       ({"sft": {"packing": True}, "data": {"max_length": 64}}, "sft.packing")):
+        out = tmp_path / key
+        with pytest.raises(ConfigError, match=rf"{key}: the model \(bloom, attention 'eager'\) does not keep "
+                                               rf"examples apart.*Set {key}=false"):
+            tidyrl.train(sft_config(model_dir, data, out, **knobs))
+        assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()
+    # Left to choose (null), a plain CPU model runs padded: grouped by length, nothing refused.
+    result = tidyrl.train(sft_config(model_dir, data, tmp_path / "auto"))
+    assert read_jsonl(result.output_dir / "metrics.jsonl")[0]["padding_fraction"] > 0
