@@ -62,8 +62,29 @@ def test_plan_of_an_sft_stage_counts_its_examples_even_without_a_prompt_column(t
                                     "train": {"dataset_epochs": 2, "batch_size": 2, "micro_batch_size": 1}}))
     assert main(["plan", str(path)]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed == make_offline_plan(num_examples=7, batch_size=2, micro_batch_size=1, dataset_epochs=2).to_dict()
+    assert printed == make_offline_plan(num_examples=7, batch_size=2, micro_batch_size=1,
+                                        dataset_epochs=2).to_dict() | {"eval_examples": 0}
     assert printed["total_optimizer_steps"] == 7  # ceil(2 * 7 / 2)
+
+
+def test_plan_of_a_dpo_stage_counts_held_out_pairs_and_the_reference_cost(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": w, "chosen": w[::-1], "rejected": w}) + "\n"
+                            for w in ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach"]))
+    path = tmp_path / "dpo.yaml"
+    cfg = {"algorithm": "dpo", "model": str(tiny_model_dir), "data": {"path": str(data), "eval_fraction": 0.2},
+           "train": {"dataset_epochs": 1, "batch_size": 6, "micro_batch_size": 3}}
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["plan", str(path)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    # 2 of 10 pairs held out; the reference scores 2 x (8 + 2) sequences in ceil(8/3) + ceil(2/3) = 4 passes.
+    assert (printed["num_examples"], printed["eval_examples"]) == (8, 2)
+    assert (printed["reference_sequences"], printed["reference_forward_passes"]) == (20, 4)
+    cfg["dpo"] = {"loss_type": "simpo"}
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["plan", str(path)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["reference"] == "none (reference-free loss)" and "reference_sequences" not in printed
 
 
 def test_plan_rejects_sizes_that_do_not_divide(yaml_run, capsys):

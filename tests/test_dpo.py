@@ -50,7 +50,9 @@ def test_dpo_run_counts_and_raises_the_margin(tiny_model_dir, pairs_file, tmp_pa
     result = tidyrl.train(dpo_config(tiny_model_dir, pairs_file, out))
     # N = 12 pairs, B = 4, 2 epochs: 6 steps, 24 pairs.
     plan = json.loads((out / "plan.json").read_text())
-    assert plan == make_offline_plan(batch_size=4, micro_batch_size=2, dataset_epochs=2.0, num_examples=12).to_dict()
+    assert plan == make_offline_plan(batch_size=4, micro_batch_size=2, dataset_epochs=2.0, num_examples=12).to_dict() | {
+        "eval_examples": 0, "reference": "scored once before training, cached",
+        "reference_sequences": 24, "reference_forward_passes": 6}  # 12 pairs in chunks of m = 2
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == plan["total_optimizer_steps"] == 6
     assert [r["examples"] for r in rows] == [4, 8, 12, 16, 20, 24]

@@ -1,4 +1,4 @@
-"""The pipeline example (examples/pipeline): SFT -> reward model -> GRPO (and PPO), each stage starting from the
+"""The pipeline example (examples/pipeline): SFT -> reward model -> GRPO (and PPO), and SFT -> SimPO, each stage starting from the
 previous stage's final/. The fast test runs run.sh's own commands in this process, with small sizes; the slow one
 runs run.sh itself at full size."""
 
@@ -19,6 +19,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pipeline"
 QUICK = {  # stage config -> overrides that make it a few optimizer steps
     "sft.yaml": ["train.dataset_epochs=null", "train.max_steps=3", "train.warmup_steps=0"],
     "reward.yaml": ["train.dataset_epochs=null", "train.max_steps=2", "train.warmup_steps=0"],
+    "simpo.yaml": ["train.dataset_epochs=null", "train.max_steps=2", "train.warmup_steps=0", "log.eval_every=1"],
     "grpo.yaml": ["train.rollouts=1", "rollout.prompts_per_rollout=4", "rollout.samples_per_prompt=2",
                   "train.micro_batch_size=4", "train.warmup_steps=0"],
     "ppo.yaml": ["train.rollouts=1", "rollout.prompts_per_rollout=4", "train.epochs_per_rollout=1",
@@ -46,7 +47,7 @@ def test_pipeline_stages_chain(tmp_path, monkeypatch, capsys):
 
     work = tmp_path / "work"
     commands = run_sh_commands(work)
-    assert [c[0] for c in commands] == ["python", "tidyrl", "tidyrl", "tidyrl", "tidyrl"]
+    assert [c[0] for c in commands] == ["python", "tidyrl", "tidyrl", "tidyrl", "tidyrl", "tidyrl"]
     monkeypatch.setattr("sys.argv", [commands[0][1], *commands[0][2:]])
     runpy.run_path(commands[0][1], run_name="__main__")  # prepare.py: tiny model and data
     for command in commands[1:]:
@@ -57,14 +58,19 @@ def test_pipeline_stages_chain(tmp_path, monkeypatch, capsys):
 
     # Each stage read the previous stage's final/ ...
     configs = {name: yaml.safe_load((work / name / "config.yaml").read_text())
-               for name in ("sft", "reward", "grpo", "ppo")}
+               for name in ("sft", "reward", "simpo", "grpo", "ppo")}
     assert configs["sft"]["model"] == str(work / "base-model")
-    for stage in ("reward", "grpo", "ppo"):
+    for stage in ("reward", "simpo", "grpo", "ppo"):
         assert configs[stage]["model"] == str(work / "sft" / "final")
     assert configs["grpo"]["rewards"][1]["model"] == configs["ppo"]["rewards"][1]["model"] == str(work / "reward" / "final")
     # ... and wrote exactly the steps it was asked for.
     assert len(read_jsonl(work / "sft" / "metrics.jsonl")) == 3
     assert len(read_jsonl(work / "reward" / "metrics.jsonl")) == 2
+    simpo_rows = read_jsonl(work / "simpo" / "metrics.jsonl")  # SFT -> SimPO: held-out pairs scored each step
+    assert [r["step"] for r in simpo_rows] == [1, 2] and all("eval/accuracy" in r for r in simpo_rows)
+    best = yaml.safe_load((work / "simpo" / "best.json").read_text())
+    assert best["metric"] == "eval/accuracy" and best["step"] in (1, 2)
+    AutoModelForCausalLM.from_pretrained(work / "simpo" / "best")
     grpo_rows = read_jsonl(work / "grpo" / "metrics.jsonl")
     assert len(grpo_rows) == 2  # 1 rollout * minibatches_per_epoch 2
     assert grpo_rows[0]["reward/reversal"] is not None and grpo_rows[0]["reward/reward_model"] is not None
@@ -87,3 +93,5 @@ def test_run_sh_at_full_size(tmp_path):
     rows = read_jsonl(tmp_path / "work" / "grpo" / "metrics.jsonl")
     first, last = rows[0]["reward/reversal"], sum(r["reward/reversal"] for r in rows[-6:]) / 6
     assert last > first, (first, last)  # GRPO improves on the SFT model's reversals
+    simpo = read_jsonl(tmp_path / "work" / "simpo" / "metrics.jsonl")
+    assert simpo[-1]["rewards/margin"] > simpo[0]["rewards/margin"]  # SimPO separates chosen from rejected

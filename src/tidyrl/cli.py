@@ -139,11 +139,17 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             if cfg.algorithm in OFFLINE_ALGORITHMS:  # rows of examples/pairs (packed rows with sft.packing)
                 from tidyrl.loops.common import load_model_config
-                from tidyrl.offline_data import count_offline_examples
+                from tidyrl.offline_data import count_eval_examples, count_offline_examples
 
                 load_model_config(cfg.model)  # the policy exists (at once, offline too)
-                plan = plan_from_config(cfg, count_offline_examples(cfg), args.num_processes)
-                print(json.dumps(plan.to_dict(), indent=2))
+                num_examples, num_eval = count_offline_examples(cfg), count_eval_examples(cfg)
+                plan = plan_from_config(cfg, num_examples, args.num_processes)
+                extra = {"eval_examples": num_eval}
+                if cfg.algorithm == "dpo":  # what the reference costs: once per dataset, before training
+                    from tidyrl.loops.dpo import reference_cost
+
+                    extra.update(reference_cost(cfg, num_examples, num_eval))
+                print(json.dumps({**plan.to_dict(), **extra}, indent=2))
                 return 0
             from tidyrl.config import config_base_dir
             from tidyrl.loops.rl import check_rl_inputs

@@ -231,6 +231,16 @@ def pair_key(pair: TokenizedPair) -> tuple:
     return tuple(pair.chosen.input_ids), tuple(pair.rejected.input_ids)
 
 
+def count_eval_examples(cfg) -> int:
+    """Held-out examples of an offline stage, for `tidyrl plan`: the rows of data.eval_path, or those
+    data.eval_fraction holds out of data.path; 0 without either."""
+    if cfg.data.eval_path:
+        return len(load_table(cfg.data.eval_path, cfg.data.split))
+    if cfg.data.eval_fraction:
+        return len(held_out_rows(len(load_table(cfg.data.path, cfg.data.split)), cfg.data.eval_fraction, cfg.seed))
+    return 0
+
+
 def count_offline_examples(cfg, tokenizer=None) -> int:
     """N of an offline stage's plan, for `tidyrl plan`: rows of the data less the held-out ones
     (data.eval_fraction), or the packed rows with sft.packing (which needs the tokenizer, loaded from

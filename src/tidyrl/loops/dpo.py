@@ -55,6 +55,18 @@ def reference_logps_cache(accelerator, reference, pairs, pad_id: int, chunk: int
     return reduce_sum(accelerator, cache).float()
 
 
+def reference_cost(cfg, num_pairs: int, num_eval: int) -> dict:
+    """What the reference costs, for plan.json and `tidyrl plan`: DPO-style losses score every train and held-out
+    pair's two sequences once before training (reference_logps_cache), in forward passes of up to
+    2 * micro_batch_size sequences split over the processes; simpo and orpo load no reference."""
+    if cfg.dpo.loss_type in ("simpo", "orpo"):
+        return {"reference": "none (reference-free loss)"}
+    m = cfg.train.micro_batch_size
+    return {"reference": "scored once before training, cached",
+            "reference_sequences": 2 * (num_pairs + num_eval),
+            "reference_forward_passes": -(-num_pairs // m) + -(-num_eval // m)}
+
+
 class PreferenceStage:
     """dpo.loss_type's loss on a micro-batch of pairs (tidyrl.algorithms.preference cites each paper), divided
     by the pairs of the whole global batch (ORPO's SFT term: by the chosen completions' tokens of the whole
@@ -209,12 +221,13 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
             if held_out:
                 eval_ref_cache_N2 = reference_logps_cache(run.accelerator, reference, held_out, pad_id, m)
         ref_model = None  # no longer needed: its memory is free for training
-        scored = len(pairs) + len(held_out)
-        n_chunks = -(-len(pairs) // m) + -(-len(held_out) // m)
-        run.say([f"reference: {2 * scored} sequences scored once before training ({n_chunks} forward passes of up "
-                 f"to {2 * m} sequences, split over {W} process(es)); kept as {scored} x 2 floats"])
+        cost = reference_cost(cfg, len(pairs), len(held_out))
+        run.say([f"reference: {cost['reference_sequences']} sequences scored once before training "
+                 f"({cost['reference_forward_passes']} forward passes of up to {2 * m} sequences, split over {W} "
+                 f"process(es)); kept as {len(pairs) + len(held_out)} x 2 floats"])
 
     # 3. The loop: one optimizer step per train.batch_size pairs.
     stage = PreferenceStage(model, pairs, held_out, ref_cache_N2, eval_ref_cache_N2, opts, pad_id,
                             run.accelerator.device, plan.batch_size, flat)
-    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(pairs), len(held_out))
+    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(pairs), len(held_out),
+                     header=reference_cost(cfg, len(pairs), len(held_out)))

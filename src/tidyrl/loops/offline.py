@@ -274,7 +274,7 @@ class OfflineRun:
                 truncate_jsonl(self.out / "metrics.jsonl", lambda row: row["step"] <= step)
             acc.wait_for_everyone()
         else:
-            write_run_header(cfg, plan, self.out, acc, header)
+            write_run_header(cfg, plan, self.out, acc, {"eval_examples": eval_examples, **(header or {})})
         log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
         bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar, initial=step)
         stream = PromptStream(num_examples, cfg.seed)
