@@ -302,7 +302,7 @@ def test_offline_stage_options_are_checked():
     data["data"].update(max_length=1, rejected_column="")
     data["log"] = {"save_every": 5, "report_to": [], "eval_every": 2}  # checkpoints and trackers: as RL stages
     assert [p.split(":")[0] for p in problems(load_config, data)] == [
-        "log.eval_every", "data.rejected_column", "data.max_length"]
+        "data.rejected_column", "data.max_length", "log.eval_every"]
     data = offline("sft")
     data["data"].update(eval_path="held.jsonl", eval_fraction=0.1)
     data["log"] = {"best_metric": "loss"}
@@ -314,13 +314,20 @@ def test_offline_stage_options_are_checked():
     assert load_config(data).data.eval_fraction == 0.25
 
 
-def test_rl_stages_refuse_evaluation_during_training_for_now():
+def test_evaluation_keys_are_checked_for_every_stage():
     data = minimal()
     data["data"]["eval_fraction"] = 0.1
-    data["log"] = {"eval_every": 2}
+    data["log"] = {"eval_every": 2, "eval_decoding": "beam", "best_metric": "eval/loss"}
     found = problems(load_config, data)
-    assert [p.split(":")[0] for p in found] == ["data.eval_fraction", "log.eval_every"]
-    assert "tidyrl eval" in found[0]
+    assert [p.split(":")[0] for p in found] == ["log.best_metric", "log.eval_decoding"]
+    assert "eval/reward_mean" in found[0]
+    data["log"] = {"eval_every": 2, "eval_decoding": "sampled", "best_metric": "eval/reward/my_reward"}
+    assert load_config(data).log.eval_decoding == "sampled"
+    data = offline("sft")
+    data["data"]["eval_path"] = "held.jsonl"
+    data["log"] = {"best_metric": "eval/accuracy"}
+    assert problems(load_config, data) == ["log.best_metric: 'eval/accuracy' is not an eval metric of sft; choose "
+                                           "one of eval/loss"]
 
 
 def test_rl_stages_reject_offline_sizes():

@@ -123,3 +123,41 @@ def test_eval_says_a_normalized_reward_is_reported_raw(tiny_model_dir, prompt_fi
     assert summary["reward_mean"] == pytest.approx(2.0 * summary["rewards"]["reward/anagram_reward"])
     assert "note: reward/anagram_reward set normalize: true; eval scores are raw" in capsys.readouterr().out
     assert result.summary == summary
+
+
+def test_rl_eval_during_training_scores_held_out_prompts_as_tidyrl_eval_does(tiny_model_dir, prompt_file, tmp_path,
+                                                                            capsys):
+    from tidyrl.offline_data import held_out_rows
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def vowels(completions, word, **kw):\n    return [sum(c in 'aeiou' for c in t) / 4 for t in completions]\n")
+    cfg = {
+        "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 2,
+        "data": {"path": str(prompt_file), "eval_fraction": 0.3},
+        "rewards": [{"function": str(tmp_path / "my_rewards.py") + ":vowels"}],
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 5},
+        "train": {"rollouts": 3, "learning_rate": 1e-2, "micro_batch_size": 4},
+        "log": {"progress_bar": False, "eval_every": 2, "best_metric": "eval/reward_mean"},
+    }
+    result = tidyrl.train(cfg)
+    printed = capsys.readouterr().out
+    assert "eval: 3 held-out prompts (data.eval_fraction = 0.3), 1 greedy completion(s) each" in printed
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (plan["num_prompts"], plan["eval_prompts"]) == (7, 3)  # 3 of 10 held out, never trained on
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "eval/reward_mean" in r] == [2, 3]
+    last = rows[-1]
+    assert last["eval/reward/vowels"] == pytest.approx(last["eval/reward_mean"])
+
+    # The same numbers as `tidyrl eval` of final/ on the held-out prompts, greedy.
+    lines = prompt_file.read_text().splitlines()
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(lines[i] + "\n" for i in held_out_rows(10, 0.3, 2)))
+    summary = tidyrl.evaluate.evaluate(cfg, model=str(result.final_dir), data=str(held), greedy=True, num_prompts=None,
+                              output_dir=tmp_path / "check", quiet=True).summary
+    assert summary["n"] == 3
+    assert last["eval/reward_mean"] == pytest.approx(summary["reward_mean"], abs=1e-9)
+    assert last["eval/completion_length_mean"] == pytest.approx(summary["completion_length_mean"])
+    best = json.loads((tmp_path / "run" / "best.json").read_text())
+    assert best["metric"] == "eval/reward_mean" and best["step"] in (2, 3)
+    assert f"eval/reward_mean: {last['eval/reward_mean']:.4f} (held-out prompts, after the last step)" in printed

@@ -71,8 +71,12 @@ def ppo_yaml(tmp_path_factory, tiny_model_dir):
 
 
 def test_ppo_on_two_processes_matches_one_and_sync_each_microbatch_changes_nothing(ppo_yaml, tmp_path):
-    one = launch(ppo_yaml, tmp_path / "w1", 1)
-    two = launch(ppo_yaml, tmp_path / "w2", 2)
+    # Held-out prompts scored greedily after steps 4 and 8: 3 episodes, split 1 + 2 over two processes.
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in ["mango", "peach", "grape"]))
+    with_eval = (f"data.eval_path={held}", "log.eval_every=4", "log.best_metric=eval/reward_mean")
+    one = launch(ppo_yaml, tmp_path / "w1", 1, *with_eval)
+    two = launch(ppo_yaml, tmp_path / "w2", 2, *with_eval)
     synced = launch(ppo_yaml, tmp_path / "w2-sync", 2, "train.sync_each_microbatch=true")
 
     plan1, plan2 = (json.loads((d / "plan.json").read_text()) for d in (one, two))
@@ -89,6 +93,10 @@ def test_ppo_on_two_processes_matches_one_and_sync_each_microbatch_changes_nothi
             (b["step"], b["rollout"], b["episodes"], b["lr"], b["critic_lr"])
         for key in ("loss", "value_loss", "reward_mean", "kl_coef", "entropy"):
             assert a[key] == pytest.approx(b[key], abs=TOL), key
+        for key in ("eval/reward_mean", "eval/reward/anagram_reward", "eval/completion_length_mean"):
+            assert a.get(key) == pytest.approx(b.get(key), abs=TOL), key
+    assert [r["step"] for r in r2 if "eval/reward_mean" in r] == [4, 8]
+    assert json.loads((one / "best.json").read_text())["step"] == json.loads((two / "best.json").read_text())["step"]
     samples1, samples2 = (open(d / "samples.jsonl").read().splitlines() for d in (one, two))
     assert [json.loads(x)["completion"] for x in samples1] == [json.loads(x)["completion"] for x in samples2]
 

@@ -68,7 +68,7 @@ def test_reward_model_learns_a_separable_preference(tiny_model_dir, tmp_path):
     # N = 32 pairs, B = 8, 3 epochs: 12 steps, 96 pairs; accumulation 8 / 4 = 2.
     plan = json.loads((out / "plan.json").read_text())
     assert plan == make_offline_plan(batch_size=8, micro_batch_size=4, dataset_epochs=3.0, num_examples=32,
-                                     warmup_steps=2).to_dict() | {"eval_examples": 0}
+                                     warmup_steps=2).to_dict()
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == plan["total_optimizer_steps"] == 12
     assert [r["examples"] for r in rows] == [8 * s for s in range(1, 13)]

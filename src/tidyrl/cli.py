@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 load_model_config(cfg.model)  # the policy exists (at once, offline too)
                 num_examples, num_eval = count_offline_examples(cfg), count_eval_examples(cfg)
                 plan = plan_from_config(cfg, num_examples, args.num_processes)
-                extra = {"eval_examples": num_eval}
+                extra = {"eval_examples": num_eval} if num_eval else {}
                 if cfg.algorithm == "dpo":  # what the reference costs: once per dataset, before training
                     from tidyrl.loops.dpo import reference_cost
 
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes)
             if inputs.report:
                 print(f"tidyrl: {inputs.report}", file=sys.stderr)
-            plan = {**inputs.plan.to_dict(), **(inputs.critic or {})}
+            plan = {**inputs.plan.to_dict(), **(inputs.critic or {}),
+                    **({"eval_prompts": len(inputs.eval_prompt_ids)} if inputs.eval_prompt_ids else {})}
             print(json.dumps(plan, indent=2))
         elif args.command == "train":
             from tidyrl.api import train

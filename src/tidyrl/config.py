@@ -52,9 +52,9 @@ class DataConfig:
     at the end (the prompt kept whole), reward at the start (a reward model scores the end, as in RL). null = no
     limit. Required by sft.packing (the packed row length)."""
     eval_path: Optional[str] = None
-    """sft, reward, dpo: a held-out file (the format of `path`) scored during training: log.eval_every."""
+    """A held-out file (the format of `path`: prompts for RL stages, examples or pairs for sft, reward, dpo) scored during training: log.eval_every."""
     eval_fraction: float = 0.0
-    """sft, reward, dpo: hold out this fraction of `path` instead (rows drawn with `seed`; at least one row)."""
+    """Hold out this fraction of `path` instead (rows drawn with `seed`; at least one row); they are not trained on."""
 
 
 @dataclass
@@ -156,7 +156,9 @@ class LogConfig:
     progress_bar: bool = True
     """Show a progress bar (total = total optimizer steps)."""
     eval_every: int = 0
-    """sft, reward, dpo: score the eval split (data.eval_path or data.eval_fraction) every this many optimizer steps; it is always scored after the last step. 0 = only then."""
+    """Score the eval split (data.eval_path or data.eval_fraction) every this many optimizer steps; it is always scored after the last step. 0 = only then."""
+    eval_decoding: str = "greedy"
+    """RL stages: the held-out prompts' completions, greedy (one per prompt) or sampled (rollout.samples_per_prompt per prompt, with the rollout's sampling settings and the same keys at every evaluation)."""
     best_metric: Optional[str] = None
     """Keep the model with the best value of this eval metric in best/ (best.json says its step): a name ending in loss is better lower (eval/loss), any other higher (eval/accuracy). null = none."""
     report_to: list[str] = field(default_factory=list)
@@ -521,13 +523,26 @@ def validate(cfg: Config) -> None:
         need(not (cfg.algorithm == "reward" and cfg.train.padding_free), "train.padding_free",
              "not available for reward models (their score is read at each row's last token); use "
              "train.group_by_length, or null")
-    else:  # held-out evaluation during training is for the offline stages so far (RL: `tidyrl eval` after)
+    else:
         need(cfg.train.padding_free is None, "train.padding_free",
              f"only for sft and dpo; {cfg.algorithm} scores its rollouts with the rollout.forward_batch_size knob")
-        for key, unset in (("data.eval_path", cfg.data.eval_path is None), ("data.eval_fraction", not cfg.data.eval_fraction),
-                           ("log.eval_every", not cfg.log.eval_every), ("log.best_metric", cfg.log.best_metric is None)):
-            need(unset, key, f"evaluation during training is not available for {cfg.algorithm} yet; remove it and "
-                             "run `tidyrl eval` on the final model (or a checkpoint) instead")
+    d = cfg.data
+    need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}")
+    need(not (d.eval_path and d.eval_fraction), "data.eval_fraction",
+         "set data.eval_path or data.eval_fraction, not both")
+    need(d.eval_path is None or bool(d.eval_path.strip()), "data.eval_path", "set a file, or null for none")
+    has_eval = bool(d.eval_path) or d.eval_fraction > 0
+    need(cfg.log.eval_every == 0 or has_eval, "log.eval_every",
+         "there is no eval split to score: set data.eval_path or data.eval_fraction, or log.eval_every=0")
+    best = cfg.log.best_metric
+    need(best is None or has_eval, "log.best_metric",
+         f"{best!r}: the best model is chosen by an eval/ metric, which needs data.eval_path or data.eval_fraction")
+    known = EVAL_METRICS.get(cfg.algorithm, EVAL_METRICS["rl"])
+    need(best is None or best in known or (not offline and best.startswith("eval/reward/")), "log.best_metric",
+         f"{best!r} is not an eval metric of {cfg.algorithm}; choose one of {', '.join(known)}"
+         + ("" if offline else " or eval/reward/<name>"))
+    need(cfg.log.eval_decoding in ("greedy", "sampled"), "log.eval_decoding",
+         f"{cfg.log.eval_decoding!r} is not greedy or sampled")
     need(offline or len(cfg.rewards) > 0, "rewards",
          "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
     for i, reward in enumerate(cfg.rewards):
@@ -638,6 +653,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(problems)
 
 
+EVAL_METRICS = {
+    "sft": ("eval/loss",),
+    "reward": ("eval/loss", "eval/accuracy", "eval/margin"),
+    "dpo": ("eval/loss", "eval/accuracy", "eval/margin"),
+    "rl": ("eval/reward_mean", "eval/completion_length_mean", "eval/truncated_fraction"),
+}
+"""The metrics an evaluation during training writes, by stage (RL stages add eval/reward/<name> per reward):
+what log.best_metric may name."""
+
 SFT_LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust")
 REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")
@@ -662,17 +686,6 @@ def _validate_offline(cfg: Config, need) -> None:
     need(t.batch_size is not None, "train.batch_size",
          f"set the global number of {'examples' if a == 'sft' else 'pairs'} per optimizer step, e.g. 32")
     need(t.batch_size is None or t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
-    need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}")
-    need(not (d.eval_path and d.eval_fraction), "data.eval_fraction",
-         "set data.eval_path or data.eval_fraction, not both")
-    need(d.eval_path is None or bool(d.eval_path.strip()), "data.eval_path", "set a file, or null for none")
-    has_eval = bool(d.eval_path) or d.eval_fraction > 0
-    need(cfg.log.eval_every == 0 or has_eval, "log.eval_every",
-         "there is no eval split to score: set data.eval_path or data.eval_fraction, or log.eval_every=0")
-    best = cfg.log.best_metric
-    need(best is None or (has_eval and best.startswith("eval/")), "log.best_metric",
-         f"{best!r}: the best model is chosen by an eval/ metric (e.g. eval/loss), which needs data.eval_path or "
-         "data.eval_fraction")
     for name in ("completion_column", "messages_column", "chosen_column", "rejected_column"):
         need(getattr(d, name) != "", f"data.{name}", "set the column name (see docs/stages.md)")
     need(d.max_length is None or d.max_length >= 2, "data.max_length",

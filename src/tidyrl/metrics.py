@@ -217,7 +217,8 @@ def format_offline_summary(algorithm: str, plan, timings: dict, wall_s: float, f
 
 def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[float],
                    last_reward: Optional[float], output_dir: Path, final_dir: Path,
-                   tracker_locations: Optional[dict] = None) -> str:
+                   tracker_locations: Optional[dict] = None, evals: Optional[dict] = None,
+                   best: Optional[dict] = None) -> str:
     """The end-of-run summary: totals, wall time and its split, reward at start and end, where things are.
 
     `timings` holds seconds per part of TIME_METRICS and `steps`, the number of optimizer steps they
@@ -238,6 +239,10 @@ def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[fl
         scope = "" if steps == plan.total_optimizer_steps else f" (the {steps} steps run since resuming)"
         lines.append(f"  time{scope}: {split}")
     lines.append(f"  reward_mean: {reward(first_reward)} (first rollout) -> {reward(last_reward)} (last rollout)")
+    for name, value in (evals or {}).items():
+        lines.append(f"  {name}: {reward(value)} (held-out prompts, after the last step)")
+    if best:
+        lines.append(f"  best {best['metric']}: {reward(best['value'])} at step {best['step']} -> {best['dir']}")
     lines.append(f"  written to {output_dir}/: config.yaml, plan.json, metrics.jsonl, samples.jsonl")
     lines.append(f"  model: {final_dir}")
     for name, where in (tracker_locations or {}).items():

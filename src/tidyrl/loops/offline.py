@@ -257,7 +257,7 @@ class OfflineRun:
         from tidyrl.data import PromptStream
         from tidyrl.loops.common import TrainResult, save_pretrained_atomic, write_run_header
         from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update,
-                                           no_sync)
+                                           keep_if_best, no_sync)
         from tidyrl.metrics import ProgressBar, RunLogger, format_offline_summary
 
         cfg, acc, W = self.cfg, self.accelerator, self.world_size
@@ -274,7 +274,8 @@ class OfflineRun:
                 truncate_jsonl(self.out / "metrics.jsonl", lambda row: row["step"] <= step)
             acc.wait_for_everyone()
         else:
-            write_run_header(cfg, plan, self.out, acc, {"eval_examples": eval_examples, **(header or {})})
+            write_run_header(cfg, plan, self.out, acc,
+                             {**({"eval_examples": eval_examples} if eval_examples else {}), **(header or {})})
         log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
         bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar, initial=step)
         stream = PromptStream(num_examples, cfg.seed)
@@ -319,7 +320,7 @@ class OfflineRun:
                         row["tokens_per_s"] = totals["real_tokens"] / max(row["time/update_s"], 1e-9)
                     if eval_examples and (step == plan.total_optimizer_steps or (eval_every and step % eval_every == 0)):
                         row.update(self._evaluate(stage, model, eval_examples))
-                        self._keep_if_best(row, model, tokenizer)
+                        self.best = keep_if_best(acc, cfg, self.out, self.best, row, model, tokenizer)
                     if not first:  # the summary's "from" values
                         first = {k: row[k] for k in ("loss", *stage.bar) if row.get(k) is not None}
                     if step % cfg.log.log_every == 0 or step == plan.total_optimizer_steps:
@@ -362,30 +363,6 @@ class OfflineRun:
                     sums.add(**stage.evaluate(list(range(start, min(start + m, n)))))
         model.train()
         return {**stage.eval_metrics(sums.reduced(self.accelerator), n), "time/eval_s": time.perf_counter() - t0}
-
-    def _keep_if_best(self, row: dict, model, tokenizer) -> None:
-        """log.best_metric: when this evaluation beats every earlier one, the model goes to best/ (atomically,
-        replacing the previous best) and best.json records the step and value. A name ending in `loss` is better
-        lower, any other higher. The first evaluation is always the best so far."""
-        import json
-
-        from tidyrl.loops.common import save_pretrained_atomic
-
-        name = self.cfg.log.best_metric
-        if name is None:
-            return
-        if name not in row or row[name] is None:
-            raise KeyError(f"log.best_metric = {name!r} is not among this stage's eval metrics "
-                           f"({', '.join(k for k in row if k.startswith('eval/'))}); choose one of them")
-        value = float(row[name])
-        better = (lambda a, b: a < b) if name.endswith("loss") else (lambda a, b: a > b)
-        if self.best is not None and not better(value, self.best["value"]):
-            return
-        # With LoRA, the adapter only: merging would fold it into the weights still being trained.
-        best_dir = save_pretrained_atomic(self.accelerator, model, tokenizer, self.out / "best")
-        self.best = {"metric": name, "value": value, "step": row["step"], "dir": str(best_dir)}
-        if self.is_main:
-            (self.out / "best.json").write_text(json.dumps(self.best, indent=2) + "\n")
 
     def _save_checkpoint(self, model, tokenizer, optimizer, scheduler, plan, step: int, first: dict) -> None:
         """checkpoint-<step> (main process; atomic, tidyrl.checkpoint)."""

@@ -23,7 +23,7 @@ from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, lo
                                  load_policy, load_tokenizer, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, write_run_header)
 from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update, check_resume,
-                                   no_sync)
+                                   keep_if_best, no_sync)
 from tidyrl.lora import adapter_folder_problem, adapter_note, reference_of
 from tidyrl.sharding import ShardingError, full_weights, sharding_kind
 from tidyrl.plan import epochs_done, plan_from_config
@@ -81,6 +81,12 @@ class RLInputs:
     reward_fns: list
     critic: Optional[dict]
     """PPO: {"critic_model": path, "critic_model_reason": why}."""
+    eval_dataset: Any = None
+    """The held-out prompts (data.eval_path, or data.eval_fraction of data.path), or None."""
+    eval_prompt_ids: Optional[list] = None
+    """Their token ids."""
+    eval_report: str = ""
+    """A line on the held-out prompts (and any shared with training), or ""."""
 
 
 def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RLInputs:
@@ -95,16 +101,41 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
     model_config = load_model_config(cfg.model)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
     dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
+    eval_dataset = None
+    if cfg.data.eval_path:
+        eval_dataset = load_prompt_dataset(cfg.data.eval_path, cfg.data.prompt_column, cfg.data.split)
+    elif cfg.data.eval_fraction:  # held out before anything else: never trained on, not in the plan's N
+        from tidyrl.offline_data import held_out_rows
+
+        held = held_out_rows(len(dataset), cfg.data.eval_fraction, cfg.seed)
+        eval_dataset = dataset.select(held)
+        dataset = dataset.select(sorted(set(range(len(dataset))) - set(held)))
     dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config)
     plan = plan_from_config(cfg, len(dataset), world_size)
     columns = other_columns(dataset, cfg.data.prompt_column)
     reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir, forward_batch_size=cfg.rollout.forward_batch_size)
     check_reward_columns(reward_fns, columns)
+    eval_prompt_ids, eval_report = None, ""
+    if eval_dataset is not None:
+        eval_dataset, eval_prompt_ids, fit_report = encode_prompt_set(cfg, eval_dataset, tokenizer, model_config)
+        check_reward_columns(reward_fns, other_columns(eval_dataset, cfg.data.prompt_column))
+        source = f"data.eval_path = {cfg.data.eval_path!r}" if cfg.data.eval_path else \
+            f"data.eval_fraction = {cfg.data.eval_fraction}"
+        k = 1 if cfg.log.eval_decoding == "greedy" else cfg.rollout.samples_per_prompt
+        eval_report = (f"eval: {len(eval_dataset)} held-out prompts ({source}), {k} {cfg.log.eval_decoding} "
+                       f"completion(s) each, after every {cfg.log.eval_every or 'last'} optimizer step"
+                       f"{'s' if cfg.log.eval_every != 1 else ''}" + (f"; held-out {fit_report}" if fit_report else ""))
+        trained = {tuple(ids) for ids in prompt_ids}
+        shared = sum(tuple(ids) in trained for ids in eval_prompt_ids)
+        if shared:
+            eval_report += (f"\ntidyrl: warning: {shared} of {len(eval_prompt_ids)} held-out prompts are also "
+                            "training prompts; their eval metrics measure memory, not generalisation")
     critic = None
     if cfg.algorithm == "ppo":
         path, why = choose_critic(cfg, tokenizer.get_vocab())
         critic = {"critic_model": path, "critic_model_reason": why}
-    return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic)
+    return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic, eval_dataset,
+                    eval_prompt_ids, eval_report)
 
 
 def choose_critic(cfg: Config, policy_vocab: dict) -> tuple[str, str]:
@@ -174,8 +205,10 @@ class _RLRun:
         inputs = check_rl_inputs(cfg, base_dir, self.world_size)
         self.tokenizer, self.dataset, self.prompt_ids = inputs.tokenizer, inputs.dataset, inputs.prompt_ids
         self.plan, self.columns, self.reward_fns = inputs.plan, inputs.columns, inputs.reward_fns
-        if inputs.report and self.is_main:
-            print(f"tidyrl: {inputs.report}", flush=True)
+        self.eval_dataset, self.eval_prompt_ids = inputs.eval_dataset, inputs.eval_prompt_ids
+        for line in (inputs.report, inputs.eval_report):
+            if line and self.is_main:
+                print(f"tidyrl: {line}", flush=True)
         # rewards[i].normalize: running moments of that reward's scores over the whole run (global batch).
         self.reward_moments = {f.name: RunningMoments() for f, c in zip(self.reward_fns, cfg.rewards) if c.normalize}
         self.stream = PromptStream(len(self.dataset), cfg.seed)
@@ -250,6 +283,7 @@ class _RLRun:
             self.critic_scheduler.load_state_dict(loaded["critic_scheduler"])
             self.kl_control.load_state_dict(state["kl_control"])
         step = state["step"]
+        self.best = state.get("best")
         started = -(-step // plan.optimizer_steps_per_rollout)  # rollouts begun: ceil(step / (E*M))
         self.accelerator.wait_for_everyone()
         if self.is_main:
@@ -278,6 +312,7 @@ class _RLRun:
                      "elapsed_s": elapsed, "first_reward_mean": first_reward,
                      "reward_moments": {name: m.state_dict() for name, m in self.reward_moments.items()},
                      "kl_control": self.kl_control.state_dict() if self.kl_control else None,
+                     "best": self.best,
                      "world_size": self.world_size, "plan": self.plan.to_dict(), "config": config_to_dict(self.cfg)}
             unfinished = None
             if rollout is not None:
@@ -298,10 +333,12 @@ class _RLRun:
         cfg, plan = self.cfg, self.plan
         steps_per_rollout = plan.optimizer_steps_per_rollout
         step, elapsed, first_reward, unfinished = 0, 0.0, None, None
+        self.best = None
         if self.resumed is not None:
             step, elapsed, first_reward, unfinished = self._restore()
         else:
-            write_run_header(cfg, plan, self.out, self.accelerator, self.critic_choice)
+            write_run_header(cfg, plan, self.out, self.accelerator, {
+                **(self.critic_choice or {}), **({"eval_prompts": len(self.eval_prompt_ids)} if self.eval_prompt_ids else {})})
         # metrics.jsonl + samples.jsonl, forwarded to the trackers of log.report_to (main process only).
         metrics_log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
         samples_log = metrics_log.samples
@@ -338,6 +375,11 @@ class _RLRun:
                         }
                         # The fixed fields of DESIGN §5 first, in their documented order, then the extras.
                         row = {k: values.pop(k) for k in STEP_METRICS} | values
+                        if self.eval_prompt_ids and (step == plan.total_optimizer_steps or (
+                                cfg.log.eval_every and step % cfg.log.eval_every == 0)):
+                            row.update(self.evaluate())
+                            self.best = keep_if_best(self.accelerator, cfg, self.out, self.best, row, self.model,
+                                                     self.tokenizer)
                         if step % cfg.log.log_every == 0 or step == plan.total_optimizer_steps:
                             metrics_log.write(row)
                         metrics_log.observe(row)  # every step: totals for the end-of-run summary
@@ -365,7 +407,8 @@ class _RLRun:
                                            merged=cfg.lora.save_merged)
         if self.is_main:
             print(format_summary(plan, metrics_log.timings, time.perf_counter() - self.start, first_reward,
-                                 last_reward, self.out, final_dir, metrics_log.tracker_locations), flush=True)
+                                 last_reward, self.out, final_dir, metrics_log.tracker_locations,
+                                 {k: v for k, v in row.items() if k.startswith("eval/")}, self.best), flush=True)
         return TrainResult(self.out, final_dir, plan, row, first_reward, last_reward, self.is_main)
 
     def _make_rollout_or_stop(self, r: int, step: int):
@@ -476,6 +519,59 @@ class _RLRun:
         stats["_samples"] = [self._sample_row(rollout, e, prompt_rows[cfg.data.prompt_column][e // k], scores,
                                               raw_per_fn) for e in shown] if self.is_main else []
         return rollout, stats
+
+    def evaluate(self) -> dict:
+        """The held-out prompts, generated and scored with the current policy: eval/reward_mean (the weighted sum
+        of the raw scores: a `normalize: true` reward is not normalised, as in `tidyrl eval`), eval/reward/<name>,
+        eval/completion_length_mean, eval/truncated_fraction, time/eval_s.
+
+        log.eval_decoding greedy: one completion per prompt, the most likely token each step; sampled:
+        rollout.samples_per_prompt each, keyed by (seed, EVAL_ROLLOUT, episode) at every evaluation, so two
+        evaluations differ by the policy only. Each process takes a contiguous share of the episodes and the sums
+        are reduced by name: the same numbers on any number of processes."""
+        from tidyrl.evaluate import EVAL_ROLLOUT
+        from tidyrl.rewards import compute_rewards
+        from tidyrl.rollout import generate, sample_seed
+
+        cfg, ro = self.cfg, self.cfg.rollout
+        greedy = cfg.log.eval_decoding == "greedy"
+        k = 1 if greedy else ro.samples_per_prompt
+        total = len(self.eval_prompt_ids) * k
+        episodes = range(total * self.rank // self.world_size, total * (self.rank + 1) // self.world_size)
+        names = [f.name for f in self.reward_fns]
+        sums = Sums("reward", "length", "truncated", *[f"{n}:sum" for n in names], *[f"{n}:count" for n in names])
+        t0 = time.perf_counter()
+        policy = self.accelerator.unwrap_model(self.model)
+        policy.eval()
+        rows = self.eval_dataset[[e // k for e in episodes]] if len(episodes) else {}
+        with full_weights(policy):  # a collective under FSDP: every process enters, even with no episode
+            if len(episodes):
+                ids, mask, truncated = generate(
+                    policy, [self.eval_prompt_ids[e // k] for e in episodes],
+                    sample_keys=[sample_seed(cfg.seed, EVAL_ROLLOUT, e) for e in episodes],
+                    max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
+                    pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature,
+                    top_p=ro.top_p, top_k=1 if greedy else ro.top_k)
+        if len(episodes):
+            lengths = mask.sum(1).long().tolist()
+            completion_ids = [ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
+            result = compute_rewards(
+                self.reward_fns, prompts=rows[cfg.data.prompt_column],
+                completions=self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+                completion_ids=completion_ids, columns={c: v for c, v in rows.items() if c != cfg.data.prompt_column})
+            sums.add(reward=sum(result.total), length=sum(lengths), truncated=truncated.sum())
+            for name, values in result.per_function.items():
+                scored = [v for v in values if v is not None]
+                sums.add(**{f"{name}:sum": sum(scored), f"{name}:count": len(scored)})
+        totals = sums.reduced(self.accelerator)
+        metrics = {"eval/reward_mean": totals["reward"] / total}
+        for name in names:
+            count = totals[f"{name}:count"]
+            metrics[f"eval/reward/{name}"] = totals[f"{name}:sum"] / count if count else None
+        metrics.update({"eval/completion_length_mean": totals["length"] / total,
+                        "eval/truncated_fraction": totals["truncated"] / total,
+                        "time/eval_s": time.perf_counter() - t0})
+        return metrics
 
     def _sample_row(self, rollout, e: int, prompt, scores, raw_per_fn) -> dict:
         """One samples.jsonl row for global episode e."""

@@ -127,6 +127,34 @@ def check_resume(cfg, output_dir: Path, accelerator) -> tuple[Optional[Path], Op
     return path, loaded
 
 
+def keep_if_best(accelerator, cfg, output_dir: Path, best: Optional[dict], row: dict, model, tokenizer
+                 ) -> Optional[dict]:
+    """log.best_metric: when this evaluation (`row`, just scored) beats every earlier one (`best`), the model goes
+    to best/ (atomically, replacing the previous best) and best.json records the metric, value and step. A name
+    ending in `loss` is better lower, any other higher; the first evaluation is the best so far. Returns the
+    best after this evaluation (kept in checkpoints, so a resumed run compares with the runs' real best)."""
+    import json
+
+    from tidyrl.loops.common import save_pretrained_atomic
+
+    name = cfg.log.best_metric
+    if name is None:
+        return best
+    if row.get(name) is None:
+        raise KeyError(f"log.best_metric = {name!r} is not among this stage's eval metrics "
+                       f"({', '.join(k for k in row if k.startswith('eval/'))}); choose one of them")
+    value = float(row[name])
+    better = (lambda a, b: a < b) if name.endswith("loss") else (lambda a, b: a > b)
+    if best is not None and not better(value, best["value"]):
+        return best
+    # With LoRA, the adapter only: merging would fold it into the weights still being trained.
+    best_dir = save_pretrained_atomic(accelerator, model, tokenizer, Path(output_dir) / "best")
+    best = {"metric": name, "value": value, "step": row["step"], "dir": str(best_dir)}
+    if accelerator.is_main_process:
+        (Path(output_dir) / "best.json").write_text(json.dumps(best, indent=2) + "\n")
+    return best
+
+
 class StopSignals:
     """Ctrl-C / SIGTERM ask the loop to stop after the current optimizer step (which then saves a
     checkpoint); a second signal abandons the step at once. Installed in the main thread only."""
