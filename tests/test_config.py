@@ -335,7 +335,7 @@ def test_rl_stages_reject_offline_sizes():
     data["train"].update(batch_size=8, max_steps=3)
     found = problems(load_config, data)
     assert [p.split(":")[0] for p in found] == ["train.batch_size", "train.max_steps"]
-    assert "only for sft, reward and dpo" in found[0]
+    assert "only for sft, reward, dpo and kto" in found[0]
 
 
 def test_groups_of_one_are_refused_only_where_a_baseline_needs_the_group():

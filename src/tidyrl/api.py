@@ -19,6 +19,7 @@ LOOPS = {
     "sft": "tidyrl.loops.sft",
     "reward": "tidyrl.loops.reward_model",
     "dpo": "tidyrl.loops.dpo",
+    "kto": "tidyrl.loops.kto",
 }
 """algorithm -> the module whose `run(cfg, base_dir)` trains it (one explicit loop per family)."""
 

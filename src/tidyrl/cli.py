@@ -23,7 +23,8 @@ STAGE_HELP = {
     "reinforce_pp_baseline": "REINFORCE++-baseline: group-mean baseline, then batch whitening (Hu 2025)",
     "sft": "supervised fine-tuning on prompt/completion or messages",
     "reward": "reward-model training on prompt/chosen/rejected pairs",
-    "dpo": "direct preference optimisation on prompt/chosen/rejected pairs",
+    "dpo": "direct preference optimisation on prompt/chosen/rejected pairs (also IPO, robust DPO, SimPO, ORPO)",
+    "kto": "KTO on unpaired prompt/completion/label examples (Ethayarajh et al. 2024)",
 }
 """One line per stage for --help; the stages listed are those of tidyrl.config.ALGORITHMS at run time."""
 

@@ -20,7 +20,7 @@ import yaml
 
 RL_ALGORITHMS = ("grpo", "rloo", "ppo", "reinforce_pp", "reinforce_pp_baseline")
 """On-policy RL stages (tidyrl.loops.rl): they generate, so they need `rollout` and `rewards`."""
-OFFLINE_ALGORITHMS = ("sft", "reward", "dpo")
+OFFLINE_ALGORITHMS = ("sft", "reward", "dpo", "kto")
 """Stages that train on a fixed dataset (docs/stages.md): length in train.dataset_epochs or train.max_steps,
 optimizer batch train.batch_size; no rollout, no rewards."""
 ALGORITHMS = RL_ALGORITHMS + OFFLINE_ALGORITHMS
@@ -47,6 +47,8 @@ class DataConfig:
     """reward, dpo: column holding the preferred completion (a string, or assistant messages)."""
     rejected_column: str = "rejected"
     """reward, dpo: column holding the dispreferred completion (a string, or assistant messages)."""
+    label_column: str = "label"
+    """kto: column holding each completion's label, true (desirable) or false (undesirable)."""
     max_length: Optional[int] = None
     """sft, reward, dpo: longest tokenised example (prompt + completion) in tokens. Longer ones are cut: sft and dpo
     at the end (the prompt kept whole), reward at the start (a reward model scores the end, as in RL). null = no
@@ -280,6 +282,17 @@ class DPOConfig:
 
 
 @dataclass
+class KTOConfig:
+    beta: float = 0.1
+    """beta of KTO (Ethayarajh et al. 2024, eq. 8): how sharply the value saturates around the reference point."""
+    desirable_weight: float = 1.0
+    """lambda_D, the weight of desirable examples; with unbalanced data keep lambda_D n_D / (lambda_U n_U) in [1, 4/3]
+    (paper §4.2)."""
+    undesirable_weight: float = 1.0
+    """lambda_U, the weight of undesirable examples."""
+
+
+@dataclass
 class LoRAConfig:
     enabled: bool = False
     """Train a LoRA adapter (Hu et al. 2021) instead of every weight, through peft (`pip install tidyrl[lora]`).
@@ -342,6 +355,8 @@ class Config:
     """Options of algorithm: reward (reward-model training)."""
     dpo: DPOConfig = field(default_factory=DPOConfig)
     """Options of algorithm: dpo."""
+    kto: KTOConfig = field(default_factory=KTOConfig)
+    """Options of algorithm: kto."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Train a LoRA adapter instead of the whole policy (every stage)."""
 
@@ -584,7 +599,7 @@ def validate(cfg: Config) -> None:
          "train.dataset_epochs", f"must be a number > 0, got {t.dataset_epochs}")
     for name in ("batch_size", "max_steps"):
         need(offline or getattr(t, name) is None, f"train.{name}",
-             f"only for sft, reward and dpo; {cfg.algorithm} steps once per mini-batch of a rollout "
+             f"only for sft, reward, dpo and kto; {cfg.algorithm} steps once per mini-batch of a rollout "
              "(train.rollouts or train.dataset_epochs, train.minibatches_per_epoch); set it to null")
     for name in ("epochs_per_rollout", "minibatches_per_epoch", "micro_batch_size"):
         need(getattr(t, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(t, name)}")
@@ -657,6 +672,7 @@ EVAL_METRICS = {
     "sft": ("eval/loss",),
     "reward": ("eval/loss", "eval/accuracy", "eval/margin"),
     "dpo": ("eval/loss", "eval/accuracy", "eval/margin"),
+    "kto": ("eval/loss", "eval/margin"),
     "rl": ("eval/reward_mean", "eval/completion_length_mean", "eval/truncated_fraction"),
 }
 """The metrics an evaluation during training writes, by stage (RL stages add eval/reward/<name> per reward):
@@ -668,7 +684,7 @@ REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")
 
 
 def _validate_offline(cfg: Config, need) -> None:
-    """The checks of sft, reward and dpo (docs/stages.md): the RL-only sections must be unused, the length is
+    """The checks of sft, reward, dpo and kto (docs/stages.md): the RL-only sections must be unused, the length is
     train.dataset_epochs or train.max_steps, the optimizer batch train.batch_size."""
     a, t, d = cfg.algorithm, cfg.train, cfg.data
     need(not cfg.rewards, "rewards", f"not used by algorithm {a} (it trains on data.path); remove the section")
@@ -684,7 +700,7 @@ def _validate_offline(cfg: Config, need) -> None:
                              f"(got max_steps={t.max_steps}, dataset_epochs={t.dataset_epochs})")
     need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
     need(t.batch_size is not None, "train.batch_size",
-         f"set the global number of {'examples' if a == 'sft' else 'pairs'} per optimizer step, e.g. 32")
+         f"set the global number of {'pairs' if a in ('reward', 'dpo') else 'examples'} per optimizer step, e.g. 32")
     need(t.batch_size is None or t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
     for name in ("completion_column", "messages_column", "chosen_column", "rejected_column"):
         need(getattr(d, name) != "", f"data.{name}", "set the column name (see docs/stages.md)")
@@ -712,6 +728,12 @@ def _validate_offline(cfg: Config, need) -> None:
         need(0 <= p.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
         need(p.label_smoothing == 0 or p.loss_type in ("sigmoid", "robust"), "dpo.label_smoothing",
              f"only with dpo.loss_type=sigmoid or robust; set it to 0 for {p.loss_type}")
+    if a == "kto":
+        k = cfg.kto
+        for name in ("beta", "desirable_weight", "undesirable_weight"):
+            value = getattr(k, name)
+            need(value > 0 and math.isfinite(value), f"kto.{name}", f"must be a number > 0, got {value}")
+        need(d.label_column != "", "data.label_column", "set the column name (see docs/stages.md)")
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -166,6 +166,74 @@ def load_preference_pairs(cfg, tokenizer, eos_ids: list[int], *, whole_text: boo
     return pairs, notes
 
 
+@dataclass
+class KTOExample:
+    """One unpaired KTO example: prompt + completion, and whether the completion is desirable."""
+
+    sequence: TokenizedSequence
+    desirable: bool
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens before the completion (the completion's tokens are the targets, contiguous at the end)."""
+        return self.sequence.target_mask.index(1)
+
+
+def load_kto_examples(cfg, tokenizer, eos_ids: list[int]) -> tuple[list[KTOExample], list[str]]:
+    """The unpaired examples of `cfg.data` for KTO (TRL's columns: prompt, completion, label), tokenised as DPO's
+    sides are (prompt and completion apart, EOS appended, the completion the targets); plus notes. A label that is
+    not a boolean, or a file with only one kind of label, is an error naming the row or the counts."""
+    d = cfg.data
+    table = load_table(d.path, d.split)
+    columns = table.column_names
+    for key, column, what in (("data.prompt_column", d.prompt_column, "the prompt"),
+                              ("data.completion_column", d.completion_column, "the completion"),
+                              ("data.label_column", d.label_column, "true: desirable, false: undesirable")):
+        _require(columns, column, key, d.path, what)
+    prompts, completions, labels = table[d.prompt_column], table[d.completion_column], table[d.label_column]
+    for i in range(len(prompts)):
+        _check_prompt(prompts[i], i, "data.prompt_column", d.prompt_column, d.path)
+        _check_completion(prompts[i], completions[i], i, "data.completion_column", d.completion_column, d.path)
+        if not isinstance(labels[i], bool):
+            raise DataError(f"data.path = {d.path!r}, row {i} (0-based): the label (data.label_column = "
+                            f"{d.label_column!r}) holds {_short(labels[i])}; it must be true (a desirable completion) "
+                            "or false (an undesirable one).")
+    desirable = sum(labels)
+    if desirable in (0, len(labels)):
+        raise DataError(f"data.path = {d.path!r}: KTO needs both desirable and undesirable examples, but all "
+                        f"{len(labels)} rows have {d.label_column}={str(bool(desirable)).lower()}. Add examples of the "
+                        "other kind, or use sft (only desirable ones) instead.")
+    eos = _eos_to_append(tokenizer, eos_ids)
+    examples, cut = [], 0
+    for i in range(len(prompts)):
+        segments, special = _completion_segments(prompts[i], completions[i], tokenizer)
+        seq = _encode(segments, special, tokenizer, eos, eos_ids, train_all=False)
+        seq, was_cut = _truncate(seq, d.max_length, i, d.path)
+        cut += was_cut
+        examples.append(KTOExample(seq, bool(labels[i])))
+    notes = [f"{desirable} desirable and {len(labels) - desirable} undesirable examples"]
+    if cut:
+        notes.append(f"{cut} of {len(examples)} examples are longer than data.max_length={d.max_length} tokens and "
+                     "were cut at the end")
+    return examples, notes
+
+
+def mismatched_sequence(prompt_of: KTOExample, completion_of: KTOExample, max_length: Optional[int]
+                        ) -> TokenizedSequence:
+    """KTO's mismatched pair (x_i, y_j): the prompt tokens of one example followed by the completion tokens of
+    another, the completion the targets; cut at the end to max_length (the prompt is whole: it fit before)."""
+    p, c = prompt_of.sequence, completion_of.sequence
+    ids = p.input_ids[: prompt_of.prompt_length] + c.input_ids[completion_of.prompt_length:]
+    mask = [0] * prompt_of.prompt_length + c.target_mask[completion_of.prompt_length:]
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return TokenizedSequence(ids, mask)
+
+
+def kto_key(example: KTOExample) -> tuple:
+    return tuple(example.sequence.input_ids), example.desirable
+
+
 def check_distinct_pairs(pairs: list[TokenizedPair], path: str, max_length: Optional[int]) -> None:
     """Refuse pairs whose chosen and rejected are the same tokens, naming every such row.
 

@@ -24,13 +24,11 @@ from tidyrl.loops.common import TrainResult, load_causal_lm, load_policy, load_t
 from tidyrl.lora import adapter_note, reference_of
 
 
-def reference_logps_cache(accelerator, reference, pairs, pad_id: int, chunk: int):
-    """[N, 2] sequence log-probs (chosen, rejected) of every pair under the frozen reference, float32 on the CPU.
-
-    Scored once, under no_grad, `chunk` pairs (2 * chunk sequences) per forward; process r scores chunks
-    r, r + W, ... and the rows are summed over processes (each row is non-zero on one process only, so the
-    sum is exact). Deterministic, so a resumed run recomputes the same values.
-    """
+def sequence_logps_cache(accelerator, model, sequences, pad_id: int, chunk: int):
+    """[N] sequence log-probs of `sequences` (their targets' summed log-probs) under a frozen `model`, float32
+    on the CPU. Scored once, under no_grad, `chunk` sequences per forward; process r scores chunks r, r + W, ...
+    and the rows are summed over processes (each row is non-zero on one process only, so the sum is exact).
+    Deterministic, so a resumed run recomputes the same values."""
     import torch
 
     from tidyrl.algorithms.preference import sequence_logps
@@ -38,21 +36,32 @@ def reference_logps_cache(accelerator, reference, pairs, pad_id: int, chunk: int
     from tidyrl.loops.training import reduce_sum
 
     W, rank = accelerator.num_processes, accelerator.process_index
-    cache = torch.zeros((len(pairs), 2), dtype=torch.float64)
-    was_training = reference.training
-    reference.eval()
+    cache = torch.zeros(len(sequences), dtype=torch.float64)
+    was_training = model.training
+    model.eval()
     with torch.no_grad():
-        for c, start in enumerate(range(0, len(pairs), chunk)):
-            if c % W != rank:
-                continue
-            idx = range(start, min(start + chunk, len(pairs)))
-            b = len(idx)
-            inputs = pad_batch([pairs[i].chosen for i in idx] + [pairs[i].rejected for i in idx], pad_id,
-                               accelerator.device)
-            logps_2B = sequence_logps(*target_logprobs(reference, inputs)).double().cpu()
-            cache[start:start + b, 0], cache[start:start + b, 1] = logps_2B[:b], logps_2B[b:]
-    reference.train(was_training)
+        for c, start in enumerate(range(0, len(sequences), chunk)):
+            if c % W == rank:
+                part = sequences[start:start + chunk]
+                inputs = pad_batch(part, pad_id, accelerator.device)
+                cache[start:start + len(part)] = sequence_logps(*target_logprobs(model, inputs)).double().cpu()
+    model.train(was_training)
     return reduce_sum(accelerator, cache).float()
+
+
+def reference_logps_cache(accelerator, reference, pairs, pad_id: int, chunk: int):
+    """[N, 2] sequence log-probs (chosen, rejected) of every pair under the frozen reference: `chunk` pairs
+    (2 * chunk sequences, chosen first) per forward (sequence_logps_cache)."""
+    order = []  # per chunk of pairs: its chosen sides, then its rejected sides
+    for start in range(0, len(pairs), chunk):
+        part = pairs[start:start + chunk]
+        order += [p.chosen for p in part] + [p.rejected for p in part]
+    flat = sequence_logps_cache(accelerator, reference, order, pad_id, 2 * chunk)
+    cache = flat.new_zeros((len(pairs), 2))
+    for start in range(0, len(pairs), chunk):
+        b = min(chunk, len(pairs) - start)
+        cache[start:start + b, 0], cache[start:start + b, 1] = flat[2 * start:2 * start + b], flat[2 * start + b:2 * start + 2 * b]
+    return cache
 
 
 def reference_cost(cfg, num_pairs: int, num_eval: int) -> dict:
