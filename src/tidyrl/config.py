@@ -179,6 +179,14 @@ class PolicyLossConfig:
     """Coefficient of the KL penalty to the frozen reference model; 0 = no reference model is loaded."""
     kl_estimator: str = "k3"
     """KL estimator (Schulman 2020): k1, k2 or k3."""
+    policy_loss: str = "token"
+    """token: PPO's clipped ratio per token (GRPO, DAPO); sequence: GSPO (Zheng et al. 2025), one length-normalised ratio per completion, clipped as a whole (grpo, rloo; its clip ranges are ~1e-3, e.g. clip_eps 3e-4, clip_eps_high 4e-4, with loss_aggregation sequence_mean)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a completion longer than rollout.max_new_tokens - overlong_buffer loses up to overlong_penalty from its reward, linearly in the tokens past that point; 0 = off."""
+    overlong_penalty: float = 1.0
+    """The reward lost at rollout.max_new_tokens tokens with overlong_buffer > 0."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: completions cut at rollout.max_new_tokens (no EOS) are left out of the loss and its normaliser (they still count in the group's reward statistics)."""
 
 
 @dataclass
@@ -634,6 +642,15 @@ def validate(cfg: Config) -> None:
         need(section.kl_coef >= 0, f"{a}.kl_coef", f"must be >= 0 (0 = no KL term), got {section.kl_coef}")
         need(section.kl_estimator in KL_ESTIMATORS, f"{a}.kl_estimator",
              f"{section.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+        need(section.policy_loss in ("token", "sequence"), f"{a}.policy_loss",
+             f"{section.policy_loss!r} is not token or sequence (GSPO)")
+        need(section.policy_loss == "token" or cfg.algorithm in ("grpo", "rloo"), f"{a}.policy_loss",
+             f"sequence (GSPO) needs one advantage per completion (grpo, rloo); {cfg.algorithm}'s are per token")
+        need(0 <= section.overlong_buffer <= cfg.rollout.max_new_tokens, f"{a}.overlong_buffer",
+             f"must be in [0, rollout.max_new_tokens = {cfg.rollout.max_new_tokens}] tokens, got "
+             f"{section.overlong_buffer}")
+        need(section.overlong_penalty >= 0 and math.isfinite(section.overlong_penalty), f"{a}.overlong_penalty",
+             f"must be a number >= 0, got {section.overlong_penalty}")
         if isinstance(section, GRPOConfig):
             need(section.scale_rewards in SCALE_REWARDS, "grpo.scale_rewards",
                  f"{section.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")

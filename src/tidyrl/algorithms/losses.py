@@ -95,6 +95,76 @@ def clipped_policy_loss(
     return loss_BT, clipped_BT
 
 
+def sequence_clipped_policy_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_B: Tensor,
+    mask_BT: Tensor,
+    clip_eps: float,
+    clip_eps_high: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GSPO's clipped surrogate: one importance ratio per completion, as a loss to minimise.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7:
+
+        s_i    = exp( (1/|y_i|) * sum_t (logp_it - old_logp_it) )      (the geometric mean of the token ratios)
+        loss_i = -min(s_i * A_i,  clip(s_i, 1 - clip_eps, 1 + clip_eps_high) * A_i)
+
+    The ratio is length-normalised so that one clipping range fits completions of any length; a sequence is
+    clipped (zero gradient) or not as a whole. The gradient of s_i is s_i * (1/|y_i|) * sum_t grad logp_it:
+    every token of a completion weighted equally (the paper's point against GRPO's token ratios).
+
+    Returns (loss_BT, clipped_BT): [B, T] with each completion's loss_i (and whether it was clipped) on every one
+    of its tokens, so that `aggregate_loss(..., "sequence_mean", ...)` gives the paper's mean over completions
+    (token_mean weights each completion by its length instead). Padding positions are 0 / False.
+
+    Args:
+        logprobs_BT: [B, T] log-probs of the sampled tokens under the current policy (with grad).
+        old_logprobs_BT: [B, T] under the policy that generated the rollout (detached here).
+        advantages_B: [B], one per completion (GRPO's, RLOO's); detached here.
+        mask_BT: [B, T] 1 for completion tokens.
+        clip_eps, clip_eps_high: the clipping range of s_i; GSPO's are ~1e-3 (e.g. 3e-4 and 4e-4), not PPO's 0.2.
+    """
+    if clip_eps_high is None:
+        clip_eps_high = clip_eps
+    if clip_eps < 0 or clip_eps_high < 0:
+        raise ValueError(f"clip_eps and clip_eps_high must be >= 0, got {clip_eps} and {clip_eps_high}")
+    if advantages_B.dim() != 1:
+        raise ValueError("the sequence-level (GSPO) loss takes one advantage per completion, got shape "
+                         f"{tuple(advantages_B.shape)}")
+    mask = mask_BT.to(logprobs_BT.dtype)
+    lengths_B = mask.sum(dim=-1).clamp(min=1.0)
+    log_ratio_B = _masked_sum(logprobs_BT - old_logprobs_BT.detach(), mask_BT, dim=-1) / lengths_B
+    ratio_B = torch.exp(log_ratio_B)
+    adv_B = advantages_B.detach().to(logprobs_BT.dtype)
+    loss_B = torch.maximum(-ratio_B * adv_B, -ratio_B.clamp(1.0 - clip_eps, 1.0 + clip_eps_high) * adv_B)
+    with torch.no_grad():
+        clipped_B = ((ratio_B < 1.0 - clip_eps) & (adv_B < 0)) | ((ratio_B > 1.0 + clip_eps_high) & (adv_B > 0))
+    return loss_B[:, None] * mask, clipped_B[:, None] & mask_BT.bool()
+
+
+def overlong_penalty(lengths_B: Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, added to each completion's reward.
+
+    Yu et al. 2025, "DAPO", eq. 13, with L_max = max_new_tokens and L_cache = buffer:
+
+        R_length(y) = 0                                     if |y| <= L_max - L_cache
+                      ((L_max - L_cache) - |y|) / L_cache   if L_max - L_cache < |y| <= L_max
+                      -1                                    if |y| > L_max   (cannot happen: generation stops)
+
+    times `factor`: a linear ramp from 0 to -factor over the last `buffer` tokens, so a model learns to finish
+    before the limit rather than being cut there. `buffer` = 0 gives no penalty.
+    """
+    if buffer < 0 or buffer > max_new_tokens:
+        raise ValueError(f"the overlong buffer must be in [0, max_new_tokens={max_new_tokens}], got {buffer}")
+    lengths_B = lengths_B.to(torch.float32)
+    if buffer == 0:
+        return torch.zeros_like(lengths_B)
+    start = max_new_tokens - buffer
+    ramp_B = (start - lengths_B) / buffer
+    return factor * torch.where(lengths_B > max_new_tokens, torch.full_like(ramp_B, -1.0), ramp_B.clamp(max=0.0))
+
+
 def loss_normaliser(mode: str, *, num_tokens: int | float, num_sequences: int, max_new_tokens: int) -> float:
     """The denominator of the loss for one whole optimizer mini-batch.
 

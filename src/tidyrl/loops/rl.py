@@ -495,6 +495,13 @@ class _RLRun:
             per_fn[name] = (per_fn[name] - moments.mean) / max(moments.std, 1e-8)
         # The weighted sum over the functions that scored each episode (every episode has one: checked).
         scores = sum(f.weight * torch.nan_to_num(per_fn[f.name], nan=0.0) for f in self.reward_fns)  # (R,)
+        overlong = None
+        if self.algo.overlong_buffer:  # DAPO's soft overlong punishment, part of the reward
+            from tidyrl.algorithms.losses import overlong_penalty
+
+            overlong = overlong_penalty(rollout.completion_mask.sum(1), ro.max_new_tokens, self.algo.overlong_buffer,
+                                        self.algo.overlong_penalty)
+            scores = scores + overlong
 
         algo_stats = self._advantages(rollout, scores, policy_is_reference=(r == 0))
         lengths_R = rollout.completion_mask.sum(1)
@@ -511,6 +518,8 @@ class _RLRun:
         for name, v in raw_per_fn.items():
             scored = v[~torch.isnan(v)]
             stats[f"reward/{name}"] = float(scored.mean()) if len(scored) else None
+        if overlong is not None:
+            stats["overlong_penalty_mean"] = float(overlong.mean())  # included in reward_mean
         stats["time/generate_s"] = t_generate
         stats["time/reward_s"] = t_reward
         stats["time/score_s"] = t_score
@@ -653,7 +662,8 @@ class _RLRun:
         import torch
 
         from tidyrl.algorithms.kl import kl_per_token
-        from tidyrl.algorithms.losses import aggregate_loss, clipped_policy_loss, loss_normaliser
+        from tidyrl.algorithms.losses import (aggregate_loss, clipped_policy_loss, loss_normaliser,
+                                              sequence_clipped_policy_loss)
         from tidyrl.algorithms.ppo import clipped_value_loss
         from tidyrl.rollout import chunks, completion_logprobs, completion_values
 
@@ -664,7 +674,7 @@ class _RLRun:
             m.train()
         t0 = time.perf_counter()
         # Normaliser of the whole global mini-batch (every process holds the global rollout, so no all-reduce).
-        mb_mask = rollout.completion_mask[minibatch]
+        mb_mask = self._loss_mask(rollout.completion_mask[minibatch], rollout.truncated[minibatch])
         normaliser = loss_normaliser(algo.loss_aggregation, num_tokens=float(mb_mask.sum()),
                                      num_sequences=len(minibatch), max_new_tokens=cfg.rollout.max_new_tokens)
         per_proc = plan.episodes_per_minibatch_per_process
@@ -678,13 +688,17 @@ class _RLRun:
                     "value_clipped_tokens")
         for i, idx in enumerate(micro_batches):
             part = rollout.select(idx)
-            mask = part.completion_mask.to(self.accelerator.device)
+            mask = self._loss_mask(part.completion_mask, part.truncated).to(self.accelerator.device)
             sync = cfg.train.sync_each_microbatch or i == len(micro_batches) - 1
             with no_sync(self.accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
                 logprobs, entropy = completion_logprobs(model, part, cfg.rollout.temperature, with_entropy=True)
                 old = part.old_logprobs.to(logprobs.device) if part.old_logprobs is not None else logprobs.detach()
                 adv = part.advantages.to(logprobs.device)
-                token_loss, clipped = clipped_policy_loss(logprobs, old, adv, algo.clip_eps, algo.clip_eps_high)
+                if algo.policy_loss == "sequence":  # GSPO: one ratio per completion
+                    token_loss, clipped = sequence_clipped_policy_loss(logprobs, old, adv, mask, algo.clip_eps,
+                                                                       algo.clip_eps_high)
+                else:
+                    token_loss, clipped = clipped_policy_loss(logprobs, old, adv, algo.clip_eps, algo.clip_eps_high)
                 kl = None
                 if part.ref_logprobs is not None:
                     # At step 1 the policy is the reference: its own log-probs are the reference's exactly, while
@@ -733,6 +747,13 @@ class _RLRun:
             out.update({"value_loss": sums["value_loss"], "value_clip_fraction": sums["value_clipped_tokens"] / tokens,
                         "critic_grad_norm": critic_norm, "time/update_s": time.perf_counter() - t0})
         return out
+
+    def _loss_mask(self, completion_mask, truncated):
+        """The tokens the loss (and its normaliser, KL and entropy metrics) covers: every completion token, or
+        with mask_truncated (DAPO's overlong filtering) those of completions that ended with EOS."""
+        if not self.algo.mask_truncated:
+            return completion_mask
+        return completion_mask * (~truncated.bool()).to(completion_mask.dtype)[:, None]
 
     # ------------------------------------------------------------------ multi-process helpers
     def _gather(self, tensor):
