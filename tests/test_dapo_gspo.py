@@ -93,3 +93,78 @@ def test_overlong_shaping_is_part_of_the_reward_and_filtering_leaves_truncated_c
     rows = read_jsonl(filtered.output_dir / "metrics.jsonl")
     assert all(r["truncated_fraction"] == 1.0 for r in rows)
     assert all(r["loss"] == 0.0 and r["grad_norm"] == 0.0 for r in rows)
+
+
+# Words of the first half always score 0 (every group of them is uninformative); the others score by letters.
+HALF_FLAT = '''
+def half_flat(completions, word, **kwargs):
+    return [0.0 if word[i] in ("apple", "pear", "fig", "kiwi", "lime") else sum(c in word[i] for c in t) / 8
+            for i, t in enumerate(completions)]
+
+def flat(completions, **kwargs):
+    return [0.5 for _ in completions]
+'''
+
+
+def dynamic_config(model_dir, prompt_file, tmp_path, name, function, **rollout):
+    (tmp_path / "flat_rewards.py").write_text(HALF_FLAT)
+    return {
+        "algorithm": "grpo", "model": str(model_dir), "output_dir": str(tmp_path / name), "seed": 7,
+        "data": {"path": str(prompt_file)},
+        "rewards": [{"function": f"{tmp_path / 'flat_rewards.py'}:{function}"}],
+        "rollout": {"prompts_per_rollout": 4, "samples_per_prompt": 3, "max_new_tokens": 5, "dynamic_sampling": True,
+                    **rollout},
+        "train": {"rollouts": 3, "micro_batch_size": 4, "learning_rate": 1e-2},
+        "log": {"progress_bar": False, "samples_per_rollout": 12},
+    }
+
+
+def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ(tiny_model_dir, prompt_file, tmp_path):
+    cfg = dynamic_config(tiny_model_dir, prompt_file, tmp_path, "dyn", "half_flat", max_sampling_rounds=8)
+    result = tidyrl.train(cfg)
+    plain = tidyrl.train({**cfg, "output_dir": str(tmp_path / "plain"),
+                          "rollout": {**cfg["rollout"], "dynamic_sampling": False}})
+    assert result.plan == plain.plan  # the plan does not know about filtering: same steps, episodes, schedule
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == 3 and [r["lr"] for r in rows] == [r["lr"] for r in read_jsonl(plain.output_dir / "metrics.jsonl")]
+    for row in rows:
+        assert row["groups/kept"] == 4 and row["groups/filled"] == 0
+        assert row["groups/generated"] == 4 * row["sampling/rounds"] and row["groups/dropped"] == row["groups/generated"] - 4
+    assert sum(r["sampling/rounds"] for r in rows) > 3  # some rollouts needed more than one round
+    samples = read_jsonl(result.output_dir / "samples.jsonl")
+    assert len(samples) == 36  # every episode of the 3 rollouts
+    flat_words = ("apple:", "pear:", "fig:", "kiwi:", "lime:")
+    assert not any(s["prompt"] in flat_words for s in samples)  # no always-0 group was trained on
+    assert any(s["prompt"] in flat_words for s in read_jsonl(plain.output_dir / "samples.jsonl"))
+
+    # Resumed from a checkpoint inside the run, the same rounds and groups are drawn again.
+    cfg["log"]["save_every"] = 1
+    tidyrl.train({**cfg, "output_dir": str(tmp_path / "saved")})
+    tidyrl.train({**cfg, "output_dir": str(tmp_path / "saved")}, ["resume_from=" + str(tmp_path / "saved" / "checkpoint-1")])
+    drop = ("time_s", "time/generate_s", "time/reward_s", "time/score_s", "time/update_s")
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in drop} for r in rs]  # noqa: E731
+    assert strip(read_jsonl(tmp_path / "saved" / "metrics.jsonl")) == strip(rows)
+
+
+def test_when_the_rounds_run_out_fill_keeps_the_plan_and_error_stops(tiny_model_dir, prompt_file, tmp_path):
+    from tidyrl.loops.rl import DynamicSamplingError
+
+    filled = tidyrl.train(dynamic_config(tiny_model_dir, prompt_file, tmp_path, "fill", "flat", max_sampling_rounds=2))
+    rows = read_jsonl(filled.output_dir / "metrics.jsonl")
+    assert len(rows) == filled.plan.total_optimizer_steps == 3
+    assert all((r["sampling/rounds"], r["groups/kept"], r["groups/filled"], r["groups/dropped"]) == (2, 0, 4, 4)
+               for r in rows)
+    with pytest.raises(DynamicSamplingError, match=r"rollout 1: 2 rounds .* gave 0 groups whose 3 rewards differ"):
+        tidyrl.train(dynamic_config(tiny_model_dir, prompt_file, tmp_path, "error", "flat", max_sampling_rounds=2,
+                                    on_sampling_cap="error"))
+
+
+def test_dynamic_sampling_options_are_checked():
+    base = {"model": "m", "data": {"path": "p.jsonl"}, "rewards": [{"function": "m:f"}], "train": {"rollouts": 1}}
+    with pytest.raises(tidyrl.config.ConfigError) as info:
+        tidyrl.config.load_config({**base, "algorithm": "ppo",
+                                   "rollout": {"dynamic_sampling": True, "max_sampling_rounds": 0,
+                                               "on_sampling_cap": "skip"}})
+    assert [p.split(":")[0] for p in info.value.problems] == [
+        "rollout.dynamic_sampling", "rollout.max_sampling_rounds", "rollout.on_sampling_cap"]
+    assert "only a group baseline" in info.value.problems[0]

@@ -127,7 +127,8 @@ def _variant(base: dict, algorithm: str, rollouts: int, **sections) -> dict:
     cfg = {**base, "algorithm": algorithm, "rewards": [{"function": "tidyrl.demo:anagram_reward"}]}
     cfg = {key: value for key, value in cfg.items() if key not in ("critic", "ppo")}
     cfg["train"] = {**base["train"], "rollouts": rollouts}
-    return {**cfg, **sections}
+    merged = {key: {**cfg[key], **value} if isinstance(cfg.get(key), dict) else value for key, value in sections.items()}
+    return {**cfg, **merged}
 
 
 VARIANTS = {
@@ -137,6 +138,8 @@ VARIANTS = {
     "reinforce_pp": ("reinforce_pp", {"reinforce_pp": {"kl_coef": 0.05}}),
     "reinforce_pp_baseline": ("reinforce_pp_baseline", {"reinforce_pp": {"kl_coef": 0.05}}),
     "rloo-kl": ("rloo", {"rloo": {"kl_coef": 0.05}}),
+    # DAPO's dynamic sampling: the rounds and the chosen groups are the same on 1 and 2 processes
+    "grpo-dynamic": ("grpo", {"rollout": {"dynamic_sampling": True, "max_sampling_rounds": 3}}),
 }
 
 
@@ -162,7 +165,9 @@ def test_every_algorithm_on_two_processes_matches_one(ppo_yaml, tmp_path, name):
     rollout of 4 optimizer steps. REINFORCE++-baseline drifted 1.4e-3 here (~ lr) before the first rollout's
     KL was taken as exactly 0: a tied group's advantages were float rounding, whitened and stepped by AdamW."""
     first = _one_vs_two(ppo_yaml, tmp_path, name, rollouts=1)
-    if name != "rloo-kl":
+    if name == "grpo-dynamic":
+        assert first[0]["groups/kept"] + first[0]["groups/filled"] == 4
+    elif name != "rloo-kl":
         assert first[0]["rollout_kl"] == 0.0  # the policy is the reference before its first update
 
 

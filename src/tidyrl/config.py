@@ -95,6 +95,12 @@ class RolloutConfig:
     """Sequences generated at once, per process. A memory knob: it never changes the completions."""
     forward_batch_size: int = 64
     """Sequences scored at once without grad (old and reference log-probs), per process. A memory knob only."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025, §3.2; grpo, rloo, reinforce_pp_baseline): a group whose k completions all get the same reward (zero advantage) is dropped, and more prompts are drawn until the rollout holds prompts_per_rollout informative groups. The plan is unchanged (episodes per rollout, optimizer steps, LR schedule); generated, kept, dropped and filled groups are counted in the metrics."""
+    max_sampling_rounds: int = 3
+    """dynamic_sampling: generation rounds per rollout at most (the first included), each of prompts_per_rollout prompts."""
+    on_sampling_cap: str = "fill"
+    """dynamic_sampling, when the rounds run out with fewer informative groups than prompts_per_rollout: fill (complete the rollout with dropped groups, first generated first; they carry no advantage) or error (stop, with the counts)."""
 
 
 @dataclass
@@ -642,6 +648,14 @@ def validate(cfg: Config) -> None:
         need(section.kl_coef >= 0, f"{a}.kl_coef", f"must be >= 0 (0 = no KL term), got {section.kl_coef}")
         need(section.kl_estimator in KL_ESTIMATORS, f"{a}.kl_estimator",
              f"{section.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+        if cfg.rollout.dynamic_sampling:
+            need(cfg.algorithm in ("grpo", "rloo", "reinforce_pp_baseline"), "rollout.dynamic_sampling",
+                 f"drops groups of equal rewards, which only a group baseline makes uninformative (grpo, rloo, "
+                 f"reinforce_pp_baseline); {cfg.algorithm} learns from every completion")
+            need(cfg.rollout.max_sampling_rounds >= 1, "rollout.max_sampling_rounds",
+                 f"must be >= 1, got {cfg.rollout.max_sampling_rounds}")
+            need(cfg.rollout.on_sampling_cap in ("fill", "error"), "rollout.on_sampling_cap",
+                 f"{cfg.rollout.on_sampling_cap!r} is not fill or error")
         need(section.policy_loss in ("token", "sequence"), f"{a}.policy_loss",
              f"{section.policy_loss!r} is not token or sequence (GSPO)")
         need(section.policy_loss == "token" or cfg.algorithm in ("grpo", "rloo"), f"{a}.policy_loss",

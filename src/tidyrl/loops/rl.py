@@ -138,6 +138,10 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
                     eval_prompt_ids, eval_report)
 
 
+class DynamicSamplingError(RuntimeError):
+    """rollout.dynamic_sampling ran out of rounds with too few informative groups, and on_sampling_cap=error."""
+
+
 def choose_critic(cfg: Config, policy_vocab: dict) -> tuple[str, str]:
     """PPO's value model: (path, why it was chosen). `critic.model` when set, else the first reward model that
     shares the policy's vocabulary, else the policy. The critic reads the policy's tokens, so a model of another
@@ -429,8 +433,7 @@ class _RLRun:
 
         from tidyrl.algorithms.losses import masked_mean
         from tidyrl.metrics import sample_episodes
-        from tidyrl.rewards import compute_rewards
-        from tidyrl.rollout import Rollout, generate, left_pad, sample_seed, score_logprobs, score_values
+        from tidyrl.rollout import Rollout, left_pad, score_logprobs, score_values
 
         cfg, plan, ro = self.cfg, self.plan, self.cfg.rollout
         k = plan.samples_per_prompt
@@ -438,34 +441,20 @@ class _RLRun:
         policy.eval()
 
         indices = self.stream.rollout_indices(r, plan.prompts_per_rollout)  # P prompt rows
-        prompt_rows = self.dataset[indices]  # column -> P values
         per_proc = plan.episodes_per_rollout_per_process
         episodes = range(self.rank * per_proc, (self.rank + 1) * per_proc)  # this process's global episode ids
-        prompts = [prompt_rows[cfg.data.prompt_column][e // k] for e in episodes]
-        columns = {c: [prompt_rows[c][e // k] for e in episodes] for c in self.columns}
-        prompt_ids = [self.prompt_ids[indices[e // k]] for e in episodes]
-
         t0 = time.perf_counter()
-        # The sampling pass also returns each token's log-prob under the policy (the old log-probs below).
-        # Under FSDP the full weights are gathered once for the whole call, not at every token (sharding.py).
-        with full_weights(policy):
-            ids, mask, truncated, sampled_logprobs = generate(
-                policy, prompt_ids, sample_keys=[sample_seed(cfg.seed, r, e) for e in episodes],
-                max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
-                pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature,
-                top_p=ro.top_p, top_k=ro.top_k, return_logprobs=True,
-            )
-        t_generate = time.perf_counter() - t0
+        sampled = self._sample_round(policy, r, 0, indices, episodes)
+        group_prompts = self.dataset[indices][cfg.data.prompt_column]  # the P groups' prompts, for samples.jsonl
+        sampling_stats: dict[str, Any] = {}
+        if ro.dynamic_sampling:  # DAPO: more rounds until P groups have unequal rewards
+            sampled, group_prompts, sampling_stats = self._dynamic_sampling(policy, r, indices, episodes, sampled)
+        t_reward = sampled["reward_s"]
+        t_generate = time.perf_counter() - t0 - t_reward
+        ids, mask, truncated, sampled_logprobs = sampled["ids"], sampled["mask"], sampled["truncated"], \
+            sampled["logprobs"]
 
-        lengths = mask.sum(1).long().tolist()
-        completion_ids = [ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
-        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        t0 = time.perf_counter()
-        result = compute_rewards(self.reward_fns, prompts=prompts, completions=completions,
-                                 completion_ids=completion_ids, columns=columns)
-        t_reward = time.perf_counter() - t0
-
-        p_ids, p_mask = left_pad(prompt_ids, self.pad_id)
+        p_ids, p_mask = left_pad(sampled["prompt_ids"], self.pad_id)
         local = Rollout(p_ids, p_mask, ids, mask, truncated)
         t0 = time.perf_counter()
         # Each process scores its own R/W episodes; the results are gathered with the rollout.
@@ -484,8 +473,7 @@ class _RLRun:
             with full_weights(critic):
                 local.old_values = score_values(critic, local, ro.forward_batch_size)
         t_score = time.perf_counter() - t0
-        per_fn_local = {name: torch.tensor([math.nan if v is None else float(v) for v in values])
-                        for name, values in result.per_function.items()}
+        per_fn_local = sampled["per_fn"]
         rollout = self._gather_rollout(local)
         per_fn = {name: self._gather(v) for name, v in per_fn_local.items()}  # name -> (R,), NaN = no score
         raw_per_fn = dict(per_fn)  # metrics show raw scores; the advantages use the normalised ones
@@ -525,7 +513,8 @@ class _RLRun:
         stats["time/score_s"] = t_score
         # One sample of each of the first prompts (then second samples...), by global index: the same on any W.
         shown = sample_episodes(len(rollout) // k, k, cfg.log.samples_per_rollout)
-        stats["_samples"] = [self._sample_row(rollout, e, prompt_rows[cfg.data.prompt_column][e // k], scores,
+        stats.update(sampling_stats)
+        stats["_samples"] = [self._sample_row(rollout, e, group_prompts[e // k], scores,
                                               raw_per_fn) for e in shown] if self.is_main else []
         return rollout, stats
 
@@ -581,6 +570,102 @@ class _RLRun:
                         "eval/truncated_fraction": totals["truncated"] / total,
                         "time/eval_s": time.perf_counter() - t0})
         return metrics
+
+    def _sample_round(self, policy, r: int, q: int, indices, episodes) -> dict:
+        """Generate and reward this process's `episodes` (global ids) of one round: episode e is sample e % k of
+        prompt row indices[e // k], keyed (seed, rollout r, q * R + e), so round 0 is the rollout without
+        dynamic sampling and every later round draws new random numbers. Returns the completions (ids, mask,
+        truncated, the sampling pass's log-probs), the prompts' ids, each reward's raw scores (NaN = none) and
+        the seconds spent rewarding."""
+        import torch
+
+        from tidyrl.rewards import compute_rewards
+        from tidyrl.rollout import generate, sample_seed
+
+        cfg, ro, k = self.cfg, self.cfg.rollout, self.plan.samples_per_prompt
+        R = self.plan.episodes_per_rollout
+        prompt_rows = self.dataset[indices]  # column -> P values
+        prompts = [prompt_rows[cfg.data.prompt_column][e // k] for e in episodes]
+        columns = {c: [prompt_rows[c][e // k] for e in episodes] for c in self.columns}
+        prompt_ids = [self.prompt_ids[indices[e // k]] for e in episodes]
+        # The sampling pass also returns each token's log-prob under the policy (the old log-probs below).
+        # Under FSDP the full weights are gathered once for the whole call, not at every token (sharding.py).
+        with full_weights(policy):
+            ids, mask, truncated, logprobs = generate(
+                policy, prompt_ids, sample_keys=[sample_seed(cfg.seed, r, q * R + e) for e in episodes],
+                max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
+                pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature,
+                top_p=ro.top_p, top_k=ro.top_k, return_logprobs=True,
+            )
+        lengths = mask.sum(1).long().tolist()
+        completion_ids = [ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
+        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        t0 = time.perf_counter()
+        result = compute_rewards(self.reward_fns, prompts=prompts, completions=completions,
+                                 completion_ids=completion_ids, columns=columns)
+        per_fn = {name: torch.tensor([math.nan if v is None else float(v) for v in values])
+                  for name, values in result.per_function.items()}
+        return {"ids": ids, "mask": mask, "truncated": truncated, "logprobs": logprobs, "prompt_ids": prompt_ids,
+                "per_fn": per_fn, "reward_s": time.perf_counter() - t0}
+
+    def _dynamic_sampling(self, policy, r: int, indices, episodes, first: dict):
+        """DAPO's dynamic sampling (Yu et al. 2025, §3.2, eq. 11's constraint 0 < |{correct}| < G): keep the groups
+        whose k raw weighted rewards are not all equal, drawing rounds of P more prompts (a keyed draw per
+        (rollout, round), apart from the prompt stream) until P such groups exist or rollout.max_sampling_rounds
+        is reached; then rollout.on_sampling_cap fills the rest with equal-reward groups (first generated first)
+        or stops. Every round is gathered, so every process makes the same choice; the rollout holds the chosen
+        groups in (round, group) order and this process gets its usual share of them. The plan is unchanged."""
+        import torch
+
+        from tidyrl.rollout import sample_seed
+
+        cfg, ro, plan = self.cfg, self.cfg.rollout, self.plan
+        P, k = plan.prompts_per_rollout, plan.samples_per_prompt
+        names = list(first["per_fn"])
+        rounds, kept, spare = [], [], []
+        reward_s = 0.0
+        data, round_indices = first, list(indices)
+        for q in range(ro.max_sampling_rounds):
+            if q > 0:  # a keyed draw of P prompts: the same on every process and on resume
+                generator = torch.Generator().manual_seed(sample_seed(cfg.seed, r, -q))
+                round_indices = torch.randperm(len(self.dataset), generator=generator)[:P].tolist()
+                data = self._sample_round(policy, r, q, round_indices, episodes)
+            reward_s += data["reward_s"]
+            every = {"ids": self._gather(data["ids"]), "mask": self._gather(data["mask"]),
+                     "truncated": self._gather(data["truncated"]), "logprobs": self._gather(data["logprobs"]),
+                     "per_fn": {n: self._gather(data["per_fn"][n]) for n in names}, "indices": round_indices}
+            rounds.append(every)
+            total_R = sum(f.weight * torch.nan_to_num(every["per_fn"][f.name], nan=0.0) for f in self.reward_fns)
+            groups = total_R.view(P, k)
+            informative = (groups.max(dim=1).values - groups.min(dim=1).values) > 0
+            for p in range(P):
+                (kept if informative[p] else spare).append((q, p))
+            if len(kept) >= P:
+                break
+        chosen = kept[:P]
+        filled = P - len(chosen)
+        if filled and ro.on_sampling_cap == "error":
+            raise DynamicSamplingError(
+                f"rollout {r + 1}: {len(rounds)} rounds (rollout.max_sampling_rounds) of {P} prompts gave {len(kept)} "
+                f"groups whose {k} rewards differ, fewer than prompts_per_rollout = {P}; the rest all scored alike. "
+                "Raise rollout.max_sampling_rounds, use easier (or harder) prompts, or set "
+                "rollout.on_sampling_cap=fill to complete rollouts with such groups.")
+        chosen = sorted(chosen + spare[:filled])
+        rows = [rounds[q] for q, _ in chosen]
+        take = lambda t_of: torch.cat([t_of(rd)[p * k:(p + 1) * k] for rd, (_, p) in zip(rows, chosen)])  # noqa: E731
+        mine = slice(episodes.start, episodes.stop)
+        selected = {
+            "ids": take(lambda rd: rd["ids"])[mine], "mask": take(lambda rd: rd["mask"])[mine],
+            "truncated": take(lambda rd: rd["truncated"])[mine], "logprobs": take(lambda rd: rd["logprobs"])[mine],
+            "per_fn": {n: take(lambda rd, n=n: rd["per_fn"][n])[mine] for n in names},
+            "prompt_ids": [self.prompt_ids[rounds[chosen[e // k][0]]["indices"][chosen[e // k][1]]] for e in episodes],
+            "reward_s": reward_s,
+        }
+        prompts = [self.dataset[rounds[q]["indices"][p]][cfg.data.prompt_column] for q, p in chosen]
+        generated = P * len(rounds)
+        stats = {"sampling/rounds": len(rounds), "groups/generated": generated, "groups/kept": P - filled,
+                 "groups/filled": filled, "groups/dropped": generated - P}
+        return selected, prompts, stats
 
     def _sample_row(self, rollout, e: int, prompt, scores, raw_per_fn) -> dict:
         """One samples.jsonl row for global episode e."""
