@@ -119,9 +119,10 @@ def dynamic_config(model_dir, prompt_file, tmp_path, name, function, **rollout):
     }
 
 
-def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ(tiny_model_dir, prompt_file, tmp_path):
+def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ(tiny_model_dir, prompt_file, tmp_path, capsys):
     cfg = dynamic_config(tiny_model_dir, prompt_file, tmp_path, "dyn", "half_flat", max_sampling_rounds=8)
     result = tidyrl.train(cfg)
+    summary = capsys.readouterr().out
     plain = tidyrl.train({**cfg, "output_dir": str(tmp_path / "plain"),
                           "rollout": {**cfg["rollout"], "dynamic_sampling": False}})
     assert result.plan == plain.plan  # the plan does not know about filtering: same steps, episodes, schedule
@@ -131,6 +132,9 @@ def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ(tiny_model_dir,
         assert row["groups/kept"] == 4 and row["groups/filled"] == 0
         assert row["groups/generated"] == 4 * row["sampling/rounds"] and row["groups/dropped"] == row["groups/generated"] - 4
     assert sum(r["sampling/rounds"] for r in rows) > 3  # some rollouts needed more than one round
+    generated = sum(r["groups/generated"] for r in rows)
+    assert (f"groups (dynamic sampling): {generated} generated, 12 kept, 0 filled, {generated - 12} dropped"
+            in summary)
     samples = read_jsonl(result.output_dir / "samples.jsonl")
     assert len(samples) == 36  # every episode of the 3 rollouts
     flat_words = ("apple:", "pear:", "fig:", "kiwi:", "lime:")

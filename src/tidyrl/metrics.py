@@ -218,7 +218,7 @@ def format_offline_summary(algorithm: str, plan, timings: dict, wall_s: float, f
 def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[float],
                    last_reward: Optional[float], output_dir: Path, final_dir: Path,
                    tracker_locations: Optional[dict] = None, evals: Optional[dict] = None,
-                   best: Optional[dict] = None) -> str:
+                   best: Optional[dict] = None, groups: Optional[dict] = None) -> str:
     """The end-of-run summary: totals, wall time and its split, reward at start and end, where things are.
 
     `timings` holds seconds per part of TIME_METRICS and `steps`, the number of optimizer steps they
@@ -239,6 +239,10 @@ def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[fl
         scope = "" if steps == plan.total_optimizer_steps else f" (the {steps} steps run since resuming)"
         lines.append(f"  time{scope}: {split}")
     lines.append(f"  reward_mean: {reward(first_reward)} (first rollout) -> {reward(last_reward)} (last rollout)")
+    if groups:  # rollout.dynamic_sampling
+        lines.append(f"  groups (dynamic sampling): {groups.get('groups/generated', 0)} generated, "
+                     f"{groups.get('groups/kept', 0)} kept, {groups.get('groups/filled', 0)} filled, "
+                     f"{groups.get('groups/dropped', 0)} dropped")
     for name, value in (evals or {}).items():
         lines.append(f"  {name}: {reward(value)} (held-out prompts, after the last step)")
     if best:

@@ -138,6 +138,10 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
                     eval_prompt_ids, eval_report)
 
 
+GROUP_COUNTS = ("groups/generated", "groups/kept", "groups/filled", "groups/dropped")
+"""rollout.dynamic_sampling's per-rollout counts, summed over the run for the summary."""
+
+
 class DynamicSamplingError(RuntimeError):
     """rollout.dynamic_sampling ran out of rounds with too few informative groups, and on_sampling_cap=error."""
 
@@ -288,6 +292,7 @@ class _RLRun:
             self.kl_control.load_state_dict(state["kl_control"])
         step = state["step"]
         self.best = state.get("best")
+        self.group_totals = state.get("group_totals") or {}
         started = -(-step // plan.optimizer_steps_per_rollout)  # rollouts begun: ceil(step / (E*M))
         self.accelerator.wait_for_everyone()
         if self.is_main:
@@ -316,7 +321,7 @@ class _RLRun:
                      "elapsed_s": elapsed, "first_reward_mean": first_reward,
                      "reward_moments": {name: m.state_dict() for name, m in self.reward_moments.items()},
                      "kl_control": self.kl_control.state_dict() if self.kl_control else None,
-                     "best": self.best,
+                     "best": self.best, "group_totals": self.group_totals,
                      "world_size": self.world_size, "plan": self.plan.to_dict(), "config": config_to_dict(self.cfg)}
             unfinished = None
             if rollout is not None:
@@ -337,7 +342,7 @@ class _RLRun:
         cfg, plan = self.cfg, self.plan
         steps_per_rollout = plan.optimizer_steps_per_rollout
         step, elapsed, first_reward, unfinished = 0, 0.0, None, None
-        self.best = None
+        self.best, self.group_totals = None, {}
         if self.resumed is not None:
             step, elapsed, first_reward, unfinished = self._restore()
         else:
@@ -360,6 +365,9 @@ class _RLRun:
                         rollout, stats = self._make_rollout_or_stop(r, step)
                         for sample in stats.pop("_samples"):
                             samples_log.write({"rollout": r + 1, "step": step, **sample})
+                        for key in GROUP_COUNTS:  # dynamic sampling's totals, for the summary
+                            if key in stats:
+                                self.group_totals[key] = self.group_totals.get(key, 0) + stats[key]
                     first_reward = stats["reward_mean"] if first_reward is None else first_reward
                     last_reward = stats["reward_mean"]
                     for j in range(step - r * steps_per_rollout, steps_per_rollout):
@@ -412,7 +420,8 @@ class _RLRun:
         if self.is_main:
             print(format_summary(plan, metrics_log.timings, time.perf_counter() - self.start, first_reward,
                                  last_reward, self.out, final_dir, metrics_log.tracker_locations,
-                                 {k: v for k, v in row.items() if k.startswith("eval/")}, self.best), flush=True)
+                                 {k: v for k, v in row.items() if k.startswith("eval/")}, self.best,
+                                 self.group_totals), flush=True)
         return TrainResult(self.out, final_dir, plan, row, first_reward, last_reward, self.is_main)
 
     def _make_rollout_or_stop(self, r: int, step: int):
