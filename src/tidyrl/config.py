@@ -73,6 +73,8 @@ class RewardConfig:
     """Shift and scale this reward's scores by the running mean and std of all its scores so far (typical for reward models)."""
     max_length: Optional[int] = None
     """Reward models: longest input in the model's own tokens, cut from the left; default: its maximum length."""
+    kwargs: dict = field(default_factory=dict)
+    """Reward functions: options passed to the function as keyword arguments on every call, e.g. {pattern: "^<answer>.*</answer>$"} for tidyrl.verifiable:format_match."""
 
 
 @dataclass
@@ -589,6 +591,8 @@ def validate(cfg: Config) -> None:
                  f"must be a 'module:function' string or a callable, got {type(reward.function).__name__}")
         need(math.isfinite(reward.weight), f"{key}.weight", f"must be a finite number, got {reward.weight}")
         need(reward.name != "", f"{key}.name", "must not be empty; use null for the function's name")
+        need(not (reward.kwargs and reward.model is not None), f"{key}.kwargs",
+             "options are for reward functions; a reward model takes none")
 
     r, t = cfg.rollout, cfg.train
     for name in ("prompts_per_rollout", "generation_batch_size", "forward_batch_size"):
@@ -875,6 +879,11 @@ def _coerce(hint, value, key: str, problems: list[str]):
         return value
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key + ".", problems)
+    if hint is dict or typing.get_origin(hint) is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            problems.append(f"{key} must be a mapping of names to values, got {_show(value)}")
+            return {}
+        return dict(value)
     if typing.get_origin(hint) is list:
         if not isinstance(value, (list, tuple)):
             problems.append(f"{key} must be a list, got {_show(value)}")

@@ -20,6 +20,7 @@ the same way and scores each sample with its own tokenizer and chat template.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -52,6 +53,8 @@ class RewardFunction:
     """Keyword arguments `fn` accepts; None when it takes **kwargs (or cannot be inspected): it gets all."""
     required: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
     """Keyword arguments `fn` needs (no default)."""
+    options: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+    """Keyword arguments fixed by rewards[i].kwargs (never filled from the data)."""
 
     def __post_init__(self):
         # inspect.signature once per function, not on every call.
@@ -199,6 +202,7 @@ def build_reward_functions(reward_cfgs: list, base_dir: str | None = None, *, fo
                              max_length=getattr(cfg, "max_length", None))
         else:
             fn = load_reward_function(cfg.function, base_dir, key=f"rewards[{i}].function")
+        options = dict(getattr(cfg, "kwargs", None) or {})
 
         if cfg.name:
             name = str(cfg.name)
@@ -215,8 +219,25 @@ def build_reward_functions(reward_cfgs: list, base_dir: str | None = None, *, fo
             n += 1
             unique = f"{name}_{n}"
         used.add(unique)
-        functions.append(RewardFunction(name=unique, fn=fn, weight=float(weight)))
+        functions.append(with_options(RewardFunction(name=unique, fn=fn, weight=float(weight)), options, i))
     return functions
+
+
+def with_options(func: RewardFunction, options: dict, i: int) -> RewardFunction:
+    """`func` called with `options` (rewards[i].kwargs) as fixed keyword arguments on every call. An option the
+    function does not take is refused here, before any model loads; a data column of the same name no longer
+    reaches the function (the option wins)."""
+    if not options:
+        return func
+    unknown = sorted(o for o in options if func.accepts is not None and o not in func.accepts)
+    if unknown:
+        raise RewardError(f"rewards[{i}].kwargs: {func.name!r} takes no argument(s) {unknown}; its keyword "
+                          f"arguments are {sorted(func.accepts)}.")
+    bound = RewardFunction(name=func.name, fn=functools.partial(func.fn, **options), weight=func.weight)
+    bound.accepts = None if func.accepts is None else func.accepts - set(options)
+    bound.required = func.required - set(options)
+    bound.options = frozenset(options)
+    return bound
 
 
 # ---------------------------------------------------------------------------
@@ -314,7 +335,8 @@ def check_reward_columns(funcs: list[RewardFunction], columns: list[str]) -> Non
 def _kwargs_for(func: RewardFunction, offered: dict[str, list]) -> dict[str, list]:
     """The keyword arguments `func` accepts: all of them with **kwargs, else only those it names."""
     # Fresh lists per function: one function mutating its inputs cannot change another's.
-    kwargs = {name: list(values) for name, values in offered.items() if func.accepts is None or name in func.accepts}
+    kwargs = {name: list(values) for name, values in offered.items()
+              if (func.accepts is None or name in func.accepts) and name not in func.options}
     missing = sorted(func.required - set(kwargs))
     if missing:
         columns = [c for c in offered if c not in ARGUMENTS]

@@ -1,0 +1,116 @@
+"""Built-in verifiable rewards on real cases: math answers by math-verify, a format regex, code run against
+tests in a sandboxed subprocess; reward options from the YAML; a GRPO run rewarded by math_answer."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from conftest import read_jsonl, write_jsonl
+
+import tidyrl
+from tidyrl.rewards import RewardError, build_reward_functions, compute_rewards
+from tidyrl.verifiable import code_tests, extract_code, format_match, math_answer, run_python_tests
+
+
+def test_math_answer_accepts_equivalent_forms_and_rejects_the_rest():
+    completions = [
+        "The sum is 1/2, so the answer is \\boxed{\\frac{1}{2}}.",  # LaTeX fraction vs a decimal reference
+        "Therefore \\boxed{0.5}",  # decimal vs a LaTeX reference
+        "\\boxed{3}",  # integer vs 3.0
+        "We get \\boxed{\\{1, 2\\}}",  # a set, in any order
+        "\\boxed{4}",  # wrong
+        "Let me think step by step: first we",  # cut before any answer (truncated)
+        "",  # empty
+        "\\boxed{\\frac{1}{0}",  # malformed LaTeX
+    ]
+    answers = ["0.5", "\\frac{1}{2}", "3.0", "\\{2, 1\\}", "5", "7", "1", "2"]
+    assert math_answer(completions, answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert math_answer(["x = \\boxed{42}"], [42]) == [1.0]  # a numeric column
+
+
+def test_math_answer_works_from_a_worker_thread():
+    result = []
+    thread = threading.Thread(target=lambda: result.append(math_answer(["\\boxed{2}", "\\boxed{3}"], ["2", "2"])))
+    thread.start()
+    thread.join()
+    assert result == [[1.0, 0.0]]  # math-verify's signal timeouts are main-thread only: off here, no error
+
+
+def test_format_match_default_and_custom_pattern():
+    assert format_match(["<think>a\nb</think>\n<answer>3</answer>", "<answer>3</answer>",
+                         "<think>x</think><answer>3</answer> trailing"]) == [1.0, 0.0, 0.0]
+    assert format_match(["Answer: 12", "answer 12"], pattern=r"Answer: \d+") == [1.0, 0.0]
+
+
+def test_extract_code_takes_the_last_python_block():
+    text = "First:\n```python\nx = 1\n```\nbetter:\n```py\nx = 2\n```\nand a shell line\n```bash\nls\n```"
+    assert extract_code(text) == "x = 2\n"
+    assert extract_code("```\nprint(1)\n```") == "print(1)\n"
+    assert extract_code("no code here") is None
+
+
+def test_code_tests_pass_fail_error_and_limits():
+    tests = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
+    completions = [
+        "```python\ndef add(a, b):\n    return a + b\n```",
+        "```python\ndef add(a, b):\n    return a - b\n```",  # a failed assert
+        "```python\ndef add(a, b)\n    return a + b\n```",  # a syntax error
+        "I would write a function that adds.",  # no code block
+        "```python\nwhile True:\n    pass\n```",  # never ends: killed at the time limit
+        "```python\nblob = bytearray(10 * 2**30)\n```",  # 10 GiB: over the memory limit
+    ]
+    start = time.perf_counter()
+    scores = code_tests(completions, [tests] * len(completions), timeout_s=2.0, memory_mb=256)
+    assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert time.perf_counter() - start < 15  # the loop ends at its limit, never hangs the run
+
+
+def test_the_sandbox_limits_files_and_removes_its_scratch_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:1")
+    monkeypatch.setenv("SECRET_TOKEN", "s3cret")
+    passed, why = run_python_tests("import os\nopen('big', 'wb').write(b'x' * (64 * 2**20))", "", timeout_s=5)
+    assert not passed and "File too large" in why
+    code = ("import os, sys\nprint(os.getcwd())\nassert 'SECRET_TOKEN' not in os.environ\n"
+            "assert 'HTTPS_PROXY' not in os.environ\nopen('note.txt', 'w').write('hi')\n")
+    created = []
+    real_mkdtemp = __import__("tempfile").mkdtemp
+
+    def remember(*args, **kwargs):
+        created.append(real_mkdtemp(*args, **kwargs))
+        return created[-1]
+
+    monkeypatch.setattr("tidyrl.verifiable.tempfile.mkdtemp", remember)
+    assert run_python_tests(code, "", timeout_s=5) == (True, "passed")
+    assert created and not os.path.exists(created[0])  # the scratch folder is gone
+
+
+def test_reward_options_come_from_the_config_and_are_checked():
+    from tidyrl.config import RewardConfig
+
+    funcs = build_reward_functions([RewardConfig(function="tidyrl.verifiable:format_match",
+                                                 kwargs={"pattern": r"Answer: \d+"})])
+    result = compute_rewards(funcs, prompts=["q", "q"], completions=["Answer: 7", "no"], completion_ids=[[1], [2]],
+                             columns={"pattern": ["(ignored)", "(ignored)"]})  # a column never overrides an option
+    assert result.per_function["format_match"] == [1.0, 0.0]
+    with pytest.raises(RewardError, match=r"rewards\[0\].kwargs: 'math_answer' takes no argument\(s\) \['patern'\]"):
+        build_reward_functions([RewardConfig(function="tidyrl.verifiable:math_answer", kwargs={"patern": "x"})])
+
+
+def test_a_grpo_run_rewarded_by_math_answer(tiny_model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "math.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+                                                 for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]])
+    result = tidyrl.train({
+        "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 0,
+        "data": {"path": str(data)},
+        "rewards": [{"function": "tidyrl.verifiable:math_answer"},
+                    {"function": "tidyrl.verifiable:format_match", "kwargs": {"pattern": r"\d+"}, "weight": 0.1}],
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 3},
+        "train": {"rollouts": 2, "micro_batch_size": 4},
+        "log": {"progress_bar": False},
+    })
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == 2 and all("reward/math_answer" in r and "reward/format_match" in r for r in rows)
+    assert all(r["reward/math_answer"] in (0.0, 0.25, 0.5, 0.75, 1.0) for r in rows)
