@@ -237,7 +237,7 @@ def test_callable_reward_function_from_python():
     assert cfg.rewards[0].function is exact_match
     assert config_to_dict(cfg)["rewards"][0] == {
         "function": f"{__name__}:exact_match", "model": None, "weight": 0.5, "name": None, "normalize": False,
-        "max_length": None,
+        "max_length": None, "kwargs": {},
     }
     not_callable = dict(minimal(), rewards=[{"function": 42}])
     assert problems(load_config, not_callable) == [
