@@ -146,3 +146,19 @@ def test_the_quickstart_files_and_plan_commands_do_what_the_page_says(tmp_path, 
             totals.append({k: v for k, v in json.loads(out).items() if k.startswith("total")})
     assert len(totals) == 2 and totals[0] == totals[1]
 
+
+
+@pytest.mark.parametrize("name", ["dapo", "gspo"])
+def test_recipes_load_and_plan(name):
+    """examples/recipes: every key is a real key with a valid value, and the sizes divide on 8 processes."""
+    from tidyrl.config import load_config
+    from tidyrl.plan import plan_from_config
+
+    cfg = load_config(ROOT / "examples" / "recipes" / f"{name}.yaml")
+    plan = plan_from_config(cfg, 17_000, 8)
+    assert plan.total_optimizer_steps == cfg.train.rollouts * cfg.train.minibatches_per_epoch
+    if name == "dapo":
+        assert (cfg.grpo.clip_eps, cfg.grpo.clip_eps_high, cfg.rollout.dynamic_sampling) == (0.2, 0.28, True)
+        assert cfg.rollout.max_new_tokens - cfg.grpo.overlong_buffer == 16384
+    else:
+        assert (cfg.grpo.policy_loss, cfg.grpo.clip_eps, cfg.grpo.clip_eps_high) == ("sequence", 3e-4, 4e-4)
