@@ -309,6 +309,22 @@ class KTOConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    factory: Optional[Any] = None
+    """Multi-turn rollouts: the environment class (`my_envs.py:Guess`, `package.module:Class`, or from Python the class), built once per episode as factory(row, seed); null = one completion per prompt. See docs/environments.md."""
+    max_turns: int = 4
+    """Model turns per episode at most."""
+    max_turn_tokens: Optional[int] = None
+    """Tokens per model turn at most; null = rollout.max_new_tokens, which bounds the whole trajectory (model and environment tokens)."""
+    timeout_s: float = 30.0
+    """Seconds an environment call (its constructor, each step) may take; past it the episode ends with error_reward."""
+    error_reward: float = 0.0
+    """The episode's environment reward when its environment raised, timed out or answered wrongly."""
+    workers: int = 8
+    """Environment calls run at once (threads)."""
+
+
+@dataclass
 class LoRAConfig:
     enabled: bool = False
     """Train a LoRA adapter (Hu et al. 2021) instead of every weight, through peft (`pip install tidyrl[lora]`).
@@ -375,6 +391,8 @@ class Config:
     """Options of algorithm: kto."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Train a LoRA adapter instead of the whole policy (every stage)."""
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    """Multi-turn rollouts against an environment (RL stages)."""
 
 
 # --------------------------------------------------------------------------
@@ -574,8 +592,23 @@ def validate(cfg: Config) -> None:
          + ("" if offline else " or eval/reward/<name>"))
     need(cfg.log.eval_decoding in ("greedy", "sampled"), "log.eval_decoding",
          f"{cfg.log.eval_decoding!r} is not greedy or sampled")
-    need(offline or len(cfg.rewards) > 0, "rewards",
+    env = cfg.environment
+    need(offline or len(cfg.rewards) > 0 or env.factory is not None, "rewards",
          "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
+    if env.factory is not None:
+        need(cfg.algorithm in ("grpo", "rloo", "reinforce_pp_baseline"), "environment.factory",
+             f"multi-turn rollouts train grpo, rloo and reinforce_pp_baseline so far (one advantage per episode); "
+             f"{cfg.algorithm}'s per-token values and returns over environment tokens come next")
+        need(env.max_turns >= 1, "environment.max_turns", f"must be >= 1, got {env.max_turns}")
+        need(env.max_turn_tokens is None or env.max_turn_tokens >= 1, "environment.max_turn_tokens",
+             f"must be >= 1 or null, got {env.max_turn_tokens}")
+        need(env.timeout_s > 0, "environment.timeout_s", f"must be > 0, got {env.timeout_s}")
+        need(env.workers >= 1, "environment.workers", f"must be >= 1, got {env.workers}")
+        need(math.isfinite(env.error_reward), "environment.error_reward", f"must be a number, got {env.error_reward}")
+        need(not (cfg.data.eval_path or cfg.data.eval_fraction), "data.eval_fraction",
+             "evaluation during training does not run environments yet; evaluate checkpoints separately")
+        need(not cfg.rollout.dynamic_sampling, "rollout.dynamic_sampling",
+             "not combined with environments yet")
     for i, reward in enumerate(cfg.rewards):
         key = f"rewards.{i}"
         if (reward.function is None) == (reward.model is None):
@@ -723,6 +756,7 @@ def _validate_offline(cfg: Config, need) -> None:
     train.dataset_epochs or train.max_steps, the optimizer batch train.batch_size."""
     a, t, d = cfg.algorithm, cfg.train, cfg.data
     need(not cfg.rewards, "rewards", f"not used by algorithm {a} (it trains on data.path); remove the section")
+    need(cfg.environment.factory is None, "environment", f"not used by algorithm {a} (it generates nothing); remove it")
     need(cfg.rollout == RolloutConfig(), "rollout",
          f"not used by algorithm {a} (it generates nothing); remove the section")
     need(t.rollouts is None, "train.rollouts",

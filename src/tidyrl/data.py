@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Optional, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
@@ -274,7 +274,7 @@ def other_columns(dataset, prompt_column: str) -> list[str]:
 # Rendering and tokenizing
 
 
-def render_prompt(prompt: str | list[dict], tokenizer) -> str:
+def render_prompt(prompt: str | list[dict], tokenizer, tools: Optional[list] = None) -> str:
     """The text the policy sees: a string as is, chat messages through the chat template.
 
     Message keys whose value is None are dropped first: Arrow fills keys that
@@ -289,10 +289,12 @@ def render_prompt(prompt: str | list[dict], tokenizer) -> str:
             "to render them. Use plain-string prompts, or a tokenizer (model / tokenizer) that has a chat template."
         )
     messages = [{key: value for key, value in message.items() if value is not None} for message in prompt]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # `tools`: the JSON schemas of a tool environment's functions, rendered by the template's own tool section.
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **({"tools": tools} if tools else {}))
 
 
-def encode_prompts(prompts: list, tokenizer) -> list[list[int]]:
+def encode_prompts(prompts: list, tokenizer, tools: Optional[list] = None) -> list[list[int]]:
     """Token ids of each prompt.
 
     Plain strings are tokenized with the tokenizer's special tokens (e.g. BOS).
@@ -301,7 +303,7 @@ def encode_prompts(prompts: list, tokenizer) -> list[list[int]]:
     """
     encoded = []
     for index, prompt in enumerate(prompts):
-        text = render_prompt(prompt, tokenizer)
+        text = render_prompt(prompt, tokenizer, tools)
         ids = tokenizer(text, add_special_tokens=isinstance(prompt, str))["input_ids"]
         if len(ids) == 0:
             raise DataError(

@@ -62,6 +62,7 @@ class Rollout:
     advantages: Optional[torch.Tensor] = None  # (R,) or (R, Tc)
     old_values: Optional[torch.Tensor] = None  # (R, Tc) PPO: the critic's values before the updates
     returns: Optional[torch.Tensor] = None  # (R, Tc) PPO: GAE returns, the critic's targets
+    action_mask: Optional[torch.Tensor] = None  # (R, Tc) multi-turn: 1 = the model's token, 0 = the environment's
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -92,6 +93,7 @@ class Rollout:
             advantages=cut(self.advantages),
             old_values=cut(self.old_values),
             returns=cut(self.returns),
+            action_mask=cut(self.action_mask),
         )
 
 

@@ -34,7 +34,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     return _RLRun(cfg, base_dir).run()
 
 
-def encode_prompt_set(cfg: Config, dataset, tokenizer, model_config):
+def encode_prompt_set(cfg: Config, dataset, tokenizer, model_config, tools=None):
     """Encode every prompt once (rendering chat messages) and apply data.overlong_prompts against
     data.max_prompt_length (default: the model's context minus max_new_tokens).
     Returns (the dataset of the prompts kept, their token ids, a one-line report or "")."""
@@ -55,7 +55,7 @@ def encode_prompt_set(cfg: Config, dataset, tokenizer, model_config):
                            f"overflow the model's context of {context} (max_position_embeddings); lower one of them "
                            f"(e.g. data.max_prompt_length={max(context - new, 0)}) or leave data.max_prompt_length "
                            "unset (then it is the context minus max_new_tokens)."])
-    encoded = encode_prompts(dataset[cfg.data.prompt_column], tokenizer)
+    encoded = encode_prompts(dataset[cfg.data.prompt_column], tokenizer, tools)
     if limit is None and context is not None:
         limit = context - new
     if limit is None:
@@ -87,6 +87,10 @@ class RLInputs:
     """Their token ids."""
     eval_report: str = ""
     """A line on the held-out prompts (and any shared with training), or ""."""
+    environment: Any = None
+    """environment.factory, imported (multi-turn rollouts), or None."""
+    tools: Optional[list] = None
+    """The environment's tool schemas (its `tool_schemas()`), rendered into every prompt, or None."""
 
 
 def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RLInputs:
@@ -110,7 +114,14 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
         held = held_out_rows(len(dataset), cfg.data.eval_fraction, cfg.seed)
         eval_dataset = dataset.select(held)
         dataset = dataset.select(sorted(set(range(len(dataset))) - set(held)))
-    dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config)
+    environment, tools = None, None
+    if cfg.environment.factory is not None:  # imported now: a typo fails here, before any weights load
+        from tidyrl.rewards import load_reward_function
+
+        environment = load_reward_function(cfg.environment.factory, base_dir, key="environment.factory")
+        schemas = getattr(environment, "tool_schemas", None)
+        tools = schemas() if callable(schemas) else None
+    dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
     plan = plan_from_config(cfg, len(dataset), world_size)
     columns = other_columns(dataset, cfg.data.prompt_column)
     reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir, forward_batch_size=cfg.rollout.forward_batch_size)
@@ -135,7 +146,7 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
         path, why = choose_critic(cfg, tokenizer.get_vocab())
         critic = {"critic_model": path, "critic_model_reason": why}
     return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic, eval_dataset,
-                    eval_prompt_ids, eval_report)
+                    eval_prompt_ids, eval_report, environment, tools)
 
 
 GROUP_COUNTS = ("groups/generated", "groups/kept", "groups/filled", "groups/dropped")
@@ -214,6 +225,12 @@ class _RLRun:
         self.tokenizer, self.dataset, self.prompt_ids = inputs.tokenizer, inputs.dataset, inputs.prompt_ids
         self.plan, self.columns, self.reward_fns = inputs.plan, inputs.columns, inputs.reward_fns
         self.eval_dataset, self.eval_prompt_ids = inputs.eval_dataset, inputs.eval_prompt_ids
+        self.environment, self.tools = inputs.environment, inputs.tools
+        self.env_pool = None
+        if self.environment is not None:
+            from tidyrl.environments import EnvironmentPool
+
+            self.env_pool = EnvironmentPool(cfg.environment.timeout_s, cfg.environment.workers)
         for line in (inputs.report, inputs.eval_report):
             if line and self.is_main:
                 print(f"tidyrl: {line}", flush=True)
@@ -412,6 +429,8 @@ class _RLRun:
             bar.close()
             metrics_log.close()
             samples_log.close()
+            if self.env_pool is not None:
+                self.env_pool.close()
         if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
             raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
         final_dir = save_pretrained_atomic(self.accelerator, self.model, self.tokenizer, self.out / "final",
@@ -464,7 +483,7 @@ class _RLRun:
             sampled["logprobs"]
 
         p_ids, p_mask = left_pad(sampled["prompt_ids"], self.pad_id)
-        local = Rollout(p_ids, p_mask, ids, mask, truncated)
+        local = Rollout(p_ids, p_mask, ids, mask, truncated, action_mask=sampled.get("action"))
         t0 = time.perf_counter()
         # Each process scores its own R/W episodes; the results are gathered with the rollout.
         # Old log-probs differ from the current ones only after the first optimizer step of the rollout,
@@ -492,6 +511,8 @@ class _RLRun:
             per_fn[name] = (per_fn[name] - moments.mean) / max(moments.std, 1e-8)
         # The weighted sum over the functions that scored each episode (every episode has one: checked).
         scores = sum(f.weight * torch.nan_to_num(per_fn[f.name], nan=0.0) for f in self.reward_fns)  # (R,)
+        if "env" in per_fn:  # multi-turn: the environment's reward, weight 1
+            scores = scores + per_fn["env"]
         overlong = None
         if self.algo.overlong_buffer:  # DAPO's soft overlong punishment, part of the reward
             from tidyrl.algorithms.losses import overlong_penalty
@@ -517,6 +538,16 @@ class _RLRun:
             stats[f"reward/{name}"] = float(scored.mean()) if len(scored) else None
         if overlong is not None:
             stats["overlong_penalty_mean"] = float(overlong.mean())  # included in reward_mean
+        if rollout.action_mask is not None:  # multi-turn: how the trajectories split between model and environment
+            model_tokens = (rollout.action_mask * rollout.completion_mask).sum(1)
+            stats["tokens/model_mean"] = float(model_tokens.mean())
+            stats["tokens/env_mean"] = float((rollout.completion_mask.sum(1) - model_tokens).mean())
+            stats["turns_mean"] = float(self._gather(sampled["turns"]).mean())
+            stats["env/error_fraction"] = float(self._gather(sampled["errors"]).mean())
+            errors = [text for text in sampled["error_texts"] if text]
+            if errors and self.is_main:
+                print(f"tidyrl: rollout {r + 1}: {len(errors)} episode(s) of this process ended on an environment "
+                      f"error, e.g. {errors[0]}", flush=True)
         stats["time/generate_s"] = t_generate
         stats["time/reward_s"] = t_reward
         stats["time/score_s"] = t_score
@@ -597,25 +628,76 @@ class _RLRun:
         prompts = [prompt_rows[cfg.data.prompt_column][e // k] for e in episodes]
         columns = {c: [prompt_rows[c][e // k] for e in episodes] for c in self.columns}
         prompt_ids = [self.prompt_ids[indices[e // k]] for e in episodes]
-        # The sampling pass also returns each token's log-prob under the policy (the old log-probs below).
-        # Under FSDP the full weights are gathered once for the whole call, not at every token (sharding.py).
-        with full_weights(policy):
-            ids, mask, truncated, logprobs = generate(
-                policy, prompt_ids, sample_keys=[sample_seed(cfg.seed, r, q * R + e) for e in episodes],
-                max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
-                pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature,
-                top_p=ro.top_p, top_k=ro.top_k, return_logprobs=True,
-            )
+        extra = {}
+        if self.environment is not None:  # multi-turn: model and environment turns (tidyrl.multiturn)
+            ids, mask, truncated, logprobs, extra = self._converse(policy, r, q, prompts, prompt_ids, columns, episodes)
+        else:
+            # The sampling pass also returns each token's log-prob under the policy (the old log-probs below).
+            # Under FSDP the full weights are gathered once for the whole call, not at every token (sharding.py).
+            with full_weights(policy):
+                ids, mask, truncated, logprobs = generate(
+                    policy, prompt_ids, sample_keys=[sample_seed(cfg.seed, r, q * R + e) for e in episodes],
+                    max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
+                    pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature,
+                    top_p=ro.top_p, top_k=ro.top_k, return_logprobs=True,
+                )
         lengths = mask.sum(1).long().tolist()
         completion_ids = [ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         t0 = time.perf_counter()
-        result = compute_rewards(self.reward_fns, prompts=prompts, completions=completions,
-                                 completion_ids=completion_ids, columns=columns)
-        per_fn = {name: torch.tensor([math.nan if v is None else float(v) for v in values])
-                  for name, values in result.per_function.items()}
+        per_fn = {}
+        if self.reward_fns:  # with an environment, the reward functions are optional
+            result = compute_rewards(self.reward_fns, prompts=prompts, completions=completions,
+                                     completion_ids=completion_ids, columns=columns)
+            per_fn = {name: torch.tensor([math.nan if v is None else float(v) for v in values])
+                      for name, values in result.per_function.items()}
+        if "env_reward" in extra:  # the environment's reward, beside the reward functions' (weight 1)
+            per_fn["env"] = extra.pop("env_reward")
         return {"ids": ids, "mask": mask, "truncated": truncated, "logprobs": logprobs, "prompt_ids": prompt_ids,
-                "per_fn": per_fn, "reward_s": time.perf_counter() - t0}
+                "per_fn": per_fn, "reward_s": time.perf_counter() - t0, **extra}
+
+    def _converse(self, policy, r: int, q: int, prompts, prompt_ids, columns, episodes):
+        """This process's episodes as conversations with the environment (tidyrl.multiturn), laid out as a
+        rollout's tensors: ids, mask (every real token), truncated, the sampling log-probs, and in `extra` the
+        action mask (the model's tokens), the environment's rewards, turns and errors per episode. Keys: turn t
+        of episode e samples with (seed, rollout, "<round*R + e>.<t>"); its environment gets the seed
+        (seed, rollout, "<round*R + e>.env"), so a resumed rollout replays the same conversations."""
+        import torch
+
+        from tidyrl.multiturn import build_environments, run_conversations
+        from tidyrl.rollout import sample_seed
+
+        cfg, ro, env_cfg = self.cfg, self.cfg.rollout, self.cfg.environment
+        R = self.plan.episodes_per_rollout
+        keys = [q * R + e for e in episodes]
+        rows = [{c: columns[c][i] for c in columns} | {cfg.data.prompt_column: prompts[i]} for i in range(len(keys))]
+        envs = build_environments(self.environment, rows, [sample_seed(cfg.seed, r, f"{key}.env") for key in keys],
+                                  self.env_pool)
+        messages = [list(p) if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+        name = getattr(self.environment, "__name__", type(self.environment).__name__)
+        with full_weights(policy):
+            conversations = run_conversations(
+                policy, self.tokenizer, prompt_ids, messages, envs,
+                sample_key=lambda i, t: sample_seed(cfg.seed, r, f"{keys[i]}.{t}"), budget=ro.max_new_tokens,
+                max_turns=env_cfg.max_turns, max_turn_tokens=env_cfg.max_turn_tokens or ro.max_new_tokens,
+                pool=self.env_pool, env_names=[name] * len(keys), tools=self.tools, error_reward=env_cfg.error_reward,
+                generate_kwargs=dict(min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                                     batch_size=ro.generation_batch_size, temperature=ro.temperature,
+                                     top_p=ro.top_p, top_k=ro.top_k))
+        B, T = len(conversations), ro.max_new_tokens
+        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        mask, logprobs, action = torch.zeros((B, T)), torch.zeros((B, T)), torch.zeros((B, T))
+        for b, c in enumerate(conversations):
+            n = len(c.ids)
+            ids[b, :n] = torch.tensor(c.ids, dtype=torch.long)
+            mask[b, :n], action[b, :n] = 1.0, torch.tensor(c.action, dtype=torch.float32)
+            logprobs[b, :n] = torch.tensor(c.logprobs)
+        truncated = torch.tensor([c.truncated for c in conversations])
+        extra = {"action": action, "env_reward": torch.tensor([c.reward for c in conversations]),
+                 "turns": torch.tensor([float(c.turns) for c in conversations]),
+                 "errors": torch.tensor([float(c.error is not None) for c in conversations]),
+                 "error_texts": [c.error for c in conversations]}
+        return ids, mask, truncated, logprobs, extra
 
     def _dynamic_sampling(self, policy, r: int, indices, episodes, first: dict):
         """DAPO's dynamic sampling (Yu et al. 2025, §3.2, eq. 11's constraint 0 < |{correct}| < G): keep the groups
@@ -704,7 +786,10 @@ class _RLRun:
         from tidyrl.algorithms.advantages import grpo_advantages, kl_shaped_rewards, rloo_advantages
         from tidyrl.algorithms.kl import kl_per_token
 
-        a, k, mask, name = self.algo, self.plan.samples_per_prompt, rollout.completion_mask, self.cfg.algorithm
+        a, k, name = self.algo, self.plan.samples_per_prompt, self.cfg.algorithm
+        mask = rollout.completion_mask  # the model's tokens: multi-turn environment tokens carry no KL or advantage
+        if rollout.action_mask is not None:
+            mask = mask * rollout.action_mask.to(mask.dtype)
         if name == "grpo":  # KL, if any, goes into the loss (optimizer_step)
             rollout.advantages = grpo_advantages(scores, k, scale=a.scale_rewards)
             return {}
@@ -768,7 +853,8 @@ class _RLRun:
             m.train()
         t0 = time.perf_counter()
         # Normaliser of the whole global mini-batch (every process holds the global rollout, so no all-reduce).
-        mb_mask = self._loss_mask(rollout.completion_mask[minibatch], rollout.truncated[minibatch])
+        mb_mask = self._loss_mask(rollout.completion_mask[minibatch], rollout.truncated[minibatch],
+                                  None if rollout.action_mask is None else rollout.action_mask[minibatch])
         normaliser = loss_normaliser(algo.loss_aggregation, num_tokens=float(mb_mask.sum()),
                                      num_sequences=len(minibatch), max_new_tokens=cfg.rollout.max_new_tokens)
         per_proc = plan.episodes_per_minibatch_per_process
@@ -782,7 +868,7 @@ class _RLRun:
                     "value_clipped_tokens")
         for i, idx in enumerate(micro_batches):
             part = rollout.select(idx)
-            mask = self._loss_mask(part.completion_mask, part.truncated).to(self.accelerator.device)
+            mask = self._loss_mask(part.completion_mask, part.truncated, part.action_mask).to(self.accelerator.device)
             sync = cfg.train.sync_each_microbatch or i == len(micro_batches) - 1
             with no_sync(self.accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
                 logprobs, entropy = completion_logprobs(model, part, cfg.rollout.temperature, with_entropy=True)
@@ -842,12 +928,14 @@ class _RLRun:
                         "critic_grad_norm": critic_norm, "time/update_s": time.perf_counter() - t0})
         return out
 
-    def _loss_mask(self, completion_mask, truncated):
-        """The tokens the loss (and its normaliser, KL and entropy metrics) covers: every completion token, or
-        with mask_truncated (DAPO's overlong filtering) those of completions that ended with EOS."""
+    def _loss_mask(self, completion_mask, truncated, action_mask=None):
+        """The tokens the loss (and its normaliser, KL and entropy metrics) covers: every completion token the
+        model sampled (multi-turn: not the environment's, `action_mask`), and with mask_truncated (DAPO's
+        overlong filtering) only those of completions that ended with EOS."""
+        mask = completion_mask if action_mask is None else completion_mask * action_mask.to(completion_mask.dtype)
         if not self.algo.mask_truncated:
-            return completion_mask
-        return completion_mask * (~truncated.bool()).to(completion_mask.dtype)[:, None]
+            return mask
+        return mask * (~truncated.bool()).to(mask.dtype)[:, None]
 
     # ------------------------------------------------------------------ multi-process helpers
     def _gather(self, tensor):
@@ -880,4 +968,5 @@ class _RLRun:
             old_logprobs=cat(local.old_logprobs),
             ref_logprobs=cat(local.ref_logprobs),
             old_values=cat(local.old_values),
+            action_mask=cat(local.action_mask),
         )

@@ -1,0 +1,232 @@
+"""Multi-turn rollouts: the trajectory is the exact token sequence (no re-tokenisation), environment tokens carry
+no loss, keyed conversations replay, a failing environment ends its episode and never the run, tools."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from conftest import read_jsonl
+
+import tidyrl
+from tidyrl.environments import EnvironmentPool, EnvReply, ToolEnvironment, parse_tool_calls
+from tidyrl.multiturn import build_environments, environment_message_ids, run_conversations
+
+ENVS = textwrap.dedent('''
+    import time
+    from tidyrl.environments import EnvReply
+
+    class Counter:
+        """Three model turns; each turn holding the letter 'a' earns 1."""
+        def __init__(self, row, seed):
+            self.word, self.turns, self.seed = row["word"], 0, seed
+
+        def step(self, turn, messages):
+            self.turns += 1
+            reward = 1.0 if "a" in turn else 0.0
+            if self.turns >= 3:
+                return EnvReply(reward=reward, done=True)
+            return EnvReply(message={"role": "user", "content": "again " + self.word}, reward=reward)
+
+    class Broken:
+        def __init__(self, row, seed):
+            self.word = row["word"]
+            if self.word == "date":
+                raise RuntimeError("cannot build")
+
+        def step(self, turn, messages):
+            if self.word == "fig":
+                raise ValueError("boom")
+            if self.word == "kiwi":
+                time.sleep(3)
+            if self.word == "lime":
+                return "not a reply"
+            return EnvReply(reward=0.5, done=True)
+''')
+
+
+@pytest.fixture
+def env_file(tmp_path):
+    path = tmp_path / "envs.py"
+    path.write_text(ENVS)
+    return path
+
+
+def load_class(path, name):
+    from tidyrl.rewards import load_reward_function
+
+    return load_reward_function(f"{path}:{name}")
+
+
+def test_an_environment_message_is_the_template_text_after_the_models_turn(tiny_model_and_tokenizer):
+    _, tok = tiny_model_and_tokenizer
+    messages = [{"role": "user", "content": "apple:"}]
+    prompt = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    turn = tok("elppa", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # as sampled: EOS ends it
+    text = tok.decode(turn, skip_special_tokens=True)
+    messages = messages + [{"role": "assistant", "content": text}]
+    reply = {"role": "user", "content": "again"}
+    extra = environment_message_ids(tok, messages, text, tok.decode(turn, skip_special_tokens=False), reply)
+    assert tok.decode(extra) == "\n<user>again\n<assistant>"
+    # Prompt + the model's tokens + the message's: the template's text of the whole conversation, with the
+    # model's own EOS where it stopped; nothing before the message was re-encoded.
+    rendered = tok.apply_chat_template(messages + [reply], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(prompt + turn + extra, skip_special_tokens=False) == \
+        rendered.replace("elppa\n", "elppa" + tok.eos_token + "\n")
+
+
+def test_conversations_alternate_keep_the_budget_and_replay_from_their_keys(tiny_model_and_tokenizer, env_file):
+    model, tok = tiny_model_and_tokenizer
+    Counter = load_class(env_file, "Counter")
+    words = ["apple", "fig", "kiwi"]
+    messages = [[{"role": "user", "content": w + ":"}] for w in words]
+    prompts = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for m in messages]
+    pool = EnvironmentPool(timeout_s=10)
+
+    def run(budget):
+        envs = build_environments(Counter, [{"word": w} for w in words], [1, 2, 3], pool)
+        return run_conversations(model, tok, prompts, messages, envs, sample_key=lambda i, t: 100 * i + t,
+                                 budget=budget, max_turns=3, max_turn_tokens=4, pool=pool, env_names=["Counter"] * 3,
+                                 generate_kwargs=dict(eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                                                      batch_size=8))
+
+    first, again = run(120), run(120)
+    for c, d in zip(first, again):
+        assert (c.ids, c.action, c.reward, c.turns) == (d.ids, d.action, d.reward, d.turns)  # keyed: same
+        assert len(c.ids) == len(c.action) == len(c.logprobs) <= 120 and c.turns == 3 and not c.truncated
+        # The environment's tokens are exactly its messages (rendered), between the model's turns.
+        env_text = tok.decode([t for t, a in zip(c.ids, c.action) if a == 0])
+        assert env_text.count("<user>again ") == 2
+        model_turns = [m["content"] for m in c.messages if m["role"] == "assistant"]
+        assert c.reward == sum("a" in turn for turn in model_turns)
+        assert all(lp == 0.0 for lp, a in zip(c.logprobs, c.action) if a == 0)
+        assert any(lp < 0 for lp, a in zip(c.logprobs, c.action) if a == 1)
+    short = run(10)  # the budget bounds model and environment tokens together
+    assert all(len(c.ids) <= 10 and c.truncated and c.turns < 3 for c in short)
+    pool.close()
+
+
+def multiturn_config(model_dir, prompt_file, out, factory, **environment):
+    return {
+        "algorithm": "grpo", "model": str(model_dir), "output_dir": str(out), "seed": 2,
+        "data": {"path": str(prompt_file)},
+        "environment": {"factory": factory, "max_turns": 3, "max_turn_tokens": 4, **environment},
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 3, "max_new_tokens": 100},
+        "train": {"rollouts": 2, "epochs_per_rollout": 2, "micro_batch_size": 3, "learning_rate": 1e-2},
+        "log": {"progress_bar": False, "samples_per_rollout": 6},
+    }
+
+
+def test_a_grpo_run_trains_on_model_tokens_only(tiny_model_dir, prompt_file, env_file, tmp_path, monkeypatch):
+    from tidyrl.loops import rl
+
+    seen = []
+    real = rl._RLRun._loss_mask
+
+    def spy(self, completion_mask, truncated, action_mask=None):
+        mask = real(self, completion_mask, truncated, action_mask)
+        if action_mask is not None:
+            seen.append((mask, completion_mask, action_mask))
+        return mask
+
+    monkeypatch.setattr(rl._RLRun, "_loss_mask", spy)
+    result = tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "run", f"{env_file}:Counter"))
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == result.plan.total_optimizer_steps == 4
+    for row in rows:
+        assert row["turns_mean"] == 3.0 and row["env/error_fraction"] == 0.0
+        assert row["tokens/env_mean"] > 0 and row["tokens/model_mean"] > 0
+        assert row["reward_mean"] == pytest.approx(row["reward/env"])
+    # The loss covered exactly the model's tokens: the environment's were in the sequence, not in the loss.
+    assert seen and all(torch.equal(mask, completion_mask * action_mask) for mask, completion_mask, action_mask in seen)
+    assert any(bool(((completion_mask > 0) & (action_mask == 0)).any()) for _, completion_mask, action_mask in seen)
+    samples = read_jsonl(result.output_dir / "samples.jsonl")
+    assert "<user>again" in samples[0]["completion"] and samples[0]["rewards"]["env"] is not None
+
+    # A resumed run replays the same conversations.
+    cfg = multiturn_config(tiny_model_dir, prompt_file, tmp_path / "saved", f"{env_file}:Counter")
+    cfg["log"]["save_every"] = 1
+    tidyrl.train(cfg)
+    tidyrl.train(cfg, ["resume_from=" + str(tmp_path / "saved" / "checkpoint-3")])
+    timing = ("time_s", "time/generate_s", "time/reward_s", "time/score_s", "time/update_s")
+    drop = lambda rs: [{k: v for k, v in r.items() if k not in timing} for r in rs]  # noqa: E731
+    assert drop(read_jsonl(tmp_path / "saved" / "metrics.jsonl")) == drop(rows)
+
+
+def test_a_failing_environment_ends_its_episode_not_the_run(tiny_model_dir, prompt_file, env_file, tmp_path,
+                                                             capsys):
+    cfg = multiturn_config(tiny_model_dir, prompt_file, tmp_path / "run", f"{env_file}:Broken", timeout_s=1,
+                           error_reward=-1.0)
+    cfg["rollout"]["prompts_per_rollout"] = 5
+    cfg["train"]["rollouts"] = 2
+    result = tidyrl.train(cfg)
+    printed = capsys.readouterr().out
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == result.plan.total_optimizer_steps
+    samples = read_jsonl(result.output_dir / "samples.jsonl")
+    by_word = {}
+    for s in samples:
+        by_word.setdefault(s["prompt"], set()).add(s["rewards"]["env"])
+    for word in ("fig:", "kiwi:", "lime:", "date:"):
+        if word in by_word:
+            assert by_word[word] == {-1.0}, word  # raised, timed out, wrong type, constructor failed
+    assert any(w in by_word for w in ("fig:", "kiwi:", "lime:", "date:"))
+    assert any(r["env/error_fraction"] > 0 for r in rows)
+    assert "ended on an environment error" in printed
+    for word in ("apple:", "pear:", "plum:"):
+        if word in by_word:
+            assert by_word[word] == {0.5}
+
+
+def test_environment_settings_are_checked_before_any_model_loads(tiny_model_dir, tmp_path, prompt_file):
+    from tidyrl.config import ConfigError, load_config
+    from tidyrl.rewards import RewardError
+
+    with pytest.raises(ConfigError, match="environment.factory: multi-turn rollouts train grpo, rloo"):
+        load_config({"algorithm": "ppo", "model": "m", "data": {"path": "p.jsonl"}, "train": {"rollouts": 1},
+                     "environment": {"factory": "envs.py:Counter"}})
+    with pytest.raises(RewardError, match="environment.factory"):
+        tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "out",
+                                      f"{tmp_path / 'missing.py'}:Counter"))
+    assert not (tmp_path / "out").exists()
+
+
+class Calculator(ToolEnvironment):
+    @staticmethod
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    tools = (add,)
+
+    def reward(self, messages):
+        return 1.0 if messages[-1]["content"].strip() == str(self.row["answer"]) else 0.0
+
+
+def test_tool_calls_are_parsed_run_and_answered():
+    assert parse_tool_calls('x <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>') == [
+        {"name": "add", "arguments": {"a": 1, "b": 2}}]
+    assert parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>') == [
+        {"name": "add", "arguments": {"a": 1}}]
+    assert parse_tool_calls("<tool_call>{oops}</tool_call>")[0]["error"].startswith("the tool call is not JSON")
+    assert parse_tool_calls("no call") == []
+    env = Calculator({"answer": 5}, seed=0)
+    reply = env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', [])
+    assert reply.message == {"role": "tool", "content": json.dumps({"name": "add", "result": 5})} and not reply.done
+    unknown = env.step('<tool_call>{"name": "mul", "arguments": {}}</tool_call>', [])
+    assert "unknown tool 'mul'" in unknown.message["content"]
+    bad_args = env.step('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', [])
+    assert "TypeError" in bad_args.message["content"]
+    final = env.step("5", [{"role": "assistant", "content": "5"}])
+    assert final == EnvReply(reward=1.0, done=True)
+    schema = Calculator.tool_schemas()[0]
+    assert schema["function"]["name"] == "add" and set(schema["function"]["parameters"]["properties"]) == {"a", "b"}
