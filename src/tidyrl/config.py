@@ -53,6 +53,12 @@ class DataConfig:
     """sft, reward, dpo: longest tokenised example (prompt + completion) in tokens. Longer ones are cut: sft and dpo
     at the end (the prompt kept whole), reward at the start (a reward model scores the end, as in RL). null = no
     limit. Required by sft.packing (the packed row length)."""
+    reasoning_gym: Optional[str] = None
+    """RL stages: generate the prompts with this reasoning-gym task (e.g. basic_arithmetic) instead of reading data.path; score them with the reward tidyrl.tasks:reasoning_gym_score. pip install 'tidyrl[gym]'."""
+    reasoning_gym_size: int = 1000
+    """reasoning_gym: prompts generated (with the run's seed)."""
+    reasoning_gym_options: dict = field(default_factory=dict)
+    """reasoning_gym: the task's configuration (its dataset config's keys, e.g. {min_terms: 2, max_terms: 4})."""
     eval_path: Optional[str] = None
     """A held-out file (the format of `path`: prompts for RL stages, examples or pairs for sft, reward, dpo) scored during training: log.eval_every."""
     eval_fraction: float = 0.0
@@ -552,8 +558,13 @@ def validate(cfg: Config) -> None:
     need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
     need(cfg.resume_from is None or bool(cfg.resume_from.strip()), "resume_from",
          "must be `latest`, a path to a checkpoint-N folder, or null")
-    need(cfg.data.path != "", "data.path",
+    need(cfg.data.path != "" or cfg.data.reasoning_gym is not None, "data.path",
          "set the prompt file (.jsonl .json .parquet .csv) or a saved datasets folder")
+    need(cfg.data.path == "" or cfg.data.reasoning_gym is None, "data.reasoning_gym",
+         "the prompts come from data.path or from a reasoning-gym task, not both; remove one")
+    need(cfg.data.reasoning_gym is None or cfg.algorithm not in OFFLINE_ALGORITHMS, "data.reasoning_gym",
+         "generates prompts for the RL stages; offline stages read data.path")
+    need(cfg.data.reasoning_gym_size >= 1, "data.reasoning_gym_size", f"must be >= 1, got {cfg.data.reasoning_gym_size}")
     need(cfg.data.prompt_column != "", "data.prompt_column", "set the column holding the prompt")
     need(cfg.data.max_prompt_length is None or cfg.data.max_prompt_length >= 1, "data.max_prompt_length",
          f"must be >= 1 or null (the model's context minus rollout.max_new_tokens), got {cfg.data.max_prompt_length}")
@@ -803,6 +814,8 @@ def _validate_offline(cfg: Config, need) -> None:
             value = getattr(k, name)
             need(value > 0 and math.isfinite(value), f"kto.{name}", f"must be a number > 0, got {value}")
         need(d.label_column != "", "data.label_column", "set the column name (see docs/stages.md)")
+        need(t.batch_size is None or t.batch_size >= 2, "train.batch_size",
+             "KTO's reference point pairs each prompt with another example's completion: set it to 2 or more")
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -37,6 +37,18 @@ class DataError(ValueError):
 # Loading
 
 
+def load_rl_prompts(cfg) -> "datasets.Dataset":
+    """The prompt set of an RL config: data.path read (load_prompt_dataset), or data.reasoning_gym's generated
+    problems (tidyrl.tasks)."""
+    d = cfg.data
+    if d.reasoning_gym is not None:
+        from tidyrl.tasks import reasoning_gym_dataset
+
+        return reasoning_gym_dataset(d.reasoning_gym, d.reasoning_gym_size, cfg.seed, d.reasoning_gym_options,
+                                     d.prompt_column)
+    return load_prompt_dataset(d.path, d.prompt_column, d.split)
+
+
 def load_prompt_dataset(path: str, prompt_column: str = "prompt", split: str = "train") -> "datasets.Dataset":
     """Load the prompt set from a local file or a saved `datasets` folder, and check it.
 

@@ -109,7 +109,7 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     """Evaluate one model; see the module docstring. Returns the summary written to eval.json."""
     import torch
 
-    from tidyrl.data import encode_prompts, fit_prompts, load_prompt_dataset, other_columns
+    from tidyrl.data import encode_prompts, fit_prompts, load_prompt_dataset, load_rl_prompts, other_columns
     from tidyrl.loops.common import load_causal_lm, load_model_config, load_tokenizer
     from tidyrl.rewards import build_reward_functions, compute_rewards
     from tidyrl.rollout import eos_token_ids, generate, pad_token_id, sample_seed
@@ -129,7 +129,8 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
                         "leave --output-dir out (then each evaluation gets its own eval-<model>[-N] folder).")
 
     # Cheap checks first (data, rewards, tokenizer, prompt lengths), then the weights.
-    dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
+    dataset = load_rl_prompts(cfg) if data is None else load_prompt_dataset(cfg.data.path, cfg.data.prompt_column,
+                                                                             cfg.data.split)
     reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
     n = len(dataset) if num_prompts is None else min(num_prompts, len(dataset))

@@ -99,12 +99,12 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
     divide, the reward functions import, the reward models exist, every argument a reward function needs is a
     data column, and PPO's critic can read the policy's tokens. `tidyrl plan` runs the same checks, so a plan
     that prints is a run that starts."""
-    from tidyrl.data import load_prompt_dataset, other_columns
+    from tidyrl.data import load_prompt_dataset, load_rl_prompts, other_columns
     from tidyrl.rewards import build_reward_functions, check_reward_columns
 
     model_config = load_model_config(cfg.model)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
-    dataset = load_prompt_dataset(cfg.data.path, cfg.data.prompt_column, cfg.data.split)
+    dataset = load_rl_prompts(cfg)
     eval_dataset = None
     if cfg.data.eval_path:
         eval_dataset = load_prompt_dataset(cfg.data.eval_path, cfg.data.prompt_column, cfg.data.split)
