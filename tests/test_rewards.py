@@ -452,3 +452,37 @@ def test_function_cannot_mutate_another_functions_inputs():
 
     funcs = [RewardFunction("m", mutator, 1.0), RewardFunction("r", reader, 1.0)]
     assert compute_rewards(funcs, **batch(["a", "b"])).total == [2.0, 2.0]
+
+
+def test_async_reward_functions_run_concurrently_and_their_errors_are_named():
+    import asyncio
+    import time
+
+    from tidyrl.config import RewardConfig
+
+    async def slow_judge(completions, **kwargs):
+        await asyncio.sleep(0.3)  # e.g. a request to a judge model
+        return [float(len(c)) for c in completions]
+
+    async def other_judge(completions, **kwargs):
+        await asyncio.sleep(0.3)
+        return [1.0 for _ in completions]
+
+    def plain(completions, **kwargs):
+        return [0.5 for _ in completions]
+
+    funcs = build_reward_functions([RewardConfig(function=slow_judge), RewardConfig(function=plain, weight=2.0),
+                                    RewardConfig(function=other_judge)])
+    start = time.perf_counter()
+    result = compute_rewards(funcs, prompts=["p", "p"], completions=["ab", "abc"], completion_ids=[[1], [2]],
+                             columns={})
+    assert time.perf_counter() - start < 0.55  # the two 0.3 s judges ran at once
+    assert list(result.per_function) == ["slow_judge", "plain", "other_judge"]
+    assert result.total == [2 + 1.0 + 1, 3 + 1.0 + 1]
+
+    async def broken(completions, **kwargs):
+        raise ConnectionError("judge unreachable")
+
+    with pytest.raises(RewardError, match="reward function 'broken' .async. raised ConnectionError: judge unreachable"):
+        compute_rewards(build_reward_functions([RewardConfig(function=broken)]), prompts=["p"], completions=["a"],
+                        completion_ids=[[1]], columns={})

@@ -297,14 +297,22 @@ def compute_rewards(
     offered = {"prompts": list(prompts), "completions": list(completions), "completion_ids": list(completion_ids)}
     offered.update({column: list(values) for column, values in columns.items()})
 
-    per_function: dict[str, list[float | None]] = {}
+    raws: dict[str, Any] = {}
+    awaiting = {}
     for func in funcs:
         kwargs = _kwargs_for(func, offered)
         try:
             raw = func.fn(**kwargs)
         except Exception as error:
             _raise_on_failing_sample(func, kwargs, offered, n, error)
-        per_function[func.name] = _check_scores(func, raw, n)
+        if inspect.isawaitable(raw):  # an `async def` reward (e.g. one that calls a judge over HTTP)
+            awaiting[func.name] = raw
+        else:
+            raws[func.name] = raw
+    if awaiting:  # every async reward of the batch at once, on one event loop
+        raws.update(_await_all(awaiting))
+    per_function: dict[str, list[float | None]] = {func.name: _check_scores(func, raws[func.name], n)
+                                                   for func in funcs}
 
     total: list[float] = []
     for j in range(n):
@@ -330,6 +338,33 @@ def check_reward_columns(funcs: list[RewardFunction], columns: list[str]) -> Non
                 f"{', '.join(ARGUMENTS)} nor columns of data.path (columns: {columns}). "
                 "Add the column to the prompt data or give the argument a default."
             )
+
+
+def _await_all(awaiting: dict[str, Any]) -> dict[str, Any]:
+    """Run the async rewards' coroutines concurrently and return their results by name. On a thread of its own
+    when this thread already runs an event loop (a notebook); an async reward that raises is reported by name."""
+    import asyncio
+    import concurrent.futures
+
+    async def gather():
+        return await asyncio.gather(*awaiting.values(), return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+        running = True
+    except RuntimeError:  # no running loop here: the usual case
+        running = False
+    if running:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            results = pool.submit(asyncio.run, gather()).result()
+    else:
+        results = asyncio.run(gather())
+    out = {}
+    for name, result in zip(awaiting, results):
+        if isinstance(result, BaseException):
+            raise RewardError(f"reward function {name!r} (async) raised {type(result).__name__}: {result}") from result
+        out[name] = result
+    return out
 
 
 def _kwargs_for(func: RewardFunction, offered: dict[str, list]) -> dict[str, list]:
