@@ -230,3 +230,23 @@ def test_tool_calls_are_parsed_run_and_answered():
     assert final == EnvReply(reward=1.0, done=True)
     schema = Calculator.tool_schemas()[0]
     assert schema["function"]["name"] == "add" and set(schema["function"]["parameters"]["properties"]) == {"a", "b"}
+
+
+@pytest.mark.slow
+def test_the_calculator_example_learns(tmp_path):
+    """examples/multiturn/run.sh at full size: GRPO against the calculator raises the share of correct final
+    answers beyond the noise (3 standard errors of the two means, binomial, 64 episodes a rollout)."""
+    import math
+    import os
+    import subprocess
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "multiturn" / "run.sh"
+    done = subprocess.run(["bash", str(example), str(tmp_path / "work")], capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rewards = [r["reward/env"] for r in read_jsonl(tmp_path / "work" / "grpo" / "metrics.jsonl")]
+    first, last = rewards[:3], rewards[-10:]
+    p1, p2 = sum(first) / len(first), sum(last) / len(last)
+    se = math.sqrt(p1 * (1 - p1) / (64 * len(first)) + p2 * (1 - p2) / (64 * len(last)))
+    assert p2 - p1 > 3 * max(se, 0.01), (first, last)
