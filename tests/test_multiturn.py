@@ -250,3 +250,27 @@ def test_the_calculator_example_learns(tmp_path):
     p1, p2 = sum(first) / len(first), sum(last) / len(last)
     se = math.sqrt(p1 * (1 - p1) / (64 * len(first)) + p2 * (1 - p2) / (64 * len(last)))
     assert p2 - p1 > 3 * max(se, 0.01), (first, last)
+
+
+def test_a_tool_environment_on_a_template_without_tools_is_refused(tiny_model_dir, prompt_file, tmp_path):
+    from tidyrl.config import ConfigError
+
+    path = tmp_path / "tool_env.py"
+    path.write_text(textwrap.dedent('''
+        from tidyrl.environments import ToolEnvironment
+
+        def add(a: int, b: int) -> int:
+            """Add two integers.
+
+            Args:
+                a: the first number
+                b: the second number
+            """
+            return a + b
+
+        class Calc(ToolEnvironment):
+            tools = (add,)
+    '''))
+    with pytest.raises(ConfigError, match=r"offers tools \(add\), but the model's chat template ignores `tools`"):
+        tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "out", f"{path}:Calc"))
+    assert not (tmp_path / "out").exists()

@@ -167,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 
             result = train(args.config, args.overrides)
             if result.is_main_process:
-                print(f"done: {result.plan.total_optimizer_steps} optimizer steps, "
-                      f"{result.plan.total_episodes} episodes; model in {result.final_dir}")
+                plan = result.plan
+                count = (f"{plan.total_examples} examples" if hasattr(plan, "total_examples") else
+                         f"{plan.total_episodes} episodes")  # offline stages train on examples, RL on episodes
+                print(f"done: {plan.total_optimizer_steps} optimizer steps, {count}; model in {result.final_dir}")
         elif args.command == "demo":
             from tidyrl.demo import run_demo
 

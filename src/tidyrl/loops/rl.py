@@ -121,6 +121,8 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
         environment = load_reward_function(cfg.environment.factory, base_dir, key="environment.factory")
         schemas = getattr(environment, "tool_schemas", None)
         tools = schemas() if callable(schemas) else None
+        if tools:
+            check_template_renders_tools(tokenizer, tools, cfg.environment.factory)
     dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
     plan = plan_from_config(cfg, len(dataset), world_size)
     columns = other_columns(dataset, cfg.data.prompt_column)
@@ -151,6 +153,28 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
 
 GROUP_COUNTS = ("groups/generated", "groups/kept", "groups/filled", "groups/dropped")
 """rollout.dynamic_sampling's per-rollout counts, summed over the run for the summary."""
+
+
+def check_template_renders_tools(tokenizer, tools: list, factory) -> None:
+    """A tool environment's schemas must reach the model: refuse a chat template that renders a conversation the
+    same with and without `tools` (it has no tool section, so the model would never learn the tools exist)."""
+    from tidyrl.config import ConfigError
+
+    probe = [{"role": "user", "content": "hi"}]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError([f"environment.factory: {factory} offers tools, but the tokenizer has no chat template to "
+                           "render them; use a model whose template supports tools"])
+    try:
+        with_tools = tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # the template failed on the schemas
+        raise ConfigError([f"environment.factory: the chat template cannot render {factory}'s tool schemas "
+                           f"({type(err).__name__}: {err}); check the tools' type hints and docstrings"]) from None
+    without = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    if with_tools == without:
+        raise ConfigError([f"environment.factory: {factory} offers tools ({', '.join(t['function']['name'] for t in tools)}), "
+                           "but the model's chat template ignores `tools` (no tool section): the model would never "
+                           "see them. Use a model whose template renders tools, or describe the tools in the prompt "
+                           "and use an environment without tool_schemas"])
 
 
 class DynamicSamplingError(RuntimeError):
