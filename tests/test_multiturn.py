@@ -186,9 +186,9 @@ def test_environment_settings_are_checked_before_any_model_loads(tiny_model_dir,
     from tidyrl.config import ConfigError, load_config
     from tidyrl.rewards import RewardError
 
-    with pytest.raises(ConfigError, match="environment.factory: multi-turn rollouts train grpo, rloo"):
-        load_config({"algorithm": "ppo", "model": "m", "data": {"path": "p.jsonl"}, "train": {"rollouts": 1},
-                     "environment": {"factory": "envs.py:Counter"}})
+    with pytest.raises(ConfigError, match="environment.max_turns: must be >= 1.*\n.*data.eval_fraction: evaluation"):
+        load_config({"algorithm": "ppo", "model": "m", "data": {"path": "p.jsonl", "eval_fraction": 0.1},
+                     "train": {"rollouts": 1}, "environment": {"factory": "envs.py:Counter", "max_turns": 0}})
     with pytest.raises(RewardError, match="environment.factory"):
         tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "out",
                                       f"{tmp_path / 'missing.py'}:Counter"))
@@ -274,3 +274,37 @@ def test_a_tool_environment_on_a_template_without_tools_is_refused(tiny_model_di
     with pytest.raises(ConfigError, match=r"offers tools \(add\), but the model's chat template ignores `tools`"):
         tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "out", f"{path}:Calc"))
     assert not (tmp_path / "out").exists()
+
+
+def test_gae_and_returns_run_over_the_models_tokens_only():
+    from tidyrl.algorithms import ppo
+
+    # Tokens 0, 1 and 4 are the model's; 2, 3 are an environment message; 5 is padding.
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])
+    rewards = torch.tensor([[0.1, 0.2, 9.0, 9.0, 1.0, 9.0]])  # the environment's slots hold junk: never read
+    values = torch.tensor([[0.5, 0.4, 7.0, 7.0, 0.3, 7.0]])
+    adv, ret = ppo.over_actions(lambda r, v, m: ppo.gae(r, v, m, 0.9, 0.8), mask, rewards, values)
+    a_c, r_c = ppo.gae(torch.tensor([[0.1, 0.2, 1.0]]), torch.tensor([[0.5, 0.4, 0.3]]), torch.ones(1, 3), 0.9, 0.8)
+    assert torch.allclose(adv, torch.tensor([[a_c[0, 0], a_c[0, 1], 0, 0, a_c[0, 2], 0]]))
+    assert torch.allclose(ret, torch.tensor([[r_c[0, 0], r_c[0, 1], 0, 0, r_c[0, 2], 0]]))
+    # By hand, gamma = 0.9, lam = 0.8: delta_2 = 1.0 - 0.3 = 0.7; delta_1 = 0.2 + 0.9 * 0.3 - 0.4 = 0.07;
+    # A_1 = 0.07 + 0.72 * 0.7 = 0.574 (the next action after token 1 is token 4, across the environment's).
+    assert float(adv[0, 1]) == pytest.approx(0.574)
+    returns = ppo.over_actions(lambda r, m: ppo.discounted_returns(r, m, 1.0), mask, rewards)
+    assert torch.allclose(returns, torch.tensor([[1.3, 1.2, 0.0, 0.0, 1.0, 0.0]]))
+    contiguous = torch.tensor([[1.0, 1.0, 1.0, 0.0, 0.0, 0.0]])  # no environment tokens: the plain recursion
+    assert torch.equal(ppo.over_actions(lambda r, m: ppo.discounted_returns(r, m, 1.0), contiguous, rewards),
+                       ppo.discounted_returns(rewards, contiguous, 1.0))
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "reinforce_pp"])
+def test_ppo_and_reinforce_pp_train_on_conversations(algorithm, tiny_model_dir, prompt_file, env_file, tmp_path):
+    cfg = multiturn_config(tiny_model_dir, prompt_file, tmp_path / algorithm, f"{env_file}:Counter")
+    cfg["algorithm"] = algorithm
+    result = tidyrl.train(cfg)
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == result.plan.total_optimizer_steps
+    assert all(r["turns_mean"] == 3.0 and r["tokens/env_mean"] > 0 for r in rows)
+    assert any(r["grad_norm"] > 0 for r in rows)  # (a rollout whose rewards all tie has no gradient)
+    if algorithm == "ppo":
+        assert all(r["value_loss"] > 0 for r in rows) and (result.final_dir / "critic").is_dir()

@@ -607,9 +607,6 @@ def validate(cfg: Config) -> None:
     need(offline or len(cfg.rewards) > 0 or env.factory is not None, "rewards",
          "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
     if env.factory is not None:
-        need(cfg.algorithm in ("grpo", "rloo", "reinforce_pp_baseline"), "environment.factory",
-             f"multi-turn rollouts train grpo, rloo and reinforce_pp_baseline so far (one advantage per episode); "
-             f"{cfg.algorithm}'s per-token values and returns over environment tokens come next")
         need(env.max_turns >= 1, "environment.max_turns", f"must be >= 1, got {env.max_turns}")
         need(env.max_turn_tokens is None or env.max_turn_tokens >= 1, "environment.max_turn_tokens",
              f"must be >= 1 or null, got {env.max_turn_tokens}")

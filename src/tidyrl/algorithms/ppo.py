@@ -129,6 +129,37 @@ def gae(rewards_BT: Tensor, values_BT: Tensor, mask_BT: Tensor, gamma: float, la
     return advantages_BT, returns_BT
 
 
+def over_actions(fn, mask_BT: Tensor, *tensors_BT: Tensor):
+    """Apply a per-token recursion (`gae`, `discounted_returns`) over the model's own tokens only.
+
+    In a multi-turn trajectory the environment's tokens sit between the model's turns; they are not actions,
+    so the recursion must run over the model's tokens as one contiguous sequence (the next action after the
+    end of a turn is the first token of the model's next turn, not an environment token), whereas `gae` and
+    `discounted_returns` take a contiguous mask. So: gather each row's masked positions to the left, call
+    `fn(*compacted, compact_mask)`, and scatter every [B, T'] result back to its positions (0 elsewhere).
+    With a contiguous mask this is `fn(*tensors_BT, mask_BT)` exactly.
+
+    Returns whatever `fn` returns, each [B, T'] tensor scattered back to [B, T].
+    """
+    mask = mask_BT.bool()
+    counts_B = mask.sum(dim=1)
+    width = max(int(counts_B.max()) if counts_B.numel() else 0, 1)
+    # Stable sort of (not mask): masked positions first, in order.
+    order_BT = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :width]
+    valid_BT = torch.arange(width, device=mask.device)[None, :] < counts_B[:, None]
+    compact = [torch.where(valid_BT, t.gather(1, order_BT), torch.zeros((), dtype=t.dtype, device=t.device))
+               for t in tensors_BT]
+    result = fn(*compact, valid_BT.to(mask_BT.dtype))
+
+    def back(y):
+        out = torch.zeros(mask_BT.shape, dtype=y.dtype, device=y.device)
+        return out.scatter(1, order_BT, torch.where(valid_BT, y, torch.zeros((), dtype=y.dtype, device=y.device)))
+
+    if isinstance(result, tuple):
+        return tuple(back(y) for y in result)
+    return back(result)
+
+
 def discounted_returns(rewards_BT: Tensor, mask_BT: Tensor, gamma: float = 1.0) -> Tensor:
     """Reward-to-go of every completion token (REINFORCE++'s advantage before whitening).
 

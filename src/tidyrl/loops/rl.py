@@ -837,15 +837,20 @@ class _RLRun:
         rewards_BT = ppo.token_level_rewards(scores, kl_BT, mask, beta)
         sequence_kl = float((kl_BT * mask).sum(1).mean())
         stats = {"kl_coef": beta, "rollout_kl": sequence_kl}
+        # Multi-turn: the recursions run over the model's tokens only (environment tokens are not actions).
+        over = (lambda fn, *ts: fn(*ts, mask)) if rollout.action_mask is None else \
+            (lambda fn, *ts: ppo.over_actions(fn, mask, *ts))
         if name == "ppo":
-            advantages, rollout.returns = ppo.gae(rewards_BT, rollout.old_values, mask, a.gamma, a.lam)
+            advantages, rollout.returns = over(lambda r, v, m: ppo.gae(r, v, m, a.gamma, a.lam), rewards_BT,
+                                               rollout.old_values)
             rollout.advantages = ppo.masked_whiten(advantages, mask) if a.whiten_advantages else advantages
             stats["explained_variance"] = ppo.explained_variance(rollout.old_values, rollout.returns, mask)
             stats["returns_mean"] = float((rollout.returns * mask).sum() / mask.sum().clamp(min=1))
             # Ziegler et al. 2019: this rollout used beta_t; the next one uses beta_{t+1}.
             self.kl_control.update(sequence_kl, n_steps=self.plan.episodes_per_rollout)
         else:  # REINFORCE++: returns whitened over the global batch (Hu 2025)
-            rollout.advantages = ppo.masked_whiten(ppo.discounted_returns(rewards_BT, mask, a.gamma), mask)
+            returns = over(lambda r, m: ppo.discounted_returns(r, m, a.gamma), rewards_BT)
+            rollout.advantages = ppo.masked_whiten(returns, mask)
         return stats
 
     def _episode_order(self, r: int, epoch: int):
