@@ -308,3 +308,66 @@ def test_ppo_and_reinforce_pp_train_on_conversations(algorithm, tiny_model_dir, 
     assert any(r["grad_norm"] > 0 for r in rows)  # (a rollout whose rewards all tie has no gradient)
     if algorithm == "ppo":
         assert all(r["value_loss"] > 0 for r in rows) and (result.final_dir / "critic").is_dir()
+
+
+OPENENV = textwrap.dedent('''
+    from dataclasses import dataclass
+
+    from tidyrl.environments import OpenEnvEnvironment
+
+    # An environment written to OpenEnv's interface (openenv-core's server-side Environment: reset() and
+    # step(action) return observations that carry reward and done), without openenv-core installed.
+    @dataclass
+    class GuessAction:
+        guess: str
+
+    @dataclass
+    class GuessObservation:
+        hint: str
+        reward: float = 0.0
+        done: bool = False
+
+    @dataclass
+    class StepResult:  # what an OpenEnv client returns
+        observation: GuessObservation
+        reward: float = 0.0
+        done: bool = False
+
+    class GuessEnvironment:
+        def __init__(self, target, as_client):
+            self.target, self.as_client, self.tries = target, as_client, 0
+
+        def reset(self):
+            return GuessObservation(hint="guess a letter")
+
+        def step(self, action):
+            self.tries += 1
+            hit = self.target in action.guess
+            obs = GuessObservation(hint="yes" if hit else "no", reward=1.0 if hit else 0.0, done=hit or self.tries >= 2)
+            return StepResult(obs, obs.reward, obs.done) if self.as_client else obs
+
+    class Guess(OpenEnvEnvironment):
+        def make_env(self, row, seed):
+            return GuessEnvironment(row["word"][0], as_client=len(row["word"]) % 2 == 0)
+
+        def to_action(self, turn):
+            return GuessAction(guess=turn)
+
+        def to_message(self, observation):
+            return observation.hint
+''')
+
+
+def test_an_openenv_environment_runs_through_the_adapter(tiny_model_dir, prompt_file, tmp_path):
+    path = tmp_path / "openenv_envs.py"
+    path.write_text(OPENENV)
+    Guess = load_class(path, "Guess")
+    env = Guess({"word": "fig"}, seed=0)  # a server-style environment: observations carry reward and done
+    assert env.first_observation.hint == "guess a letter"
+    assert env.step("xyz", []) == EnvReply(message={"role": "user", "content": "no"}, reward=0.0)
+    assert env.step("f", []) == EnvReply(reward=1.0, done=True)
+    client = Guess({"word": "kiwi"}, seed=0)  # a client-style environment: StepResult(observation, reward, done)
+    assert client.step("k!", []) == EnvReply(reward=1.0, done=True)
+    result = tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "run", f"{path}:Guess"))
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert all(r["env/error_fraction"] == 0.0 and 1.0 <= r["turns_mean"] <= 2.0 for r in rows)
