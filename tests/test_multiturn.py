@@ -176,7 +176,7 @@ def test_a_failing_environment_ends_its_episode_not_the_run(tiny_model_dir, prom
             assert by_word[word] == {-1.0}, word  # raised, timed out, wrong type, constructor failed
     assert any(w in by_word for w in ("fig:", "kiwi:", "lime:", "date:"))
     assert any(r["env/error_fraction"] > 0 for r in rows)
-    assert "ended on an environment error" in printed
+    assert "ended on an environment error" in printed and "(episode of prompt '" in printed
     for word in ("apple:", "pear:", "plum:"):
         if word in by_word:
             assert by_word[word] == {0.5}
@@ -228,6 +228,12 @@ def test_tool_calls_are_parsed_run_and_answered():
     assert "TypeError" in bad_args.message["content"]
     final = env.step("5", [{"role": "assistant", "content": "5"}])
     assert final == EnvReply(reward=1.0, done=True)
+
+    class Insisting(Calculator):
+        no_call = "remind"
+
+    reminded = Insisting({"answer": 5}, seed=0).step("I think 5", [])
+    assert reminded == EnvReply(message={"role": "user", "content": "Call one of the tools: add."})
     schema = Calculator.tool_schemas()[0]
     assert schema["function"]["name"] == "add" and set(schema["function"]["parameters"]["properties"]) == {"a", "b"}
 

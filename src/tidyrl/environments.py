@@ -130,6 +130,9 @@ class ToolEnvironment:
     message, so the model can recover."""
 
     tools: Sequence[Callable] = ()
+    no_call: str = "answer"
+    """A turn with no tool call: "answer" (it is the model's answer: `reward` scores it, the episode ends) or
+    "remind" (the model is told to call a tool and the episode goes on)."""
 
     def __init__(self, row: dict, seed: int):
         self.row, self.seed = row, seed
@@ -147,6 +150,9 @@ class ToolEnvironment:
 
     def step(self, turn: str, messages: list[dict]) -> EnvReply:
         calls = parse_tool_calls(turn)
+        if not calls and self.no_call == "remind":
+            return EnvReply(message={"role": "user", "content": "Call one of the tools: "
+                                     + ", ".join(sorted(self.by_name)) + "."})
         if not calls:
             return EnvReply(reward=float(self.reward(messages)), done=True)
         results = []

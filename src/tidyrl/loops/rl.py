@@ -155,6 +155,12 @@ GROUP_COUNTS = ("groups/generated", "groups/kept", "groups/filled", "groups/drop
 """rollout.dynamic_sampling's per-rollout counts, summed over the run for the summary."""
 
 
+def _short_prompt(prompt, limit: int = 60) -> str:
+    """A prompt in an error line: its text (a chat prompt: its last message), cut."""
+    text = prompt if isinstance(prompt, str) else str((prompt or [{}])[-1].get("content", ""))
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def check_template_renders_tools(tokenizer, tools: list, factory) -> None:
     """A tool environment's schemas must reach the model: refuse a chat template that renders a conversation the
     same with and without `tools` (it has no tool section, so the model would never learn the tools exist)."""
@@ -720,7 +726,8 @@ class _RLRun:
         extra = {"action": action, "env_reward": torch.tensor([c.reward for c in conversations]),
                  "turns": torch.tensor([float(c.turns) for c in conversations]),
                  "errors": torch.tensor([float(c.error is not None) for c in conversations]),
-                 "error_texts": [c.error for c in conversations]}
+                 "error_texts": [None if c.error is None else f"{c.error} (episode of prompt {_short_prompt(p)})"
+                                 for c, p in zip(conversations, prompts)]}
         return ids, mask, truncated, logprobs, extra
 
     def _dynamic_sampling(self, policy, r: int, indices, episodes, first: dict):
