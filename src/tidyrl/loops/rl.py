@@ -318,6 +318,19 @@ class _RLRun:
             a = self.algo
             self.kl_control = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.adaptive_kl
                                else FixedKLController(a.kl_coef))
+        self._make_engine()
+
+    def _make_engine(self) -> None:
+        """rollout.engine: the builtin decode loop on the policy, or an in-process vLLM engine per process."""
+        from tidyrl.engines import make_engine
+
+        cfg = self.cfg
+        longest = max(len(p) for p in [*self.prompt_ids, *(self.eval_prompt_ids or [])])
+        self.engine = make_engine(cfg, self.accelerator.unwrap_model(self.model), self.accelerator.device.type,
+                                  longest + cfg.rollout.max_new_tokens)
+        ro = cfg.rollout
+        # Truncated importance sampling (Yao et al. 2025): on by default where the sampler is another program.
+        self.tis_cap = ro.tis_cap if ro.tis_cap is not None else (2.0 if self.engine.name == "vllm" else 0.0)
 
     def _restore(self) -> tuple[int, float, Optional[float], Optional[tuple]]:
         """Load the trainer state of the checkpoint being resumed; drop the metrics and samples rows that
@@ -501,6 +514,8 @@ class _RLRun:
         indices = self.stream.rollout_indices(r, plan.prompts_per_rollout)  # P prompt rows
         per_proc = plan.episodes_per_rollout_per_process
         episodes = range(self.rank * per_proc, (self.rank + 1) * per_proc)  # this process's global episode ids
+        with full_weights(policy):  # the engine holds exactly the policy's weights before it samples
+            t_sync = self.engine.sync(policy)
         t0 = time.perf_counter()
         sampled = self._sample_round(policy, r, 0, indices, episodes)
         group_prompts = self.dataset[indices][cfg.data.prompt_column]  # the P groups' prompts, for samples.jsonl
@@ -522,6 +537,9 @@ class _RLRun:
         kl_in_reward = self.use_reference and cfg.algorithm != "grpo"
         if plan.optimizer_steps_per_rollout > 1 or kl_in_reward:
             local.old_logprobs = sampled_logprobs
+        mismatch = {}
+        if self.tis_cap > 0 or ro.behaviour_logprobs == "trainer":
+            mismatch = self._behaviour_correction(policy, local, sampled_logprobs)
         if self.use_reference:
             with full_weights(policy), reference_of(policy, self.ref_model) as reference:
                 local.ref_logprobs = score_logprobs(reference, local, ro.temperature, ro.forward_batch_size)
@@ -578,6 +596,9 @@ class _RLRun:
             if errors and self.is_main:
                 print(f"tidyrl: rollout {r + 1}: {len(errors)} episode(s) of this process ended on an environment "
                       f"error, e.g. {errors[0]}", flush=True)
+        stats.update(mismatch)
+        if self.engine.name != "builtin":
+            stats["time/weight_sync_s"] = t_sync
         stats["time/generate_s"] = t_generate
         stats["time/reward_s"] = t_reward
         stats["time/score_s"] = t_score
@@ -599,7 +620,7 @@ class _RLRun:
         are reduced by name: the same numbers on any number of processes."""
         from tidyrl.evaluate import EVAL_ROLLOUT
         from tidyrl.rewards import compute_rewards
-        from tidyrl.rollout import generate, sample_seed
+        from tidyrl.rollout import sample_seed
 
         cfg, ro = self.cfg, self.cfg.rollout
         greedy = cfg.log.eval_decoding == "greedy"
@@ -613,13 +634,11 @@ class _RLRun:
         policy.eval()
         rows = self.eval_dataset[[e // k for e in episodes]] if len(episodes) else {}
         with full_weights(policy):  # a collective under FSDP: every process enters, even with no episode
+            self.engine.sync(policy)  # the weights of this step
             if len(episodes):
-                ids, mask, truncated = generate(
-                    policy, [self.eval_prompt_ids[e // k] for e in episodes],
-                    sample_keys=[sample_seed(cfg.seed, EVAL_ROLLOUT, e) for e in episodes],
-                    max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
-                    pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature,
-                    top_p=ro.top_p, top_k=1 if greedy else ro.top_k)
+                ids, mask, truncated, _ = self.engine.generate(
+                    [self.eval_prompt_ids[e // k] for e in episodes],
+                    [sample_seed(cfg.seed, EVAL_ROLLOUT, e) for e in episodes], self._sampling(greedy))
         if len(episodes):
             lengths = mask.sum(1).long().tolist()
             completion_ids = [ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
@@ -650,9 +669,9 @@ class _RLRun:
         import torch
 
         from tidyrl.rewards import compute_rewards
-        from tidyrl.rollout import generate, sample_seed
+        from tidyrl.rollout import sample_seed
 
-        cfg, ro, k = self.cfg, self.cfg.rollout, self.plan.samples_per_prompt
+        cfg, k = self.cfg, self.plan.samples_per_prompt
         R = self.plan.episodes_per_rollout
         prompt_rows = self.dataset[indices]  # column -> P values
         prompts = [prompt_rows[cfg.data.prompt_column][e // k] for e in episodes]
@@ -665,12 +684,8 @@ class _RLRun:
             # The sampling pass also returns each token's log-prob under the policy (the old log-probs below).
             # Under FSDP the full weights are gathered once for the whole call, not at every token (sharding.py).
             with full_weights(policy):
-                ids, mask, truncated, logprobs = generate(
-                    policy, prompt_ids, sample_keys=[sample_seed(cfg.seed, r, q * R + e) for e in episodes],
-                    max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids,
-                    pad_id=self.pad_id, batch_size=ro.generation_batch_size, temperature=ro.temperature,
-                    top_p=ro.top_p, top_k=ro.top_k, return_logprobs=True,
-                )
+                ids, mask, truncated, logprobs = self.engine.generate(
+                    prompt_ids, [sample_seed(cfg.seed, r, q * R + e) for e in episodes], self._sampling())
         lengths = mask.sum(1).long().tolist()
         completion_ids = [ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -685,6 +700,51 @@ class _RLRun:
             per_fn["env"] = extra.pop("env_reward")
         return {"ids": ids, "mask": mask, "truncated": truncated, "logprobs": logprobs, "prompt_ids": prompt_ids,
                 "per_fn": per_fn, "reward_s": time.perf_counter() - t0, **extra}
+
+    def _behaviour_correction(self, policy, local, sampled_logprobs) -> dict:
+        """The sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework secretly brings you
+        off-policy RL training"): the trainer's log-probs of the sampled tokens, recomputed by the policy's
+        forward. rollout.behaviour_logprobs=trainer makes them the old log-probs; otherwise (sampler) they are
+        the old log-probs of the PPO ratio and each token's loss is weighted by the truncated importance ratio
+        w = min(pi_trainer / pi_sampler, tis_cap) (local.is_weights). Returns the mismatch metrics (this
+        process's tokens; summed over processes where logged)."""
+        import torch
+
+        from tidyrl.rollout import score_logprobs
+
+        ro = self.cfg.rollout
+        with full_weights(policy):
+            trainer = score_logprobs(policy, local, ro.temperature, ro.forward_batch_size)
+        mask = local.completion_mask.bool()
+        delta = torch.where(mask, trainer - sampled_logprobs, torch.zeros(()))
+        local.old_logprobs = trainer
+        stats = {"mismatch/logprob_abs_mean": 0.0, "mismatch/logprob_abs_max": 0.0}
+        totals = Sums("abs", "tokens", "capped")
+        capped = torch.zeros(())
+        if ro.behaviour_logprobs == "sampler" and self.tis_cap > 0:
+            ratio = torch.exp(delta)
+            local.is_weights = torch.where(mask, ratio.clamp(max=self.tis_cap), torch.ones(()))
+            capped = ((ratio > self.tis_cap) & mask).sum()
+        totals.add(abs=delta.abs().sum(), tokens=mask.sum(), capped=capped)
+        summed = totals.reduced(self.accelerator)
+        peak = float(delta.abs().max()) if delta.numel() else 0.0
+        if self.world_size > 1:
+            peak = float(self.accelerator.reduce(torch.tensor([peak], device=self.accelerator.device),
+                                                 reduction="max").cpu())
+        tokens = max(summed["tokens"], 1.0)
+        stats = {"mismatch/logprob_abs_mean": summed["abs"] / tokens, "mismatch/logprob_abs_max": peak}
+        if local.is_weights is not None:
+            stats["mismatch/capped_fraction"] = summed["capped"] / tokens
+        return stats
+
+    def _sampling(self, greedy: bool = False):
+        """The rollout's sampling settings for the engine (greedy: top_k = 1)."""
+        from tidyrl.engines import SamplingSettings
+
+        ro = self.cfg.rollout
+        return SamplingSettings(max_new_tokens=ro.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                                batch_size=ro.generation_batch_size, min_new_tokens=ro.min_new_tokens,
+                                temperature=ro.temperature, top_p=ro.top_p, top_k=1 if greedy else ro.top_k)
 
     def _converse(self, policy, r: int, q: int, prompts, prompt_ids, columns, episodes):
         """This process's episodes as conversations with the environment (tidyrl.multiturn), laid out as a
@@ -915,6 +975,8 @@ class _RLRun:
                                                                        algo.clip_eps_high)
                 else:
                     token_loss, clipped = clipped_policy_loss(logprobs, old, adv, algo.clip_eps, algo.clip_eps_high)
+                if part.is_weights is not None:  # truncated importance sampling: the sampler was not the trainer
+                    token_loss = token_loss * part.is_weights.to(token_loss.device, token_loss.dtype)
                 kl = None
                 if part.ref_logprobs is not None:
                     # At step 1 the policy is the reference: its own log-probs are the reference's exactly, while
@@ -1005,4 +1067,5 @@ class _RLRun:
             ref_logprobs=cat(local.ref_logprobs),
             old_values=cat(local.old_values),
             action_mask=cat(local.action_mask),
+            is_weights=cat(local.is_weights),
         )

