@@ -3,7 +3,6 @@ own tests are tests/test_vllm.py, run in the vLLM environment)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 from conftest import read_jsonl
