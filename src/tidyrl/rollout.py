@@ -64,6 +64,7 @@ class Rollout:
     returns: Optional[torch.Tensor] = None  # (R, Tc) PPO: GAE returns, the critic's targets
     action_mask: Optional[torch.Tensor] = None  # (R, Tc) multi-turn: 1 = the model's token, 0 = the environment's
     is_weights: Optional[torch.Tensor] = None  # (R, Tc) truncated importance weights min(pi_trainer/pi_sampler, cap)
+    sampler_logprobs: Optional[torch.Tensor] = None  # (R, Tc) the engine's, when the weights are taken in the update
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -96,6 +97,7 @@ class Rollout:
             returns=cut(self.returns),
             action_mask=cut(self.action_mask),
             is_weights=cut(self.is_weights),
+            sampler_logprobs=cut(self.sampler_logprobs),
         )
 
 

@@ -143,6 +143,15 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
         if shared:
             eval_report += (f"\ntidyrl: warning: {shared} of {len(eval_prompt_ids)} held-out prompts are also "
                             "training prompts; their eval metrics measure memory, not generalisation")
+    if cfg.rollout.engine == "vllm":  # the KV cache holds a generate call's sequences at once, or the run stops
+        from tidyrl.config import ConfigError
+        from tidyrl.engines import kv_cache_problem
+
+        longest = max(len(p) for p in [*prompt_ids, *(eval_prompt_ids or [])]) + cfg.rollout.max_new_tokens
+        problem = kv_cache_problem(model_config, cfg.model_dtype, cfg.vllm.kv_cache_gb,
+                                   plan.episodes_per_rollout_per_process, longest)
+        if problem:
+            raise ConfigError([problem])
     critic = None
     if cfg.algorithm == "ppo":
         path, why = choose_critic(cfg, tokenizer.get_vocab())
@@ -538,7 +547,11 @@ class _RLRun:
         if plan.optimizer_steps_per_rollout > 1 or kl_in_reward:
             local.old_logprobs = sampled_logprobs
         mismatch = {}
-        if self.tis_cap > 0 or ro.behaviour_logprobs == "trainer":
+        if self.tis_cap > 0 and ro.behaviour_logprobs == "sampler" and plan.optimizer_steps_per_rollout == 1:
+            # One optimizer step per rollout: the policy that takes it IS the trainer at sampling time, so the
+            # importance weights come from the update's own forward (optimizer_step), with no extra pass.
+            local.sampler_logprobs = sampled_logprobs
+        elif self.tis_cap > 0 or ro.behaviour_logprobs == "trainer":
             mismatch = self._behaviour_correction(policy, local, sampled_logprobs)
         if self.use_reference:
             with full_weights(policy), reference_of(policy, self.ref_model) as reference:
@@ -961,7 +974,8 @@ class _RLRun:
         micro_batches = list(chunks(mine, plan.micro_batch_size))
         assert len(micro_batches) == plan.gradient_accumulation_steps
         sums = Sums("loss", "kl_x_tokens", "entropy_x_tokens", "clipped_tokens", "tokens", "value_loss",
-                    "value_clipped_tokens")
+                    "value_clipped_tokens", "mismatch_abs", "mismatch_capped")
+        mismatch_peak = 0.0
         for i, idx in enumerate(micro_batches):
             part = rollout.select(idx)
             mask = self._loss_mask(part.completion_mask, part.truncated, part.action_mask).to(self.accelerator.device)
@@ -977,6 +991,13 @@ class _RLRun:
                     token_loss, clipped = clipped_policy_loss(logprobs, old, adv, algo.clip_eps, algo.clip_eps_high)
                 if part.is_weights is not None:  # truncated importance sampling: the sampler was not the trainer
                     token_loss = token_loss * part.is_weights.to(token_loss.device, token_loss.dtype)
+                elif part.sampler_logprobs is not None:  # the same, its weights from this forward (E * M = 1)
+                    delta = torch.where(mask.bool(), logprobs.detach() - part.sampler_logprobs.to(logprobs.device),
+                                        torch.zeros((), device=logprobs.device))
+                    ratio = torch.exp(delta)
+                    token_loss = token_loss * torch.where(mask.bool(), ratio.clamp(max=self.tis_cap), 1.0)
+                    sums.add(mismatch_abs=delta.abs().sum(), mismatch_capped=((ratio > self.tis_cap) & mask.bool()).sum())
+                    mismatch_peak = max(mismatch_peak, float(delta.abs().max()))
                 kl = None
                 if part.ref_logprobs is not None:
                     # At step 1 the policy is the reference: its own log-probs are the reference's exactly, while
@@ -1020,6 +1041,13 @@ class _RLRun:
             "grad_norm": grad_norm,
             "time/update_s": time.perf_counter() - t0,
         }
+        if rollout.sampler_logprobs is not None:  # truncated importance sampling inside the update (E * M = 1)
+            if self.world_size > 1:
+                mismatch_peak = float(self.accelerator.reduce(
+                    torch.tensor([mismatch_peak], device=self.accelerator.device), reduction="max").cpu())
+            out.update({"mismatch/logprob_abs_mean": sums["mismatch_abs"] / tokens,
+                        "mismatch/logprob_abs_max": mismatch_peak,
+                        "mismatch/capped_fraction": sums["mismatch_capped"] / tokens})
         if critic is not None:
             out["critic_lr"] = updates[1][0]
             out.update({"value_loss": sums["value_loss"], "value_clip_fraction": sums["value_clipped_tokens"] / tokens,
@@ -1068,4 +1096,5 @@ class _RLRun:
             old_values=cat(local.old_values),
             action_mask=cat(local.action_mask),
             is_weights=cat(local.is_weights),
+            sampler_logprobs=cat(local.sampler_logprobs),
         )
