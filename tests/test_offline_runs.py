@@ -199,3 +199,22 @@ def test_sft_reports_padding_and_packing_lowers_it(tiny_model_dir, tmp_path):
     assert all(0 <= p < 1 for p in pad + pad_packed) and max(pad) > 0
     assert pad_packed == [0.0] * len(pad_packed)  # one packed row per micro-batch: nothing to pad
     assert plain.metrics["tokens_per_s"] > 0 and packed.metrics["tokens_per_s"] > 0
+
+
+def test_a_checkpoint_from_before_a_key_existed_resumes_at_that_keys_default(tiny_model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", pair_rows())
+    out = tmp_path / "run"
+    cfg = reward_config(tiny_model_dir, data, out, log={"save_every": 2, "keep_last": 10})
+    tidyrl.train(cfg)
+    straight = untimed(out / "metrics.jsonl")
+    state_file = out / "checkpoint-2" / "trainer_state" / "state.json"
+    state = json.loads(state_file.read_text())
+    for section, key in (("train", "group_by_length"), ("log", "eval_decoding"), ("data", "reasoning_gym_size")):
+        del state["config"][section][key]  # as an earlier tidyrl wrote it
+    state_file.write_text(json.dumps(state))
+    from tidyrl.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="data.reasoning_gym_size: 1000 -> 5"):  # not the default: a change
+        tidyrl.train(cfg, ["resume_from=" + str(out / "checkpoint-2"), "data.reasoning_gym_size=5"])
+    tidyrl.train(cfg, ["resume_from=" + str(out / "checkpoint-2")])
+    assert untimed(out / "metrics.jsonl") == straight

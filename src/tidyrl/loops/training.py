@@ -117,7 +117,7 @@ def check_resume(cfg, output_dir: Path, accelerator) -> tuple[Optional[Path], Op
     hold_output_dir(output_dir, accelerator)
     path = find_checkpoint(output_dir, cfg.resume_from)
     loaded = load_trainer_state(path)
-    changes = refused_changes(loaded["state"]["config"], config_to_dict(cfg))
+    changes = refused_changes(with_defaults(loaded["state"]["config"]), config_to_dict(cfg))
     if changes:
         raise CheckpointError(
             f"cannot resume from {path}: these changes alter the plan or the maths:\n  " + "\n  ".join(changes)
@@ -153,6 +153,18 @@ def keep_if_best(accelerator, cfg, output_dir: Path, best: Optional[dict], row: 
     if accelerator.is_main_process:
         (Path(output_dir) / "best.json").write_text(json.dumps(best, indent=2) + "\n")
     return best
+
+
+def with_defaults(saved: dict) -> dict:
+    """A checkpoint's saved config with the keys it predates filled in at their defaults, so that resuming a
+    checkpoint of an earlier tidyrl is not refused for keys that did not exist then (a key whose default is
+    what the run had anyway). A saved config this version cannot read is compared as it is."""
+    from tidyrl.config import ConfigError, config_from_dict, config_to_dict
+
+    try:
+        return config_to_dict(config_from_dict(saved))
+    except (ConfigError, TypeError, ValueError):
+        return saved
 
 
 class StopSignals:
