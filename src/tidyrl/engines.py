@@ -113,7 +113,7 @@ class VLLMEngine:
         start = time.perf_counter()
         peft = unwrap_peft(policy)
         if peft is not None:  # LoRA: the base weights with the adapter folded in, under the base model's names
-            state = {k: v for k, v in _merged_state_dict(peft).items()}
+            state = _merged_state_dict(peft)
         else:
             state = policy.state_dict()
         weights = [(name, tensor.detach()) for name, tensor in state.items()]

@@ -186,6 +186,18 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{sec:02d} ({seconds:.0f} s)"
 
 
+def _where_lines(best: Optional[dict], show, output_dir: Path, files: str, final_dir: Path,
+                 tracker_locations: Optional[dict]) -> list[str]:
+    """The summaries' closing lines: the best model (log.best_metric), the files, the model, the trackers."""
+    lines = []
+    if best:
+        lines.append(f"  best {best['metric']}: {show(best['value'])} at step {best['step']} -> {best['dir']}")
+    lines.append(f"  written to {output_dir}/: {files}")
+    lines.append(f"  model: {final_dir}")
+    lines += [f"  {name}: {where}" for name, where in (tracker_locations or {}).items()]
+    return lines
+
+
 def format_offline_summary(algorithm: str, plan, timings: dict, wall_s: float, first: dict, last: dict,
                            output_dir: Path, final_dir: Path, tracker_locations: Optional[dict] = None,
                            best: Optional[dict] = None) -> str:
@@ -205,12 +217,8 @@ def format_offline_summary(algorithm: str, plan, timings: dict, wall_s: float, f
         lines.append(f"  {name}: {value(first[name])} (step 1) -> {value(last.get(name))} (last step)")
     for name in sorted(k for k in last if k.startswith("eval/")):
         lines.append(f"  {name}: {value(last[name])} (after the last step)")
-    if best:
-        lines.append(f"  best {best['metric']}: {value(best['value'])} at step {best['step']} -> {best['dir']}")
-    lines.append(f"  written to {output_dir}/: config.yaml, plan.json, metrics.jsonl")
-    lines.append(f"  model: {final_dir}")
-    for name, where in (tracker_locations or {}).items():
-        lines.append(f"  {name}: {where}")
+    lines += _where_lines(best, value, output_dir, "config.yaml, plan.json, metrics.jsonl", final_dir,
+                          tracker_locations)
     lines.append(f"  next: tidyrl plot {output_dir}")
     return "\n".join(lines)
 
@@ -245,12 +253,8 @@ def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[fl
                      f"{groups.get('groups/dropped', 0)} dropped")
     for name, value in (evals or {}).items():
         lines.append(f"  {name}: {reward(value)} (held-out prompts, after the last step)")
-    if best:
-        lines.append(f"  best {best['metric']}: {reward(best['value'])} at step {best['step']} -> {best['dir']}")
-    lines.append(f"  written to {output_dir}/: config.yaml, plan.json, metrics.jsonl, samples.jsonl")
-    lines.append(f"  model: {final_dir}")
-    for name, where in (tracker_locations or {}).items():
-        lines.append(f"  {name}: {where}")
+    lines += _where_lines(best, reward, output_dir, "config.yaml, plan.json, metrics.jsonl, samples.jsonl",
+                          final_dir, tracker_locations)
     lines.append(f"  next: tidyrl plot {output_dir}   |   "
                  f"tidyrl eval {Path(output_dir) / 'config.yaml'} --model {final_dir}")
     return "\n".join(lines)

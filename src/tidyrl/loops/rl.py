@@ -12,6 +12,7 @@ All counts come from the plan (tidyrl.plan); nothing here recomputes them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, lo
                                  load_policy, load_tokenizer, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, write_run_header)
 from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update, check_resume,
-                                   keep_if_best, no_sync)
+                                   keep_if_best, no_sync, reduce_max)
 from tidyrl.lora import adapter_folder_problem, adapter_note, reference_of
 from tidyrl.sharding import ShardingError, full_weights, sharding_kind
 from tidyrl.plan import epochs_done, plan_from_config
@@ -523,7 +524,9 @@ class _RLRun:
         indices = self.stream.rollout_indices(r, plan.prompts_per_rollout)  # P prompt rows
         per_proc = plan.episodes_per_rollout_per_process
         episodes = range(self.rank * per_proc, (self.rank + 1) * per_proc)  # this process's global episode ids
-        with full_weights(policy):  # the engine holds exactly the policy's weights before it samples
+        # The engine holds exactly the policy's weights before it samples (the builtin one is the policy: no copy,
+        # so no FSDP gather for it).
+        with full_weights(policy) if self.engine.name != "builtin" else contextlib.nullcontext():
             t_sync = self.engine.sync(policy)
         t0 = time.perf_counter()
         sampled = self._sample_round(policy, r, 0, indices, episodes)
@@ -570,10 +573,7 @@ class _RLRun:
             scored = per_fn[name][~torch.isnan(per_fn[name])]
             moments.update(scored.tolist())
             per_fn[name] = (per_fn[name] - moments.mean) / max(moments.std, 1e-8)
-        # The weighted sum over the functions that scored each episode (every episode has one: checked).
-        scores = sum(f.weight * torch.nan_to_num(per_fn[f.name], nan=0.0) for f in self.reward_fns)  # (R,)
-        if "env" in per_fn:  # multi-turn: the environment's reward, weight 1
-            scores = scores + per_fn["env"]
+        scores = self._weighted_scores(per_fn)  # (R,)
         overlong = None
         if self.algo.overlong_buffer:  # DAPO's soft overlong punishment, part of the reward
             from tidyrl.algorithms.losses import overlong_penalty
@@ -731,7 +731,6 @@ class _RLRun:
         mask = local.completion_mask.bool()
         delta = torch.where(mask, trainer - sampled_logprobs, torch.zeros(()))
         local.old_logprobs = trainer
-        stats = {"mismatch/logprob_abs_mean": 0.0, "mismatch/logprob_abs_max": 0.0}
         totals = Sums("abs", "tokens", "capped")
         capped = torch.zeros(())
         if ro.behaviour_logprobs == "sampler" and self.tis_cap > 0:
@@ -740,15 +739,21 @@ class _RLRun:
             capped = ((ratio > self.tis_cap) & mask).sum()
         totals.add(abs=delta.abs().sum(), tokens=mask.sum(), capped=capped)
         summed = totals.reduced(self.accelerator)
-        peak = float(delta.abs().max()) if delta.numel() else 0.0
-        if self.world_size > 1:
-            peak = float(self.accelerator.reduce(torch.tensor([peak], device=self.accelerator.device),
-                                                 reduction="max").cpu())
+        peak = reduce_max(self.accelerator, float(delta.abs().max()) if delta.numel() else 0.0)
         tokens = max(summed["tokens"], 1.0)
         stats = {"mismatch/logprob_abs_mean": summed["abs"] / tokens, "mismatch/logprob_abs_max": peak}
         if local.is_weights is not None:
             stats["mismatch/capped_fraction"] = summed["capped"] / tokens
         return stats
+
+    def _weighted_scores(self, per_fn: dict):
+        """Each episode's reward: the weighted sum over the functions that scored it (every episode has one:
+        checked), plus the environment's reward (weight 1) in multi-turn rollouts. `per_fn`: name -> (R,),
+        NaN where a function gave no score."""
+        import torch
+
+        scores = sum(f.weight * torch.nan_to_num(per_fn[f.name], nan=0.0) for f in self.reward_fns)
+        return scores + per_fn["env"] if "env" in per_fn else scores
 
     def _sampling(self, greedy: bool = False):
         """The rollout's sampling settings for the engine (greedy: top_k = 1)."""
@@ -830,7 +835,7 @@ class _RLRun:
                      "truncated": self._gather(data["truncated"]), "logprobs": self._gather(data["logprobs"]),
                      "per_fn": {n: self._gather(data["per_fn"][n]) for n in names}, "indices": round_indices}
             rounds.append(every)
-            total_R = sum(f.weight * torch.nan_to_num(every["per_fn"][f.name], nan=0.0) for f in self.reward_fns)
+            total_R = self._weighted_scores(every["per_fn"])  # raw: before `normalize`
             groups = total_R.view(P, k)
             informative = (groups.max(dim=1).values - groups.min(dim=1).values) > 0
             for p in range(P):
@@ -1042,11 +1047,8 @@ class _RLRun:
             "time/update_s": time.perf_counter() - t0,
         }
         if rollout.sampler_logprobs is not None:  # truncated importance sampling inside the update (E * M = 1)
-            if self.world_size > 1:
-                mismatch_peak = float(self.accelerator.reduce(
-                    torch.tensor([mismatch_peak], device=self.accelerator.device), reduction="max").cpu())
             out.update({"mismatch/logprob_abs_mean": sums["mismatch_abs"] / tokens,
-                        "mismatch/logprob_abs_max": mismatch_peak,
+                        "mismatch/logprob_abs_max": reduce_max(self.accelerator, mismatch_peak),
                         "mismatch/capped_fraction": sums["mismatch_capped"] / tokens})
         if critic is not None:
             out["critic_lr"] = updates[1][0]

@@ -33,6 +33,15 @@ def reduce_sum(accelerator, tensor):
     return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").cpu()
 
 
+def reduce_max(accelerator, value: float) -> float:
+    """The largest of a per-process number over processes (metrics only)."""
+    if accelerator.num_processes == 1:
+        return value
+    import torch
+
+    return float(accelerator.reduce(torch.tensor([value], device=accelerator.device), reduction="max").cpu())
+
+
 def agree(accelerator, flag: bool) -> bool:
     """True in every process if it is true in any (so that all stop at the same step)."""
     if accelerator.num_processes == 1:
