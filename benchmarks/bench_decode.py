@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 
-from tidyrl.rollout import generate, sample_seed  # noqa: E402
+from tidyrl.models.generation import generate, sample_seed  # noqa: E402
 
 
 def main() -> None:
@@ -34,11 +34,11 @@ def main() -> None:
     times: dict[bool, list[float]] = {True: [], False: []}
     outputs = {}
     for lean in (True, False):  # warm-up
-        outputs[lean] = generate(model, prompts, use_lean_step=lean, **kw)
+        outputs[lean] = generate(model, prompts, fast_path=lean, **kw)
     for _ in range(args.repeats):
         for lean in (True, False):
             start = time.perf_counter()
-            generate(model, prompts, use_lean_step=lean, **kw)
+            generate(model, prompts, fast_path=lean, **kw)
             times[lean].append(time.perf_counter() - start)
     same = torch.equal(outputs[True][0], outputs[False][0])
     lp_diff = (outputs[True][3] - outputs[False][3]).abs().max().item()

@@ -1,5 +1,5 @@
 """Time one training micro-batch (forward + backward of the completions' log-probs) on the benchmark workloads'
-models, with tidyrl's lean Llama pass (tidyrl.llama_forward) and with the generic path through the model's own
+models, with tidyrl's lean Llama pass (tidyrl.models.llama_forward) and with the generic path through the model's own
 forward (distinct prompts once, completions on their keys and values, in two passes).
 
     python benchmarks/bench_update.py --workload tiny --repeats 20
@@ -24,7 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 
-from tidyrl.rollout import Rollout, completion_logprobs, left_pad  # noqa: E402
+from tidyrl.models.forward import completion_logprobs  # noqa: E402
+from tidyrl.models.generation import left_pad  # noqa: E402
+from tidyrl.rollout import Rollout  # noqa: E402
 
 
 def saved_bytes(fn) -> tuple[object, int]:
@@ -57,7 +59,7 @@ def main() -> None:
     def step(lean: bool):
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        logprobs, saved = saved_bytes(lambda: completion_logprobs(model, batch, 1.0, use_lean_pass=lean)[0])
+        logprobs, saved = saved_bytes(lambda: completion_logprobs(model, *batch.sequences, 1.0, fast_path=lean)[0])
         t1 = time.perf_counter()
         (logprobs * weights).sum().backward()
         t2 = time.perf_counter()

@@ -59,9 +59,9 @@ ANAGRAM = [{"function": "tidyrl.demo:anagram_reward"}]
 @pytest.fixture
 def offline(monkeypatch):
     """As on a machine that cannot reach the hub (this one, CI's, or HF_HUB_OFFLINE=1): decided once, no retry."""
-    from tidyrl.loops import common
+    from tidyrl.models import loading
 
-    monkeypatch.setattr(common, "hub_reachable", lambda: False)
+    monkeypatch.setattr(loading, "hub_reachable", lambda: False)
 
 
 def test_a_mistyped_hub_id_fails_at_once_when_offline(tiny_model_dir, prompt_file, tmp_path, offline, capsys):
@@ -96,7 +96,7 @@ def test_a_mistyped_hub_id_fails_at_once_when_offline(tiny_model_dir, prompt_fil
 def test_hub_reachable_is_false_offline(monkeypatch):
     from huggingface_hub import constants
 
-    from tidyrl.loops.common import hub_reachable
+    from tidyrl.models.loading import hub_reachable
 
     hub_reachable.cache_clear()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)

@@ -263,7 +263,7 @@ def test_loaded_weights_get_their_own_aligned_memory(tmp_path):
     from safetensors.torch import load_file
 
     from conftest import llama
-    from tidyrl.loops.common import in_own_memory, load_causal_lm
+    from tidyrl.models.loading import in_own_memory, load_causal_lm
 
     model = llama(tie_word_embeddings=True)
     weight = model.model.embed_tokens.weight

@@ -24,14 +24,14 @@ pytestmark = [pytest.mark.cuda,
 
 
 def test_keyed_generation_on_cuda_repeats_and_the_lean_step_samples_the_same_tokens():
-    from tidyrl.rollout import generate
+    from tidyrl.models.generation import generate
 
     model = llama().to("cuda")
     prompts = [[1, 5, 7, 9], [1, 6], [1, 8, 8, 3, 2, 4]]
     kwargs = dict(sample_keys=[3, 4, 5], max_new_tokens=12, eos_ids=[2], pad_id=0, batch_size=3)
-    lean = generate(model, prompts, use_lean_step=True, **kwargs)
-    again = generate(model, prompts, use_lean_step=True, **kwargs)
-    eager = generate(model, prompts, use_lean_step=False, **kwargs)
+    lean = generate(model, prompts, fast_path=True, **kwargs)
+    again = generate(model, prompts, fast_path=True, **kwargs)
+    eager = generate(model, prompts, fast_path=False, **kwargs)
     assert torch.equal(lean[0], again[0])  # keyed: the same samples on the device
     assert torch.equal(lean[0], eager[0]) and torch.equal(lean[1], eager[1])  # the lean step is the model's maths
 

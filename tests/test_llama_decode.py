@@ -9,9 +9,9 @@ from conftest import LLAMA_LAYOUTS as MODELS
 from conftest import VOCAB as V
 from conftest import llama as _llama
 
-from tidyrl import llama_decode
-from tidyrl.llama_decode import LlamaDecodeStep, attention_bias, supports
-from tidyrl.rollout import _BufferedLayer, _buffered_cache, generate, left_pad, sample_seed
+from tidyrl.models import llama_decode
+from tidyrl.models.llama_decode import LlamaDecodeStep, attention_bias, supports
+from tidyrl.models.generation import _BufferedLayer, _buffered_cache, generate, left_pad, sample_seed
 
 
 @pytest.mark.parametrize("copy_weights", [True, False], ids=["copied-weights", "own-weights"])
@@ -94,7 +94,7 @@ def test_generate_draws_the_same_completions_with_the_lean_step(name):
                   pad_id=0, return_logprobs=True)
     for extra in ({}, {"min_new_tokens": 4, "temperature": 0.7}, {"top_k": 6, "top_p": 0.9, "min_new_tokens": 2}):
         lean = generate(model, prompts, batch_size=12, **common, **extra)
-        plain = generate(model, prompts, batch_size=12, use_lean_step=False, **common, **extra)
+        plain = generate(model, prompts, batch_size=12, fast_path=False, **common, **extra)
         chunked = generate(model, prompts, batch_size=5, **common, **extra)
         for a, b, c in zip(lean[:3], plain[:3], chunked[:3]):
             assert torch.equal(a, b) and torch.equal(a, c)
@@ -114,7 +114,7 @@ def test_generation_uses_the_weights_as_they_are_now():
         for p in model.parameters():
             p.mul_(1.5)
     after = generate(model, prompts, **common)
-    plain = generate(model, prompts, use_lean_step=False, **common)
+    plain = generate(model, prompts, fast_path=False, **common)
     torch.testing.assert_close(after[3], plain[3], atol=1e-5, rtol=0)
     assert not torch.allclose(after[3], before[3])
 
@@ -122,7 +122,7 @@ def test_generation_uses_the_weights_as_they_are_now():
 def test_gradient_checkpointing_keeps_the_lean_step_for_generation():
     """Checkpointing is for training: a model with it enabled (which hooks its input embeddings to require grad)
     still generates with the cache and the lean step, drawing the same completions as without it."""
-    from tidyrl.loops.common import enable_gradient_checkpointing
+    from tidyrl.models.loading import enable_gradient_checkpointing
 
     plain, checkpointed = _llama(), _llama()
     enable_gradient_checkpointing(checkpointed)

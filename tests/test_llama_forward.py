@@ -7,10 +7,12 @@ import pytest
 import torch
 from conftest import LLAMA_LAYOUTS, VOCAB, llama
 
-from tidyrl import llama_forward
-from tidyrl.llama_forward import can_run, completion_logits, logits_if_lean
-from tidyrl.loops.common import enable_gradient_checkpointing
-from tidyrl.rollout import Rollout, completion_logprobs, left_pad
+from tidyrl.models import llama_forward
+from tidyrl.models.llama_forward import can_run, completion_logits, logits_if_lean
+from tidyrl.models.loading import enable_gradient_checkpointing
+from tidyrl.models.forward import completion_logprobs
+from tidyrl.models.generation import left_pad
+from tidyrl.rollout import Rollout
 
 K = 3  # samples per prompt
 
@@ -96,10 +98,10 @@ def test_completion_logprobs_takes_the_lean_pass_and_agrees_with_the_generic_one
     calls = []
     real = llama_forward.completion_logits
     monkeypatch.setattr(llama_forward, "completion_logits", lambda *a: calls.append(1) or real(*a))
-    lean_lp, lean_ent = completion_logprobs(model, batch, temperature=0.7, with_entropy=True)
+    lean_lp, lean_ent = completion_logprobs(model, *batch.sequences, temperature=0.7, with_entropy=True)
     assert calls == [1]
-    generic_lp, generic_ent = completion_logprobs(model, batch, temperature=0.7, with_entropy=True,
-                                                  use_lean_pass=False)
+    generic_lp, generic_ent = completion_logprobs(model, *batch.sequences, temperature=0.7, with_entropy=True,
+                                                  fast_path=False)
     assert calls == [1]
     m = batch.completion_mask
     torch.testing.assert_close(lean_lp * m, generic_lp * m, atol=1e-5, rtol=0)
@@ -164,3 +166,46 @@ def test_bfloat16_pass_is_as_accurate_as_the_model_forward(name):
     assert logit_error(ours_logits) <= 2 * logit_error(theirs_logits) + 1e-6
     theirs, ours = _grads(model, theirs_logits, weights.bfloat16()), _grads(model, ours_logits, weights.bfloat16())
     assert grad_error(ours) <= 2 * grad_error(theirs)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_model_fast_paths_is_the_one_switch_for_both_fast_paths(fast, tiny_model_dir, prompt_file, tmp_path,
+                                                                monkeypatch):
+    """`model_fast_paths` decides, for a whole run, whether the lean decode step (generation) and the lean pass
+    (scoring and training) are taken; with it off the run still samples the same first rollout (the keys
+    decide the draws, and both paths compute the model's maths)."""
+    from conftest import read_jsonl
+    from test_train import base_config
+
+    import tidyrl
+    from tidyrl.models import forward, generation
+
+    used = {"decode": 0, "pass": 0}
+    real_step, real_pass = generation.decode_step_for, forward.logits_if_lean
+
+    def step_spy(*a, **k):
+        used["decode"] += 1
+        return real_step(*a, **k)
+
+    def pass_spy(*a, **k):
+        used["pass"] += 1
+        return real_pass(*a, **k)
+
+    monkeypatch.setattr(generation, "decode_step_for", step_spy)
+    monkeypatch.setattr(forward, "logits_if_lean", pass_spy)
+    out = tmp_path / ("fast" if fast else "model")
+    cfg = base_config(tiny_model_dir, prompt_file, out, model_fast_paths=fast, train={"rollouts": 2},
+                      grpo={"kl_coef": 0.1})
+    tidyrl.train(cfg)
+    if fast:
+        assert used["decode"] > 0 and used["pass"] > 0
+    else:
+        assert used == {"decode": 0, "pass": 0}
+    first = [s for s in read_jsonl(out / "samples.jsonl") if s["rollout"] == 1]
+    assert len(first) == 2  # log.samples_per_rollout
+    reference = tmp_path / "reference"
+    if not fast:  # the same run with the fast paths: the same first rollout's completions
+        monkeypatch.undo()
+        tidyrl.train(base_config(tiny_model_dir, prompt_file, reference, model_fast_paths=True,
+                                 train={"rollouts": 2}, grpo={"kl_coef": 0.1}))
+        assert first == [s for s in read_jsonl(reference / "samples.jsonl") if s["rollout"] == 1]

@@ -94,7 +94,7 @@ def test_grpo_with_lora_holds_no_reference_copy_and_saves_a_loadable_adapter(tin
     direct = AutoModelForCausalLM.from_pretrained(final).eval()
     assert torch.allclose(logits_of(direct, ids), adapted_logits, atol=1e-5)
     # So does tidyrl wherever a model path is read (e.g. `model:` of the next stage, `tidyrl eval`).
-    from tidyrl.loops.common import load_causal_lm, load_model_config
+    from tidyrl.models.loading import load_causal_lm, load_model_config
 
     assert torch.allclose(logits_of(load_causal_lm(str(final)), ids), adapted_logits, atol=1e-5)
     assert load_model_config(str(final)).hidden_size == base.config.hidden_size
@@ -232,7 +232,7 @@ def test_lora_with_gradient_checkpointing_gives_the_same_adapter(tiny_model_dir,
 
 
 def test_ppo_critic_from_an_adapter_folder_is_refused_with_the_fix(tiny_model_dir, prompt_file, tmp_path):
-    from tidyrl.loops.common import ModelLoadError
+    from tidyrl.models.loading import ModelLoadError
 
     adapter = tidyrl.train(rl_config(tiny_model_dir, prompt_file, tmp_path / "a", train={"rollouts": 1})).final_dir
     with pytest.raises(ModelLoadError, match=r"critic.model \(default: the policy\)=.*LoRA adapter folder.*final/merged"):

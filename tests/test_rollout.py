@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tidyrl import rollout
-from tidyrl.rollout import (Rollout, filter_logits, generate, left_pad, sample_seed, score_logprobs,
-                            eos_token_ids)
+from tidyrl.models import generation
+from tidyrl.models.generation import filter_logits, generate, left_pad, sample_seed, eos_token_ids
+from tidyrl.rollout import Rollout, score_logprobs
 
 PAD, EOS, EOS2, V = 0, 2, 3, 12
 
@@ -55,7 +55,7 @@ def test_generation_stops_at_every_eos_id_and_masks_what_follows():
 @pytest.mark.parametrize("steps_per_draw", [None, 2], ids=["one-draw", "ban-across-draws"])
 def test_min_new_tokens_forbids_eos_early(monkeypatch, steps_per_draw):
     if steps_per_draw:  # uniforms drawn 2 steps at a time: the ban covers the first draw and half the second
-        monkeypatch.setattr(rollout, "_UNIFORMS_PER_DRAW", steps_per_draw * V)
+        monkeypatch.setattr(generation, "_UNIFORMS_PER_DRAW", steps_per_draw * V)
     model = ScriptedLM({5: [EOS, EOS, EOS, EOS, EOS]})
     ids, mask, truncated = run(model, [[5]] * 4, min_new_tokens=3)
     for row in ids.tolist():
@@ -197,7 +197,7 @@ def test_lean_decoding_matches_a_naive_reference(tiny_model_and_tokenizer, monke
     cache-free, one-sequence-at-a-time loop draws from the same key."""
     model, tok = tiny_model_and_tokenizer
     if steps_per_draw:  # uniforms for 3 steps per draw: the min_new_tokens ban spans three draws
-        monkeypatch.setattr(rollout, "_UNIFORMS_PER_DRAW", steps_per_draw * model.config.vocab_size)
+        monkeypatch.setattr(generation, "_UNIFORMS_PER_DRAW", steps_per_draw * model.config.vocab_size)
     eos = [tok.eos_token_id]
     prompts = [tok(w)["input_ids"] for w in ["apple:", "a much longer prompt:", "fig:"] for _ in range(6)]
     keys = [sample_seed(7, 1, i) for i in range(len(prompts))]
@@ -246,10 +246,10 @@ def _rollout_with_groups(model, tok, k=4):
 def _one_pass_logprobs(model, batch, temperature):
     """The plain forward over [prompt, completion] (what scoring did before prompts were shared)."""
     from tidyrl.ops import gather_logprobs
-    from tidyrl.rollout import _model_inputs
+    from tidyrl.models.forward import model_inputs as _model_inputs
 
     tc = batch.completion_ids.shape[1]
-    logits = model(**_model_inputs(model, batch), use_cache=False, logits_to_keep=tc + 1).logits[:, :-1] / temperature
+    logits = model(**_model_inputs(model, *batch.sequences), use_cache=False, logits_to_keep=tc + 1).logits[:, :-1] / temperature
     return gather_logprobs(logits, batch.completion_ids)
 
 
@@ -257,17 +257,17 @@ def _one_pass_logprobs(model, batch, temperature):
 def test_shared_prompt_forward_gives_the_one_pass_logprobs_and_gradients(lean, tiny_model_dir,
                                                                           tiny_model_and_tokenizer):
     """Both ways of running a shared prompt once: the model's forward in two passes (any model) and the lean
-    Llama pass (tidyrl.llama_forward)."""
+    Llama pass (tidyrl.models.llama_forward)."""
     from transformers import AutoModelForCausalLM
 
-    from tidyrl.rollout import _shared_prompt_logits, completion_logprobs
+    from tidyrl.models.forward import _shared_prompt_logits, completion_logprobs
 
     _, tok = tiny_model_and_tokenizer
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     rollout = _rollout_with_groups(model.eval(), tok)
     batch = rollout.select([0, 5, 1, 9, 4, 2, 10])  # groups interleaved, as a shuffled micro-batch holds them
     model.train()
-    assert _shared_prompt_logits(model, batch) is not None  # the shared path is the one under test
+    assert _shared_prompt_logits(model, *batch.sequences) is not None  # the shared path is the one under test
 
     def grads_of(fn):
         model.zero_grad()
@@ -275,7 +275,7 @@ def test_shared_prompt_forward_gives_the_one_pass_logprobs_and_gradients(lean, t
         (lp * batch.completion_mask * torch.linspace(-1, 1, lp.shape[1])).sum().backward()
         return lp.detach(), [p.grad.clone() for p in model.parameters()]
 
-    lp_shared, g_shared = grads_of(lambda: completion_logprobs(model, batch, 0.8, use_lean_pass=lean)[0])
+    lp_shared, g_shared = grads_of(lambda: completion_logprobs(model, *batch.sequences, 0.8, fast_path=lean)[0])
     lp_plain, g_plain = grads_of(lambda: _one_pass_logprobs(model, batch, 0.8))
     mask = batch.completion_mask > 0
     torch.testing.assert_close(lp_shared[mask], lp_plain[mask], atol=1e-5, rtol=0)
@@ -287,16 +287,16 @@ def test_prompts_are_not_shared_under_gradient_checkpointing(tiny_model_dir, tin
     """Gradient checkpointing drops the cache in training, so the shared-prompt path must step aside."""
     from transformers import AutoModelForCausalLM
 
-    from tidyrl.loops.common import enable_gradient_checkpointing
-    from tidyrl.rollout import _shared_prompt_logits, completion_logprobs
+    from tidyrl.models.loading import enable_gradient_checkpointing
+    from tidyrl.models.forward import _shared_prompt_logits, completion_logprobs
 
     _, tok = tiny_model_and_tokenizer
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     rollout = _rollout_with_groups(model.eval(), tok)
     enable_gradient_checkpointing(model)
     model.train()
-    assert _shared_prompt_logits(model, rollout) is None
-    lp, _ = completion_logprobs(model, rollout, 1.0)
+    assert _shared_prompt_logits(model, *rollout.sequences) is None
+    lp, _ = completion_logprobs(model, *rollout.sequences, 1.0)
     torch.testing.assert_close(lp.detach(), _one_pass_logprobs(model, rollout, 1.0).detach(), atol=1e-6, rtol=0)
 
 
@@ -305,7 +305,7 @@ def test_a_sliding_window_cache_keeps_the_model_s_own_decoding(tmp_path, tiny_mo
     cache, one prefill per row, and stay keyed per sample."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from tidyrl.rollout import _plain_kv_cache
+    from tidyrl.models.generation import _plain_kv_cache
 
     _, tok = tiny_model_and_tokenizer
     torch.manual_seed(0)

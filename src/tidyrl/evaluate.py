@@ -110,9 +110,9 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     import torch
 
     from tidyrl.data import encode_prompts, fit_prompts, load_prompt_dataset, load_rl_prompts, other_columns
-    from tidyrl.loops.common import load_causal_lm, load_model_config, load_tokenizer
+    from tidyrl.models.loading import load_causal_lm, load_model_config, load_tokenizer
     from tidyrl.rewards import build_reward_functions, compute_rewards
-    from tidyrl.rollout import eos_token_ids, generate, pad_token_id, sample_seed
+    from tidyrl.models.generation import eos_token_ids, generate, pad_token_id, sample_seed
 
     cfg, base_dir = resolve_eval_config(config, model=model, data=data, rewards=rewards, overrides=overrides)
     ro = cfg.rollout

@@ -69,7 +69,7 @@ def run_conversations(policy, tokenizer, prompt_ids: Sequence[list[int]], prompt
                       env_names: Sequence[str], tools=None, error_reward: float = 0.0) -> list[Conversation]:
     """The multi-turn episodes of `prompt_ids` (one environment each, already built; None = it failed to build,
     see `Conversation.error`). `sample_key(i, t)` seeds episode i's turn t. See the module docstring."""
-    from tidyrl.rollout import generate
+    from tidyrl.models.generation import generate
 
     conversations = [Conversation(messages=list(m)) for m in prompt_messages]
     for i, env in enumerate(environments):

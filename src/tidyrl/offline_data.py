@@ -315,7 +315,7 @@ def count_offline_examples(cfg, tokenizer=None) -> int:
     cfg.tokenizer or cfg.model when not given)."""
     if cfg.algorithm == "sft" and cfg.sft.packing:
         if tokenizer is None:
-            from tidyrl.loops.common import load_tokenizer
+            from tidyrl.models.loading import load_tokenizer
 
             tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         examples, _ = load_sft_examples(cfg, tokenizer, completion_eos_ids(cfg.model, tokenizer), pack=False)
@@ -327,7 +327,7 @@ def count_offline_examples(cfg, tokenizer=None) -> int:
 
 def completion_eos_ids(model_path: str, tokenizer) -> list[int]:
     """Every EOS id of the tokenizer and of the model's generation config (read without the weights): the ids
-    that end a completion in a rollout (tidyrl.rollout.eos_token_ids)."""
+    that end a completion in a rollout (tidyrl.models.generation.eos_token_ids)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

@@ -38,7 +38,7 @@ class RewardModel:
         problem = adapter_folder_problem(path, key, "a reward model")
         if problem:
             raise RewardModelError(problem)
-        from tidyrl.loops.common import check_model_source
+        from tidyrl.models.loading import check_model_source
 
         check_model_source(path, key)
         try:
@@ -65,7 +65,7 @@ class RewardModel:
         if self.model is None:
             from transformers import AutoModelForSequenceClassification
 
-            from tidyrl.loops.common import in_own_memory, torch_dtype, without_dropout
+            from tidyrl.models.loading import in_own_memory, torch_dtype, without_dropout
 
             self.model = in_own_memory(AutoModelForSequenceClassification.from_pretrained(
                 self.path, config=without_dropout(self.config), dtype=torch_dtype(self.dtype)))
@@ -104,7 +104,7 @@ class RewardModel:
     def __call__(self, prompts: list, completions: list[str], **_) -> list[float]:
         import torch
 
-        from tidyrl.rollout import left_pad
+        from tidyrl.models.generation import left_pad
 
         self.load()
         device = next(self.model.parameters()).device

@@ -104,3 +104,16 @@ def full_state_dict(accelerator, model):
     if not is_sharded(accelerator.unwrap_model(model)):
         return None
     return accelerator.get_state_dict(model)
+
+
+def full_parameters(state: dict):
+    """(name, tensor) for every entry of a state dict, each FSDP2 shard (a DTensor) all-gathered on its own
+    as it is reached: a consumer that copies each tensor away before taking the next (the vLLM engine's weight
+    sync) never holds more than one parameter in full on a process, where `full_weights` would gather them all.
+    A collective under FSDP: every process must walk the same state dict in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in state.items():
+        tensor = tensor.detach()
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+

@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import TrainResult, load_causal_lm, load_policy, load_tokenizer, prepare_for_training
+from tidyrl.loops.common import TrainResult, prepare_for_training
+from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
 from tidyrl.lora import adapter_note, reference_of
 
 

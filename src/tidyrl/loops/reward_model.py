@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import (TrainResult, in_own_memory, load_tokenizer, prepare_for_training, torch_dtype,
-                                 without_dropout)
+from tidyrl.loops.common import TrainResult, prepare_for_training
+from tidyrl.models.loading import in_own_memory, load_tokenizer, torch_dtype, without_dropout
 
 
 def load_reward_model(path: str, pad_id: int, dtype: str = "float32"):

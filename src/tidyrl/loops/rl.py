@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tidyrl.config import Config, algorithm_section
-from tidyrl.loops.common import (ModelLoadError, TrainResult, load_causal_lm, load_critic, load_model_config,
-                                 load_policy, load_tokenizer, make_accelerator, prepare_for_training,
-                                 prepare_output_dir, save_pretrained_atomic, write_run_header)
+from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_training, prepare_output_dir,
+                                 save_pretrained_atomic, write_run_header)
+from tidyrl.models.loading import (ModelLoadError, load_causal_lm, load_critic, load_model_config, load_policy,
+                                   load_tokenizer)
 from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update, check_resume,
                                    keep_if_best, no_sync, reduce_max)
 from tidyrl.lora import adapter_folder_problem, adapter_note, reference_of
@@ -146,11 +147,13 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
                             "training prompts; their eval metrics measure memory, not generalisation")
     if cfg.rollout.engine == "vllm":  # the KV cache holds a generate call's sequences at once, or the run stops
         from tidyrl.config import ConfigError
-        from tidyrl.engines import kv_cache_problem
+        from tidyrl.loops.common import cuda_in_use
+        from tidyrl.models.engines import kv_cache_problem, vllm_model_problem
 
         longest = max(len(p) for p in [*prompt_ids, *(eval_prompt_ids or [])]) + cfg.rollout.max_new_tokens
-        problem = kv_cache_problem(model_config, cfg.model_dtype, cfg.vllm.kv_cache_gb,
-                                   plan.episodes_per_rollout_per_process, longest)
+        problem = vllm_model_problem(model_config, on_cpu=not cuda_in_use()) or \
+            kv_cache_problem(model_config, cfg.model_dtype, cfg.vllm.kv_cache_gb,
+                             plan.episodes_per_rollout_per_process, longest)
         if problem:
             raise ConfigError([problem])
     critic = None
@@ -289,7 +292,7 @@ class _RLRun:
     # ------------------------------------------------------------------ setup
     def _load_models(self) -> None:
         from tidyrl.reward_model import RewardModel
-        from tidyrl.rollout import eos_token_ids, pad_token_id
+        from tidyrl.models.generation import eos_token_ids, pad_token_id
 
         cfg = self.cfg
         # A resumed run continues from the checkpoint's weights; the reference stays the starting model.
@@ -330,9 +333,14 @@ class _RLRun:
                                else FixedKLController(a.kl_coef))
         self._make_engine()
 
+    def _weights_for_engine(self, policy):
+        """Around a generate call: the builtin engine samples from the policy itself, whose FSDP2 shards are then
+        gathered once for the whole call (`full_weights`); vLLM samples from its own copy, nothing to gather."""
+        return full_weights(policy) if self.engine.name == "builtin" else contextlib.nullcontext()
+
     def _make_engine(self) -> None:
         """rollout.engine: the builtin decode loop on the policy, or an in-process vLLM engine per process."""
-        from tidyrl.engines import make_engine
+        from tidyrl.models.engines import make_engine
 
         cfg = self.cfg
         longest = max(len(p) for p in [*self.prompt_ids, *(self.eval_prompt_ids or [])])
@@ -514,7 +522,8 @@ class _RLRun:
 
         from tidyrl.algorithms.losses import masked_mean
         from tidyrl.metrics import sample_episodes
-        from tidyrl.rollout import Rollout, left_pad, score_logprobs, score_values
+        from tidyrl.models.generation import left_pad
+        from tidyrl.rollout import Rollout, score_logprobs, score_values
 
         cfg, plan, ro = self.cfg, self.plan, self.cfg.rollout
         k = plan.samples_per_prompt
@@ -524,16 +533,16 @@ class _RLRun:
         indices = self.stream.rollout_indices(r, plan.prompts_per_rollout)  # P prompt rows
         per_proc = plan.episodes_per_rollout_per_process
         episodes = range(self.rank * per_proc, (self.rank + 1) * per_proc)  # this process's global episode ids
-        # The engine holds exactly the policy's weights before it samples (the builtin one is the policy: no copy,
-        # so no FSDP gather for it).
-        with full_weights(policy) if self.engine.name != "builtin" else contextlib.nullcontext():
-            t_sync = self.engine.sync(policy)
+        # The engine holds exactly the policy's weights before it samples (the builtin one is the policy: nothing
+        # to copy; vLLM's sync gathers an FSDP-sharded policy one parameter at a time).
+        t_sync = self.engine.sync(policy)
         t0 = time.perf_counter()
         sampled = self._sample_round(policy, r, 0, indices, episodes)
         group_prompts = self.dataset[indices][cfg.data.prompt_column]  # the P groups' prompts, for samples.jsonl
         sampling_stats: dict[str, Any] = {}
         if ro.dynamic_sampling:  # DAPO: more rounds until P groups have unequal rewards
             sampled, group_prompts, sampling_stats = self._dynamic_sampling(policy, r, indices, episodes, sampled)
+        self.engine.release()  # vLLM on CUDA: its memory goes to scoring and the update until the next sync
         t_reward = sampled["reward_s"]
         t_generate = time.perf_counter() - t0 - t_reward
         ids, mask, truncated, sampled_logprobs = sampled["ids"], sampled["mask"], sampled["truncated"], \
@@ -558,7 +567,8 @@ class _RLRun:
             mismatch = self._behaviour_correction(policy, local, sampled_logprobs)
         if self.use_reference:
             with full_weights(policy), reference_of(policy, self.ref_model) as reference:
-                local.ref_logprobs = score_logprobs(reference, local, ro.temperature, ro.forward_batch_size)
+                local.ref_logprobs = score_logprobs(reference, local, ro.temperature, ro.forward_batch_size,
+                                                   fast_path=cfg.model_fast_paths)
         if self.critic is not None:
             critic = self.accelerator.unwrap_model(self.critic)
             critic.eval()
@@ -633,7 +643,7 @@ class _RLRun:
         are reduced by name: the same numbers on any number of processes."""
         from tidyrl.evaluate import EVAL_ROLLOUT
         from tidyrl.rewards import compute_rewards
-        from tidyrl.rollout import sample_seed
+        from tidyrl.models.generation import sample_seed
 
         cfg, ro = self.cfg, self.cfg.rollout
         greedy = cfg.log.eval_decoding == "greedy"
@@ -646,12 +656,13 @@ class _RLRun:
         policy = self.accelerator.unwrap_model(self.model)
         policy.eval()
         rows = self.eval_dataset[[e // k for e in episodes]] if len(episodes) else {}
-        with full_weights(policy):  # a collective under FSDP: every process enters, even with no episode
-            self.engine.sync(policy)  # the weights of this step
+        self.engine.sync(policy)  # the weights of this step
+        with self._weights_for_engine(policy):  # a collective under FSDP: every process enters, even with no episode
             if len(episodes):
                 ids, mask, truncated, _ = self.engine.generate(
                     [self.eval_prompt_ids[e // k] for e in episodes],
                     [sample_seed(cfg.seed, EVAL_ROLLOUT, e) for e in episodes], self._sampling(greedy))
+            self.engine.release()
         if len(episodes):
             lengths = mask.sum(1).long().tolist()
             completion_ids = [ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
@@ -682,7 +693,7 @@ class _RLRun:
         import torch
 
         from tidyrl.rewards import compute_rewards
-        from tidyrl.rollout import sample_seed
+        from tidyrl.models.generation import sample_seed
 
         cfg, k = self.cfg, self.plan.samples_per_prompt
         R = self.plan.episodes_per_rollout
@@ -695,8 +706,9 @@ class _RLRun:
             ids, mask, truncated, logprobs, extra = self._converse(policy, r, q, prompts, prompt_ids, columns, episodes)
         else:
             # The sampling pass also returns each token's log-prob under the policy (the old log-probs below).
-            # Under FSDP the full weights are gathered once for the whole call, not at every token (sharding.py).
-            with full_weights(policy):
+            # Under FSDP the builtin engine has the full weights gathered once for the whole call, not at every
+            # token (sharding.py); vLLM samples from its own copy.
+            with self._weights_for_engine(policy):
                 ids, mask, truncated, logprobs = self.engine.generate(
                     prompt_ids, [sample_seed(cfg.seed, r, q * R + e) for e in episodes], self._sampling())
         lengths = mask.sum(1).long().tolist()
@@ -727,7 +739,8 @@ class _RLRun:
 
         ro = self.cfg.rollout
         with full_weights(policy):
-            trainer = score_logprobs(policy, local, ro.temperature, ro.forward_batch_size)
+            trainer = score_logprobs(policy, local, ro.temperature, ro.forward_batch_size,
+                                     fast_path=self.cfg.model_fast_paths)
         mask = local.completion_mask.bool()
         delta = torch.where(mask, trainer - sampled_logprobs, torch.zeros(()))
         local.old_logprobs = trainer
@@ -757,7 +770,7 @@ class _RLRun:
 
     def _sampling(self, greedy: bool = False):
         """The rollout's sampling settings for the engine (greedy: top_k = 1)."""
-        from tidyrl.engines import SamplingSettings
+        from tidyrl.models.engines import SamplingSettings
 
         ro = self.cfg.rollout
         return SamplingSettings(max_new_tokens=ro.max_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
@@ -773,7 +786,7 @@ class _RLRun:
         import torch
 
         from tidyrl.multiturn import build_environments, run_conversations
-        from tidyrl.rollout import sample_seed
+        from tidyrl.models.generation import sample_seed
 
         cfg, ro, env_cfg = self.cfg, self.cfg.rollout, self.cfg.environment
         R = self.plan.episodes_per_rollout
@@ -791,7 +804,7 @@ class _RLRun:
                 pool=self.env_pool, env_names=[name] * len(keys), tools=self.tools, error_reward=env_cfg.error_reward,
                 generate_kwargs=dict(min_new_tokens=ro.min_new_tokens, eos_ids=self.eos_ids, pad_id=self.pad_id,
                                      batch_size=ro.generation_batch_size, temperature=ro.temperature,
-                                     top_p=ro.top_p, top_k=ro.top_k))
+                                     top_p=ro.top_p, top_k=ro.top_k, fast_path=cfg.model_fast_paths))
         B, T = len(conversations), ro.max_new_tokens
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         mask, logprobs, action = torch.zeros((B, T)), torch.zeros((B, T)), torch.zeros((B, T))
@@ -817,7 +830,7 @@ class _RLRun:
         groups in (round, group) order and this process gets its usual share of them. The plan is unchanged."""
         import torch
 
-        from tidyrl.rollout import sample_seed
+        from tidyrl.models.generation import sample_seed
 
         cfg, ro, plan = self.cfg, self.cfg.rollout, self.plan
         P, k = plan.prompts_per_rollout, plan.samples_per_prompt
@@ -943,7 +956,7 @@ class _RLRun:
         every process, so the global mini-batches do not depend on W."""
         import torch
 
-        from tidyrl.rollout import sample_seed
+        from tidyrl.models.generation import sample_seed
 
         gen = torch.Generator().manual_seed(sample_seed(self.cfg.seed, r, -1 - epoch))
         return torch.randperm(self.plan.episodes_per_rollout, generator=gen)
@@ -958,7 +971,8 @@ class _RLRun:
         from tidyrl.algorithms.losses import (aggregate_loss, clipped_policy_loss, loss_normaliser,
                                               sequence_clipped_policy_loss)
         from tidyrl.algorithms.ppo import clipped_value_loss
-        from tidyrl.rollout import chunks, completion_logprobs, completion_values
+        from tidyrl.models.forward import completion_logprobs, completion_values
+        from tidyrl.rollout import chunks
 
         cfg, plan, algo = self.cfg, self.plan, self.algo
         model, critic = self.model, self.critic
@@ -973,7 +987,7 @@ class _RLRun:
                                      num_sequences=len(minibatch), max_new_tokens=cfg.rollout.max_new_tokens)
         per_proc = plan.episodes_per_minibatch_per_process
         mine = minibatch[self.rank * per_proc: (self.rank + 1) * per_proc].tolist()
-        # Samples of one prompt side by side, so a micro-batch runs each shared prompt once (rollout.py). The
+        # Samples of one prompt side by side, so a micro-batch runs each shared prompt once (models/forward.py). The
         # split into micro-batches changes only the summation order: the normaliser is the mini-batch's.
         mine.sort(key=lambda e: e // plan.samples_per_prompt)
         micro_batches = list(chunks(mine, plan.micro_batch_size))
@@ -986,7 +1000,8 @@ class _RLRun:
             mask = self._loss_mask(part.completion_mask, part.truncated, part.action_mask).to(self.accelerator.device)
             sync = cfg.train.sync_each_microbatch or i == len(micro_batches) - 1
             with no_sync(self.accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
-                logprobs, entropy = completion_logprobs(model, part, cfg.rollout.temperature, with_entropy=True)
+                logprobs, entropy = completion_logprobs(model, *part.sequences, cfg.rollout.temperature, with_entropy=True,
+                                                        fast_path=cfg.model_fast_paths)
                 old = part.old_logprobs.to(logprobs.device) if part.old_logprobs is not None else logprobs.detach()
                 adv = part.advantages.to(logprobs.device)
                 if algo.policy_loss == "sequence":  # GSPO: one ratio per completion
@@ -1016,7 +1031,7 @@ class _RLRun:
                 loss = aggregate_loss(token_loss, mask, algo.loss_aggregation, normaliser)
                 value_loss, value_clipped = torch.zeros(()), torch.zeros_like(mask)
                 if critic is not None:  # PPO: the clipped value loss on the GAE returns, same normaliser
-                    values = completion_values(critic, part)
+                    values = completion_values(critic, *part.sequences)
                     value_BT, value_clipped = clipped_value_loss(
                         values, part.old_values.to(values.device), part.returns.to(values.device), algo.value_clip)
                     value_loss = aggregate_loss(value_BT, mask, algo.loss_aggregation, normaliser)

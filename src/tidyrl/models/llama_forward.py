@@ -1,5 +1,5 @@
 """A lean forward pass for scoring and training completions of Llama-layout models (the layouts of
-`tidyrl.llama_decode.supports`: Llama, Qwen2, Mistral without sliding windows).
+`tidyrl.models.llama_decode.supports`: Llama, Qwen2, Mistral without sliding windows).
 
 Why: scoring and the policy-gradient updates run the model on a rollout's rows, k samples per prompt. The
 Hugging Face forward would run every prompt k times; tidyrl's generic path (`rollout._shared_prompt_logits`)
@@ -12,7 +12,7 @@ them: the prompts attend causally within themselves, each completion to its prom
 values (indexed per row, so backward sums the k copies' gradients into the shared prompt) and causally to
 itself.
 
-The maths is the model's, per decoder layer (see tidyrl.llama_decode for the references: RMSNorm, RoPE,
+The maths is the model's, per decoder layer (see tidyrl.models.llama_decode for the references: RMSNorm, RoPE,
 grouped-query attention, SwiGLU), with the attention masks of the one-pass forward over
 [prompt, completion] with the row's attention mask, so every score that is read equals the HF forward's
 to float rounding (tests/test_llama_forward.py checks logits and gradients). Queries that nothing reads
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tidyrl.llama_decode import (COPY_MAX_BYTES, additive_mask, concatenated, is_silu, linear_weight_bytes,
+from tidyrl.models.llama_decode import (COPY_MAX_BYTES, additive_mask, concatenated, is_silu, linear_weight_bytes,
                                  rms_norm, rope, signed_sin, supports)
-from tidyrl.loops.common import activation_checkpointing_on
+from tidyrl.models.loading import activation_checkpointing_on
 
 
 def can_run(model) -> bool:

@@ -1,0 +1,12 @@
+"""Model code, on its own floor: everything that touches a Hugging Face model but knows nothing of rollouts,
+losses or training loops.
+
+- `loading`: models and tokenizers from a folder or hub id (errors name the config key), gradient checkpointing;
+- `engines`: the generation interface and its two engines, `builtin` and `vllm` (`rollout.engine`);
+- `generation`: the built-in engine's keyed sampling loop;
+- `forward`: the training forward, log-probs (and values) of completions given as tensors;
+- `llama_decode`, `llama_forward`: the fast paths for Llama-layout models (one config key,
+  `model_fast_paths`), each checked against the model's own forward in the tests.
+
+Nothing here imports `tidyrl.loops` or `tidyrl.rollout` (tests/test_layers.py keeps it so).
+"""

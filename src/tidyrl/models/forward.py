@@ -1,0 +1,122 @@
+"""The training forward: log-probs (and PPO's values) of completion tokens given their prompts, as tensors.
+
+Every pass that reads a completion's log-probs goes through `completion_logprobs`: the no-grad scoring of a
+rollout (`tidyrl.rollout.score_logprobs`), the reference model's, and the policy-gradient update. It takes
+the four tensors of a batch of episodes (left-padded prompts, right-padded completions, their masks), so it
+knows nothing of rollouts, losses or loops.
+
+When several rows share a prompt (the k samples of a group), the prompt is run once and its keys and values
+are copied to its rows: for Llama layouts in one lean pass of our own (`models.llama_forward`, the fast path:
+`model_fast_paths: false` turns it off), for other models in two passes of the model's forward
+(`_shared_prompt_logits`): the same maths with fewer FLOPs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from tidyrl.models.generation import _plain_kv_cache, model_device
+from tidyrl.models.llama_forward import logits_if_lean
+from tidyrl.models.loading import activation_checkpointing_on
+from tidyrl.ops import entropy_from_logits, gather_logprobs
+from tidyrl.sharding import is_sharded
+
+
+def model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict:
+    """Prompt and completion side by side, with the attention mask and positions of the left padding."""
+    device = model_device(model)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
+    attn = torch.cat([prompt_mask, completion_mask.long()], dim=1).to(device)
+    return {"input_ids": input_ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)}
+
+
+def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                      fast_path: bool = True) -> torch.Tensor:
+    """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
+    `fast_path`: the lean pass for Llama layouts where it applies (`models.llama_forward.can_run`)."""
+    tc = completion_ids.shape[1]
+    if fast_path:
+        lean = logits_if_lean(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        if lean is not None:
+            return lean
+    shared = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) \
+        if tc > 1 else None
+    if shared is not None:
+        return shared
+    inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logits = model(**inputs, use_cache=False, logits_to_keep=tc + 1).logits
+    return logits[:, :-1, :]  # (B, Tc, V): position t predicts completion token t
+
+
+def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> Optional[torch.Tensor]:
+    """`completion_logits` in two passes: the U distinct prompts once (U, Lp), then the B completions
+    (B, Tc - 1) on the prompts' keys and values indexed per row. Gradients flow through that index into the
+    shared prompt pass, where backward sums them: the gradient of a prompt's k copies. None when it would not
+    help (every prompt distinct) or cannot be used (see `_can_share_prompts`)."""
+    rows = torch.cat([prompt_ids, prompt_mask], dim=1)  # a prompt is its ids and its padding
+    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if len(unique) == len(rows) or not _can_share_prompts(model):
+        return None
+    device = model_device(model)
+    lp = prompt_ids.shape[1]
+    u_ids, u_mask = unique[:, :lp].to(device), unique[:, lp:].to(device)
+    u_pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
+    # The prompt pass runs the module inside DDP, so that every process makes exactly one DDP forward per
+    # micro-batch, shared prompts or not (DDP syncs buffers at each forward: unequal counts would deadlock).
+    # Its gradients still reach the parameters, whose DDP hooks fire once per backward with the summed grad.
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    prompt = inner(input_ids=u_ids, attention_mask=u_mask, position_ids=u_pos, use_cache=True, logits_to_keep=1)
+    inverse = inverse.to(device)
+    cache = prompt.past_key_values
+    for layer in cache.layers:  # (U, ...) -> (B, ...); index_select's backward (index_add) sums the k copies
+        layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
+    # the full rows' mask and positions, as in the one-pass forward
+    inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    rest = model(input_ids=inputs["input_ids"][:, lp:-1], attention_mask=inputs["attention_mask"][:, :-1],
+                 position_ids=inputs["position_ids"][:, lp:-1], past_key_values=cache, use_cache=True).logits
+    return torch.cat([prompt.logits[:, -1:].index_select(0, inverse), rest], dim=1)  # (B, Tc, V)
+
+
+def _can_share_prompts(model) -> bool:
+    """Two forward passes on one graph are safe on a plain model or under DDP, with a plain key/value cache
+    and without gradient checkpointing (which drops the cache in training). FSDP, DeepSpeed and other
+    wrappers get the one-pass forward."""
+    from transformers import PreTrainedModel
+
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if not isinstance(inner, PreTrainedModel):
+        return False
+    if activation_checkpointing_on(inner):
+        return False
+    if is_sharded(inner):  # FSDP2 shards the parameters in place
+        return False
+    return _plain_kv_cache(inner)
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
+                        with_entropy: bool = False, fast_path: bool = True
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
+    per-token entropy (computed without grad). Gradients flow when called outside no_grad. `fast_path`: see
+    `completion_logits`."""
+    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
+        logits = logits / temperature
+    logprobs = gather_logprobs(logits, completion_ids.to(logits.device))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits)
+    return logprobs, entropy
+
+
+def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """PPO values (B, Tc): V of the state before completion token t, read at the position that predicts
+    it (the same alignment as the log-probs). `critic` is a token classifier with one label."""
+    tc = completion_ids.shape[1]
+    inputs = model_inputs(critic, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    values = critic(**inputs).logits[..., 0]  # (B, Lp + Tc)
+    return values[:, -tc - 1: -1]
