@@ -137,3 +137,29 @@ def test_on_cuda_the_engine_sleeps_after_generating_and_wakes_weights_first_at_t
                          ("reset_prefix_cache", None)]
     else:
         assert names == [("collective_rpc", "reload_weights"), ("reset_prefix_cache", None)] * 2
+
+
+def test_with_one_step_per_rollout_a_mismatched_sampler_is_corrected_once_not_twice(tiny_model_dir, prompt_file,
+                                                                                   tmp_path, monkeypatch):
+    """A sampler whose log-probs are all 0.3 below the trainer's (as a low-precision engine might be): PPO with
+    one step per rollout keeps them as old log-probs for the KL in its reward, but its ratio is taken against
+    the trainer's own (exactly 1 at that step: nothing clipped), and the mismatch enters once, through the
+    importance weights exp(0.3), none capped at 2."""
+    from tidyrl.models.engines import BuiltinEngine
+
+    real = BuiltinEngine.generate
+
+    def shifted(self, *args, **kwargs):
+        ids, mask, truncated, logprobs = real(self, *args, **kwargs)
+        return ids, mask, truncated, logprobs - 0.3 * mask
+
+    monkeypatch.setattr(BuiltinEngine, "generate", shifted)
+    cfg = config(tiny_model_dir, prompt_file, tmp_path / "ppo", tis_cap=2.0)
+    cfg.update(algorithm="ppo", critic={"model": str(tiny_model_dir)}, ppo={"kl_coef": 0.05, "clip_eps": 0.1})
+    cfg["train"].update(epochs_per_rollout=1)
+    rows = read_jsonl(tidyrl.train(cfg).output_dir / "metrics.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["mismatch/logprob_abs_mean"] == pytest.approx(0.3, abs=1e-4)
+        assert row["mismatch/capped_fraction"] == 0.0
+        assert row["clip_fraction"] == 0.0  # against the sampler's log-probs exp(0.3) > 1 + 0.1 would clip

@@ -1002,7 +1002,14 @@ class _RLRun:
             with no_sync(self.accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
                 logprobs, entropy = completion_logprobs(model, *part.sequences, cfg.rollout.temperature, with_entropy=True,
                                                         fast_path=cfg.model_fast_paths)
-                old = part.old_logprobs.to(logprobs.device) if part.old_logprobs is not None else logprobs.detach()
+                # The ratio's old log-probs are the trainer's at sampling time. With one step per rollout that is
+                # this very forward (the weights have not moved), also where old_logprobs holds the sampler's for
+                # a KL in the reward: against those the ratio would count the sampler/trainer mismatch that the
+                # importance weights below already correct, a second time, and clip on it.
+                if part.old_logprobs is None or part.sampler_logprobs is not None:
+                    old = logprobs.detach()
+                else:
+                    old = part.old_logprobs.to(logprobs.device)
                 adv = part.advantages.to(logprobs.device)
                 if algo.policy_loss == "sequence":  # GSPO: one ratio per completion
                     token_loss, clipped = sequence_clipped_policy_loss(logprobs, old, adv, mask, algo.clip_eps,
