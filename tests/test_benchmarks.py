@@ -33,7 +33,10 @@ def test_bench_vs_trl_prints_the_table_and_the_run_has_the_time_split(tmp_path):
                 "rollout: score s", "rollout: update s", "peak RSS MiB", "nominal GFLOP/s"):
         assert number(row, out) >= 0
     assert number("episodes/s", out) > 0 and number("peak RSS MiB", out) > 100
-    assert re.search(r"measured float32 GEMM peak: [0-9.]+ GFLOP/s", out)
+    assert re.search(r"measured float32 GEMM peak \(cpu\): [0-9.]+ GFLOP/s", out)
+    for phase in ("generate", "score", "update"):  # each phase against the peak (score: 0 FLOPs without KL, E=1)
+        assert re.search(rf"^{phase} / GEMM peak\s+[0-9.]+%", out, re.MULTILINE)
+    assert "peak GPU MiB" not in out  # CUDA runs only
     rows = [json.loads(line) for line in (tmp_path / "tiny" / "tidyrl-0" / "run" / "metrics.jsonl").open()]
     assert len(rows) == 3  # 1 warm-up rollout + 2 measured optimizer steps (E = 1)
     for row in rows:
@@ -49,3 +52,17 @@ def test_bench_update_compares_both_paths_and_they_agree():
     assert lp < 1e-5 and grad < 1e-4
     saved = float(re.search(r"saved-tensor memory ([0-9.]+)x", out).group(1))
     assert saved < 1.0  # the lean pass keeps fewer bytes for backward than the model's own forward
+
+
+def test_bench_vs_trl_runs_in_bfloat16_and_leaves_gpu_workloads_to_a_gpu(tmp_path):
+    """--dtype bfloat16 loads both libraries' weights in bfloat16 (the GPU workloads' setting) and measures the
+    peak in it; the Qwen-shaped workloads are not run on a CPU."""
+    out = run("bench_vs_trl.py", "--workload", "tiny", "--repeats", "1", "--steps", "1", "--warmup", "0",
+              "--libraries", "tidyrl", "--dtype", "bfloat16", "--keep", str(tmp_path))
+    assert re.search(r"measured bfloat16 GEMM peak \(cpu\): [0-9.]+ GFLOP/s", out)
+    assert number("episodes/s", out) > 0
+    config = (tmp_path / "tiny" / "tidyrl-0" / "run" / "config.yaml").read_text()
+    assert "model_dtype: bfloat16" in config
+    skipped = run("bench_vs_trl.py", "--workload", "qwen0.5b", "--libraries", "tidyrl")
+    assert "qwen0.5b: a GPU workload (--device cuda)" in skipped and "episodes/s" not in skipped
+

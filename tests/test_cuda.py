@@ -36,6 +36,29 @@ def test_keyed_generation_on_cuda_repeats_and_the_lean_step_samples_the_same_tok
     assert torch.equal(lean[0], eager[0]) and torch.equal(lean[1], eager[1])  # the lean step is the model's maths
 
 
+def test_cuda_graph_decoding_draws_what_the_growing_cache_draws():
+    """On CUDA the lean step runs with fixed shapes, one captured graph replayed per token (the default there):
+    the same tokens as the step with a growing cache, log-probs equal to rounding."""
+    from tidyrl.models import generation
+    from tidyrl.models.generation import generate
+
+    model = llama().to("cuda")
+    prompts = [[1, 5, 7, 9], [1, 6], [1, 8, 8, 3, 2, 4]] * 4
+    kwargs = dict(sample_keys=list(range(12)), max_new_tokens=24, eos_ids=[2], pad_id=0, batch_size=12,
+                  return_logprobs=True)
+    built = []
+    real = generation.StaticDecode
+    generation.StaticDecode = lambda *a, **k: built.append(real(*a, **k)) or built[-1]
+    try:
+        graphed = generate(model, prompts, **kwargs)
+    finally:
+        generation.StaticDecode = real
+    growing = generate(model, prompts, static_cache=False, **kwargs)
+    assert len(built) == 1 and built[0].use_graph and built[0].graph is not None
+    assert torch.equal(graphed[0].cpu(), growing[0].cpu()) and torch.equal(graphed[1].cpu(), growing[1].cpu())
+    torch.testing.assert_close(graphed[3], growing[3], atol=1e-5, rtol=0)
+
+
 def test_a_grpo_run_on_cuda_trains_on_the_gpu_with_exact_counts(tiny_model_dir, prompt_file, tmp_path):
     env_cpu = os.environ.pop("ACCELERATE_USE_CPU", None)
     try:

@@ -163,3 +163,48 @@ def test_with_one_step_per_rollout_a_mismatched_sampler_is_corrected_once_not_tw
         assert row["mismatch/logprob_abs_mean"] == pytest.approx(0.3, abs=1e-4)
         assert row["mismatch/capped_fraction"] == 0.0
         assert row["clip_fraction"] == 0.0  # against the sampler's log-probs exp(0.3) > 1 + 0.1 would clip
+
+
+def test_one_mini_batch_per_epoch_takes_the_weights_from_the_first_step_and_resumes_with_them(
+        tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """E = 2, M = 1: the rollout's first step covers all of it with the sampling-time weights, so its forward
+    gives the trainer's log-probs; they become the second epoch's old log-probs and importance weights, with no
+    extra forward over the rollout. With a sampler 0.3 below the trainer, the kept weights are exp(0.3) on every
+    completion token; a run resumed between the two steps (from the checkpoint that holds them) ends as the
+    uninterrupted one."""
+    from safetensors.torch import load_file
+
+    from tidyrl.loops.rl import _RLRun
+    from tidyrl.models.engines import BuiltinEngine
+
+    real = BuiltinEngine.generate
+
+    def shifted(self, *args, **kwargs):
+        ids, mask, truncated, logprobs = real(self, *args, **kwargs)
+        return ids, mask, truncated, logprobs - 0.3 * mask
+
+    monkeypatch.setattr(BuiltinEngine, "generate", shifted)
+    monkeypatch.setattr(_RLRun, "_behaviour_correction", lambda *a: pytest.fail("an extra forward was taken"))
+    kept = []
+    real_keep = _RLRun._weights_for_later_epochs
+    monkeypatch.setattr(_RLRun, "_weights_for_later_epochs",
+                        lambda run, rollout, lp: (real_keep(run, rollout, lp), kept.append(rollout)))
+    cfg = config(tiny_model_dir, prompt_file, tmp_path / "run", tis_cap=2.0)
+    cfg["log"] = {"progress_bar": False, "save_every": 1, "keep_last": 4}
+    result = tidyrl.train(cfg)
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == 4 and len(kept) == 2  # two steps per rollout; weights kept once per rollout
+    for rollout in kept:
+        mask = rollout.completion_mask.bool()
+        assert torch.allclose(rollout.is_weights[mask], torch.tensor(0.3).exp(), atol=1e-5)
+        assert (rollout.is_weights[~mask] == 1).all() and rollout.sampler_logprobs is None
+    for row in rows:  # both rows of a rollout carry its mismatch, measured in its first step
+        assert row["mismatch/logprob_abs_mean"] == pytest.approx(0.3, abs=1e-4)
+    assert rows[0]["clip_fraction"] == 0.0  # the first step's ratio is against its own forward
+    straight = load_file(result.final_dir / "model.safetensors")
+    tidyrl.train(cfg, ["resume_from=" + str(tmp_path / "run" / "checkpoint-1")])
+    resumed = load_file(result.final_dir / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    timing = ("time_s", "time/generate_s", "time/reward_s", "time/score_s", "time/update_s")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(result.output_dir / "metrics.jsonl")] \
+        == [{k: v for k, v in r.items() if k not in timing} for r in rows]

@@ -9,7 +9,7 @@ from conftest import LLAMA_LAYOUTS as MODELS
 from conftest import VOCAB as V
 from conftest import llama as _llama
 
-from tidyrl.models import llama_decode
+from tidyrl.models import generation, llama_decode
 from tidyrl.models.llama_decode import LlamaDecodeStep, attention_bias, supports
 from tidyrl.models.generation import _BufferedLayer, _buffered_cache, generate, left_pad, sample_seed
 
@@ -100,6 +100,31 @@ def test_generate_draws_the_same_completions_with_the_lean_step(name):
             assert torch.equal(a, b) and torch.equal(a, c)
         torch.testing.assert_close(lean[3], plain[3], atol=1e-5, rtol=0)
     assert not lean[2].all()  # some rows ended at an EOS id
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-bias", "qwen2", "llama-dynamic-rope"])
+def test_fixed_shape_decoding_draws_the_same_completions(name, monkeypatch):
+    """The fixed-shape step (what a CUDA graph replays on a GPU; eager here) attends over the whole cache with
+    the unwritten positions masked and keeps finished rows in the batch: the same tokens as the growing cache,
+    log-probs equal to rounding. Its write index and mask live on the device, so one captured step serves
+    every token."""
+    model = MODELS[name]()
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]] * 4
+    common = dict(sample_keys=[sample_seed(5, 2, i) for i in range(12)], max_new_tokens=16, eos_ids=[2, 3],
+                  pad_id=0, return_logprobs=True, batch_size=12)
+    built = []
+    real = generation.StaticDecode
+    monkeypatch.setattr(generation, "StaticDecode", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    ended = []
+    for extra in ({}, {"min_new_tokens": 3, "temperature": 0.7}, {"top_k": 6, "min_new_tokens": 2}):
+        fixed = generate(model, prompts, static_cache=True, **common, **extra)
+        ended.append(bool((~fixed[2]).any()))
+        growing = generate(model, prompts, static_cache=False, **common, **extra)
+        for a, b in zip(fixed[:3], growing[:3]):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(fixed[3], growing[3], atol=1e-5, rtol=0)
+    assert len(built) == 3 and not built[0].use_graph  # built once per call; no graph off CUDA
+    assert any(ended)  # some rows ended early and stayed in the batch (decoding padding) until the others did
 
 
 def test_generation_uses_the_weights_as_they_are_now():

@@ -84,23 +84,27 @@ def score_logprobs(model, rollout: Rollout, temperature: float, chunk_size: int,
                    ) -> torch.Tensor:
     """No-grad log-probs (R, Tc) of every completion token, in chunks of `chunk_size`, so that at most one
     chunk's (chunk, Tc, V) logits exist at a time. Positions past EOS are 0."""
-    out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)
+    out = None  # on the model's device: one copy to the host at the end, no synchronisation per chunk
     for idx in chunks(range(len(rollout)), chunk_size):
         part = rollout.select(idx)
         lp, _ = completion_logprobs(model, *part.sequences, temperature, fast_path=fast_path)
-        out[idx[0]: idx[-1] + 1, : lp.shape[1]] = lp.float().cpu() * part.completion_mask
-    return out
+        if out is None:
+            out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=lp.device)
+        out[idx[0]: idx[-1] + 1, : lp.shape[1]] = lp.float() * part.completion_mask.to(lp.device)
+    return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
 
 
 @torch.no_grad()
 def score_values(critic, rollout: Rollout, chunk_size: int) -> torch.Tensor:
     """No-grad values (R, Tc) in chunks of `chunk_size`; positions past EOS are 0."""
-    out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)
+    out = None  # as in score_logprobs: on the critic's device until the end
     for idx in chunks(range(len(rollout)), chunk_size):
         part = rollout.select(idx)
         v = completion_values(critic, *part.sequences)
-        out[idx[0]: idx[-1] + 1, : v.shape[1]] = v.float().cpu() * part.completion_mask
-    return out
+        if out is None:
+            out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=v.device)
+        out[idx[0]: idx[-1] + 1, : v.shape[1]] = v.float() * part.completion_mask.to(v.device)
+    return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
 
 
 def chunks(seq: Sequence[int], size: int) -> Iterator[list[int]]:

@@ -42,8 +42,10 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: str | 
 
 def build_tiny_llama(vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                      intermediate_size: int | None = None, max_position_embeddings: int = 256, seed: int = 0,
-                     bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0):
-    """A randomly initialised `LlamaForCausalLM`, reproducible from `seed`."""
+                     bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0,
+                     num_kv_heads: int | None = None, tie_word_embeddings: bool = False):
+    """A randomly initialised `LlamaForCausalLM`, reproducible from `seed` (grouped-query attention with
+    `num_kv_heads` < `num_heads`; `vocab_size` may exceed the tokenizer's, as real models' often do)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,12 +55,12 @@ def build_tiny_llama(vocab_size: int, *, hidden_size: int = 64, num_layers: int 
         intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
         max_position_embeddings=max_position_embeddings,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)

@@ -25,7 +25,7 @@ from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_trai
 from tidyrl.models.loading import (ModelLoadError, load_causal_lm, load_critic, load_model_config, load_policy,
                                    load_tokenizer)
 from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update, check_resume,
-                                   keep_if_best, no_sync, reduce_max)
+                                   keep_if_best, no_sync, reduce_max, reduce_sum)
 from tidyrl.lora import adapter_folder_problem, adapter_note, reference_of
 from tidyrl.sharding import ShardingError, full_weights, sharding_kind
 from tidyrl.plan import epochs_done, plan_from_config
@@ -454,6 +454,9 @@ class _RLRun:
                         minibatch = self._episode_order(r, epoch)[mb * size: (mb + 1) * size]
                         step += 1
                         step_stats = self.optimizer_step(rollout, minibatch, step)
+                        # Measured in the rollout's first step (importance weights from its forward): the rollout's
+                        # own figures, on every row of it, as when measured before the update.
+                        stats.update({k: v for k, v in step_stats.items() if k.startswith("mismatch/")})
                         values = {
                             "step": step,
                             "rollout": r + 1,
@@ -559,9 +562,10 @@ class _RLRun:
         if plan.optimizer_steps_per_rollout > 1 or kl_in_reward:
             local.old_logprobs = sampled_logprobs
         mismatch = {}
-        if self.tis_cap > 0 and ro.behaviour_logprobs == "sampler" and plan.optimizer_steps_per_rollout == 1:
-            # One optimizer step per rollout: the policy that takes it IS the trainer at sampling time, so the
-            # importance weights come from the update's own forward (optimizer_step), with no extra pass.
+        if self.tis_cap > 0 and ro.behaviour_logprobs == "sampler" and plan.minibatches_per_epoch == 1:
+            # The rollout's first optimizer step covers all of it (one mini-batch per epoch), and the policy that
+            # takes it IS the trainer at sampling time: the importance weights come from that step's own forward
+            # (optimizer_step), which also records the trainer's log-probs for the later epochs. No extra pass.
             local.sampler_logprobs = sampled_logprobs
         elif self.tis_cap > 0 or ro.behaviour_logprobs == "trainer":
             mismatch = self._behaviour_correction(policy, local, sampled_logprobs)
@@ -995,6 +999,11 @@ class _RLRun:
         sums = Sums("loss", "kl_x_tokens", "entropy_x_tokens", "clipped_tokens", "tokens", "value_loss",
                     "value_clipped_tokens", "mismatch_abs", "mismatch_capped")
         mismatch_peak = 0.0
+        in_update_weights = rollout.sampler_logprobs is not None  # this step is the rollout's first (see _make_rollout)
+        # Later epochs need the trainer's log-probs at sampling time (their old log-probs and weights): this
+        # step's forwards compute them, for this process's episodes.
+        trainer_logprobs = torch.zeros(rollout.completion_ids.shape) \
+            if in_update_weights and plan.optimizer_steps_per_rollout > 1 else None
         for i, idx in enumerate(micro_batches):
             part = rollout.select(idx)
             mask = self._loss_mask(part.completion_mask, part.truncated, part.action_mask).to(self.accelerator.device)
@@ -1018,13 +1027,16 @@ class _RLRun:
                     token_loss, clipped = clipped_policy_loss(logprobs, old, adv, algo.clip_eps, algo.clip_eps_high)
                 if part.is_weights is not None:  # truncated importance sampling: the sampler was not the trainer
                     token_loss = token_loss * part.is_weights.to(token_loss.device, token_loss.dtype)
-                elif part.sampler_logprobs is not None:  # the same, its weights from this forward (E * M = 1)
+                elif part.sampler_logprobs is not None:  # the same, its weights from this forward (the rollout's first step)
                     delta = torch.where(mask.bool(), logprobs.detach() - part.sampler_logprobs.to(logprobs.device),
                                         torch.zeros((), device=logprobs.device))
                     ratio = torch.exp(delta)
                     token_loss = token_loss * torch.where(mask.bool(), ratio.clamp(max=self.tis_cap), 1.0)
                     sums.add(mismatch_abs=delta.abs().sum(), mismatch_capped=((ratio > self.tis_cap) & mask.bool()).sum())
-                    mismatch_peak = max(mismatch_peak, float(delta.abs().max()))
+                    mismatch_peak = torch.maximum(delta.abs().max(), torch.as_tensor(mismatch_peak))
+                    if trainer_logprobs is not None:
+                        trainer_logprobs[idx, : logprobs.shape[1]] = logprobs.detach().float().cpu() * \
+                            part.completion_mask
                 kl = None
                 if part.ref_logprobs is not None:
                     # At step 1 the policy is the reference: its own log-probs are the reference's exactly, while
@@ -1052,6 +1064,8 @@ class _RLRun:
                          tokens=mask.sum(), value_loss=value_loss,
                          value_clipped_tokens=(value_clipped.float() * mask).sum())
         sums = sums.reduced(self.accelerator)
+        if trainer_logprobs is not None:  # every episode was in this step, on one process each: a sum gathers them
+            self._weights_for_later_epochs(rollout, reduce_sum(self.accelerator, trainer_logprobs))
         parts = [(model, self.optimizer, self.scheduler)]
         if critic is not None:  # the critic's own optimizer and schedule, also stepped once per optimizer step
             parts.append((critic, self.critic_optimizer, self.critic_scheduler))
@@ -1068,15 +1082,28 @@ class _RLRun:
             "grad_norm": grad_norm,
             "time/update_s": time.perf_counter() - t0,
         }
-        if rollout.sampler_logprobs is not None:  # truncated importance sampling inside the update (E * M = 1)
+        if in_update_weights:  # truncated importance sampling inside the update (the rollout's first step)
             out.update({"mismatch/logprob_abs_mean": sums["mismatch_abs"] / tokens,
-                        "mismatch/logprob_abs_max": reduce_max(self.accelerator, mismatch_peak),
+                        "mismatch/logprob_abs_max": reduce_max(self.accelerator, float(mismatch_peak)),
                         "mismatch/capped_fraction": sums["mismatch_capped"] / tokens})
         if critic is not None:
             out["critic_lr"] = updates[1][0]
             out.update({"value_loss": sums["value_loss"], "value_clip_fraction": sums["value_clipped_tokens"] / tokens,
                         "critic_grad_norm": critic_norm, "time/update_s": time.perf_counter() - t0})
         return out
+
+    def _weights_for_later_epochs(self, rollout, trainer_logprobs) -> None:
+        """After the rollout's first step took its importance weights from its own forward: the trainer's
+        log-probs of that forward become the old log-probs of the later epochs, and their weights
+        min(pi_trainer / pi_sampler, tis_cap) are kept (as `_behaviour_correction` would have computed them with
+        one more forward). Saved with the rollout in a checkpoint, so a resume continues with them."""
+        import torch
+
+        mask = rollout.completion_mask.bool()
+        ratio = torch.exp(torch.where(mask, trainer_logprobs - rollout.sampler_logprobs, torch.zeros(())))
+        rollout.old_logprobs = trainer_logprobs
+        rollout.is_weights = torch.where(mask, ratio.clamp(max=self.tis_cap), torch.ones(()))
+        rollout.sampler_logprobs = None
 
     def _loss_mask(self, completion_mask, truncated, action_mask=None):
         """The tokens the loss (and its normaliser, KL and entropy metrics) covers: every completion token the

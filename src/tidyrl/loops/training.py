@@ -64,13 +64,20 @@ class Sums:
         self._values = torch.zeros(len(self.names), dtype=torch.float64)
 
     def add(self, **values) -> None:
+        """Tensors are added where they are (on a GPU: no host synchronisation per micro-batch, only in
+        `reduced`); numbers as they are. Sums are float64 either way."""
         for name, value in values.items():
-            self._values[self._index[name]] += float(value)
+            if hasattr(value, "device"):
+                if self._values.device != value.device:
+                    self._values = self._values.to(value.device)
+                self._values[self._index[name]] += value.detach().to(self._values.dtype)
+            else:
+                self._values[self._index[name]] += float(value)
 
     def reduced(self, accelerator) -> dict[str, float]:
-        """The sums over every process, by name."""
-        total = reduce_sum(accelerator, self._values)
-        return {name: float(total[i]) for i, name in enumerate(self.names)}
+        """The sums over every process, by name (the one host synchronisation of a step's metrics)."""
+        total = reduce_sum(accelerator, self._values).cpu().tolist()
+        return dict(zip(self.names, total))
 
 
 def no_sync(accelerator, models: Iterable, sync: bool):

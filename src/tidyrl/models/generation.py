@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import hashlib
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from tidyrl.models.llama_decode import attention_bias, decode_step_for
+from tidyrl.models.llama_decode import StaticDecode, attention_bias, decode_step_for
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -104,6 +104,7 @@ def generate(
     top_k: int = 0,
     return_logprobs: bool = False,
     fast_path: bool = True,
+    static_cache: Optional[bool] = None,
 ) -> tuple[torch.Tensor, ...]:
     """Sample one completion per prompt, in chunks of `batch_size`.
 
@@ -117,6 +118,8 @@ def generate(
 
     `fast_path`: decode Llama-layout models with `models.llama_decode` (the same maths as the model's
     forward, without its per-call overhead); False always calls the model's own forward.
+    `static_cache`: with the fast path, decode with fixed shapes (`llama_decode.StaticDecode`), each step one
+    CUDA graph replay on a GPU; None = on CUDA devices only.
     """
     assert len(prompts) == len(sample_keys)
     ids = torch.full((len(prompts), max_new_tokens), pad_id, dtype=torch.long)
@@ -128,7 +131,7 @@ def generate(
             c_ids, c_mask, c_logprobs = _generate_chunk(
                 model, prompts[chunk], sample_keys[chunk], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                 pad_id=pad_id, min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                fast_path=fast_path,
+                fast_path=fast_path, static_cache=static_cache,
             )
         ids[chunk, : c_ids.shape[1]] = c_ids.cpu()
         mask[chunk, : c_mask.shape[1]] = c_mask.cpu()
@@ -139,7 +142,7 @@ def generate(
 
 
 def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, min_new_tokens, temperature,
-                    top_p, top_k, fast_path=True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    top_p, top_k, fast_path=True, static_cache=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode one chunk: (ids, mask, log-probs of the sampled tokens), each (B, steps taken). Where the model's cache is a plain per-layer key/value cache (most decoder LMs), three
     things make it lean without changing any draw: each distinct prompt is prefilled once and its cache copied
     to its samples (GRPO/RLOO chunks hold k samples of each prompt); keys and values are written into buffers
@@ -183,6 +186,9 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         # (B, 1, 1, L) directly, which it uses as is, instead of having it rebuilt from the 2D one every step.
         attn = attn.bool()[:, None, None, :]
     next_pos = u_pos[inv, -1:] + 1  # (B, 1)
+    static = None  # fixed shapes (and a CUDA graph on a GPU): no launch per kernel per token
+    if step_fn is not None and (static_cache if static_cache is not None else device.type == "cuda"):
+        static = StaticDecode(step_fn, cache.layers, attn, Lp, use_graph=device.type == "cuda")
 
     ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((B, max_new_tokens), device=device)
@@ -227,7 +233,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         done = int(finished.sum())  # one host sync per step, as any EOS check needs
         if done == len(finished):
             break
-        if lean and 4 * done >= len(finished):  # drop the finished rows (a copy of the cache: not for each one)
+        if lean and static is None and 4 * done >= len(finished):  # drop the finished rows (a copy of the cache)
             keep = (~finished).nonzero().squeeze(1)
             at = keep if isinstance(at, slice) else at[keep]
             token, attn, next_pos, finished = token[keep], attn[keep], next_pos[keep], finished[keep]
@@ -235,7 +241,9 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
             gumbel_BSV = gumbel_BSV[keep]
             cache.batch_select_indices(keep)
             done = 0
-        if step_fn is not None:
+        if static is not None:
+            logits = static(token, next_pos, Lp + step)
+        elif step_fn is not None:
             logits = step_fn(token, attn[..., : Lp + step + 1], next_pos, cache.layers)
         else:
             out = model(input_ids=token[:, None], attention_mask=attn[..., : Lp + step + 1], position_ids=next_pos,

@@ -331,6 +331,72 @@ class LlamaDecodeStep:
         return self.head(x) if self.copied else F.linear(x, *self.head[0])
 
 
+class StaticDecode:
+    """`LlamaDecodeStep` with every shape fixed for a whole generation: B rows (finished rows keep decoding
+    padding instead of leaving the batch), the key/value cache at its full capacity C, attention over all C
+    positions with the ones not written yet masked (-inf), the write position a device tensor. Fixed shapes
+    let a CUDA graph capture one step and replay it for every token, instead of launching each of its ~100
+    kernels from Python (`use_graph`; CUDA only). Without the graph (CPU, tests) it is the same computation
+    eagerly: masked positions hold zeros and get probability 0, so a step's logits are the growing-cache step's
+    up to summation order (tests/test_llama_decode.py: the same tokens).
+
+    `cache_layers` are the prefilled `_BufferedLayer`s (capacity C, `filled` positions written), `bias` the
+    (B, 1, 1, C) additive mask of the prompts' padding; both are taken over and written in place."""
+
+    def __init__(self, step: LlamaDecodeStep, cache_layers, bias: torch.Tensor, filled: int, use_graph: bool):
+        self.step, self.bias, self.use_graph = step, bias, use_graph
+        self.bias[..., filled:] = float("-inf")  # nothing after the prompts is written yet
+        device, B = bias.device, bias.shape[0]
+        self.at = torch.zeros(1, dtype=torch.long, device=device)  # where this step writes its key and value
+        self.layers = [_StaticLayer(layer, filled, self.at) for layer in cache_layers]
+        self.tokens = torch.zeros(B, dtype=torch.long, device=device)
+        self.positions = torch.zeros((B, 1), dtype=torch.long, device=device)
+        self.graph, self.logits = None, None
+
+    def __call__(self, tokens_B: torch.Tensor, positions_B1: torch.Tensor, write_at: int) -> torch.Tensor:
+        """The logits (B, V) after `tokens_B` at `positions_B1`, their keys and values written at cache position
+        `write_at`, which every row may attend from now on. With the graph, the returned tensor is overwritten
+        by the next call."""
+        self.tokens.copy_(tokens_B)
+        self.positions.copy_(positions_B1)
+        self.at.fill_(write_at)
+        self.bias[..., write_at] = 0.0
+        if not self.use_graph:
+            return self.step(self.tokens, self.bias, self.positions, self.layers)
+        if self.graph is None:
+            return self._capture()
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self) -> torch.Tensor:
+        # A warm-up run on a side stream (its result is this step's: writing the same key/value twice is
+        # harmless), then the capture, which records kernels without running them.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            first = self.step(self.tokens, self.bias, self.positions, self.layers)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.step(self.tokens, self.bias, self.positions, self.layers)
+        return first
+
+
+class _StaticLayer:
+    """A decoder layer's key/value buffers at full capacity: `update` writes one position (the shared device
+    index `at`) in place and returns all C positions (unwritten ones zero: masked, and 0 x 0 adds nothing)."""
+
+    def __init__(self, buffered, filled: int, at: torch.Tensor):
+        self.keys, self.values, self.at = buffered._k, buffered._v, at
+        self.keys[:, :, filled:].zero_()
+        self.values[:, :, filled:].zero_()
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.at, keys)
+        self.values.index_copy_(2, self.at, values)
+        return self.keys, self.values
+
+
 def is_silu(act_fn: nn.Module) -> bool:
     """True for torch's and transformers' SiLU modules, whose forward is F.silu."""
     return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
