@@ -45,8 +45,9 @@ def yaml_run(tmp_path, tiny_model_dir, prompt_file):
 def test_plan_prints_the_plan_as_json(yaml_run, capsys):
     assert main(["plan", str(yaml_run), "rollout.prompts_per_rollout=4", "--num-processes", "2"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed == make_plan(prompts_per_rollout=4, samples_per_prompt=4, minibatches_per_epoch=2,
-                                micro_batch_size=4, world_size=2, rollouts=2, num_prompts=10).to_dict()
+    assert printed == {**make_plan(prompts_per_rollout=4, samples_per_prompt=4, minibatches_per_epoch=2,
+                                   micro_batch_size=4, world_size=2, rollouts=2, num_prompts=10).to_dict(),
+                       "engine": "builtin"}  # and the engine that generates
     assert printed["gradient_accumulation_steps"] == 1 and printed["total_optimizer_steps"] == 4
 
 

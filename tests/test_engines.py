@@ -139,21 +139,27 @@ def test_on_cuda_the_engine_sleeps_after_generating_and_wakes_weights_first_at_t
         assert names == [("collective_rpc", "reload_weights"), ("reset_prefix_cache", None)] * 2
 
 
-def test_with_one_step_per_rollout_a_mismatched_sampler_is_corrected_once_not_twice(tiny_model_dir, prompt_file,
-                                                                                   tmp_path, monkeypatch):
-    """A sampler whose log-probs are all 0.3 below the trainer's (as a low-precision engine might be): PPO with
-    one step per rollout keeps them as old log-probs for the KL in its reward, but its ratio is taken against
-    the trainer's own (exactly 1 at that step: nothing clipped), and the mismatch enters once, through the
-    importance weights exp(0.3), none capped at 2."""
+def sampler_below_the_trainer(monkeypatch, by: float) -> None:
+    """The builtin engine made to report every sampled token's log-prob `by` below the policy's own: a sampler
+    that is not the trainer (as a low-precision engine is), with the trainer's log-probs known exactly."""
     from tidyrl.models.engines import BuiltinEngine
 
     real = BuiltinEngine.generate
 
     def shifted(self, *args, **kwargs):
         ids, mask, truncated, logprobs = real(self, *args, **kwargs)
-        return ids, mask, truncated, logprobs - 0.3 * mask
+        return ids, mask, truncated, logprobs - by * mask
 
     monkeypatch.setattr(BuiltinEngine, "generate", shifted)
+
+
+def test_with_one_step_per_rollout_a_mismatched_sampler_is_corrected_once_not_twice(tiny_model_dir, prompt_file,
+                                                                                   tmp_path, monkeypatch):
+    """A sampler whose log-probs are all 0.3 below the trainer's (as a low-precision engine might be): PPO with
+    one step per rollout keeps them as old log-probs for the KL in its reward, but its ratio is taken against
+    the trainer's own (exactly 1 at that step: nothing clipped), and the mismatch enters once, through the
+    importance weights exp(0.3), none capped at 2."""
+    sampler_below_the_trainer(monkeypatch, 0.3)
     cfg = config(tiny_model_dir, prompt_file, tmp_path / "ppo", tis_cap=2.0)
     cfg.update(algorithm="ppo", critic={"model": str(tiny_model_dir)}, ppo={"kl_coef": 0.05, "clip_eps": 0.1})
     cfg["train"].update(epochs_per_rollout=1)
@@ -175,15 +181,7 @@ def test_one_mini_batch_per_epoch_takes_the_weights_from_the_first_step_and_resu
     from safetensors.torch import load_file
 
     from tidyrl.loops.rl import _RLRun
-    from tidyrl.models.engines import BuiltinEngine
-
-    real = BuiltinEngine.generate
-
-    def shifted(self, *args, **kwargs):
-        ids, mask, truncated, logprobs = real(self, *args, **kwargs)
-        return ids, mask, truncated, logprobs - 0.3 * mask
-
-    monkeypatch.setattr(BuiltinEngine, "generate", shifted)
+    sampler_below_the_trainer(monkeypatch, 0.3)
     monkeypatch.setattr(_RLRun, "_behaviour_correction", lambda *a: pytest.fail("an extra forward was taken"))
     kept = []
     real_keep = _RLRun._weights_for_later_epochs

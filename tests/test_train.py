@@ -54,9 +54,9 @@ def test_grpo_run_writes_every_output_with_exact_counts(tiny_model_dir, prompt_f
 
     plan = json.loads((out / "plan.json").read_text())
     # R = 4*4 = 16; E*M = 4 steps per rollout; 3 rollouts -> 12 steps, 48 episodes; accumulation 16/(2*1*2) = 4.
-    assert plan == make_plan(prompts_per_rollout=4, samples_per_prompt=4, epochs_per_rollout=2,
-                             minibatches_per_epoch=2, micro_batch_size=2, rollouts=3, num_prompts=10,
-                             warmup_steps=2).to_dict()
+    assert plan == {**make_plan(prompts_per_rollout=4, samples_per_prompt=4, epochs_per_rollout=2,
+                                minibatches_per_epoch=2, micro_batch_size=2, rollouts=3, num_prompts=10,
+                                warmup_steps=2).to_dict(), "engine": "builtin"}
     assert (plan["total_optimizer_steps"], plan["total_episodes"], plan["gradient_accumulation_steps"]) == (12, 48, 4)
 
     rows = read_jsonl(out / "metrics.jsonl")

@@ -153,14 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({**plan.to_dict(), **extra}, indent=2))
                 return 0
             from tidyrl.config import config_base_dir
-            from tidyrl.loops.rl import check_rl_inputs
+            from tidyrl.loops.rl import check_rl_inputs, plan_extras
 
             # The checks `train` makes before loading weights, the same function (tokenizer and data files only).
             inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes)
             if inputs.report:
                 print(f"tidyrl: {inputs.report}", file=sys.stderr)
-            plan = {**inputs.plan.to_dict(), **(inputs.critic or {}),
-                    **({"eval_prompts": len(inputs.eval_prompt_ids)} if inputs.eval_prompt_ids else {})}
+            plan = {**inputs.plan.to_dict(), **plan_extras(cfg, inputs.critic, inputs.eval_prompt_ids)}
             print(json.dumps(plan, indent=2))
         elif args.command == "train":
             from tidyrl.api import train

@@ -95,6 +95,13 @@ class RLInputs:
     """The environment's tool schemas (its `tool_schemas()`), rendered into every prompt, or None."""
 
 
+def plan_extras(cfg, critic_choice: Optional[dict], eval_prompt_ids) -> dict:
+    """What plan.json (and `tidyrl plan`) say beside the plan's counts: the engine that generates, PPO's critic
+    and why, the held-out prompts."""
+    return {"engine": cfg.rollout.engine, **(critic_choice or {}),
+            **({"eval_prompts": len(eval_prompt_ids)} if eval_prompt_ids else {})}
+
+
 def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RLInputs:
     """Everything an RL run can check before any weights load, in order: the policy and tokenizer exist (at once,
     offline too), the data file reads, every prompt fits the context with max_new_tokens, the plan's sizes
@@ -424,8 +431,8 @@ class _RLRun:
         if self.resumed is not None:
             step, elapsed, first_reward, unfinished = self._restore()
         else:
-            write_run_header(cfg, plan, self.out, self.accelerator, {
-                **(self.critic_choice or {}), **({"eval_prompts": len(self.eval_prompt_ids)} if self.eval_prompt_ids else {})})
+            write_run_header(cfg, plan, self.out, self.accelerator,
+                             plan_extras(cfg, self.critic_choice, self.eval_prompt_ids))
         # metrics.jsonl + samples.jsonl, forwarded to the trackers of log.report_to (main process only).
         metrics_log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
         samples_log = metrics_log.samples
@@ -504,7 +511,7 @@ class _RLRun:
             print(format_summary(plan, metrics_log.timings, time.perf_counter() - self.start, first_reward,
                                  last_reward, self.out, final_dir, metrics_log.tracker_locations,
                                  {k: v for k, v in row.items() if k.startswith("eval/")}, self.best,
-                                 self.group_totals), flush=True)
+                                 self.group_totals, engine=self.engine.name), flush=True)
         return TrainResult(self.out, final_dir, plan, row, first_reward, last_reward, self.is_main)
 
     def _make_rollout_or_stop(self, r: int, step: int):
