@@ -188,7 +188,10 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     next_pos = u_pos[inv, -1:] + 1  # (B, 1)
     static = None  # fixed shapes (and a CUDA graph on a GPU): no launch per kernel per token
     if step_fn is not None and (static_cache if static_cache is not None else device.type == "cuda"):
-        static = StaticDecode(step_fn, cache.layers, attn, Lp, use_graph=device.type == "cuda")
+        # A graph only where the step's rope is a table lookup: position-dependent ropes (dynamic scaling) branch
+        # on the sequence length on the host, which a captured graph cannot replay.
+        static = StaticDecode(step_fn, cache.layers, attn, Lp,
+                              use_graph=device.type == "cuda" and step_fn.rope_table is not None)
 
     ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((B, max_new_tokens), device=device)
