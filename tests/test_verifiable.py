@@ -68,6 +68,21 @@ def test_code_tests_pass_fail_error_and_limits():
     assert time.perf_counter() - start < 15  # the loop ends at its limit, never hangs the run
 
 
+def test_an_exit_before_the_tests_end_is_no_pass_whatever_its_status():
+    """The reward hacks a plain exit-status check pays for: exiting with status 0 before the asserts run."""
+    tests = "assert add(2, 3) == 5"
+    wrong = "def add(a, b):\n    return 0\n"
+    hacks = [f"```python\n{wrong}{exit_call}\n```" for exit_call in (
+        "import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit", "exit()", "quit(0)",
+        "import __main__, os\nprint(getattr(__main__, 'token', ''))\nos._exit(0)")]  # the runner's token: not there
+    honest = "```python\ndef add(a, b):\n    print('adding', end='')\n    return a + b\n```"  # no newline at its end
+    assert code_tests([*hacks, honest], [tests] * (len(hacks) + 1), timeout_s=5.0) == [0.0] * len(hacks) + [1.0]
+    passed, why = run_python_tests(wrong + "import sys\nsys.exit(0)", tests)
+    assert not passed and why == "exited before the tests ended (exit status 0)"
+    assert run_python_tests(wrong + "import os\nos._exit(0)", tests) == (
+        False, "exited before the tests ended (exit status 0)")
+
+
 def test_the_sandbox_limits_files_and_removes_its_scratch_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:1")
     monkeypatch.setenv("SECRET_TOKEN", "s3cret")

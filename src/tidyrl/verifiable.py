@@ -18,8 +18,10 @@ before its answer, holds no code block or loops forever scores 0.
 - `code_tests`: the last fenced code block of the completion, run with the row's tests in a fresh Python
   process (`python -I`) in a scratch folder that is deleted afterwards, with a wall-clock limit (the whole
   process group is killed), an address-space limit, a CPU-time limit, a file-size limit and an environment
-  without proxies or credentials. 1 when it exits cleanly, else 0. This limits accidents, not attacks: the
-  code can still read files and open sockets; run untrusted code in a container (docs/data-and-rewards.md).
+  without proxies or credentials. 1 when the tests ran to their end without an error (an exit before
+  that, `sys.exit(0)` or `os._exit(0)` included, is 0). This limits accidents and the common reward hacks, not
+  attacks: the code can still read files, open sockets, or inspect the runner's frames; run untrusted code in a
+  container (docs/data-and-rewards.md).
 """
 
 from __future__ import annotations
@@ -103,45 +105,82 @@ def extract_code(completion: str) -> Optional[str]:
     return python[-1] if python else None
 
 
-def _limits(memory_mb: int, cpu_s: int, file_mb: int):
-    """Runs in the child before Python starts: address space, CPU seconds, file size, no core files."""
-    import resource
+_RUNNER = r"""
+import os, resource, sys, traceback
 
-    def apply():
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_mb * 2**20, file_mb * 2**20))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if os.getuid() != 0:  # root ignores RLIMIT_NPROC; elsewhere it stops fork bombs
-            resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))
+def main():  # the token stays a local of this frame, not a global the solution could import from __main__
+    token = sys.stdin.readline().strip()  # the parent's one-time token: printed only once the tests have run
+    sys.stdin.close()
+    memory, cpu, files = (int(x) for x in sys.argv[1:4])
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (files, files))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if os.getuid() != 0:  # root ignores RLIMIT_NPROC; elsewhere it stops fork bombs
+        resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))
+    namespace = {"__name__": "__main__"}
+    try:
+        for name in ("solution.py", "tests.py"):
+            with open(name, encoding="utf-8") as f:
+                source = f.read()
+            exec(compile(source, name, "exec"), namespace)
+    except SystemExit as stop:  # an exit before the tests' end is no pass, whatever its status
+        sys.stderr.write(f"exited before the tests ended (exit status {stop.code!r})\n")
+        sys.stderr.flush()
+        os._exit(3)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os.write(1, ("\n" + token + "\n").encode())
+    os._exit(0)
 
-    return apply
+main()
+"""
+"""The sandbox's own first lines, run by `python -I -c` in the child: its limits (set here, in the child: the
+`preexec_fn` of subprocess is unsafe beside threads, and code_tests runs several at once), then the solution and
+the tests in one namespace. A pass is the exit status 0 AND the parent's one-time token on the last line, which
+the runner writes only after the tests ran: `sys.exit(0)` or `os._exit(0)` in the solution (reward hacks that a
+plain exit-status check counts as a pass) end the process before it."""
 
 
 def run_python_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512,
                      file_mb: int = 16) -> tuple[bool, str]:
     """Run `code` followed by `tests` in a sandboxed subprocess; (passed, why). See the module docstring."""
+    import secrets
+
     scratch = tempfile.mkdtemp(prefix="tidyrl-code-")
     try:
-        with open(os.path.join(scratch, "solution.py"), "w", encoding="utf-8") as f:
-            f.write(code + "\n\n" + (tests or "") + "\n")
+        for name, text in (("solution.py", code), ("tests.py", tests or "")):
+            with open(os.path.join(scratch, name), "w", encoding="utf-8") as f:
+                f.write(text + "\n")
         env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1"}  # no proxies, tokens or the parent's PYTHONPATH
+        token = secrets.token_hex(16)
+        limits = [str(memory_mb * 2**20), str(int(timeout_s) + 1), str(file_mb * 2**20)]
         with open(os.path.join(scratch, "out.txt"), "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-I", "solution.py"], cwd=scratch, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_limits(memory_mb, int(timeout_s) + 1, file_mb))
+            proc = subprocess.Popen([sys.executable, "-I", "-c", _RUNNER, *limits], cwd=scratch, env=env,
+                                    stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                proc.stdin.write((token + "\n").encode())
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
             try:
                 code_ = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 return False, f"timed out after {timeout_s} s"
             _kill_group(proc)  # anything it left running in the background
-        if code_ == 0:
-            return True, "passed"
         with open(os.path.join(scratch, "out.txt"), "rb") as f:
-            tail = f.read()[-300:].decode("utf-8", "replace").strip().splitlines()
-        return False, (tail[-1] if tail else f"exit status {code_}")
+            lines = f.read().decode("utf-8", "replace").strip().splitlines()
+        if code_ == 0 and lines and lines[-1] == token:
+            return True, "passed"
+        if code_ == 0:
+            return False, "exited before the tests ended (exit status 0)"
+        return False, (lines[-1] if lines else f"exit status {code_}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
