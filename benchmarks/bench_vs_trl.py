@@ -434,8 +434,7 @@ def main(argv=None) -> None:
         print("TRL is not installed: running tidyrl alone, no ratios. For the comparison: "
               "pip install -e '.[bench]'  (trl==1.16.0)", flush=True)
         libraries = [x for x in libraries if x != "trl"]
-    names = [n for n in WORKLOADS if not WORKLOADS[n].get("gpu") or args.device == "cuda"] \
-        if args.workload == "all" else [args.workload]
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]  # GPU workloads: skipped below on CPU
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
     base.mkdir(parents=True, exist_ok=True)
 

@@ -342,3 +342,18 @@ def test_masked_mean():
     # bool values (e.g. the clipped flags) count as 0/1: 1 of 3 -> 1/3
     flags = torch.tensor([[True, True], [False, False]])
     close(masked_mean(flags, torch.tensor([[1, 0], [1, 1]])), 1 / 3)
+
+
+def test_truncated_importance_weights_by_hand():
+    """w = min(exp(log pi_trainer - log pi_sampler), cap) on the mask, 1 off it (Yao et al. 2025)."""
+    from tidyrl.algorithms.losses import truncated_importance_weights
+
+    trainer = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
+    sampler = torch.tensor([[-1.5, -1.0, -0.5], [-2.1, -3.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    weights, delta, capped = truncated_importance_weights(trainer, sampler, mask, cap=2.0)
+    # deltas: 0.5, -1, 0 | 2 (exp 7.39 -> capped at 2), 0 | off the mask
+    torch.testing.assert_close(delta, torch.tensor([[0.5, -1.0, 0.0], [2.0, 0.0, 0.0]]))
+    e = torch.e
+    torch.testing.assert_close(weights, torch.tensor([[e ** 0.5, e ** -1, 1.0], [2.0, 1.0, 1.0]]))
+    assert capped.tolist() == [[False, False, False], [True, False, False]]

@@ -744,8 +744,7 @@ class _RLRun:
         the old log-probs of the PPO ratio and each token's loss is weighted by the truncated importance ratio
         w = min(pi_trainer / pi_sampler, tis_cap) (local.is_weights). Returns the mismatch metrics (this
         process's tokens; summed over processes where logged)."""
-        import torch
-
+        from tidyrl.algorithms.losses import truncated_importance_weights
         from tidyrl.rollout import score_logprobs
 
         ro = self.cfg.rollout
@@ -753,15 +752,13 @@ class _RLRun:
             trainer = score_logprobs(policy, local, ro.temperature, ro.forward_batch_size,
                                      fast_path=self.cfg.model_fast_paths)
         mask = local.completion_mask.bool()
-        delta = torch.where(mask, trainer - sampled_logprobs, torch.zeros(()))
+        weights, delta, capped = truncated_importance_weights(trainer, sampled_logprobs, mask, self.tis_cap)
         local.old_logprobs = trainer
         totals = Sums("abs", "tokens", "capped")
-        capped = torch.zeros(())
         if ro.behaviour_logprobs == "sampler" and self.tis_cap > 0:
-            ratio = torch.exp(delta)
-            local.is_weights = torch.where(mask, ratio.clamp(max=self.tis_cap), torch.ones(()))
-            capped = ((ratio > self.tis_cap) & mask).sum()
-        totals.add(abs=delta.abs().sum(), tokens=mask.sum(), capped=capped)
+            local.is_weights = weights
+        totals.add(abs=delta.abs().sum(), tokens=mask.sum(),
+                   capped=capped.sum() if local.is_weights is not None else 0.0)
         summed = totals.reduced(self.accelerator)
         peak = reduce_max(self.accelerator, float(delta.abs().max()) if delta.numel() else 0.0)
         tokens = max(summed["tokens"], 1.0)
@@ -980,7 +977,7 @@ class _RLRun:
 
         from tidyrl.algorithms.kl import kl_per_token
         from tidyrl.algorithms.losses import (aggregate_loss, clipped_policy_loss, loss_normaliser,
-                                              sequence_clipped_policy_loss)
+                                              sequence_clipped_policy_loss, truncated_importance_weights)
         from tidyrl.algorithms.ppo import clipped_value_loss
         from tidyrl.models.forward import completion_logprobs, completion_values
         from tidyrl.rollout import chunks
@@ -1006,23 +1003,24 @@ class _RLRun:
         sums = Sums("loss", "kl_x_tokens", "entropy_x_tokens", "clipped_tokens", "tokens", "value_loss",
                     "value_clipped_tokens", "mismatch_abs", "mismatch_capped")
         mismatch_peak = 0.0
-        in_update_weights = rollout.sampler_logprobs is not None  # this step is the rollout's first (see _make_rollout)
+        # The rollout's first step takes the importance weights from its own forward (see _make_rollout).
+        in_update_weights = rollout.sampler_logprobs is not None
         # Later epochs need the trainer's log-probs at sampling time (their old log-probs and weights): this
-        # step's forwards compute them, for this process's episodes.
-        trainer_logprobs = torch.zeros(rollout.completion_ids.shape) \
+        # step's forwards compute them, for this process's episodes (kept on the device until the step's end).
+        trainer_logprobs = torch.zeros(rollout.completion_ids.shape, device=self.accelerator.device) \
             if in_update_weights and plan.optimizer_steps_per_rollout > 1 else None
         for i, idx in enumerate(micro_batches):
             part = rollout.select(idx)
             mask = self._loss_mask(part.completion_mask, part.truncated, part.action_mask).to(self.accelerator.device)
             sync = cfg.train.sync_each_microbatch or i == len(micro_batches) - 1
             with no_sync(self.accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
-                logprobs, entropy = completion_logprobs(model, *part.sequences, cfg.rollout.temperature, with_entropy=True,
-                                                        fast_path=cfg.model_fast_paths)
+                logprobs, entropy = completion_logprobs(model, *part.sequences, cfg.rollout.temperature,
+                                                        with_entropy=True, fast_path=cfg.model_fast_paths)
                 # The ratio's old log-probs are the trainer's at sampling time. With one step per rollout that is
                 # this very forward (the weights have not moved), also where old_logprobs holds the sampler's for
                 # a KL in the reward: against those the ratio would count the sampler/trainer mismatch that the
                 # importance weights below already correct, a second time, and clip on it.
-                if part.old_logprobs is None or part.sampler_logprobs is not None:
+                if part.old_logprobs is None or in_update_weights:
                     old = logprobs.detach()
                 else:
                     old = part.old_logprobs.to(logprobs.device)
@@ -1034,16 +1032,15 @@ class _RLRun:
                     token_loss, clipped = clipped_policy_loss(logprobs, old, adv, algo.clip_eps, algo.clip_eps_high)
                 if part.is_weights is not None:  # truncated importance sampling: the sampler was not the trainer
                     token_loss = token_loss * part.is_weights.to(token_loss.device, token_loss.dtype)
-                elif part.sampler_logprobs is not None:  # the same, its weights from this forward (the rollout's first step)
-                    delta = torch.where(mask.bool(), logprobs.detach() - part.sampler_logprobs.to(logprobs.device),
-                                        torch.zeros((), device=logprobs.device))
-                    ratio = torch.exp(delta)
-                    token_loss = token_loss * torch.where(mask.bool(), ratio.clamp(max=self.tis_cap), 1.0)
-                    sums.add(mismatch_abs=delta.abs().sum(), mismatch_capped=((ratio > self.tis_cap) & mask.bool()).sum())
+                elif in_update_weights:  # the same, its weights from this forward
+                    weights, delta, capped = truncated_importance_weights(logprobs.detach(), part.sampler_logprobs,
+                                                                          mask, self.tis_cap)
+                    token_loss = token_loss * weights
+                    sums.add(mismatch_abs=delta.abs().sum(), mismatch_capped=capped.sum())
                     mismatch_peak = torch.maximum(delta.abs().max(), torch.as_tensor(mismatch_peak))
                     if trainer_logprobs is not None:
-                        trainer_logprobs[idx, : logprobs.shape[1]] = logprobs.detach().float().cpu() * \
-                            part.completion_mask
+                        trainer_logprobs[idx, : logprobs.shape[1]] = logprobs.detach().float() * \
+                            part.completion_mask.to(logprobs.device)
                 kl = None
                 if part.ref_logprobs is not None:
                     # At step 1 the policy is the reference: its own log-probs are the reference's exactly, while
@@ -1072,7 +1069,7 @@ class _RLRun:
                          value_clipped_tokens=(value_clipped.float() * mask).sum())
         sums = sums.reduced(self.accelerator)
         if trainer_logprobs is not None:  # every episode was in this step, on one process each: a sum gathers them
-            self._weights_for_later_epochs(rollout, reduce_sum(self.accelerator, trainer_logprobs))
+            self._weights_for_later_epochs(rollout, reduce_sum(self.accelerator, trainer_logprobs).cpu())
         parts = [(model, self.optimizer, self.scheduler)]
         if critic is not None:  # the critic's own optimizer and schedule, also stepped once per optimizer step
             parts.append((critic, self.critic_optimizer, self.critic_scheduler))
@@ -1104,12 +1101,11 @@ class _RLRun:
         log-probs of that forward become the old log-probs of the later epochs, and their weights
         min(pi_trainer / pi_sampler, tis_cap) are kept (as `_behaviour_correction` would have computed them with
         one more forward). Saved with the rollout in a checkpoint, so a resume continues with them."""
-        import torch
+        from tidyrl.algorithms.losses import truncated_importance_weights
 
-        mask = rollout.completion_mask.bool()
-        ratio = torch.exp(torch.where(mask, trainer_logprobs - rollout.sampler_logprobs, torch.zeros(())))
+        rollout.is_weights, _, _ = truncated_importance_weights(trainer_logprobs, rollout.sampler_logprobs,
+                                                                rollout.completion_mask, self.tis_cap)
         rollout.old_logprobs = trainer_logprobs
-        rollout.is_weights = torch.where(mask, ratio.clamp(max=self.tis_cap), torch.ones(()))
         rollout.sampler_logprobs = None
 
     def _loss_mask(self, completion_mask, truncated, action_mask=None):

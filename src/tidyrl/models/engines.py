@@ -205,9 +205,10 @@ def architecture_problem(model_config, on_cpu: bool, supported_archs, cpu_head_s
     heads = getattr(model_config, "num_attention_heads", None)
     head_dim = getattr(model_config, "head_dim", None) or (model_config.hidden_size // heads if heads else None)
     if on_cpu and head_dim and head_dim not in cpu_head_sizes:
-        return (f"rollout.engine: vllm on CPU has attention kernels for head sizes {', '.join(map(str, cpu_head_sizes))}"
-                f", and this model's is {head_dim} (hidden_size / num_attention_heads); use rollout.engine: builtin, "
-                "or a model with a supported head size")
+        sizes = ", ".join(map(str, cpu_head_sizes))
+        return (f"rollout.engine: vllm on CPU has attention kernels for head sizes {sizes}, and this model's is "
+                f"{head_dim} (hidden_size / num_attention_heads); use rollout.engine: builtin, or a model with a "
+                "supported head size")
     return None
 
 

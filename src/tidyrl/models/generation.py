@@ -16,7 +16,7 @@ What makes it fast, none of which changes a draw or the maths (docs/benchmarks.m
   attention mask ready-made;
 - each sequence draws its sampling noise for many steps at once (on CPU the same numbers as one draw per
   step; on any device a function of the sample's key, V and max_new_tokens only, never of the chunking);
-- finished rows leave the decoding batch;
+- finished rows leave the decoding batch (except with fixed shapes: a CUDA graph replays one batch size);
 - the sampling pass returns each token's log-prob, the sampler's log-probs of the rollout: no separate
   scoring pass of the policy.
 """
@@ -143,11 +143,12 @@ def generate(
 
 def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, min_new_tokens, temperature,
                     top_p, top_k, fast_path=True, static_cache=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode one chunk: (ids, mask, log-probs of the sampled tokens), each (B, steps taken). Where the model's cache is a plain per-layer key/value cache (most decoder LMs), three
-    things make it lean without changing any draw: each distinct prompt is prefilled once and its cache copied
-    to its samples (GRPO/RLOO chunks hold k samples of each prompt); keys and values are written into buffers
-    allocated once instead of being concatenated (which copies the whole cache at every step); and finished
-    rows are dropped from the batch once they are a quarter of it."""
+    """Decode one chunk: (ids, mask, log-probs of the sampled tokens), each (B, steps taken). Where the model's
+    cache is a plain per-layer key/value cache (most decoder LMs), three things make it lean without changing
+    any draw: each distinct prompt is prefilled once and its cache copied to its samples (GRPO/RLOO chunks hold
+    k samples of each prompt); keys and values are written into buffers allocated once instead of being
+    concatenated (which copies the whole cache at every step); and finished rows are dropped from the batch
+    once they are a quarter of it (not with fixed shapes, `static_cache`, where they decode padding)."""
     device = model_device(model)
     B = len(prompts)
     eos = torch.as_tensor(list(eos_ids), device=device)
