@@ -48,7 +48,7 @@ def _grads(model, logits: torch.Tensor, weights: torch.Tensor) -> dict[str, torc
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+@pytest.mark.parametrize("attention", ["matmul", "sdpa", "sdpa-repeated-kv"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-qkv", "separate-qkv"])
 @pytest.mark.parametrize("name", sorted(LLAMA_LAYOUTS))
 def test_logits_and_gradients_equal_the_model_forward(name, fused, attention, monkeypatch):
@@ -57,6 +57,8 @@ def test_logits_and_gradients_equal_the_model_forward(name, fused, attention, mo
     weighted sum of them, in training mode."""
     monkeypatch.setattr(llama_forward, "COPY_MAX_BYTES", 2**40 if fused else 0)
     monkeypatch.setattr(llama_forward, "MATH_ATTENTION_MAX_BYTES", 2**40 if attention == "matmul" else 0)
+    if attention == "sdpa-repeated-kv":  # CUDA's way: grouped key/value heads repeated before a masked SDPA
+        monkeypatch.setattr(llama_forward, "GROUPED_SDPA_DEVICES", ())
     model = LLAMA_LAYOUTS[name]().train()
     assert can_run(model)
     batch = _batch()

@@ -12,6 +12,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from tidyrl.devices import to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
 
 
@@ -90,7 +91,7 @@ def score_logprobs(model, rollout: Rollout, temperature: float, chunk_size: int,
         lp, _ = completion_logprobs(model, *part.sequences, temperature, fast_path=fast_path)
         if out is None:
             out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=lp.device)
-        out[idx[0]: idx[-1] + 1, : lp.shape[1]] = lp.float() * part.completion_mask.to(lp.device)
+        out[idx[0]: idx[-1] + 1, : lp.shape[1]] = lp.float() * to_device(part.completion_mask, lp.device)
     return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
 
 
@@ -103,7 +104,7 @@ def score_values(critic, rollout: Rollout, chunk_size: int) -> torch.Tensor:
         v = completion_values(critic, *part.sequences)
         if out is None:
             out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=v.device)
-        out[idx[0]: idx[-1] + 1, : v.shape[1]] = v.float() * part.completion_mask.to(v.device)
+        out[idx[0]: idx[-1] + 1, : v.shape[1]] = v.float() * to_device(part.completion_mask, v.device)
     return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
 
 

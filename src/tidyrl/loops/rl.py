@@ -979,6 +979,7 @@ class _RLRun:
         from tidyrl.algorithms.losses import (aggregate_loss, clipped_policy_loss, loss_normaliser,
                                               sequence_clipped_policy_loss, truncated_importance_weights)
         from tidyrl.algorithms.ppo import clipped_value_loss
+        from tidyrl.devices import to_device
         from tidyrl.models.forward import completion_logprobs, completion_values
         from tidyrl.rollout import chunks
 
@@ -1009,9 +1010,12 @@ class _RLRun:
         # step's forwards compute them, for this process's episodes (kept on the device until the step's end).
         trainer_logprobs = torch.zeros(rollout.completion_ids.shape, device=self.accelerator.device) \
             if in_update_weights and plan.optimizer_steps_per_rollout > 1 else None
+        device = self.accelerator.device
         for i, idx in enumerate(micro_batches):
+            # The micro-batch stays on the host (where its padding is trimmed and its shared prompts found); each
+            # tensor the step reads goes to the device without a synchronisation (tidyrl.devices).
             part = rollout.select(idx)
-            mask = self._loss_mask(part.completion_mask, part.truncated, part.action_mask).to(self.accelerator.device)
+            mask = to_device(self._loss_mask(part.completion_mask, part.truncated, part.action_mask), device)
             sync = cfg.train.sync_each_microbatch or i == len(micro_batches) - 1
             with no_sync(self.accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
                 logprobs, entropy = completion_logprobs(model, *part.sequences, cfg.rollout.temperature,
@@ -1023,31 +1027,32 @@ class _RLRun:
                 if part.old_logprobs is None or in_update_weights:
                     old = logprobs.detach()
                 else:
-                    old = part.old_logprobs.to(logprobs.device)
-                adv = part.advantages.to(logprobs.device)
+                    old = to_device(part.old_logprobs, device)
+                adv = to_device(part.advantages, device)
                 if algo.policy_loss == "sequence":  # GSPO: one ratio per completion
                     token_loss, clipped = sequence_clipped_policy_loss(logprobs, old, adv, mask, algo.clip_eps,
                                                                        algo.clip_eps_high)
                 else:
                     token_loss, clipped = clipped_policy_loss(logprobs, old, adv, algo.clip_eps, algo.clip_eps_high)
                 if part.is_weights is not None:  # truncated importance sampling: the sampler was not the trainer
-                    token_loss = token_loss * part.is_weights.to(token_loss.device, token_loss.dtype)
+                    token_loss = token_loss * to_device(part.is_weights, device).to(token_loss.dtype)
                 elif in_update_weights:  # the same, its weights from this forward
-                    weights, delta, capped = truncated_importance_weights(logprobs.detach(), part.sampler_logprobs,
-                                                                          mask, self.tis_cap)
+                    weights, delta, capped = truncated_importance_weights(
+                        logprobs.detach(), to_device(part.sampler_logprobs, device), mask, self.tis_cap)
                     token_loss = token_loss * weights
                     sums.add(mismatch_abs=delta.abs().sum(), mismatch_capped=capped.sum())
                     mismatch_peak = torch.maximum(delta.abs().max(), torch.as_tensor(mismatch_peak))
-                    if trainer_logprobs is not None:
-                        trainer_logprobs[idx, : logprobs.shape[1]] = logprobs.detach().float() * \
-                            part.completion_mask.to(logprobs.device)
+                    if trainer_logprobs is not None:  # (index_copy_ with a device index: a list index would sync)
+                        trainer_logprobs[:, : logprobs.shape[1]].index_copy_(
+                            0, to_device(torch.as_tensor(idx), device),
+                            logprobs.detach().float() * to_device(part.completion_mask, device))
                 kl = None
                 if part.ref_logprobs is not None:
                     # At step 1 the policy is the reference: its own log-probs are the reference's exactly, while
                     # the scored ones differ by rounding, whose KL gradient AdamW would turn into full steps
                     # where a group's advantages tie at 0 (see _advantages). k2/k3 and their gradients are then
                     # exactly 0; k1 keeps its gradient (that of log pi).
-                    ref = logprobs.detach() if step == 1 else part.ref_logprobs.to(logprobs.device)
+                    ref = logprobs.detach() if step == 1 else to_device(part.ref_logprobs, device)
                     kl = kl_per_token(logprobs, ref, algo.kl_estimator)
                     if cfg.algorithm == "grpo":  # GRPO: KL in the loss (Shao et al. 2024, eq. 3)
                         token_loss = token_loss + algo.kl_coef * kl
@@ -1056,7 +1061,7 @@ class _RLRun:
                 if critic is not None:  # PPO: the clipped value loss on the GAE returns, same normaliser
                     values = completion_values(critic, *part.sequences)
                     value_BT, value_clipped = clipped_value_loss(
-                        values, part.old_values.to(values.device), part.returns.to(values.device), algo.value_clip)
+                        values, to_device(part.old_values, device), to_device(part.returns, device), algo.value_clip)
                     value_loss = aggregate_loss(value_BT, mask, algo.loss_aggregation, normaliser)
                     loss = loss + algo.vf_coef * value_loss
                 # DDP averages gradients over W processes; our loss is already this process's share of the

@@ -64,10 +64,12 @@ class Sums:
         self._values = torch.zeros(len(self.names), dtype=torch.float64)
 
     def add(self, **values) -> None:
-        """Tensors are added where they are (on a GPU: no host synchronisation per micro-batch, only in
-        `reduced`); numbers as they are. Sums are float64 either way."""
+        """Tensors on an accelerator are added where they are (no host synchronisation per micro-batch, only in
+        `reduced`); the sums move there with the first such tensor and stay. Numbers and host tensors are read
+        as numbers: copying a host value to the device, or the sums back, would wait for the device each time.
+        Sums are float64 either way."""
         for name, value in values.items():
-            if hasattr(value, "device"):
+            if hasattr(value, "device") and value.device.type != "cpu":
                 if self._values.device != value.device:
                     self._values = self._values.to(value.device)
                 self._values[self._index[name]] += value.detach().to(self._values.dtype)

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from tidyrl.devices import to_device
 from tidyrl.models.generation import _plain_kv_cache, model_device
 from tidyrl.models.llama_forward import logits_if_lean
 from tidyrl.models.loading import activation_checkpointing_on
@@ -28,8 +29,8 @@ from tidyrl.sharding import is_sharded
 def model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict:
     """Prompt and completion side by side, with the attention mask and positions of the left padding."""
     device = model_device(model)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
-    attn = torch.cat([prompt_mask, completion_mask.long()], dim=1).to(device)
+    input_ids = to_device(torch.cat([prompt_ids, completion_ids], dim=1), device)
+    attn = to_device(torch.cat([prompt_mask, completion_mask.long()], dim=1), device)
     return {"input_ids": input_ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)}
 
 
@@ -62,14 +63,14 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, comple
         return None
     device = model_device(model)
     lp = prompt_ids.shape[1]
-    u_ids, u_mask = unique[:, :lp].to(device), unique[:, lp:].to(device)
+    u_ids, u_mask = to_device(unique[:, :lp], device), to_device(unique[:, lp:], device)
     u_pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
     # The prompt pass runs the module inside DDP, so that every process makes exactly one DDP forward per
     # micro-batch, shared prompts or not (DDP syncs buffers at each forward: unequal counts would deadlock).
     # Its gradients still reach the parameters, whose DDP hooks fire once per backward with the summed grad.
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     prompt = inner(input_ids=u_ids, attention_mask=u_mask, position_ids=u_pos, use_cache=True, logits_to_keep=1)
-    inverse = inverse.to(device)
+    inverse = to_device(inverse, device)
     cache = prompt.past_key_values
     for layer in cache.layers:  # (U, ...) -> (B, ...); index_select's backward (index_add) sums the k copies
         layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
@@ -105,7 +106,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
     if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
         logits = logits / temperature
-    logprobs = gather_logprobs(logits, completion_ids.to(logits.device))
+    logprobs = gather_logprobs(logits, to_device(completion_ids, logits.device))
     entropy = None
     if with_entropy:
         with torch.no_grad():

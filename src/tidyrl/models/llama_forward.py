@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tidyrl.devices import to_device
 from tidyrl.models.llama_decode import (COPY_MAX_BYTES, additive_mask, concatenated, is_silu, linear_weight_bytes,
                                  rms_norm, rope, signed_sin, supports)
 from tidyrl.models.loading import activation_checkpointing_on
@@ -57,13 +58,14 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     # The distinct prompts (a prompt is its ids and its padding), U of them; row b's is unique[inverse[b]].
     unique, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
     U = unique.shape[0]
-    u_ids, u_mask = unique[:, :Lp].to(device), unique[:, Lp:].to(device).bool()
-    inverse = inverse.to(device)
-    c_mask = completion_mask.to(device) > 0
+    # (torch.unique on host tensors: on a GPU it would wait for the device to learn the output's size.)
+    u_ids, u_mask = to_device(unique[:, :Lp], device), to_device(unique[:, Lp:], device).bool()
+    inverse = to_device(inverse, device)
+    c_mask = to_device(completion_mask, device) > 0
     # Position ids as the one-pass forward derives them from the row's mask: cumsum - 1, padding at 0.
     u_pos = (u_mask.long().cumsum(-1) - 1).clamp(min=0)  # (U, Lp)
     c_pos = u_pos[:, -1:].index_select(0, inverse) + c_mask[:, :Tq].long().cumsum(-1)  # (B, Tq)
-    tokens = torch.cat([u_ids.reshape(-1), completion_ids[:, :Tq].to(device).reshape(-1)])  # (N,)
+    tokens = torch.cat([u_ids.reshape(-1), to_device(completion_ids[:, :Tq], device).reshape(-1)])  # (N,)
     positions = torch.cat([u_pos.reshape(-1), c_pos.reshape(-1)])
     NP = U * Lp  # the prompt rows come first, then the completion rows
 
@@ -125,31 +127,42 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
 
 
 # Attention whose probabilities (rows x heads x queries x keys, float32) fit in this many bytes is computed as
-# matmul-softmax-matmul, above it with torch's fused scaled_dot_product_attention (which never holds them all).
-# At the sizes of a short RL completion the fused CPU kernel costs more than the arithmetic: on a 2-core CPU,
+# matmul-softmax-matmul on CPU, above it with torch's fused scaled_dot_product_attention (which never holds them
+# all). At the sizes of a short RL completion the fused CPU kernel costs more than the arithmetic: on a 2-core CPU,
 # forward + backward of 32 rows x 4 heads x 31 queries x 48 keys took 3.1 ms fused and 2.0 ms plain, and
-# 16 x 8 x 127 x 150 (head size 64) 34 vs 29 ms.
+# 16 x 8 x 127 x 150 (head size 64) 34 vs 29 ms. On other devices (CUDA) attention is always the fused kernel:
+# one launch forward and one backward instead of five each, and no float32 probabilities kept for backward.
 MATH_ATTENTION_MAX_BYTES = 32 * 2**20
+MATH_ATTENTION_DEVICES = ("cpu",)
+# Devices whose fused attention reads grouped key/value heads with a mask (`enable_gqa`). CUDA's fused kernels
+# (flash, memory-efficient, cuDNN) take grouped heads only without a mask: with one, SDPA silently falls back to
+# its unfused "math" kernel, in float32 for bf16 inputs (transformers' `use_gqa_in_sdpa` makes the same call).
+# Elsewhere the key/value heads are repeated to one per query head first (HF's `repeat_kv`), as the model's own
+# SDPA attention does.
+GROUPED_SDPA_DEVICES = ("cpu",)
 
 
 def _attention_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
-    """The mask (B, 1, T, L) as `_attention` takes it: its additive form (0 / -inf, float32) where the
-    probabilities fit in MATH_ATTENTION_MAX_BYTES (matmul attention), else as is (True = may attend: SDPA)."""
+    """The mask (B, 1, T, L) as `_attention` takes it: its additive form (0 / -inf, float32) for matmul attention
+    (on CPU, where the probabilities fit in MATH_ATTENTION_MAX_BYTES), else as is (True = may attend: SDPA)."""
     B, _, T, L = mask.shape
-    return mask if B * heads * T * L * 4 > MATH_ATTENTION_MAX_BYTES else additive_mask(mask, torch.float32)
+    if mask.device.type not in MATH_ATTENTION_DEVICES or B * heads * T * L * 4 > MATH_ATTENTION_MAX_BYTES:
+        return mask
+    return additive_mask(mask, torch.float32)
 
 
 def _attention(q, k, v, mask, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v (Vaswani et al. 2017, eq. 1) for q (B, H, T, D) and keys/values
     (B, Hkv, L, D): query head h reads key/value head h // (H / Hkv) (grouped-query attention, Ainslie et
-    al. 2023; HF's repeat_kv order), never copying a key/value head. `mask` (B, 1, T, L) from
-    `_attention_mask`: boolean (True = may attend) for torch's SDPA, or additive (0 / -inf) for matmul
-    attention."""
+    al. 2023; HF's repeat_kv order). `mask` (B, 1, T, L) from `_attention_mask`: boolean (True = may attend)
+    for torch's SDPA, or additive (0 / -inf) for matmul attention, which never copies a key/value head."""
     B, H, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
-    if mask.dtype == torch.bool:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
     R = H // Hkv
+    if mask.dtype == torch.bool:
+        if R > 1 and q.device.type not in GROUPED_SDPA_DEVICES:  # one key/value head per query head (see above)
+            k, v = (t[:, :, None].expand(B, Hkv, R, L, D).reshape(B, H, L, D) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != H)
     # The R query heads of group g are consecutive (g*R .. g*R + R - 1): as (B, Hkv, R*T, D) they are R*T
     # query rows against the group's L keys. The softmax in float32, as in the models' eager attention.
     scores = torch.matmul(q.reshape(B, Hkv, R * T, D), k.transpose(-1, -2)).view(B, Hkv, R, T, L)

@@ -1,0 +1,27 @@
+"""Host tensors onto the accelerator without waiting for it.
+
+A blocking host-to-device copy (`tensor.to("cuda")`) synchronises: the host waits until the GPU has run all the
+work queued before it, and the GPU then waits for the host to launch the next kernels. In a loop over
+micro-batches or scoring chunks that is one stall per copy (several per micro-batch). From page-locked (pinned)
+memory the copy is queued like a kernel (`non_blocking=True`) and the host keeps running ahead; torch's caching
+host allocator keeps the pinned buffer alive until the copy has run. The way back (`.cpu()`, `.item()`) always
+waits: the loops do it once per phase, never per micro-batch (tests/test_cuda.py runs them with
+`torch.cuda.set_sync_debug_mode("error")`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def to_device(tensor: Optional[torch.Tensor], device: torch.device | str) -> Optional[torch.Tensor]:
+    """`tensor` on `device`: from host memory to a CUDA device through pinned memory without a synchronisation,
+    otherwise as `tensor.to(device)` (a no-op where it already is). None stays None."""
+    if tensor is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

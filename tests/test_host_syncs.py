@@ -1,0 +1,125 @@
+"""No host synchronisation inside the loops over micro-batches and scoring chunks (issue 19).
+
+On a GPU every read of a device value on the host (`.item()`, `float(t)`, `.cpu()`, a data-dependent shape such as
+`torch.unique` or `nonzero`) and every blocking host-to-device copy waits until the device has run all the work
+queued before it: once per micro-batch that is a stall per micro-batch. Without a GPU the same property is
+checked on the "meta" device, which has no data at all, so every such read raises: the update's micro-batch
+loop runs with the model on meta and the rollout on the host, as it runs with the model on a GPU.
+(tests/test_cuda.py checks the same on a GPU with torch.cuda.set_sync_debug_mode("error").)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import with_sections
+
+import tidyrl
+from tidyrl.devices import to_device
+from tidyrl.loops import rl
+from tidyrl.loops.training import Sums
+
+
+def test_host_tensors_go_to_a_cuda_device_through_pinned_memory_without_waiting(monkeypatch):
+    host = torch.arange(6).view(2, 3)
+    assert to_device(host, "cpu") is host and to_device(None, "cuda") is None
+    calls = []
+
+    class Pinned:
+        def to(self, device, non_blocking=False):
+            calls.append(("to", device, non_blocking))
+            return "on the device"
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append(("pin", self.shape)) or Pinned())
+    assert to_device(host, "cuda") == "on the device"
+    assert calls == [("pin", (2, 3)), ("to", torch.device("cuda"), True)]
+
+
+def test_sums_stay_on_the_device_when_host_numbers_are_added():
+    """A host value after a device one is read as a number; moving the sums back to the host would wait."""
+    sums = Sums("loss", "value_loss", "tokens")
+    sums.add(loss=torch.ones((), device="meta"))
+    sums.add(value_loss=torch.zeros(()), tokens=3.0)
+    assert sums._values.device.type == "meta"
+    host = Sums("loss")
+    host.add(loss=torch.tensor(2.5))
+    host.add(loss=1.5)
+    assert host._values.device.type == "cpu" and host._values.tolist() == [4.0]
+
+
+class _LoopDone(Exception):
+    pass
+
+
+class _MetaAccelerator:
+    """The run's accelerator with `device` the meta device: where the update puts what it computes."""
+
+    def __init__(self, real):
+        self._real = real
+
+    device = torch.device("meta")
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.mark.parametrize("case", ["grpo-kl-epochs", "grpo-importance-weights", "rloo-kl-in-reward", pytest.param(
+    "ppo", marks=pytest.mark.xfail(strict=True, reason="the critic runs the model's own forward, whose mask building "
+                                   "(transformers' _ignore_causal_mask_sdpa) reads the padding mask on the host"))])
+def test_the_update_reads_nothing_back_from_the_device_inside_its_micro_batch_loop(case, tiny_model_dir, prompt_file,
+                                                                                   tmp_path, monkeypatch):
+    """The rollout is generated and scored for real; then the model (and critic) move to the meta device and the
+    first optimizer step runs its 3 micro-batches there, up to the step's one reduction of its sums. Any
+    `.item()`, `.cpu()`, `nonzero`, `unique` or list index of a device tensor in between raises."""
+    sections = {
+        "grpo-kl-epochs": {"grpo": {"kl_coef": 0.04}, "train": {"epochs_per_rollout": 2}},
+        "grpo-importance-weights": {"rollout": {"tis_cap": 2.0}, "train": {"epochs_per_rollout": 2}},
+        "rloo-kl-in-reward": {"algorithm": "rloo", "rloo": {"kl_coef": 0.05}},
+        "ppo": {"algorithm": "ppo", "ppo": {"kl_coef": 0.05}},
+    }[case]
+    config = with_sections({
+        "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 0,
+        "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+        "rollout": {"prompts_per_rollout": 3, "samples_per_prompt": 4, "max_new_tokens": 6},
+        "train": {"rollouts": 1, "micro_batch_size": 4}, "log": {"progress_bar": False},
+    }, sections)
+    reached = []
+    real_step = rl._RLRun.optimizer_step
+
+    def step_on_meta(self, rollout, minibatch, step):
+        for model in (self.model, self.critic):
+            if model is not None:
+                model.to("meta")
+        self.accelerator = _MetaAccelerator(self.accelerator)
+        return real_step(self, rollout, minibatch, step)
+
+    def reduced(self, accelerator):
+        reached.append({name: self._values.device.type for name in self.names})
+        raise _LoopDone
+
+    monkeypatch.setattr(rl._RLRun, "optimizer_step", step_on_meta)
+    monkeypatch.setattr(Sums, "reduced", reduced)
+    with pytest.raises(_LoopDone):
+        tidyrl.train(config)
+    assert len(reached) == 1 and set(reached[0].values()) == {"meta"}  # the sums were kept on the device
+
+
+def test_scoring_reads_its_chunks_back_only_once_after_the_last(monkeypatch):
+    """`score_logprobs` (old and reference log-probs) runs every chunk on the device and copies the result to
+    the host once: the first read of device data comes after the loop over chunks has ended."""
+    from conftest import llama
+    from test_llama_forward import _batch
+
+    from tidyrl import rollout as rollout_module
+
+    real_chunks, finished = rollout_module.chunks, []
+
+    def chunks(seq, size):
+        yield from real_chunks(seq, size)
+        finished.append(True)
+
+    monkeypatch.setattr(rollout_module, "chunks", chunks)
+    batch = _batch()  # 9 rows: chunks of 4, 4 and 1
+    with pytest.raises(NotImplementedError, match="meta"):  # the one copy to the host, from the meta device
+        rollout_module.score_logprobs(llama().to("meta"), batch, temperature=0.7, chunk_size=4)
+    assert finished == [True]
