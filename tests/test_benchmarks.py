@@ -66,3 +66,18 @@ def test_bench_vs_trl_runs_in_bfloat16_and_leaves_gpu_workloads_to_a_gpu(tmp_pat
     skipped = run("bench_vs_trl.py", "--workload", "qwen0.5b", "--libraries", "tidyrl")
     assert "qwen0.5b: a GPU workload (--device cuda)" in skipped and "episodes/s" not in skipped
 
+
+
+def test_bench_vs_trl_profiles_the_measured_rollouts(tmp_path):
+    """--profile: the measured rollouts under torch.profiler, summarised per rollout (ops or kernel launches, host
+    synchronisations, the top ops), the tables kept beside the run."""
+    out = run("bench_vs_trl.py", "--workload", "tiny", "--repeats", "1", "--steps", "2", "--warmup", "1",
+              "--libraries", "tidyrl", "--profile", "--keep", str(tmp_path))
+    match = re.search(r"profile tiny tidyrl: per rollout ([0-9]+) aten ops dispatched; host synchronisations: (.*)",
+                      out)
+    assert match and int(match.group(1)) > 1000, out
+    folder = tmp_path / "tiny" / "tidyrl-0"
+    summary = json.loads((folder / "profile.json").read_text())
+    assert summary["rollouts"] == 2 and len(summary["top"]) == 12
+    assert any(e["name"].startswith("aten::") for e in summary["top"])
+    assert "Self CPU" in (folder / "profile.txt").read_text()

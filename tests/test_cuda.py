@@ -92,3 +92,82 @@ def test_more_processes_than_gpus_is_refused_before_anything_loads(tiny_model_di
     assert "2 processes were started on this machine, but it has 1 CUDA device" in done.stderr
     assert "invalid device ordinal" not in done.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_lean_pass_attends_with_a_fused_kernel_over_grouped_heads():
+    """Masked SDPA over grouped key/value heads would fall back to the unfused math kernel on CUDA; with that kernel
+    ruled out the lean pass still runs (its heads are repeated first), forward and backward, and gives the model's
+    logits (float32) and runs in bfloat16."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tidyrl.models.llama_forward import completion_logits
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    prompts = torch.tensor([[0, 0, 5, 6], [0, 0, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10]])
+    pmask = (prompts != 0).long()
+    completions = torch.tensor([[11, 12, 2, 0, 0, 0], [13, 14, 15, 16, 17, 18]] * 2)
+    cmask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]] * 2).float()
+    for dtype in (torch.float32, torch.bfloat16):
+        model = llama(num_attention_heads=4, num_key_value_heads=2).to("cuda", dtype).train()
+        with sdpa_kernel(fused):
+            got = completion_logits(model, prompts, pmask, completions, cmask)
+            got.float().sum().backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        if dtype == torch.float32:
+            ids = torch.cat([prompts, completions], 1).cuda()
+            mask = torch.cat([pmask, cmask.long()], 1).cuda()
+            with torch.no_grad():
+                want = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                             use_cache=False).logits[:, prompts.shape[1] - 1: -1]
+            read = cmask.cuda()[..., None]
+            torch.testing.assert_close(got.detach() * read, want * read, atol=1e-4, rtol=1e-4)
+
+
+def test_the_update_and_scoring_never_wait_for_the_gpu_inside_their_loops(tiny_model_dir, prompt_file, tmp_path,
+                                                                          monkeypatch):
+    """torch.cuda.set_sync_debug_mode("error") raises at any host synchronisation: it is on from the start of each
+    optimizer step to its one reduction of the metric sums (the micro-batch loop), and around every scoring
+    forward. tests/test_host_syncs.py checks the same on the meta device, without a GPU."""
+    from tidyrl import rollout as rollout_module
+    from tidyrl.loops import rl
+    from tidyrl.loops.training import Sums
+
+    real_step, real_reduced, real_forward = rl._RLRun.optimizer_step, Sums.reduced, rollout_module.completion_logprobs
+    checked = {"steps": 0, "scoring": 0}
+
+    def step(self, *a, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real_step(self, *a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def reduced(self, accelerator):
+        if torch.cuda.get_sync_debug_mode() == 2:
+            checked["steps"] += 1
+        torch.cuda.set_sync_debug_mode("default")
+        return real_reduced(self, accelerator)
+
+    def scoring(*a, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            result = real_forward(*a, **kw)
+            checked["scoring"] += 1
+            return result
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(rl._RLRun, "optimizer_step", step)
+    monkeypatch.setattr(Sums, "reduced", reduced)
+    monkeypatch.setattr(rollout_module, "completion_logprobs", scoring)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    result = tidyrl.train({
+        "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 0,
+        "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+        "rollout": {"prompts_per_rollout": 3, "samples_per_prompt": 4, "max_new_tokens": 6, "tis_cap": 2.0,
+                    "forward_batch_size": 4},
+        "train": {"rollouts": 2, "epochs_per_rollout": 2, "micro_batch_size": 4},
+        "grpo": {"kl_coef": 0.04}, "log": {"progress_bar": False},
+    })
+    assert checked["steps"] == result.plan.total_optimizer_steps == 4
+    assert checked["scoring"] == 2 * 3  # the reference pass of each rollout, in chunks of 4 of its 12 episodes

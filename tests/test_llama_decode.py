@@ -162,6 +162,41 @@ def test_gradient_checkpointing_keeps_the_lean_step_for_generation():
     assert not supports(checkpointed)
 
 
+@pytest.mark.parametrize("copy_weights", [True, False], ids=["merged-copies", "own-weights"])
+def test_lora_models_generate_with_the_lean_step_and_draw_what_peft_draws(copy_weights, monkeypatch):
+    """A peft LoRA model generates with the lean step (and so, on CUDA, its graph): every projection W x + s B A x,
+    the same tokens and log-probs (to rounding) as peft's own forward. With the adapter disabled, or its dropout
+    in effect (training mode), the step steps aside; the training pass never takes a LoRA model."""
+    peft = pytest.importorskip("peft")
+    from tidyrl.models.llama_forward import can_run
+
+    monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                          target_modules=modules))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # B starts at zero (the adapter a no-op): draw it, so that the adapter changes every output
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    model.eval()
+    assert supports(model, lora=True) and not supports(model) and not can_run(model)
+    step = llama_decode.decode_step_for(model, 20)
+    assert step is not None and (step.copies is not None) == copy_weights
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7], [10, 11, 12, 13]]
+    common = dict(sample_keys=[1, 2, 3, 4], max_new_tokens=10, eos_ids=[2], pad_id=0, batch_size=4,
+                  return_logprobs=True)
+    lean, own = generate(model, prompts, **common), generate(model, prompts, fast_path=False, **common)
+    assert torch.equal(lean[0], own[0]) and torch.equal(lean[1], own[1])
+    torch.testing.assert_close(lean[3], own[3], atol=1e-5, rtol=0)
+    with model.disable_adapter():
+        assert not supports(model, lora=True)
+        base = generate(model, prompts, **common)
+    assert (lean[3] - base[3]).abs().max() > 0.1  # the adapter was computed, not skipped
+    model.train()
+    assert not supports(model, lora=True)  # its dropout would act in the model's forward
+
+
 def test_layouts_it_does_not_compute_are_refused():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

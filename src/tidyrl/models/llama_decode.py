@@ -26,9 +26,10 @@ The maths, per decoder layer, for one new token per row (Touvron et al. 2023, "L
   padding, the softmax in float32 as in HF's eager attention.
 - MLP: SwiGLU (Shazeer 2020), down(act(gate(h)) * up(h)) with the model's own activation module.
 
-Anything that does not match this layout exactly (extra modules such as q/k norms, wrapped projections as
-with LoRA adapters, sharded parameters, other attention kernels) is refused by `supports`, and the caller
-keeps the model's own forward.
+Anything that does not match this layout exactly (extra modules such as q/k norms, wrapped projections,
+sharded parameters, other attention kernels) is refused by `supports`, and the caller keeps the model's own
+forward. LoRA adapters (peft) are computed for generation (`supports(..., lora=True)`): a projection is
+W x + b + s B A x with the one active adapter, as peft's forward computes it (Hu et al. 2021, eq. 3).
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ _ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
-def supports(model) -> bool:
-    """True when `model` is a plain Llama-layout causal LM that `LlamaDecodeStep` computes exactly."""
+def supports(model, lora: bool = False) -> bool:
+    """True when `model` is a plain Llama-layout causal LM that `LlamaDecodeStep` computes exactly. With `lora`,
+    also a peft model over one, its projections adapted by LoRA (see `_lora_parts`)."""
+    model = base_of(model) if lora else model
     if type(model).__name__ not in _ARCHITECTURES:
         return False
     config = model.config
@@ -73,14 +76,53 @@ def supports(model) -> bool:
             return False
         if {name for name, _ in mlp.named_children()} != set(_MLP_LINEARS) | {"act_fn"}:
             return False
-        if any(type(getattr(attn, n)) is not nn.Linear for n in _ATTN_LINEARS):  # LoRA wraps them
+        if not all(_computable(getattr(attn, n), lora) for n in _ATTN_LINEARS):  # LoRA and others wrap them
             return False
-        if any(type(getattr(mlp, n)) is not nn.Linear for n in _MLP_LINEARS):
+        if not all(_computable(getattr(mlp, n), lora) for n in _MLP_LINEARS):
             return False
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if not type(norm).__name__.endswith("RMSNorm") or list(norm.children()):
                 return False
     return type(inner.norm).__name__.endswith("RMSNorm")
+
+
+def base_of(model):
+    """The transformers model under a peft wrapper (PeftModel), or `model` itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if get_base is not None and hasattr(model, "peft_config") else model
+
+
+def _computable(module: nn.Module, lora: bool) -> bool:
+    return type(module) is nn.Linear or (lora and _lora_parts(module) is not None)
+
+
+def _lora_parts(module: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear, nn.Linear, float]]:
+    """(base linear, A, B, scaling) of a peft LoRA linear layer that computes base(x) + B(A(x)) * scaling: one
+    active adapter, not merged, not disabled, no DoRA or other variant, no bias on B, no dropout in effect, a
+    plain base linear. None for any other module (its forward is then the model's own)."""
+    base, lora_a, lora_b = (getattr(module, n, None) for n in ("base_layer", "lora_A", "lora_B"))
+    if type(base) is not nn.Linear or not isinstance(lora_a, nn.ModuleDict) or not isinstance(lora_b, nn.ModuleDict):
+        return None
+    active = list(getattr(module, "active_adapters", ()))
+    if len(active) != 1 or active[0] not in lora_a or getattr(module, "merged", True) or \
+            getattr(module, "disable_adapters", True):
+        return None
+    name = active[0]
+    a, b = lora_a[name], lora_b[name]
+    if type(a) is not nn.Linear or type(b) is not nn.Linear or b.bias is not None or a.bias is not None:
+        return None
+    if getattr(module, "use_dora", {}).get(name) or getattr(module, "lora_variant", {}).get(name) is not None:
+        return None
+    dropout = module.lora_dropout[name]
+    if dropout.training and getattr(dropout, "p", 0.0) > 0:
+        return None
+    return base, a, b, float(module.scaling[name])
+
+
+def _lora_state(model) -> tuple:
+    """What a step built for `model` depends on beyond its parameters: each LoRA layer's adapter and scaling."""
+    return tuple((parts[1].weight.data_ptr(), parts[3]) for parts in map(_lora_parts, model.modules())
+                 if parts is not None)
 
 
 # The forward hook that transformers' and peft's `enable_input_require_grads` put on the input embeddings
@@ -159,6 +201,7 @@ class LlamaDecodeStep:
     which rewrites them in place (cheaper than building a step: no allocation, one strided copy per weight)."""
 
     def __init__(self, model, max_positions: int):
+        model = base_of(model)
         inner = model.model
         config = model.config
         layers = list(inner.layers)
@@ -173,7 +216,11 @@ class LlamaDecodeStep:
         self.rope_table, self.max_positions = None, 0
         self.params = list(model.parameters())
         self.pointers = [p.data_ptr() for p in self.params]
-        self.copied = linear_weight_bytes(model) <= COPY_MAX_BYTES
+        self.lora_state = _lora_state(model)
+        # (LoRA adapters are merged into float32 copies only: in bf16 the rounding of W + s B A would swallow
+        # most of a small adapter's update.)
+        self.copied = linear_weight_bytes(model) <= COPY_MAX_BYTES and (
+            not self.lora_state or all(p.dtype == torch.float32 for p in self.params))
         proj = _Copy if self.copied else _own
         self.layers = [
             _Layer(l.input_layernorm.weight, l.input_layernorm.variance_epsilon, l.post_attention_layernorm.weight,
@@ -196,9 +243,11 @@ class LlamaDecodeStep:
     def matches(self, model) -> bool:
         """True while `model` still has the parameters this step was built on: the same tensors in the same
         storage (not replaced, not moved to another device or dtype)."""
+        model = base_of(model)
         params = list(model.parameters())
         return len(params) == len(self.params) and all(
-            a is b and a.data_ptr() == ptr for a, b, ptr in zip(params, self.params, self.pointers))
+            a is b and a.data_ptr() == ptr for a, b, ptr in zip(params, self.params, self.pointers)) and \
+            _lora_state(model) == self.lora_state
 
     def refresh(self, max_positions: int) -> "LlamaDecodeStep":
         """Rewrite the copies from the parameters as they are now, in place, and extend the rope table up to
@@ -310,10 +359,10 @@ class LlamaDecodeStep:
             qkv = layer.qkv(h).view(-1, H + 2 * Hkv, D)
             qk = rope(qkv[:, : H + Hkv], cos, sin)  # one rope for the query and key heads together
             return qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
-        (qw, qb), (kw, kb), (vw, vb) = layer.qkv
-        q = rope(F.linear(h, qw, qb).view(-1, H, D), cos, sin)
-        k = rope(F.linear(h, kw, kb).view(-1, Hkv, D), cos, sin)
-        return q, k, F.linear(h, vw, vb).view(-1, Hkv, D)
+        q_proj, k_proj, v_proj = layer.qkv
+        q = rope(q_proj(h).view(-1, H, D), cos, sin)
+        k = rope(k_proj(h).view(-1, Hkv, D), cos, sin)
+        return q, k, v_proj(h).view(-1, Hkv, D)
 
     def _rest_of_layer(self, layer: _Layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input x and the attention output o (rows, H*D): o_proj, residual, MLP."""
@@ -321,14 +370,14 @@ class LlamaDecodeStep:
             x = x + layer.o(o)
             gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).chunk(2, dim=-1)
             return x + layer.down(layer.act_fn(gate) * up)
-        x = x + F.linear(o, *layer.o[0])
+        x = x + layer.o[0](o)
         h = rms_norm(x, layer.post_norm, layer.post_eps)
-        (gw, gb), (uw, ub) = layer.gate_up
-        return x + F.linear(layer.act_fn(F.linear(h, gw, gb)) * F.linear(h, uw, ub), *layer.down[0])
+        gate, up = layer.gate_up
+        return x + layer.down[0](layer.act_fn(gate(h)) * up(h))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.norm, self.norm_eps)
-        return self.head(x) if self.copied else F.linear(x, *self.head[0])
+        return self.head(x) if self.copied else self.head[0](x)
 
 
 class StaticDecode:
@@ -402,8 +451,35 @@ def is_silu(act_fn: nn.Module) -> bool:
     return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
 
 
-def _own(*linears: nn.Linear) -> tuple[tuple[torch.Tensor, Optional[torch.Tensor]], ...]:
-    return tuple((m.weight, m.bias) for m in linears)
+def _own(*linears: nn.Module) -> tuple["_Projection", ...]:
+    return tuple(_Projection(m) for m in linears)
+
+
+class _Projection:
+    """One linear layer on the model's own parameters, as a call: F.linear(x, W, b), plus s B (A x) for a LoRA
+    layer (peft's order and casts: x in the adapter's dtype, the sum back in the layer's result dtype)."""
+
+    def __init__(self, module: nn.Module):
+        parts = _lora_parts(module)
+        base = module if parts is None else parts[0]
+        self.weight, self.bias = base.weight, base.bias
+        self.lora = None if parts is None else (parts[1].weight, parts[2].weight, parts[3])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is None:
+            return y
+        a, b, scaling = self.lora
+        return (y + F.linear(F.linear(x.to(a.dtype), a), b) * scaling).to(y.dtype)
+
+
+def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The weight a linear layer computes with (for LoRA, W + s B A: merged, for a float32 copy) and its bias."""
+    parts = _lora_parts(module)
+    if parts is None:
+        return module.weight, module.bias
+    base, a, b, scaling = parts
+    return torch.addmm(base.weight, b.weight, a.weight, alpha=scaling), base.bias
 
 
 class _Copy:
@@ -421,7 +497,7 @@ class _Copy:
         with torch.no_grad():
             start = 0
             for m in self.linears:  # written transposed, straight into place: one copy per weight
-                self.weight[:, start: start + m.out_features].copy_(m.weight.t())
+                self.weight[:, start: start + m.out_features].copy_(_weight_and_bias(m)[0].t())
                 start += m.out_features
             self.bias = _concatenated_bias(self.linears)
 
@@ -467,9 +543,10 @@ _STEPS: "weakref.WeakKeyDictionary[nn.Module, LlamaDecodeStep]" = weakref.WeakKe
 def decode_step_for(model, max_positions: int) -> Optional[LlamaDecodeStep]:
     """The lean step for `model` (see `LlamaDecodeStep`), up to date with its weights, or None when it is not a
     layout this module computes exactly. The step is kept between generations, its copies rewritten in place."""
-    if not supports(model):
-        _STEPS.pop(model, None)
+    if not supports(model, lora=True):
+        _STEPS.pop(base_of(model), None)
         return None
+    model = base_of(model)
     step = _STEPS.get(model)
     if step is None or not step.matches(model):
         step = _STEPS[model] = LlamaDecodeStep(model, max_positions)
