@@ -1,6 +1,7 @@
 """Time tidyrl's generation on the benchmark workloads' models, with the lean Llama decode step on and off.
 
     python benchmarks/bench_decode.py --workload tiny --repeats 5
+    python benchmarks/bench_decode.py --workload small --lora 8     # a LoRA adapter on every projection (peft)
 
 Prints the seconds per `generate` call (all P*k sequences at once, every completion max_new_tokens long,
 as in bench_vs_trl.py) and per decoding step for both paths, and checks that they produce the same
@@ -23,7 +24,10 @@ from tidyrl.models.generation import generate, sample_seed  # noqa: E402
 
 
 def main() -> None:
-    args, w, tok, model = in_process_setup(__doc__, default_repeats=5)
+    args, w, tok, model = in_process_setup(__doc__, default_repeats=5, extra_args=lambda parser: parser.add_argument(
+        "--lora", type=int, default=0, metavar="RANK", help="wrap the model in a peft LoRA adapter of this rank"))
+    if args.lora:
+        model = with_lora(model, args.lora)
     model.eval()
     texts = prompt_texts(w["prompts"])
     prompts = [tok(t)["input_ids"] for t in texts for _ in range(w["k"])]
@@ -42,12 +46,29 @@ def main() -> None:
             times[lean].append(time.perf_counter() - start)
     same = torch.equal(outputs[True][0], outputs[False][0])
     lp_diff = (outputs[True][3] - outputs[False][3]).abs().max().item()
-    print(f"{args.workload}: {len(prompts)} sequences x {T} tokens, {args.threads} threads, median of {args.repeats}")
+    lora = f", LoRA rank {args.lora}" if args.lora else ""
+    print(f"{args.workload}{lora}: {len(prompts)} sequences x {T} tokens, {args.threads} threads, median of "
+          f"{args.repeats}")
     for lean in (True, False):
         med = statistics.median(times[lean])
         print(f"  {'lean step' if lean else 'HF forward':10s}  {med:.4f} s per generate, {1000 * med / T:.2f} ms per step")
     print(f"  speed-up {statistics.median(times[False]) / statistics.median(times[True]):.2f}x; "
           f"same completions: {same}; max |log-prob difference| {lp_diff:.2e}")
+
+
+def with_lora(model, rank: int):
+    """`model` under a LoRA adapter of `rank` on every projection (lora_alpha = 2 rank), its B drawn at random so
+    that the adapter changes every output (freshly initialised B is zero)."""
+    import peft
+
+    target = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    return model
 
 
 if __name__ == "__main__":

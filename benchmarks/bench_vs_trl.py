@@ -332,15 +332,18 @@ def workload_model(name: str):
     return tok, model
 
 
-def in_process_setup(doc: str, default_repeats: int):
+def in_process_setup(doc: str, default_repeats: int, extra_args=None):
     """The command line of the in-process benchmarks (bench_decode.py, bench_update.py): --workload, --repeats,
-    --threads. Returns (args, workload dict, tokenizer, model), torch's thread count set."""
+    --threads, and what `extra_args(parser)` adds. Returns (args, workload dict, tokenizer, model), torch's thread
+    count set."""
     import torch
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
     parser.add_argument("--repeats", type=int, default=default_repeats)
     parser.add_argument("--threads", type=int, default=2)
+    if extra_args is not None:
+        extra_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     return (args, WORKLOADS[args.workload], *workload_model(args.workload))
