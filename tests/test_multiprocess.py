@@ -115,7 +115,8 @@ def test_lora_on_two_processes_matches_one(ppo_yaml, tmp_path):
     for a, b in zip(rows(one), rows(two)):
         assert (a["step"], a["lr"]) == (b["step"], b["lr"])
         assert a["kl"] == pytest.approx(b["kl"], abs=TOL)
-    assert rows(one)[-1]["kl"] > 0  # the reference (adapter off) differs from the trained policy
+    # the reference (adapter off) differs from the trained policy (the k1 estimate of a sample may be negative)
+    assert abs(rows(one)[-1]["kl"]) > 1e-4
     for part in ("adapter_model.safetensors", "critic/model.safetensors"):
         w1, w2 = weights(one / "final" / part), weights(two / "final" / part)
         assert max_diff(w1, w2) < TOL, part

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tidyrl.models import generation
 from tidyrl.models.generation import filter_logits, generate, left_pad, sample_seed, eos_token_ids
 from tidyrl.rollout import Rollout, score_logprobs
 
@@ -52,10 +51,7 @@ def test_generation_stops_at_every_eos_id_and_masks_what_follows():
     assert truncated.tolist() == [False, False, True]
 
 
-@pytest.mark.parametrize("steps_per_draw", [None, 2], ids=["one-draw", "ban-across-draws"])
-def test_min_new_tokens_forbids_eos_early(monkeypatch, steps_per_draw):
-    if steps_per_draw:  # uniforms drawn 2 steps at a time: the ban covers the first draw and half the second
-        monkeypatch.setattr(generation, "_UNIFORMS_PER_DRAW", steps_per_draw * V)
+def test_min_new_tokens_forbids_eos_early():
     model = ScriptedLM({5: [EOS, EOS, EOS, EOS, EOS]})
     ids, mask, truncated = run(model, [[5]] * 4, min_new_tokens=3)
     for row in ids.tolist():
@@ -161,6 +157,51 @@ def test_rollout_select_trims_shared_padding():
     assert part.prompt_ids.tolist() == [[4]] and part.completion_ids.tolist() == [[9, 2]]
 
 
+def test_inverse_transform_sampling_draws_each_token_with_its_probability():
+    """Hand-worked: probabilities (0.1, 0.2, 0.3, 0.4) have cumulative sums (0.1, 0.3, 0.6, 1.0), so u = 0.05
+    draws token 0, 0.25 token 1, 0.59 token 2, 0.61 and 0.999 token 3. A banned token (-inf) takes no mass:
+    (0.1, 0.2, -, 0.4) / 0.7 sum to (1/7, 3/7, 3/7, 1), so u = 0.5 draws token 3. And 200 000 draws of seeded
+    uniforms land on each token with its probability to 0.3 percentage points."""
+    from tidyrl.models.generation import sample_from_logits
+
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log()
+    u = torch.tensor([0.05, 0.25, 0.59, 0.61, 0.999], dtype=torch.float64)
+    assert sample_from_logits(logits.expand(5, 4), u).tolist() == [0, 1, 2, 3, 3]
+    banned = logits.clone()
+    banned[2] = float("-inf")
+    assert sample_from_logits(banned.expand(3, 4), torch.tensor([0.1, 0.2, 0.5], dtype=torch.float64)).tolist() \
+        == [0, 1, 3]
+    n = 200_000
+    draws = sample_from_logits(logits.expand(n, 4), torch.rand(n, generator=torch.Generator().manual_seed(0),
+                                                                dtype=torch.float64))
+    freq = torch.bincount(draws, minlength=4).double() / n
+    assert (freq - torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)).abs().max() < 0.003
+
+
+@pytest.mark.parametrize("block", [7, 16, 1024])
+def test_the_two_level_sum_draws_what_one_float64_running_sum_draws(block, monkeypatch):
+    """Blocks of 7 and 16 tokens over vocabularies of 5 to 300 (whole blocks, a partial last one, one block), masked
+    tokens, mass piled into the last tokens: every draw equals the first index whose float64 running sum of the
+    softmax exceeds u * total, and never a masked token."""
+    from tidyrl.models import generation
+    from tidyrl.models.generation import sample_from_logits
+
+    monkeypatch.setattr(generation, "_SAMPLING_BLOCK", block)
+    g = torch.Generator().manual_seed(5)
+    for V in (5, 7, 16, 59, 300):
+        for case in range(10):
+            logits = 3 * torch.randn(64, V, generator=g)
+            logits[:, 1::3] = float("-inf")
+            if case == 0:
+                logits[:, -1] = 40.0  # nearly all the mass in the last token
+            u = torch.rand(64, generator=g, dtype=torch.float64)
+            cumulative = torch.softmax(logits, -1).double().cumsum(-1)
+            want = (cumulative > (u * cumulative[:, -1])[:, None]).long().argmax(-1)
+            got = sample_from_logits(logits, u)
+            assert torch.equal(got, want), (V, case)
+            assert torch.isfinite(logits.gather(1, got[:, None])).all()
+
+
 def test_eos_ids_are_the_union_of_generation_config_and_tokenizer():
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[5, 7]))
     assert eos_token_ids(model, SimpleNamespace(eos_token_id=2)) == [2, 5, 7]
@@ -171,16 +212,18 @@ def test_eos_ids_are_the_union_of_generation_config_and_tokenizer():
 
 def _reference_completion(model, prompt, key, max_new_tokens, eos_ids, min_new_tokens=0, temperature=1.0):
     """The decode loop's maths without any of its machinery: no cache, no batch, no shared prefill; the whole
-    sequence is re-run at every step, and the row's generator draws one uniform vector per step."""
+    sequence is re-run at every step; the row's generator draws its max_new_tokens uniforms first, and step t's
+    token is the first whose cumulative probability exceeds uniform t times the total."""
     gen = torch.Generator().manual_seed(key)
+    uniforms = torch.rand(max_new_tokens, generator=gen, dtype=torch.float64)
     seq, out = list(prompt), []
     with torch.no_grad():
         for step in range(max_new_tokens):
             z = model(torch.tensor([seq])).logits[0, -1].float() / temperature
             if step < min_new_tokens:
                 z[eos_ids] = float("-inf")
-            u = torch.rand(z.shape[-1], generator=gen)
-            token = int(torch.argmax(z - torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))))
+            cumulative = torch.softmax(z, -1).double().cumsum(0)
+            token = int((cumulative > uniforms[step] * cumulative[-1]).nonzero()[0])
             out.append(token)
             seq.append(token)
             if token in eos_ids:
@@ -188,16 +231,12 @@ def _reference_completion(model, prompt, key, max_new_tokens, eos_ids, min_new_t
     return out
 
 
-@pytest.mark.parametrize("min_new_tokens,steps_per_draw", [(2, None), (7, 3)],
-                         ids=["one-draw", "ban-across-draws"])
-def test_lean_decoding_matches_a_naive_reference(tiny_model_and_tokenizer, monkeypatch, min_new_tokens,
-                                                 steps_per_draw):
-    """Shared prefill (k samples per prompt), buffered keys/values, dropping finished rows, uniforms drawn
-    several steps at a time and the EOS ban applied per draw change no completion: each equals the one a
-    cache-free, one-sequence-at-a-time loop draws from the same key."""
+@pytest.mark.parametrize("min_new_tokens", [2, 7])
+def test_lean_decoding_matches_a_naive_reference(tiny_model_and_tokenizer, min_new_tokens):
+    """Shared prefill (k samples per prompt), buffered keys/values, dropping finished rows (with their uniforms)
+    and the EOS ban change no completion: each equals the one a cache-free, one-sequence-at-a-time loop draws
+    from the same key."""
     model, tok = tiny_model_and_tokenizer
-    if steps_per_draw:  # uniforms for 3 steps per draw: the min_new_tokens ban spans three draws
-        monkeypatch.setattr(generation, "_UNIFORMS_PER_DRAW", steps_per_draw * model.config.vocab_size)
     eos = [tok.eos_token_id]
     prompts = [tok(w)["input_ids"] for w in ["apple:", "a much longer prompt:", "fig:"] for _ in range(6)]
     keys = [sample_seed(7, 1, i) for i in range(len(prompts))]

@@ -2,9 +2,9 @@
 
 Why not `model.generate`: sampling must be keyed per (seed, rollout, sample index) so that chunk sizes and
 process counts never change the completions. Each sequence owns a `torch.Generator` seeded from its key and
-draws its own uniforms; a token is drawn by the Gumbel-max trick (argmax of logits + Gumbel noise is an exact
-sample of the softmax; Gumbel 1954, Maddison et al. 2014), so a sequence's draws never depend on which other
-sequences share its chunk.
+draws its own uniforms, one per token, all at once before decoding; a token is drawn from the softmax by inverse
+transform sampling (`sample_from_logits`: the first token whose cumulative probability exceeds the uniform), so a
+sequence's draws never depend on which other sequences share its chunk.
 
 What makes it fast, none of which changes a draw or the maths (docs/benchmarks.md has the profiles and figures):
 - the k samples of a prompt share one prompt pass: each distinct prompt is prefilled once and its keys/values
@@ -14,8 +14,9 @@ What makes it fast, none of which changes a draw or the maths (docs/benchmarks.m
 - Llama-layout models decode with our own one-token step (`models.llama_decode`: the same maths as their
   forward without its per-call overhead; `model_fast_paths: false` turns it off); other models get their 4D
   attention mask ready-made;
-- each sequence draws its sampling noise for many steps at once (on CPU the same numbers as one draw per
-  step; on any device a function of the sample's key, V and max_new_tokens only, never of the chunking);
+- each sequence draws its max_new_tokens uniforms in one call before decoding: no random-number call per token
+  (with one Gumbel vector per row per token, as before, a 150k vocabulary cost a generator call per row per token
+  and 40 ms per step for 32 rows on 2 CPU cores; on a GPU, one kernel launch per row per token);
 - finished rows leave the decoding batch (except with fixed shapes: a CUDA graph replays one batch size);
 - the sampling pass returns each token's log-prob, the sampler's log-probs of the rollout: no separate
   scoring pass of the policy.
@@ -70,6 +71,38 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
             ids[i, width - len(s):] = torch.as_tensor(s, dtype=torch.long)
             mask[i, width - len(s):] = 1
     return ids, mask
+
+
+def sample_from_logits(logits_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from softmax(logits) by inverse transform sampling: the first token whose cumulative
+    probability exceeds u * (total probability), for u uniform in [0, 1) (float64, one per row). Tokens at -inf
+    (filtered, banned) add no mass and are never drawn.
+
+    The softmax is float32, as the log-probs of training. A float32 running sum over 150k tokens would move mass
+    between them, a float64 one over all of them costs 5x the softmax on a CPU: the sums are taken in two levels,
+    blocks of `_SAMPLING_BLOCK` tokens summed in float32 (relative error ~1e-7, the softmax's own) and accumulated
+    in float64, the block where u * total falls found, then the float64 running sum within that block alone."""
+    B, V = logits_BV.shape
+    C = min(V, _SAMPLING_BLOCK)
+    probs = torch.softmax(logits_BV.float(), dim=-1)
+    full = V // C * C
+    sums = probs[:, :full].view(B, -1, C).sum(-1)  # (B, blocks): whole blocks, then the rest as one more
+    if full < V:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], dim=1)
+    block_cdf = sums.double().cumsum(-1)
+    target = uniforms_B.double() * block_cdf[:, -1]  # < the total, as u < 1
+    block = torch.searchsorted(block_cdf, target[:, None], right=True).clamp_max(block_cdf.shape[1] - 1)  # (B, 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), 0.0)[:, 0]
+    index = block * C + torch.arange(C, device=probs.device)  # (B, C): the block's tokens (past V: none)
+    inner = probs.gather(1, index.clamp_max(V - 1)).masked_fill(index >= V, 0.0).double().cumsum(-1)
+    # The rest of the target inside its block, kept under the block's own total (summed in another order).
+    rest = torch.minimum(target - before, torch.nextafter(inner[:, -1], torch.zeros_like(inner[:, -1])))
+    within = torch.searchsorted(inner, rest[:, None], right=True)[:, 0]
+    return (block[:, 0] * C + within).clamp_max(V - 1)
+
+
+# Tokens per block of `sample_from_logits`'s two-level cumulative sum (a 150k vocabulary: 149 blocks).
+_SAMPLING_BLOCK = 1024
 
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -200,29 +233,20 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     done = 0  # rows that have ended but are still in the batch
     vocab, steps = logits.shape[-1], 0
-    # Each sequence draws its uniforms from its own generator, `block` steps at a time (block depends on V and
-    # max_new_tokens only, so chunking never changes a draw): on CPU (block, V) at once is the same stream as
-    # `block` draws of V. The Gumbel noise of a block is computed in one go.
-    block = max(1, min(max_new_tokens, _UNIFORMS_PER_DRAW // vocab))
+    # Each sequence's uniforms for every step, from its own generator in one call (a function of its key and
+    # max_new_tokens only: chunking never changes a draw).
+    uniforms = torch.stack([torch.rand(max_new_tokens, generator=g, device=device, dtype=torch.float64)
+                            for g in generators])  # (B, T)
     filtering = bool(top_k and top_k < vocab) or top_p < 1.0
     for step in range(max_new_tokens):
-        if step % block == 0:
-            u = torch.stack([torch.rand((block, vocab), generator=g, device=device) for g in generators])
-            gumbel_BSV = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))  # (b, block, V)
-            if not filtering and step < min_new_tokens:
-                # The EOS ban, for the block's steps before min_new_tokens, in the noise: the same argmax as
-                # banning in the logits, since -inf + anything finite is -inf; one write per block, not per step.
-                gumbel_BSV[:, : min_new_tokens - step, eos] = float("-inf")
-        gumbel = gumbel_BSV[:, step % block]  # (b, V)
         scaled = logits.float() / temperature if temperature != 1.0 else logits.float()  # (b, V)
+        z = scaled
+        if step < min_new_tokens:  # EOS banned until min_new_tokens: no mass to draw
+            z = scaled.clone()
+            z[:, eos] = float("-inf")
         if filtering:
-            z = scaled.clone() if step < min_new_tokens else scaled
-            if step < min_new_tokens:
-                z[:, eos] = float("-inf")
-            noisy = filter_logits(z, top_k, top_p) + gumbel
-        else:
-            noisy = scaled + gumbel
-        token = torch.argmax(noisy, dim=-1)
+            z = filter_logits(z, top_k, top_p)
+        token = sample_from_logits(z, uniforms[:, step])
         # log softmax(scaled)[token]: the unfiltered policy, as in training.
         chosen = torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         if done:  # rows that ended earlier emit padding, masked out
@@ -241,8 +265,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
             keep = (~finished).nonzero().squeeze(1)
             at = keep if isinstance(at, slice) else at[keep]
             token, attn, next_pos, finished = token[keep], attn[keep], next_pos[keep], finished[keep]
-            generators = [generators[i] for i in keep.tolist()]
-            gumbel_BSV = gumbel_BSV[keep]
+            uniforms = uniforms[keep]
             cache.batch_select_indices(keep)
             done = 0
         if static is not None:
@@ -260,10 +283,6 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     is_eos = torch.isin(ids, eos)
     alive = (is_eos.cumsum(-1) == is_eos.long()).float()
     return ids, alive, logprobs[:, :steps]
-
-
-# Uniforms one sequence draws at once (its next `block` steps of V each; one step when V is larger).
-_UNIFORMS_PER_DRAW = 2**16
 
 
 def _plain_kv_cache(model) -> bool:
