@@ -112,19 +112,32 @@ def test_fixed_shape_decoding_draws_the_same_completions(name, monkeypatch):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]] * 4
     common = dict(sample_keys=[sample_seed(5, 2, i) for i in range(12)], max_new_tokens=16, eos_ids=[2, 3],
                   pad_id=0, return_logprobs=True, batch_size=12)
-    built = []
+    built, steps = [], []
     real = generation.StaticDecode
-    monkeypatch.setattr(generation, "StaticDecode", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+
+    class Counted(real):
+        def __call__(self, *a, **kw):
+            steps[-1] += 1
+            return super().__call__(*a, **kw)
+
+    monkeypatch.setattr(generation, "StaticDecode", lambda *a, **k: built.append(Counted(*a, **k)) or built[-1])
     ended = []
-    for extra in ({}, {"min_new_tokens": 3, "temperature": 0.7}, {"top_k": 6, "min_new_tokens": 2}):
-        fixed = generate(model, prompts, static_cache=True, **common, **extra)
+    # The last setting makes half the vocabulary EOS: every row ends within a few tokens, the fixed-shape loop
+    # decodes padding until it asks whether all have (every _END_CHECK_EVERY tokens: one host read per 8), then stops.
+    for extra in ({}, {"min_new_tokens": 3, "temperature": 0.7}, {"top_k": 6, "min_new_tokens": 2},
+                  {"eos_ids": list(range(2, V, 2))}):
+        settings = {**common, **extra}
+        steps.append(0)
+        fixed = generate(model, prompts, static_cache=True, **settings)
         ended.append(bool((~fixed[2]).any()))
-        growing = generate(model, prompts, static_cache=False, **common, **extra)
+        growing = generate(model, prompts, static_cache=False, **settings)
         for a, b in zip(fixed[:3], growing[:3]):
             assert torch.equal(a, b)
         torch.testing.assert_close(fixed[3], growing[3], atol=1e-5, rtol=0)
-    assert len(built) == 3 and not built[0].use_graph  # built once per call; no graph off CUDA
+    assert len(built) == 4 and not built[0].use_graph  # built once per call; no graph off CUDA
     assert any(ended)  # some rows ended early and stayed in the batch (decoding padding) until the others did
+    assert int(fixed[1].sum(1).max()) < generation._END_CHECK_EVERY  # every row ended before the first check,
+    assert steps[-1] == generation._END_CHECK_EVERY - 1  # where the loop stopped (steps after the first token)
 
 
 def test_generation_uses_the_weights_as_they_are_now():
