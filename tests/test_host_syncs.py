@@ -72,9 +72,8 @@ class _MetaAccelerator:
         return getattr(self._real, name)
 
 
-@pytest.mark.parametrize("case", ["grpo-kl-epochs", "grpo-importance-weights", "rloo-kl-in-reward", pytest.param(
-    "ppo", marks=pytest.mark.xfail(strict=True, reason="the critic runs the model's own forward, whose mask building "
-                                   "(transformers' _ignore_causal_mask_sdpa) reads the padding mask on the host"))])
+@pytest.mark.parametrize("case", ["grpo-kl-epochs", "grpo-importance-weights", "rloo-kl-in-reward", "ppo",
+                                  "grpo-model-forward"])
 def test_the_update_reads_nothing_back_from_the_device_inside_its_micro_batch_loop(case, tiny_model_dir, prompt_file,
                                                                                    tmp_path, monkeypatch,
                                                                                    autocast_takes_meta):
@@ -85,7 +84,8 @@ def test_the_update_reads_nothing_back_from_the_device_inside_its_micro_batch_lo
         "grpo-kl-epochs": {"grpo": {"kl_coef": 0.04}, "train": {"epochs_per_rollout": 2}},
         "grpo-importance-weights": {"rollout": {"tis_cap": 2.0}, "train": {"epochs_per_rollout": 2}},
         "rloo-kl-in-reward": {"algorithm": "rloo", "rloo": {"kl_coef": 0.05}},
-        "ppo": {"algorithm": "ppo", "ppo": {"kl_coef": 0.05}},
+        "ppo": {"algorithm": "ppo", "ppo": {"kl_coef": 0.05}},  # the critic: the model's own forward
+        "grpo-model-forward": {"grpo": {"kl_coef": 0.04}, "model_fast_paths": False},  # shared-prompt passes
     }[case]
     config = with_sections({
         "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 0,
@@ -133,3 +133,36 @@ def test_scoring_reads_its_chunks_back_only_once_after_the_last(monkeypatch, aut
     with pytest.raises(NotImplementedError, match="meta"):  # the one copy to the host, from the meta device
         rollout_module.score_logprobs(llama().to("meta"), batch, temperature=0.7, chunk_size=4)
     assert finished == [True]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_4d_masks_handed_to_the_model_give_what_its_own_masks_give(attention, monkeypatch):
+    """Off the CPU the model's forward gets its finished 4D mask (transformers would read the 2D one on the host):
+    the same log-probs in one pass and in the shared-prompt passes, and the same critic values, as with the masks
+    the model builds itself, for SDPA (boolean) and eager (additive) attention."""
+    from conftest import llama
+    from test_llama_forward import _batch
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    from tidyrl.models import forward
+
+    policy = llama(attn_implementation=attention).train()
+    torch.manual_seed(0)
+    # (eval: the classifier head has dropout, which would differ between any two calls)
+    critic = LlamaForTokenClassification(LlamaConfig(**{**policy.config.to_dict(), "num_labels": 1})).eval()
+    ndims = []
+    for model in (policy, critic):
+        model.register_forward_pre_hook(lambda m, args, kw: ndims.append(kw["attention_mask"].dim()), with_kwargs=True)
+    for batch in (_batch(), _batch(distinct_prompts=True)):  # two passes (shared prompts), one pass
+        read = batch.completion_mask
+        outputs = {}
+        for devices in (("cpu",), ()):
+            monkeypatch.setattr(forward, "HOST_MASK_DEVICES", devices)
+            ndims.clear()
+            lp, _ = forward.completion_logprobs(policy, *batch.sequences, 0.8, fast_path=False)
+            values = forward.completion_values(critic, *batch.sequences)
+            outputs[devices] = (lp * read, values * read, sorted(set(ndims)))
+        (lp_2d, v_2d, dims_2d), (lp_4d, v_4d, dims_4d) = outputs[("cpu",)], outputs[()]
+        assert dims_2d == [2] and dims_4d == [4]
+        torch.testing.assert_close(lp_4d, lp_2d, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_4d, v_2d, atol=1e-5, rtol=1e-5)

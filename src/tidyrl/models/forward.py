@@ -27,11 +27,41 @@ from tidyrl.sharding import is_sharded
 
 
 def model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict:
-    """Prompt and completion side by side, with the attention mask and positions of the left padding."""
+    """Prompt and completion side by side, with the attention mask (see `model_mask`) and positions of the left
+    padding."""
     device = model_device(model)
     input_ids = to_device(torch.cat([prompt_ids, completion_ids], dim=1), device)
     attn = to_device(torch.cat([prompt_mask, completion_mask.long()], dim=1), device)
-    return {"input_ids": input_ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)}
+    return {"input_ids": input_ids, "attention_mask": model_mask(model, attn, input_ids.shape[1]),
+            "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)}
+
+
+# Devices where the model builds its attention mask from the (B, L) one itself. Elsewhere (CUDA) transformers'
+# mask building reads the padding mask on the host (`_ignore_causal_mask_sdpa` asks whether it is all ones): a
+# wait for the device at every forward. There `model_mask` hands the model its finished 4D mask instead, which
+# transformers uses as it is.
+HOST_MASK_DEVICES = ("cpu",)
+
+
+def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
+    """The attention mask to give `model` for its last `queries` positions of keys `mask_BL` (B, L): the 0/1 mask as
+    is on HOST_MASK_DEVICES, for attention other than SDPA/eager, or for layouts that are not full attention in
+    every layer (sliding windows, chunks: the model's own masks); else the (B, 1, queries, L) mask the model would
+    build: causal, keys at padding masked, and a query at padding attending to itself (its output is never read;
+    one key keeps it finite), boolean for SDPA, additive (0 / dtype min) for eager attention."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    if mask_BL.device.type in HOST_MASK_DEVICES or impl not in ("sdpa", "eager") or not _plain_kv_cache(inner):
+        return mask_BL
+    L = mask_BL.shape[1]
+    columns = torch.arange(L, device=mask_BL.device)
+    query_columns = columns[L - queries:, None]  # (queries, 1): where each query sits among the keys
+    allowed = ((columns <= query_columns) & (mask_BL[:, None, None, :] != 0)) | (columns == query_columns)
+    if impl == "sdpa":
+        return allowed  # (B, 1, queries, L)
+    dtype = next(inner.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=mask_BL.device).masked_fill_(~allowed,
+                                                                                        torch.finfo(dtype).min)
 
 
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -69,15 +99,18 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, comple
     # micro-batch, shared prompts or not (DDP syncs buffers at each forward: unequal counts would deadlock).
     # Its gradients still reach the parameters, whose DDP hooks fire once per backward with the summed grad.
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    prompt = inner(input_ids=u_ids, attention_mask=u_mask, position_ids=u_pos, use_cache=True, logits_to_keep=1)
+    prompt = inner(input_ids=u_ids, attention_mask=model_mask(inner, u_mask, lp), position_ids=u_pos, use_cache=True,
+                   logits_to_keep=1)
     inverse = to_device(inverse, device)
     cache = prompt.past_key_values
     for layer in cache.layers:  # (U, ...) -> (B, ...); index_select's backward (index_add) sums the k copies
         layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
     # the full rows' mask and positions, as in the one-pass forward
-    inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    rest = model(input_ids=inputs["input_ids"][:, lp:-1], attention_mask=inputs["attention_mask"][:, :-1],
-                 position_ids=inputs["position_ids"][:, lp:-1], past_key_values=cache, use_cache=True).logits
+    device_ids = to_device(torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1], device)
+    attn = to_device(torch.cat([prompt_mask, completion_mask.long()], dim=1)[:, :-1], device)
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    rest = model(input_ids=device_ids[:, lp:], attention_mask=model_mask(model, attn, attn.shape[1] - lp),
+                 position_ids=positions[:, lp:], past_key_values=cache, use_cache=True).logits
     return torch.cat([prompt.logits[:, -1:].index_select(0, inverse), rest], dim=1)  # (B, Tc, V)
 
 
