@@ -108,6 +108,7 @@ class PreferenceStage:
         import torch
 
         from tidyrl.algorithms.preference import dpo_loss, orpo_odds_ratio_loss, sequence_logps, simpo_loss
+        from tidyrl.devices import to_device
         from tidyrl.loops.offline import batch_cells, pad_batch, target_logprobs
 
         opts, b = self.opts, len(pairs)
@@ -130,7 +131,7 @@ class PreferenceStage:
             loss = sft + opts.orpo_lambda * or_loss_B.sum() / num_pairs
             orpo = (sft.detach(), log_odds_ratio_B.detach().sum(), or_loss_B.detach().sum())
         else:
-            ref = ref_B2.to(logps_2B.device)
+            ref = to_device(ref_B2, logps_2B.device)
             loss_B, reward_chosen_B, reward_rejected_B = dpo_loss(
                 logps_2B[:b], logps_2B[b:], ref[:, 0], ref[:, 1],
                 beta=opts.beta, loss_type=opts.loss_type, label_smoothing=opts.label_smoothing)

@@ -89,11 +89,12 @@ class KTOStage:
         import torch
 
         from tidyrl.algorithms.preference import kto_loss
+        from tidyrl.devices import to_device
 
         policy_B, cells = self._logps(self.model, [e.sequence for e in examples])
-        desirable_B = torch.tensor([e.desirable for e in examples], device=policy_B.device)
+        desirable_B = to_device(torch.tensor([e.desirable for e in examples]), policy_B.device)
         o = self.opts
-        loss_B, rewards_B = kto_loss(policy_B, ref_B.to(policy_B.device), desirable_B, self.z0, o.beta,
+        loss_B, rewards_B = kto_loss(policy_B, to_device(ref_B, policy_B.device), desirable_B, self.z0, o.beta,
                                      o.desirable_weight, o.undesirable_weight)
         d = desirable_B.float()
         sums = {"reward_desirable": (rewards_B * d).sum(), "desirable": d.sum(),

@@ -19,6 +19,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from tidyrl.devices import to_device
 from tidyrl.offline_data import TokenizedSequence
 from tidyrl.plan import OfflinePlan, offline_epochs_done
 
@@ -87,11 +88,12 @@ def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat:
         if packed:
             positions[b, :n] = torch.as_tensor(s.position_ids)
             positions[b, n:] = torch.arange(width - n)  # the padding is one more (ignored) sequence
-    batch = {"input_ids": ids.to(device), "target_mask": targets.to(device)}
+    # (to_device: from pinned memory without waiting for the GPU, one wait fewer per micro-batch and tensor)
+    batch = {"input_ids": to_device(ids, device), "target_mask": to_device(targets, device)}
     if packed:
-        batch["position_ids"] = positions.to(device)
+        batch["position_ids"] = to_device(positions, device)
     else:
-        batch["attention_mask"] = attention.to(device)
+        batch["attention_mask"] = to_device(attention, device)
     return batch
 
 
@@ -119,8 +121,8 @@ def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     # Row b, column j: the log-prob of example b's token j + 1, at flat index start_b + j of the shifted row.
     index_BT = starts[:, None] + torch.arange(width)[None, :]
     valid_BT = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None] - 1
-    index_BT = torch.where(valid_BT, index_BT, 0).to(logprobs_BT.device)
-    valid_BT = valid_BT.to(logprobs_BT.device)
+    index_BT = to_device(torch.where(valid_BT, index_BT, 0), logprobs_BT.device)
+    valid_BT = to_device(valid_BT, logprobs_BT.device)
     logprobs = torch.where(valid_BT, logprobs_BT[0][index_BT], 0.0)
     mask = torch.where(valid_BT, mask_BT[0][index_BT], 0.0)
     return logprobs, mask
