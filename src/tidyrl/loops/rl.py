@@ -1008,9 +1008,9 @@ class _RLRun:
         in_update_weights = rollout.sampler_logprobs is not None
         # Later epochs need the trainer's log-probs at sampling time (their old log-probs and weights): this
         # step's forwards compute them, for this process's episodes (kept on the device until the step's end).
-        trainer_logprobs = torch.zeros(rollout.completion_ids.shape, device=self.accelerator.device) \
-            if in_update_weights and plan.optimizer_steps_per_rollout > 1 else None
         device = self.accelerator.device
+        trainer_logprobs = torch.zeros(rollout.completion_ids.shape, device=device) \
+            if in_update_weights and plan.optimizer_steps_per_rollout > 1 else None
         for i, idx in enumerate(micro_batches):
             # The micro-batch stays on the host (where its padding is trimmed and its shared prompts found); each
             # tensor the step reads goes to the device without a synchronisation (tidyrl.devices).

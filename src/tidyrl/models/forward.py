@@ -29,11 +29,18 @@ from tidyrl.sharding import is_sharded
 def model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict:
     """Prompt and completion side by side, with the attention mask (see `model_mask`) and positions of the left
     padding."""
+    input_ids, attn, positions = _rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return {"input_ids": input_ids, "attention_mask": model_mask(model, attn, input_ids.shape[1]),
+            "position_ids": positions}
+
+
+def _rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The rows [prompt, completion] on the model's device: ids, their 0/1 mask, and the positions of the left
+    padding (cumsum - 1, padding at 0)."""
     device = model_device(model)
     input_ids = to_device(torch.cat([prompt_ids, completion_ids], dim=1), device)
     attn = to_device(torch.cat([prompt_mask, completion_mask.long()], dim=1), device)
-    return {"input_ids": input_ids, "attention_mask": model_mask(model, attn, input_ids.shape[1]),
-            "position_ids": (attn.cumsum(-1) - 1).clamp(min=0)}
+    return input_ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
 
 
 # Devices where the model builds its attention mask from the (B, L) one itself. Elsewhere (CUDA) transformers'
@@ -105,12 +112,11 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, comple
     cache = prompt.past_key_values
     for layer in cache.layers:  # (U, ...) -> (B, ...); index_select's backward (index_add) sums the k copies
         layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
-    # the full rows' mask and positions, as in the one-pass forward
-    device_ids = to_device(torch.cat([prompt_ids, completion_ids], dim=1)[:, :-1], device)
-    attn = to_device(torch.cat([prompt_mask, completion_mask.long()], dim=1)[:, :-1], device)
-    positions = (attn.cumsum(-1) - 1).clamp(min=0)
-    rest = model(input_ids=device_ids[:, lp:], attention_mask=model_mask(model, attn, attn.shape[1] - lp),
-                 position_ids=positions[:, lp:], past_key_values=cache, use_cache=True).logits
+    # the full rows' mask and positions, as in the one-pass forward (the last completion token predicts nothing)
+    ids, attn, positions = _rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    attn = attn[:, :-1]
+    rest = model(input_ids=ids[:, lp:-1], attention_mask=model_mask(model, attn, attn.shape[1] - lp),
+                 position_ids=positions[:, lp:-1], past_key_values=cache, use_cache=True).logits
     return torch.cat([prompt.logits[:, -1:].index_select(0, inverse), rest], dim=1)  # (B, Tc, V)
 
 

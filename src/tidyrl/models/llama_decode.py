@@ -473,13 +473,13 @@ class _Projection:
         return (y + F.linear(F.linear(x.to(a.dtype), a), b) * scaling).to(y.dtype)
 
 
-def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The weight a linear layer computes with (for LoRA, W + s B A: merged, for a float32 copy) and its bias."""
+def _effective_weight(module: nn.Module) -> torch.Tensor:
+    """The weight a linear layer computes with: for LoRA, W + s B A (merged, for a float32 copy)."""
     parts = _lora_parts(module)
     if parts is None:
-        return module.weight, module.bias
+        return module.weight
     base, a, b, scaling = parts
-    return torch.addmm(base.weight, b.weight, a.weight, alpha=scaling), base.bias
+    return torch.addmm(base.weight, b.weight, a.weight, alpha=scaling)
 
 
 class _Copy:
@@ -497,7 +497,7 @@ class _Copy:
         with torch.no_grad():
             start = 0
             for m in self.linears:  # written transposed, straight into place: one copy per weight
-                self.weight[:, start: start + m.out_features].copy_(_weight_and_bias(m)[0].t())
+                self.weight[:, start: start + m.out_features].copy_(_effective_weight(m).t())
                 start += m.out_features
             self.bias = _concatenated_bias(self.linears)
 
