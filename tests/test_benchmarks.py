@@ -54,6 +54,14 @@ def test_bench_update_compares_both_paths_and_they_agree():
     assert saved < 1.0  # the lean pass keeps fewer bytes for backward than the model's own forward
 
 
+def test_bench_logprobs_keeps_half_the_bytes_and_gives_autograds_numbers():
+    out = run("bench_logprobs.py", "--rows", "6", "--tokens", "8", "--vocab", "3000", "--repeats", "1")
+    assert re.search(r"tidyrl.ops\s+forward\s+[0-9.]+ ms\s+backward\s+[0-9.]+ ms", out)
+    assert "bit-identical: yes" in out
+    kept = float(re.search(r"kept for backward ([0-9.]+)x", out).group(1))
+    assert kept == 0.5  # the bf16 logits instead of their float32 copy (plus [B, T] logsumexps, under rounding)
+
+
 def test_bench_vs_trl_runs_in_bfloat16_and_leaves_gpu_workloads_to_a_gpu(tmp_path):
     """--dtype bfloat16 loads both libraries' weights in bfloat16 (the GPU workloads' setting) and measures the
     peak in it; the Qwen-shaped workloads are not run on a CPU."""

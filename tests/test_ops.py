@@ -65,3 +65,58 @@ def test_entropy_uniform_and_deterministic():
     logits = torch.full((1, 1, 4), float("-inf"))
     logits[..., 2] = 1.0
     torch.testing.assert_close(entropy_from_logits(logits), torch.zeros(1, 1))
+
+
+def _autograd_rows(logits_BTV, ids_BT):
+    """The formulation autograd differentiates on its own: each row upcast, l[id] - logsumexp(l), stacked."""
+    rows = []
+    for i in range(logits_BTV.shape[0]):
+        row = logits_BTV[i].float()
+        rows.append(row.gather(-1, ids_BT[i].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row, dim=-1))
+    return torch.stack(rows)
+
+
+def test_low_precision_logprobs_and_gradient_are_autograds_bit_for_bit():
+    from tidyrl.ops import gather_logprobs_and_entropy
+
+    logits, ids = _random(B=4, T=6, V=37)
+    weights = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))  # a loss's per-token weights
+    weights[0, 3:] = 0  # masked tokens: zero gradient
+    for dtype in (torch.bfloat16, torch.float16):
+        mine, ref = logits.to(dtype).requires_grad_(True), logits.to(dtype).requires_grad_(True)
+        logprobs, entropy = gather_logprobs_and_entropy(mine, ids)
+        (logprobs * weights).sum().backward()
+        want = _autograd_rows(ref, ids)
+        (want * weights).sum().backward()
+        assert logprobs.dtype == torch.float32 and torch.equal(logprobs, want)
+        assert mine.grad.dtype == dtype and torch.equal(mine.grad, ref.grad)
+        assert not entropy.requires_grad and torch.equal(entropy, entropy_from_logits(logits.to(dtype)))
+        assert torch.equal(gather_logprobs(logits.to(dtype), ids), want.detach())
+
+
+def test_low_precision_logprobs_keep_no_float32_vocabulary_tensor_for_backward():
+    """autograd's logsumexp keeps its float32 input (twice the bf16 logits); indexing row i has a backward that
+    builds a zero tensor of the whole batch's shape per row (B^2 T V of memory traffic)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    B, T, V = 5, 3, 29
+    logits, ids = _random(B=B, T=T, V=V)
+    leaf = logits.bfloat16().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.shape)) or t, lambda t: t):
+        logprobs = gather_logprobs(leaf, ids)
+    assert not [s for s in saved if s[1][-1:] == (V,) and s[0] == torch.float32]
+    assert (torch.bfloat16, (B, T, V)) in saved  # the logits themselves, upcast again row by row
+
+    full_size = []
+
+    class FullSize(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.shape == (B, T, V) and func != torch.ops.aten.detach.default:
+                full_size.append(str(func))
+            return out
+
+    with FullSize():
+        logprobs.sum().backward()
+    assert leaf.grad.shape == (B, T, V) and len(full_size) == 1, full_size  # one gradient tensor, not one per row

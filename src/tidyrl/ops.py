@@ -1,20 +1,20 @@
 """Tensor ops on logits used by generation and scoring.
 
-Both functions avoid materialising a full [B, T, V] log-softmax: with a
+The functions avoid materialising a full [B, T, V] log-softmax: with a
 vocabulary of 150k tokens that tensor is the largest object of the forward
 pass. They compute in float32 whatever the logits' dtype, because
 log-probabilities are differenced (ratios, KL) and bf16 keeps only ~3
 significant digits. Low-precision logits are upcast one sequence at a time,
-so the float32 copy never exceeds [T, V].
+so the float32 copy never exceeds [T, V], and none is kept for the backward
+pass (`_LowPrecisionLogprobs`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
-
 
 def _per_row_float32(fn: Callable[..., Tensor], logits_BTV: Tensor, *rest_B: Tensor) -> Tensor:
     """Apply `fn` in float32; one row at a time when the logits need an upcast."""
@@ -32,12 +32,56 @@ def _gather_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
     return chosen - torch.logsumexp(logits, dim=-1)
 
 
-def _entropy(logits: Tensor) -> Tensor:
+def _entropy(logits: Tensor, lse: Optional[Tensor] = None) -> Tensor:
     # H = -sum p log p = logsumexp(l) - sum p * l, since log p = l - logsumexp(l).
     probs = torch.softmax(logits, dim=-1)
     # p * l is 0 * -inf = NaN where a logit is -inf (masked vocabulary); those terms are 0.
     p_times_l = torch.where(probs > 0, probs * logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
-    return torch.logsumexp(logits, dim=-1) - p_times_l.sum(dim=-1)
+    return (torch.logsumexp(logits, dim=-1) if lse is None else lse) - p_times_l.sum(dim=-1)
+
+
+class _LowPrecisionLogprobs(torch.autograd.Function):
+    """Token log-probs (and, optionally, entropies) of bf16/fp16 logits, computed in float32 row by row.
+
+    Written out because autograd's version of the same loop costs on both sides of the pass:
+    - `logsumexp` keeps its float32 input for the backward pass: a float32 [B, T, V] copy, twice the bf16
+      logits (2.5 GB per micro-batch of 16 x 256 tokens over a 151 936-token vocabulary). Here only the logits
+      themselves and the [B, T] logsumexp are kept; the backward pass upcasts a row again.
+    - indexing row i (`logits[i]`) has for backward a zero tensor of the whole [B, T, V] shape with row i
+      filled in, and B of them are summed: B^2 T V of memory traffic. Here the gradient rows are written into
+      one tensor.
+    The arithmetic is autograd's own (logsumexp's and gather's backward formulas, in the same order), so the
+    log-probs and the gradient are bit-identical to it (tests/test_ops.py).
+    """
+
+    @staticmethod
+    def forward(ctx, logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool):
+        shape = logits_BTV.shape[:-1]
+        logprobs = torch.empty(shape, dtype=torch.float32, device=logits_BTV.device)
+        lse = torch.empty_like(logprobs)
+        entropy = torch.empty_like(logprobs) if with_entropy else None
+        for i in range(shape[0]):
+            row = logits_BTV[i].float()
+            lse[i] = torch.logsumexp(row, dim=-1)
+            logprobs[i] = row.gather(-1, ids_BT[i].unsqueeze(-1)).squeeze(-1) - lse[i]
+            if with_entropy:
+                entropy[i] = _entropy(row, lse[i])
+        ctx.save_for_backward(logits_BTV, ids_BT, lse)
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)
+            return logprobs, entropy
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_BT: Tensor, *_):
+        logits_BTV, ids_BT, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits_BTV)
+        for i in range(grad_BT.shape[0]):
+            # d/dl [l_id - logsumexp(l)] = onehot(id) - softmax(l): logsumexp's backward, then gather's
+            row = (-grad_BT[i]).unsqueeze(-1) * (logits_BTV[i].float() - lse[i].unsqueeze(-1)).exp()
+            row.scatter_add_(-1, ids_BT[i].unsqueeze(-1), grad_BT[i].unsqueeze(-1))
+            grad_logits[i] = row  # (cast back to the logits' dtype)
+        return grad_logits, None, None
 
 
 def gather_logprobs(logits_BTV: Tensor, ids_BT: Tensor) -> Tensor:
@@ -46,13 +90,30 @@ def gather_logprobs(logits_BTV: Tensor, ids_BT: Tensor) -> Tensor:
         logprob_{b,t} = logits_{b,t,id_{b,t}} - logsumexp_v(logits_{b,t,v})
 
     Args:
-        logits_BTV: [B, T, V] logits (any float dtype; bf16/fp16 are upcast to float32).
+        logits_BTV: [B, T, V] logits (any float dtype; bf16/fp16 are upcast to float32 one row at a time).
         ids_BT: [B, T] token ids (int64).
 
     Returns:
         [B, T] float32 log-probabilities (float64 for float64 logits); differentiable.
     """
-    return _per_row_float32(_gather_logprobs, logits_BTV, ids_BT.long())
+    return gather_logprobs_and_entropy(logits_BTV, ids_BT, with_entropy=False)[0]
+
+
+def gather_logprobs_and_entropy(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool = True
+                                ) -> tuple[Tensor, Optional[Tensor]]:
+    """`gather_logprobs` and, with `with_entropy`, `entropy_from_logits` (without grad) of the same logits in one
+    pass over them: a low-precision row is upcast once for both. Returns (logprobs [B, T], entropy [B, T] or
+    None)."""
+    ids_BT = ids_BT.long()
+    if logits_BTV.dtype in (torch.float32, torch.float64) or logits_BTV.dim() < 2:
+        logprobs = _per_row_float32(_gather_logprobs, logits_BTV, ids_BT)
+        if not with_entropy:
+            return logprobs, None
+        with torch.no_grad():
+            return logprobs, _per_row_float32(_entropy, logits_BTV)
+    if with_entropy:
+        return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, True)
+    return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, False), None
 
 
 def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
@@ -61,7 +122,7 @@ def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
         H_{b,t} = -sum_v p_v log p_v = logsumexp(l) - sum_v softmax(l)_v * l_v
 
     Args:
-        logits_BTV: [B, T, V] logits (any float dtype; bf16/fp16 are upcast to float32).
+        logits_BTV: [B, T, V] logits (any float dtype; bf16/fp16 are upcast to float32 one row at a time).
 
     Returns:
         [B, T] float32 entropies (float64 for float64 logits).

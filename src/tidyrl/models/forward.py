@@ -22,7 +22,7 @@ from tidyrl.devices import to_device
 from tidyrl.models.generation import _plain_kv_cache, model_device
 from tidyrl.models.llama_forward import logits_if_lean
 from tidyrl.models.loading import activation_checkpointing_on
-from tidyrl.ops import entropy_from_logits, gather_logprobs
+from tidyrl.ops import gather_logprobs_and_entropy
 from tidyrl.sharding import is_sharded
 
 
@@ -145,11 +145,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
     if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
         logits = logits / temperature
-    logprobs = gather_logprobs(logits, to_device(completion_ids, logits.device))
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits)
+    # entropy without grad; a low-precision row is upcast once for both (tidyrl.ops)
+    logprobs, entropy = gather_logprobs_and_entropy(logits, to_device(completion_ids, logits.device), with_entropy)
     return logprobs, entropy
 
 
