@@ -117,13 +117,12 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
         gate, up = _linear(h, mlp.gate_proj), _linear(h, mlp.up_proj)
         x = x + _linear(_gated(mlp.act_fn, gate, up), mlp.down_proj)
     # Only the rows that predict completion tokens go through the head: each prompt's last position (left
-    # padding puts it at Lp - 1), then the completion rows.
+    # padding puts it at Lp - 1), then the completion rows. They are put in the logits' order before the head
+    # (a copy of hidden-size rows): arranging the logits afterwards would copy the pass's largest tensor.
     x_p, x_c = x.split(rows)
     last = x_p.view(U, Lp, -1).split([Lp - 1, 1], dim=1)[1][:, 0]
-    h = _rms_norm(torch.cat([last, x_c]), inner.norm)
-    logits = _linear(h, model.lm_head)  # (U + B*Tq, V)
-    first, rest = logits.split([U, B * Tq])
-    return torch.cat([first.index_select(0, inverse)[:, None], rest.view(B, Tq, -1)], dim=1)
+    h = torch.cat([last.index_select(0, inverse)[:, None], x_c.view(B, Tq, -1)], dim=1)  # (B, Tc, hidden)
+    return _linear(_rms_norm(h, inner.norm), model.lm_head)  # (B, Tc, V)
 
 
 # Attention whose probabilities (rows x heads x queries x keys, float32) fit in this many bytes is computed as
