@@ -118,6 +118,7 @@ def test_sigterm_stops_cleanly_saves_and_resumes_exactly(tmp_path, tiny_model_di
     resumed = subprocess.run(tidyrl_cmd(config, "log.save_every=2", "resume_from=latest"), capture_output=True,
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
+    assert "draws" not in resumed.stdout + resumed.stderr  # the same draw scheme: no warning
     assert rows(out / "metrics.jsonl") == rows(reference_run / "metrics.jsonl")
     assert weights(out / "final") == weights(reference_run / "final")
 
@@ -229,7 +230,7 @@ def test_a_full_disk_while_saving_the_final_model_leaves_no_partial_folder(tmp_p
 
 
 def test_resume_refuses_changes_to_the_maths_and_allows_memory_knobs(tmp_path, tiny_model_dir, prompt_file,
-                                                                     reference_run):
+                                                                     reference_run, capsys):
     config = write_config(tmp_path, tiny_model_dir, prompt_file, "changed")
     out = tmp_path / "changed"
     tidyrl.train(config, ["log.save_every=6", "train.rollouts=2"])  # a shorter run leaves checkpoint-6
@@ -244,9 +245,18 @@ def test_resume_refuses_changes_to_the_maths_and_allows_memory_knobs(tmp_path, t
     saved = yaml.safe_load(config.read_text())
     saved["train"]["rollouts"] = 2
     config.write_text(yaml.safe_dump(saved))
+    # ...and a checkpoint written before the draw scheme was recorded (per-token Gumbel noise) resumes with a
+    # warning that the later samples are not the uninterrupted run's.
+    state_file = path / "trainer_state" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state.pop("sampler") == "inverse-transform-float64"
+    state_file.write_text(json.dumps(state))
+    capsys.readouterr()
     tidyrl.train(config, [f"resume_from={path}", "train.micro_batch_size=4", "rollout.generation_batch_size=3",
                           "log.save_every=6"])
     assert [r["step"] for r in rows(out / "metrics.jsonl")] == list(range(1, 9))
+    assert ("tidyrl: warning: the checkpoint's rollouts were sampled with 'gumbel-max' draws, this version of tidyrl "
+            "draws with 'inverse-transform-float64'") in capsys.readouterr().out
 
 
 def test_resume_without_a_checkpoint_says_what_to_do(tmp_path, tiny_model_dir, prompt_file):

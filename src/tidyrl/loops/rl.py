@@ -281,7 +281,10 @@ class _RLRun:
             from tidyrl.environments import EnvironmentPool
 
             self.env_pool = EnvironmentPool(cfg.environment.timeout_s, cfg.environment.workers)
-        for line in (inputs.report, inputs.eval_report):
+        from tidyrl.models.generation import sampler_change_note
+
+        sampler_note = self.resumed and sampler_change_note(self.resumed["state"], cfg.rollout.engine)
+        for line in (inputs.report, inputs.eval_report, sampler_note):
             if line and self.is_main:
                 print(f"tidyrl: {line}", flush=True)
         # rewards[i].normalize: running moments of that reward's scores over the whole run (global batch).
@@ -396,6 +399,7 @@ class _RLRun:
 
         from tidyrl.checkpoint import save_checkpoint
         from tidyrl.config import config_to_dict
+        from tidyrl.models.generation import SAMPLER
 
         if sharding_kind(self.accelerator) != "none":  # only a stop signal gets here (save_every is refused)
             raise ShardingError(f"stopped after optimizer step {step}; under FSDP no checkpoint can be written yet "
@@ -407,7 +411,8 @@ class _RLRun:
                      "reward_moments": {name: m.state_dict() for name, m in self.reward_moments.items()},
                      "kl_control": self.kl_control.state_dict() if self.kl_control else None,
                      "best": self.best, "group_totals": self.group_totals,
-                     "world_size": self.world_size, "plan": self.plan.to_dict(), "config": config_to_dict(self.cfg)}
+                     "world_size": self.world_size, "plan": self.plan.to_dict(), "config": config_to_dict(self.cfg),
+                     "sampler": SAMPLER}
             unfinished = None
             if rollout is not None:
                 tensors = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}

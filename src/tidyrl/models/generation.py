@@ -61,6 +61,24 @@ def sample_seed(seed: int, rollout: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+SAMPLER = "inverse-transform-float64"
+"""The built-in engine's draw scheme, written into RL checkpoints. A run resumed under another scheme samples its
+later rollouts from the same distribution, but not with the draws the uninterrupted run would have made, so it is
+not bit-exact with it; the resume says so. Checkpoints without the field drew per-token Gumbel noise."""
+SAMPLER_BEFORE_IT_WAS_RECORDED = "gumbel-max"
+
+
+def sampler_change_note(saved_state: dict, engine: str) -> Optional[str]:
+    """A warning for a resume whose checkpoint was sampled with another draw scheme than this version's (built-in
+    engine only: vLLM's draws are vLLM's), or None."""
+    saved = saved_state.get("sampler", SAMPLER_BEFORE_IT_WAS_RECORDED)
+    if engine != "builtin" or saved == SAMPLER:
+        return None
+    return (f"warning: the checkpoint's rollouts were sampled with {saved!r} draws, this version of tidyrl draws "
+            f"with {SAMPLER!r}: the rollouts from here on follow the same distributions, but they are not the samples "
+            "the run would have drawn uninterrupted (a resume is bit-exact within one draw scheme)")
+
+
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, L) ids and mask, padded on the left so that every sequence ends at the last column."""
     width = max(len(s) for s in seqs)
