@@ -322,6 +322,41 @@ def test_shared_prompt_forward_gives_the_one_pass_logprobs_and_gradients(lean, t
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_the_two_pass_logprobs_read_each_pass_s_logits_without_concatenating_them(tiny_model_dir,
+                                                                                  tiny_model_and_tokenizer):
+    """The shared-prompt passes give the first completion token's logits and the rest's apart: the log-probs and
+    entropies are read from each (bit for bit those of their concatenation) instead of copying the logits, the
+    largest tensor of the pass, into one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    from tidyrl.models.forward import completion_logits, completion_logprobs
+    from tidyrl.ops import entropy_from_logits, gather_logprobs
+
+    _, tok = tiny_model_and_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = _rollout_with_groups(model.eval(), tok).select([0, 5, 1, 9, 4, 2, 10])
+    B, Tc = batch.completion_ids.shape
+    V = model.config.vocab_size
+    with torch.no_grad():
+        logits = completion_logits(model, *batch.sequences, fast_path=False) / 0.8
+        lp, entropy = completion_logprobs(model, *batch.sequences, 0.8, with_entropy=True, fast_path=False)
+    assert torch.equal(lp, gather_logprobs(logits, batch.completion_ids))
+    assert torch.equal(entropy, entropy_from_logits(logits))
+    copies = []
+
+    class CatOfLogits(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func == torch.ops.aten.cat.default and out.shape[-1] == V and out.shape[1] > 1:
+                copies.append(tuple(out.shape))
+            return out
+
+    with torch.no_grad(), CatOfLogits():
+        completion_logprobs(model, *batch.sequences, 1.0, with_entropy=True, fast_path=False)
+    assert copies == [] and Tc > 2 and B == 7
+
+
 def test_prompts_are_not_shared_under_gradient_checkpointing(tiny_model_dir, tiny_model_and_tokenizer):
     """Gradient checkpointing drops the cache in training, so the shared-prompt path must step aside."""
     from transformers import AutoModelForCausalLM

@@ -75,25 +75,35 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
                       fast_path: bool = True) -> torch.Tensor:
     """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
     `fast_path`: the lean pass for Llama layouts where it applies (`models.llama_forward.can_run`)."""
+    parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                            fast_path: bool) -> list[torch.Tensor]:
+    """`completion_logits` as the passes give it: consecutive (B, t_i, V) column blocks (two for the shared-prompt
+    passes, whose concatenation would copy the largest tensor of the pass; `completion_logprobs` reads each)."""
     tc = completion_ids.shape[1]
     if fast_path:
         lean = logits_if_lean(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
         if lean is not None:
-            return lean
+            return [lean]
     shared = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) \
         if tc > 1 else None
     if shared is not None:
         return shared
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     logits = model(**inputs, use_cache=False, logits_to_keep=tc + 1).logits
-    return logits[:, :-1, :]  # (B, Tc, V): position t predicts completion token t
+    return [logits[:, :-1, :]]  # (B, Tc, V): position t predicts completion token t
 
 
-def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> Optional[torch.Tensor]:
+def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask
+                          ) -> Optional[list[torch.Tensor]]:
     """`completion_logits` in two passes: the U distinct prompts once (U, Lp), then the B completions
     (B, Tc - 1) on the prompts' keys and values indexed per row. Gradients flow through that index into the
-    shared prompt pass, where backward sums them: the gradient of a prompt's k copies. None when it would not
-    help (every prompt distinct) or cannot be used (see `_can_share_prompts`)."""
+    shared prompt pass, where backward sums them: the gradient of a prompt's k copies. Returns the logits of
+    the first completion token (B, 1, V) and of the rest (B, Tc - 1, V). None when it would not help (every
+    prompt distinct) or cannot be used (see `_can_share_prompts`)."""
     rows = torch.cat([prompt_ids, prompt_mask], dim=1)  # a prompt is its ids and its padding
     unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
     if len(unique) == len(rows) or not _can_share_prompts(model):
@@ -117,7 +127,7 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, comple
     attn = attn[:, :-1]
     rest = model(input_ids=ids[:, lp:-1], attention_mask=model_mask(model, attn, attn.shape[1] - lp),
                  position_ids=positions[:, lp:-1], past_key_values=cache, use_cache=True).logits
-    return torch.cat([prompt.logits[:, -1:].index_select(0, inverse), rest], dim=1)  # (B, Tc, V)
+    return [prompt.logits[:, -1:].index_select(0, inverse), rest]  # (B, 1, V), (B, Tc - 1, V)
 
 
 def _can_share_prompts(model) -> bool:
@@ -142,12 +152,19 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
     per-token entropy (computed without grad). Gradients flow when called outside no_grad. `fast_path`: see
     `completion_logits`."""
-    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
-    if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
-        logits = logits / temperature
-    # entropy without grad; a low-precision row is upcast once for both (tidyrl.ops)
-    logprobs, entropy = gather_logprobs_and_entropy(logits, to_device(completion_ids, logits.device), with_entropy)
-    return logprobs, entropy
+    parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    ids = to_device(completion_ids, parts[0].device).split([p.shape[1] for p in parts], dim=1)
+    logprobs, entropy = [], []
+    for logits, part_ids in zip(parts, ids):  # per column block: the same numbers as on their concatenation
+        if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
+            logits = logits / temperature
+        # entropy without grad; a low-precision row is upcast once for both (tidyrl.ops)
+        part = gather_logprobs_and_entropy(logits, part_ids, with_entropy)
+        logprobs.append(part[0])
+        entropy.append(part[1])
+    if len(parts) == 1:
+        return logprobs[0], entropy[0]
+    return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
 
 
 def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:

@@ -2,7 +2,7 @@
 `tidyrl.models.llama_decode.supports`: Llama, Qwen2, Mistral without sliding windows).
 
 Why: scoring and the policy-gradient updates run the model on a rollout's rows, k samples per prompt. The
-Hugging Face forward would run every prompt k times; tidyrl's generic path (`rollout._shared_prompt_logits`)
+Hugging Face forward would run every prompt k times; tidyrl's generic path (`models.forward._shared_prompt_logits`)
 runs the distinct prompts once and the completions on their keys and values, in two forward passes, each
 with its module calls, mask building and output objects, recorded op by op by autograd. For a small model
 that bookkeeping costs as much as the arithmetic (docs/benchmarks.md). Here both go through the layers in
