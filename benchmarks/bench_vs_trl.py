@@ -82,6 +82,9 @@ WORKLOADS = {
                      dtype="bfloat16", prompts=16, k=8, max_new_tokens=256, epochs=1, kl_coef=0.04, micro_batch=16,
                      steps=3, warmup=1, gpu=True),
 }
+SETTABLE = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "tied", "prompts", "k",
+            "max_new_tokens", "epochs", "kl_coef", "micro_batch", "steps", "warmup")
+"""The workload keys `--set` may change: the model's shape and the batch."""
 ENGINES = {"tidyrl": "builtin", "tidyrl-vllm": "vllm"}
 """tidyrl's children by engine: `tidyrl-vllm` runs the same config with rollout.engine: vllm (vLLM installed)."""
 LEARNING_RATE = 1e-5
@@ -318,12 +321,41 @@ def run_child(library: str, spec: dict, threads: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- parent
+def parse_overrides(text: str, parser: argparse.ArgumentParser) -> dict:
+    """`--set hidden=2048,layers=36,tied=false` as {"hidden": 2048, "layers": 36, "tied": False}; a key outside
+    SETTABLE or a value that is not a number (or true/false for tied) is a usage error, before anything runs."""
+    overrides = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in SETTABLE:
+            parser.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(SETTABLE)}")
+        if key == "tied":
+            if value.strip().lower() not in ("true", "false"):
+                parser.error(f"--set {item!r}: tied is true or false")
+            overrides[key] = value.strip().lower() == "true"
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            parser.error(f"--set {item!r}: {value!r} is not a number")
+        if key != "kl_coef" and (number != int(number) or number < (0 if key == "warmup" else 1)):
+            parser.error(f"--set {item!r}: {key} is a whole number of at least {0 if key == 'warmup' else 1}")
+        overrides[key] = number if key == "kl_coef" else int(number)
+    return overrides
+
+
 def workload_model(name: str):
     """(tokenizer, model) of a workload: the character-level tokenizer and the Llama, seed 0."""
     from tidyrl.tiny import build_char_tokenizer, build_tiny_llama
 
     w = WORKLOADS[name]
     tok = build_char_tokenizer(chat_template=None)
+    if w.get("vocab", len(tok)) < len(tok):
+        raise SystemExit(f"{name}: vocab={w['vocab']} is smaller than the benchmark tokenizer's {len(tok)} tokens")
+    if w["hidden"] % w["heads"] or w["heads"] % w.get("kv_heads", w["heads"]):
+        raise SystemExit(f"{name}: hidden ({w['hidden']}) must be a multiple of heads ({w['heads']}), and heads a "
+                         f"multiple of kv_heads ({w.get('kv_heads', w['heads'])})")
     model = build_tiny_llama(w.get("vocab", len(tok)), hidden_size=w["hidden"], num_layers=w["layers"],
                              num_heads=w["heads"], num_kv_heads=w.get("kv_heads"), intermediate_size=w["intermediate"],
                              max_position_embeddings=1024, seed=0, bos_token_id=tok.bos_token_id,
@@ -342,10 +374,13 @@ def in_process_setup(doc: str, default_repeats: int, extra_args=None):
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny")
     parser.add_argument("--repeats", type=int, default=default_repeats)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--set", dest="overrides", default="", metavar="KEY=VALUE,...",
+                        help=f"change the workload's model or batch (keys: {', '.join(SETTABLE)})")
     if extra_args is not None:
         extra_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    WORKLOADS[args.workload] = {**WORKLOADS[args.workload], **parse_overrides(args.overrides, parser)}
     return (args, WORKLOADS[args.workload], *workload_model(args.workload))
 
 
@@ -366,7 +401,7 @@ def build_workload(name: str, folder: Path, dtype: str = "float32") -> tuple[str
     n_params = sum(p.numel() for p in model.parameters())
     matmul = sum(mod.weight.numel() for mod in model.modules() if type(mod).__name__ == "Linear")
     prompt_len = statistics.mean(len(tok(t)["input_ids"]) for t in texts)
-    facts = {"params": n_params, "matmul_params": matmul, "prompt_len": prompt_len}
+    facts = {"params": n_params, "matmul_params": matmul, "prompt_len": prompt_len, "vocab": model.config.vocab_size}
     return str(model_dir), str(prompts), facts
 
 
@@ -429,7 +464,8 @@ def median_of(runs: list[dict]) -> dict:
 
 
 def print_table(name: str, w: dict, facts: dict, figures: dict[str, dict], peak: float, runs: int) -> None:
-    print(f"\n== {name}: {facts['params'] / 1e6:.2f}M-parameter Llama (hidden {w['hidden']}, {w['layers']} layers), "
+    print(f"\n== {name}: {facts['params'] / 1e6:.2f}M-parameter Llama (hidden {w['hidden']}, {w['layers']} layers, "
+          f"{w['heads']}/{w.get('kv_heads', w['heads'])} query/key-value heads, vocabulary {facts['vocab']}), "
           f"{w['prompts']} prompts x {w['k']} samples, {w['max_new_tokens']} new tokens, E={w['epochs']}, "
           f"kl_coef={w['kl_coef']}, micro-batch {w['micro_batch']}; median of {runs} runs ==")
     cols = list(figures)
@@ -493,6 +529,10 @@ def main(argv=None) -> None:
                         help="profile each run's measured rollouts (torch.profiler): kernel launches, host "
                              "synchronisations and the top kernels per rollout, side by side; the profiler slows "
                              "the runs, so take the timings from a run without it (keeps the tables with --keep)")
+    parser.add_argument("--set", dest="overrides", default="", metavar="KEY=VALUE,...",
+                        help="change the workload: any model size or batch, e.g. the shape of Qwen2.5-3B on the "
+                             "qwen0.5b workload: --set hidden=2048,layers=36,heads=16,kv_heads=2,intermediate=11008 "
+                             f"(keys: {', '.join(SETTABLE)})")
     parser.add_argument("--keep", help="keep the models, runs and child logs in this folder")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -520,6 +560,12 @@ def main(argv=None) -> None:
               "pip install -e '.[bench]'  (trl==1.16.0)", flush=True)
         libraries = [x for x in libraries if x != "trl"]
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]  # GPU workloads: skipped below on CPU
+    overrides = parse_overrides(args.overrides, parser)
+    for name in names:  # (workload_model and the children read the changed workload)
+        WORKLOADS[name] = w = {**WORKLOADS[name], **overrides}
+        if (w["prompts"] * w["k"]) % w["micro_batch"]:
+            parser.error(f"{name}: micro_batch={w['micro_batch']} does not divide the rollout's prompts x k = "
+                         f"{w['prompts']} x {w['k']} episodes; --set micro_batch= one of its divisors")
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
     base.mkdir(parents=True, exist_ok=True)
 

@@ -43,6 +43,25 @@ def test_bench_vs_trl_prints_the_table_and_the_run_has_the_time_split(tmp_path):
         assert all(row[f"time/{k}_s"] > 0 for k in ("generate", "update"))
 
 
+def test_bench_vs_trl_takes_any_model_size_and_refuses_a_bad_one_before_running(tmp_path):
+    out = run("bench_vs_trl.py", "--workload", "tiny", "--repeats", "1", "--steps", "1", "--warmup", "0",
+              "--libraries", "tidyrl", "--keep", str(tmp_path),
+              "--set", "hidden=64,layers=2,heads=2,kv_heads=1,prompts=2,k=4,micro_batch=4,vocab=500")
+    assert ("== tiny: 0.29M-parameter Llama (hidden 64, 2 layers, 2/1 query/key-value heads, vocabulary 500), "
+            "2 prompts x 4 samples") in out
+    config = json.loads((tmp_path / "tiny" / "model" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"],
+            config["vocab_size"]) == (64, 2, 1, 500)
+    assert number("episodes/s", out) > 0
+    for bad, says in (("hiden=64", "expected KEY=VALUE with KEY one of hidden"),
+                      ("layers=2.5", "layers is a whole number"),
+                      ("prompts=3", "micro_batch=32 does not divide the rollout's prompts x k = 3 x 8")):
+        done = subprocess.run([sys.executable, str(BENCH / "bench_vs_trl.py"), "--workload", "tiny", "--set", bad,
+                               "--keep", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+        assert not (tmp_path / "bad").exists()
+
+
 def test_bench_update_compares_both_paths_and_they_agree():
     out = run("bench_update.py", "--workload", "tiny", "--repeats", "1")
     assert re.search(r"lean pass\s+forward\s+[0-9.]+ ms\s+backward\s+[0-9.]+ ms", out)
