@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+
 def _per_row_float32(fn: Callable[..., Tensor], logits_BTV: Tensor, *rest_B: Tensor) -> Tensor:
     """Apply `fn` in float32; one row at a time when the logits need an upcast."""
     if logits_BTV.dtype in (torch.float32, torch.float64):
