@@ -167,3 +167,24 @@ _LAYOUTS = {
     "mistral": mistral,
 }
 LLAMA_LAYOUTS = {name: (lambda build=build: with_random_norms_and_biases(build())) for name, build in _LAYOUTS.items()}
+
+
+def vocabulary_slice_backwards(fn, vocab: int) -> tuple[object, list]:
+    """fn() (a loss), then its backward pass under a dispatch mode that records every slice_backward whose output
+    is vocabulary-wide: a zero-filled copy of logits that a slice of them costs the backward pass. Returns (the
+    loss, those outputs' shapes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found = []
+
+    class SliceBackwards(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func == torch.ops.aten.slice_backward.default and out.shape[-1] == vocab:
+                found.append(tuple(out.shape))
+            return out
+
+    loss = fn()
+    with SliceBackwards():
+        loss.backward()
+    return loss, found

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import llama, mistral, qwen2, read_jsonl, write_jsonl
+from conftest import VOCAB, llama, mistral, qwen2, read_jsonl, vocabulary_slice_backwards, write_jsonl
 from test_dpo import dpo_config
 from test_offline_runs import same_weights_within
 from test_sft import sft_config
@@ -55,6 +55,33 @@ def test_the_flat_layout_is_differentiable_like_the_padded_one():
         (-(logprobs * mask).sum()).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_target_logprobs_read_the_logits_without_slicing_them():
+    """The last position predicts no token: it is read with a dummy id and dropped, not sliced off the logits
+    (a slice's backward is a zero-filled copy of all of them). The same numbers as the sliced formulation."""
+    from tidyrl.ops import gather_logprobs
+
+    model = llama().train()
+    batch = pad_batch(sequences(torch.Generator().manual_seed(2), [6, 9, 4]), 0, "cpu")
+    results = []
+    for sliced in (False, True):
+        model.zero_grad()
+
+        def loss():
+            if sliced:
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                logprobs, mask = gather_logprobs(logits[:, :-1], batch["input_ids"][:, 1:]), batch["target_mask"][:, 1:]
+            else:
+                logprobs, mask = target_logprobs(model, batch)
+            results.append(logprobs.detach())
+            return -(logprobs * mask).sum()
+
+        _, slices = vocabulary_slice_backwards(loss, VOCAB)
+        results.append([p.grad.clone() for p in model.parameters()])
+        assert bool(slices) == sliced, slices
+    assert torch.equal(results[0], results[2])
+    assert all(torch.equal(a, b) for a, b in zip(results[1], results[3]))
 
 
 def test_models_that_mix_packed_examples_are_named():

@@ -357,6 +357,34 @@ def test_the_two_pass_logprobs_read_each_pass_s_logits_without_concatenating_the
     assert copies == [] and Tc > 2 and B == 7
 
 
+def test_the_one_pass_logprobs_read_the_logits_without_slicing_them(tiny_model_dir, tiny_model_and_tokenizer):
+    """Distinct prompts take the model's one forward over [prompt, completion], whose last position predicts
+    nothing: it is read with a dummy id and dropped, not sliced off the logits (a slice's backward is a zero-filled
+    copy of them all). The same log-probs and gradients as the sliced formulation."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import vocabulary_slice_backwards
+    from tidyrl.models.forward import _shared_prompt_logits, completion_logprobs
+
+    _, tok = tiny_model_and_tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = _rollout_with_groups(model.eval(), tok).select([0, 4, 8])  # one sample of each prompt
+    model.train()
+    assert _shared_prompt_logits(model, *batch.sequences) is None  # the one-pass forward is the one under test
+    weights = batch.completion_mask * torch.linspace(-1, 1, batch.completion_ids.shape[1])
+    results = []
+    for fn in (lambda: completion_logprobs(model, *batch.sequences, 0.8, fast_path=False)[0],
+               lambda: _one_pass_logprobs(model, batch, 0.8)):  # the logits sliced
+        model.zero_grad()
+        lp = []
+        _, slices = vocabulary_slice_backwards(lambda: (lp.append(fn()) or lp[0] * weights).sum(),
+                                               model.config.vocab_size)
+        results.append((lp[0].detach(), [p.grad.clone() for p in model.parameters()], slices))
+    (ours, our_grads, our_slices), (sliced, sliced_grads, sliced_slices) = results
+    assert our_slices == [] and sliced_slices != []
+    assert torch.equal(ours, sliced) and all(torch.equal(a, b) for a, b in zip(our_grads, sliced_grads))
+
+
 def test_prompts_are_not_shared_under_gradient_checkpointing(tiny_model_dir, tiny_model_and_tokenizer):
     """Gradient checkpointing drops the cache in training, so the shared-prompt path must step aside."""
     from transformers import AutoModelForCausalLM

@@ -107,11 +107,15 @@ def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     (B, T-1). `gather_logprobs` never builds a (B, T, V) log-softmax. A flat batch (pad_batch(flat=True)) is
     scored as its one row, then laid out as B right-padded rows: the first token of each example, which the
     previous example's last token "predicts" in the flat row, is never a target, so nothing crosses examples."""
+    import torch.nn.functional as F
+
     from tidyrl.ops import gather_logprobs
 
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     logits_BTV = model(**inputs, use_cache=False).logits
-    logprobs_BT = gather_logprobs(logits_BTV[:, :-1], batch["input_ids"][:, 1:])
+    # The last position predicts nothing: read with token 0 and dropped, rather than slicing the logits (whose
+    # backward would be a zero-filled copy of them all).
+    logprobs_BT = gather_logprobs(logits_BTV, F.pad(batch["input_ids"][:, 1:], (0, 1)))[:, :-1]
     mask_BT = batch["target_mask"][:, 1:]
     if "lengths" not in batch:
         return logprobs_BT, mask_BT

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from tidyrl.devices import to_device
@@ -76,13 +77,15 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
     """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
     `fast_path`: the lean pass for Llama layouts where it applies (`models.llama_forward.can_run`)."""
     parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[:, :completion_ids.shape[1]]
 
 
 def _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                             fast_path: bool) -> list[torch.Tensor]:
     """`completion_logits` as the passes give it: consecutive (B, t_i, V) column blocks (two for the shared-prompt
-    passes, whose concatenation would copy the largest tensor of the pass; `completion_logprobs` reads each)."""
+    passes, whose concatenation would copy the largest tensor of the pass; `completion_logprobs` reads each),
+    possibly one column wider than the completions (the one-pass forward's last position, which predicts nothing:
+    slicing it off would cost the backward pass a zero-filled copy of the whole logits)."""
     tc = completion_ids.shape[1]
     if fast_path:
         lean = logits_if_lean(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -94,7 +97,7 @@ def _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, comp
         return shared
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     logits = model(**inputs, use_cache=False, logits_to_keep=tc + 1).logits
-    return [logits[:, :-1, :]]  # (B, Tc, V): position t predicts completion token t
+    return [logits]  # (B, Tc + 1, V): position t predicts completion token t, the last one nothing
 
 
 def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask
@@ -153,7 +156,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     per-token entropy (computed without grad). Gradients flow when called outside no_grad. `fast_path`: see
     `completion_logits`."""
     parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
-    ids = to_device(completion_ids, parts[0].device).split([p.shape[1] for p in parts], dim=1)
+    tc, widths = completion_ids.shape[1], [p.shape[1] for p in parts]
+    # A column that predicts nothing is read with token 0 and dropped: per-position maths, the same numbers.
+    ids = F.pad(to_device(completion_ids, parts[0].device), (0, sum(widths) - tc)).split(widths, dim=1)
     logprobs, entropy = [], []
     for logits, part_ids in zip(parts, ids):  # per column block: the same numbers as on their concatenation
         if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
@@ -162,9 +167,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
         part = gather_logprobs_and_entropy(logits, part_ids, with_entropy)
         logprobs.append(part[0])
         entropy.append(part[1])
-    if len(parts) == 1:
-        return logprobs[0], entropy[0]
-    return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
+    if len(parts) > 1:
+        logprobs, entropy = [torch.cat(logprobs, dim=1)], [torch.cat(entropy, dim=1) if with_entropy else None]
+    return logprobs[0][:, :tc], entropy[0] if entropy[0] is None else entropy[0][:, :tc]
 
 
 def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
