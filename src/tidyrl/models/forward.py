@@ -167,9 +167,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
         part = gather_logprobs_and_entropy(logits, part_ids, with_entropy)
         logprobs.append(part[0])
         entropy.append(part[1])
-    if len(parts) > 1:
-        logprobs, entropy = [torch.cat(logprobs, dim=1)], [torch.cat(entropy, dim=1) if with_entropy else None]
-    return logprobs[0][:, :tc], entropy[0] if entropy[0] is None else entropy[0][:, :tc]
+    return torch.cat(logprobs, dim=1)[:, :tc], torch.cat(entropy, dim=1)[:, :tc] if with_entropy else None
 
 
 def completion_values(critic, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
