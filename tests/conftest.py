@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -169,22 +170,32 @@ _LAYOUTS = {
 LLAMA_LAYOUTS = {name: (lambda build=build: with_random_norms_and_biases(build())) for name, build in _LAYOUTS.items()}
 
 
-def vocabulary_slice_backwards(fn, vocab: int) -> tuple[object, list]:
-    """fn() (a loss), then its backward pass under a dispatch mode that records every slice_backward whose output
-    is vocabulary-wide: a zero-filled copy of logits that a slice of them costs the backward pass. Returns (the
-    loss, those outputs' shapes)."""
+
+@contextlib.contextmanager
+def recorded_outputs(keep):
+    """Every op dispatched inside the block whose tensor output `keep(func, out)` accepts, appended to the yielded
+    list as (func, output shape, output storage pointer): what a pass allocates, counted op by op."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     found = []
 
-    class SliceBackwards(TorchDispatchMode):
+    class Recorder(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func == torch.ops.aten.slice_backward.default and out.shape[-1] == vocab:
-                found.append(tuple(out.shape))
+            if isinstance(out, torch.Tensor) and keep(func, out):
+                found.append((func, tuple(out.shape), out.untyped_storage().data_ptr()))
             return out
 
+    with Recorder():
+        yield found
+
+
+def vocabulary_slice_backwards(fn, vocab: int) -> tuple[object, list]:
+    """fn() (a loss), then its backward pass, recording every slice_backward whose output is vocabulary-wide: a
+    zero-filled copy of logits that a slice of them costs the backward pass. Returns (the loss, those outputs'
+    shapes)."""
     loss = fn()
-    with SliceBackwards():
+    with recorded_outputs(lambda func, out: func == torch.ops.aten.slice_backward.default
+                          and out.shape[-1] == vocab) as found:
         loss.backward()
-    return loss, found
+    return loss, [shape for _, shape, _ in found]

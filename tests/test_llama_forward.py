@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LLAMA_LAYOUTS, VOCAB, llama
+from conftest import LLAMA_LAYOUTS, VOCAB, llama, recorded_outputs
 
 from tidyrl.models import llama_forward
 from tidyrl.models.llama_forward import can_run, completion_logits, logits_if_lean
@@ -95,24 +95,13 @@ def test_distinct_prompts_and_two_token_completions():
 def test_the_logits_are_written_once():
     """The logits (B x Tc x vocabulary) are the pass's largest tensor: the head writes them in their final order,
     nothing copies them (arranging them after the head doubled the peak for a moment and cost a full copy)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     V = 4096  # far wider than the hidden size (64), so that only vocabulary-wide tensors reach the bound
     model = llama(vocab_size=V).train()
     batch = _batch()
     B, Tc = batch.completion_ids.shape
-    storages = set()
-
-    class LogitsSized(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.numel() >= B * (Tc - 1) * V:
-                storages.add(out.untyped_storage().data_ptr())
-            return out
-
-    with LogitsSized():
+    with recorded_outputs(lambda func, out: out.numel() >= B * (Tc - 1) * V) as logits_sized:
         got = completion_logits(model, *batch.sequences)
-    assert got.shape == (B, Tc, V) and len(storages) == 1
+    assert got.shape == (B, Tc, V) and len({storage for _, _, storage in logits_sized}) == 1
     read = batch.completion_mask[..., None]
     torch.testing.assert_close(got * read, _reference_logits(model, batch) * read, atol=2e-5, rtol=1e-5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from conftest import recorded_outputs
 
 from tidyrl.ops import entropy_from_logits, gather_logprobs
 
@@ -97,8 +98,6 @@ def test_low_precision_logprobs_and_gradient_are_autograds_bit_for_bit():
 def test_low_precision_logprobs_keep_no_float32_vocabulary_tensor_for_backward():
     """autograd's logsumexp keeps its float32 input (twice the bf16 logits); indexing row i has a backward that
     builds a zero tensor of the whole batch's shape per row (B^2 T V of memory traffic)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     B, T, V = 5, 3, 29
     logits, ids = _random(B=B, T=T, V=V)
     leaf = logits.bfloat16().requires_grad_(True)
@@ -108,15 +107,7 @@ def test_low_precision_logprobs_keep_no_float32_vocabulary_tensor_for_backward()
     assert not [s for s in saved if s[1][-1:] == (V,) and s[0] == torch.float32]
     assert (torch.bfloat16, (B, T, V)) in saved  # the logits themselves, upcast again row by row
 
-    full_size = []
-
-    class FullSize(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.shape == (B, T, V) and func != torch.ops.aten.detach.default:
-                full_size.append(str(func))
-            return out
-
-    with FullSize():
+    with recorded_outputs(lambda func, out: out.shape == (B, T, V) and func != torch.ops.aten.detach.default
+                          ) as full_size:
         logprobs.sum().backward()
     assert leaf.grad.shape == (B, T, V) and len(full_size) == 1, full_size  # one gradient tensor, not one per row

@@ -327,9 +327,9 @@ def test_the_two_pass_logprobs_read_each_pass_s_logits_without_concatenating_the
     """The shared-prompt passes give the first completion token's logits and the rest's apart: the log-probs and
     entropies are read from each (bit for bit those of their concatenation) instead of copying the logits, the
     largest tensor of the pass, into one."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AutoModelForCausalLM
 
+    from conftest import recorded_outputs
     from tidyrl.models.forward import completion_logits, completion_logprobs
     from tidyrl.ops import entropy_from_logits, gather_logprobs
 
@@ -343,16 +343,8 @@ def test_the_two_pass_logprobs_read_each_pass_s_logits_without_concatenating_the
         lp, entropy = completion_logprobs(model, *batch.sequences, 0.8, with_entropy=True, fast_path=False)
     assert torch.equal(lp, gather_logprobs(logits, batch.completion_ids))
     assert torch.equal(entropy, entropy_from_logits(logits))
-    copies = []
-
-    class CatOfLogits(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func == torch.ops.aten.cat.default and out.shape[-1] == V and out.shape[1] > 1:
-                copies.append(tuple(out.shape))
-            return out
-
-    with torch.no_grad(), CatOfLogits():
+    with torch.no_grad(), recorded_outputs(lambda func, out: func == torch.ops.aten.cat.default
+                                           and out.shape[-1] == V and out.shape[1] > 1) as copies:
         completion_logprobs(model, *batch.sequences, 1.0, with_entropy=True, fast_path=False)
     assert copies == [] and Tc > 2 and B == 7
 
