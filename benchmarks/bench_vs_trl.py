@@ -345,17 +345,30 @@ def parse_overrides(text: str, parser: argparse.ArgumentParser) -> dict:
     return overrides
 
 
+def set_workload(name: str, overrides: dict, parser: argparse.ArgumentParser) -> dict:
+    """WORKLOADS[name] changed by `overrides` (which workload_model and the children read); a shape the model
+    cannot take or a micro-batch that does not divide the rollout is a usage error, before anything runs."""
+    from tidyrl.tiny import build_char_tokenizer
+
+    WORKLOADS[name] = w = {**WORKLOADS[name], **overrides}
+    kv_heads, tokens = w.get("kv_heads", w["heads"]), len(build_char_tokenizer(chat_template=None))
+    if w.get("vocab", tokens) < tokens:
+        parser.error(f"{name}: vocab={w['vocab']} is smaller than the benchmark tokenizer's {tokens} tokens")
+    if w["hidden"] % w["heads"] or w["heads"] % kv_heads:
+        parser.error(f"{name}: hidden ({w['hidden']}) must be a multiple of heads ({w['heads']}), and heads a "
+                     f"multiple of kv_heads ({kv_heads})")
+    if (w["prompts"] * w["k"]) % w["micro_batch"]:
+        parser.error(f"{name}: micro_batch={w['micro_batch']} does not divide the rollout's prompts x k = "
+                     f"{w['prompts']} x {w['k']} episodes; --set micro_batch= one of its divisors")
+    return w
+
+
 def workload_model(name: str):
     """(tokenizer, model) of a workload: the character-level tokenizer and the Llama, seed 0."""
     from tidyrl.tiny import build_char_tokenizer, build_tiny_llama
 
     w = WORKLOADS[name]
     tok = build_char_tokenizer(chat_template=None)
-    if w.get("vocab", len(tok)) < len(tok):
-        raise SystemExit(f"{name}: vocab={w['vocab']} is smaller than the benchmark tokenizer's {len(tok)} tokens")
-    if w["hidden"] % w["heads"] or w["heads"] % w.get("kv_heads", w["heads"]):
-        raise SystemExit(f"{name}: hidden ({w['hidden']}) must be a multiple of heads ({w['heads']}), and heads a "
-                         f"multiple of kv_heads ({w.get('kv_heads', w['heads'])})")
     model = build_tiny_llama(w.get("vocab", len(tok)), hidden_size=w["hidden"], num_layers=w["layers"],
                              num_heads=w["heads"], num_kv_heads=w.get("kv_heads"), intermediate_size=w["intermediate"],
                              max_position_embeddings=1024, seed=0, bos_token_id=tok.bos_token_id,
@@ -380,8 +393,8 @@ def in_process_setup(doc: str, default_repeats: int, extra_args=None):
         extra_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    WORKLOADS[args.workload] = {**WORKLOADS[args.workload], **parse_overrides(args.overrides, parser)}
-    return (args, WORKLOADS[args.workload], *workload_model(args.workload))
+    w = set_workload(args.workload, parse_overrides(args.overrides, parser), parser)
+    return (args, w, *workload_model(args.workload))
 
 
 def build_workload(name: str, folder: Path, dtype: str = "float32") -> tuple[str, str, dict]:
@@ -561,11 +574,8 @@ def main(argv=None) -> None:
         libraries = [x for x in libraries if x != "trl"]
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]  # GPU workloads: skipped below on CPU
     overrides = parse_overrides(args.overrides, parser)
-    for name in names:  # (workload_model and the children read the changed workload)
-        WORKLOADS[name] = w = {**WORKLOADS[name], **overrides}
-        if (w["prompts"] * w["k"]) % w["micro_batch"]:
-            parser.error(f"{name}: micro_batch={w['micro_batch']} does not divide the rollout's prompts x k = "
-                         f"{w['prompts']} x {w['k']} episodes; --set micro_batch= one of its divisors")
+    for name in names:
+        set_workload(name, overrides, parser)
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
     base.mkdir(parents=True, exist_ok=True)
 
