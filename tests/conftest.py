@@ -11,6 +11,11 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite's training runs are CPU runs, also on a machine with a GPU: their expected numbers, host-memory and
+# process checks are the CPU's (accelerate would otherwise put every run on the GPU). Tests of the GPU itself
+# (tests/test_cuda.py, marked `cuda`) unset this for their own runs; `ACCELERATE_USE_CPU=0 pytest` runs the rest on
+# the GPU too.
+os.environ.setdefault("ACCELERATE_USE_CPU", "1")
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ def test_make_accelerator_checks_before_forming_the_process_group(monkeypatch):
     import accelerate
     import torch
 
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)  # (conftest pins the suite's runs to the CPU)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for key, value in {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}.items():

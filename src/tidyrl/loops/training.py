@@ -67,11 +67,14 @@ class Sums:
         """Tensors on an accelerator are added where they are (no host synchronisation per micro-batch, only in
         `reduced`); the sums move there with the first such tensor and stay. Numbers and host tensors are read
         as numbers: copying a host value to the device, or the sums back, would wait for the device each time.
-        Sums are float64 either way."""
+        Sums are float64 either way. The one move of the sums to the device goes through pinned memory
+        (`tidyrl.devices.to_device`): queued like a kernel, never a wait for the device."""
         for name, value in values.items():
             if hasattr(value, "device") and value.device.type != "cpu":
                 if self._values.device != value.device:
-                    self._values = self._values.to(value.device)
+                    from tidyrl.devices import to_device
+
+                    self._values = to_device(self._values, value.device)
                 self._values[self._index[name]] += value.detach().to(self._values.dtype)
             else:
                 self._values[self._index[name]] += float(value)
