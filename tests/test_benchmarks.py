@@ -95,16 +95,39 @@ def test_bench_vs_trl_runs_in_bfloat16_and_leaves_gpu_workloads_to_a_gpu(tmp_pat
 
 
 
-def test_bench_vs_trl_profiles_the_measured_rollouts(tmp_path):
-    """--profile: the measured rollouts under torch.profiler, summarised per rollout (ops or kernel launches, host
-    synchronisations, the top ops), the tables kept beside the run."""
-    out = run("bench_vs_trl.py", "--workload", "tiny", "--repeats", "1", "--steps", "2", "--warmup", "1",
+def test_bench_vs_trl_profiles_one_measured_rollout_by_phase(tmp_path):
+    """--profile: one measured rollout (and no more is run) under torch.profiler, summarised (ops or kernel launches,
+    host synchronisations, the top ops) and split by phase (generate, score, update: each one's top ops with their
+    share of it), the tables kept beside the run."""
+    out = run("bench_vs_trl.py", "--workload", "tiny", "--repeats", "1", "--warmup", "1", "--set", "kl_coef=0.04",
               "--libraries", "tidyrl", "--profile", "--keep", str(tmp_path))
     match = re.search(r"profile tiny tidyrl: per rollout ([0-9]+) aten ops dispatched; host synchronisations: (.*)",
                       out)
     assert match and int(match.group(1)) > 1000, out
     folder = tmp_path / "tiny" / "tidyrl-0"
     summary = json.loads((folder / "profile.json").read_text())
-    assert summary["rollouts"] == 2 and len(summary["top"]) == 12
+    assert summary["rollouts"] == 1 and len(summary["top"]) == 12
     assert any(e["name"].startswith("aten::") for e in summary["top"])
+    for phase in ("generate", "score", "update"):
+        p = summary["phases"][phase]
+        assert p["wall_ms"] > 0 and p["top"] and abs(sum(e["share"] for e in p["top"]) - 1) <= 1 and p["kernels"] > 0
+        assert f"    {phase}: wall " in out
+    assert len((folder / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # warmup + the profiled rollout
     assert "Self CPU" in (folder / "profile.txt").read_text()
+
+
+def test_bench_passes_times_every_layout_of_the_training_forward_and_they_agree():
+    out = run("bench_passes.py", "--workload", "tiny", "--repeats", "1")
+    for name in ("lean", "shared", "onepass", "trl"):
+        row = re.search(rf"^{name}\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+\S+\s+([0-9.e+-]+)$", out,
+                        re.MULTILINE)
+        assert row, out
+        assert float(row.group(1)) > 0 and float(row.group(3)) > 0 and float(row.group(5)) < 1e-4
+
+
+def test_bench_passes_traces_each_layout_op_by_op_on_the_meta_device():
+    out = run("bench_passes.py", "--workload", "tiny", "--trace", "--passes", "lean,onepass")
+    for name in ("lean", "onepass"):
+        for phase in ("score ", "update"):
+            assert re.search(rf"^  {name}\s+{phase}:\s+[0-9]+ ops; matmul GFLOP float32 [0-9.]+", out, re.MULTILINE), out
+    assert "vocabulary-sized" in out and "host reads" in out

@@ -124,6 +124,37 @@ def test_completion_logprobs_takes_the_lean_pass_and_agrees_with_the_generic_one
     torch.testing.assert_close(lean_ent * m, generic_ent * m, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("order", [("shared",), ("onepass",), ("onepass", "lean"), ("shared", "lean", "onepass")])
+def test_the_device_s_layouts_decide_the_pass_in_order_and_all_agree(order, monkeypatch):
+    """`forward.LAYOUTS[device type]` lists the layouts tried, in order: the first that applies runs (the one-pass
+    forward always applies: the fallback); each gives the same log-probs and entropies to rounding; another device
+    type's entry changes nothing here, and `fast_path=False` removes only the lean pass."""
+    from tidyrl.models import forward
+
+    model = llama().train()
+    batch = _batch()
+    calls = []
+    for name, fn in (("lean", "logits_if_lean"), ("shared", "_shared_prompt_logits")):
+        real = getattr(forward, fn)
+        monkeypatch.setattr(forward, fn, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+    want_lp, want_ent = completion_logprobs(model, *batch.sequences, temperature=0.7, with_entropy=True)
+    assert calls == ["lean"] and forward.layouts_for("cpu") == forward.DEFAULT_LAYOUTS
+    monkeypatch.setitem(forward.LAYOUTS, "cuda", ("onepass",))
+    calls.clear()
+    completion_logprobs(model, *batch.sequences, temperature=0.7)
+    assert calls == ["lean"]  # CUDA's entry is CUDA's
+    monkeypatch.setitem(forward.LAYOUTS, "cpu", order)
+    calls.clear()
+    lp, ent = completion_logprobs(model, *batch.sequences, temperature=0.7, with_entropy=True)
+    assert calls == ([] if order[0] == "onepass" else [order[0]])  # here every layout applies: the first runs
+    m = batch.completion_mask
+    torch.testing.assert_close(lp * m, want_lp * m, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent * m, want_ent * m, atol=1e-5, rtol=0)
+    calls.clear()
+    completion_logprobs(model, *batch.sequences, temperature=0.7, fast_path=False)
+    assert "lean" not in calls
+
+
 def test_models_it_cannot_run_keep_the_generic_path():
     batch = _batch()
     args = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)

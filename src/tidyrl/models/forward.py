@@ -72,6 +72,24 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
                                                                                         torch.finfo(dtype).min)
 
 
+# The layouts of the training forward, in the order tried, by device type (DEFAULT_LAYOUTS elsewhere); each later one
+# is the fallback where an earlier one does not apply:
+#   "lean"     models.llama_forward: Llama layouts, one pass of our own, distinct prompts once (`model_fast_paths`)
+#   "shared"   `_shared_prompt_logits`: the model's forward twice, distinct prompts once (rows that share a prompt)
+#   "onepass"  the model's forward over [prompt, completion] with logits_to_keep: always applies (layouts listed
+#              after it are never tried), and runs where none listed applies
+# Chosen per device by measurement: benchmarks/bench_passes.py times each layout's scoring and update micro-batch
+# side by side on the device (docs/benchmarks.md, "Which layout on which device"). `model_fast_paths: false`
+# removes "lean" wherever it is listed, and nothing else.
+DEFAULT_LAYOUTS = ("lean", "shared", "onepass")
+LAYOUTS: dict[str, tuple[str, ...]] = {}
+
+
+def layouts_for(device: torch.device | str) -> tuple[str, ...]:
+    """The layouts `completion_logits` tries on `device`, in order (see LAYOUTS)."""
+    return LAYOUTS.get(torch.device(device).type, DEFAULT_LAYOUTS)
+
+
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                       fast_path: bool = True) -> torch.Tensor:
     """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
@@ -87,14 +105,17 @@ def _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, comp
     possibly one column wider than the completions (the one-pass forward's last position, which predicts nothing:
     slicing it off would cost the backward pass a zero-filled copy of the whole logits)."""
     tc = completion_ids.shape[1]
-    if fast_path:
-        lean = logits_if_lean(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-        if lean is not None:
-            return [lean]
-    shared = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) \
-        if tc > 1 else None
-    if shared is not None:
-        return shared
+    for layout in layouts_for(model_device(model)):  # the device's order (LAYOUTS); the one-pass forward last
+        if layout == "lean" and fast_path:
+            lean = logits_if_lean(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            if lean is not None:
+                return [lean]
+        elif layout == "shared" and tc > 1:
+            shared = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            if shared is not None:
+                return shared
+        elif layout == "onepass":
+            break
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     logits = model(**inputs, use_cache=False, logits_to_keep=tc + 1).logits
     return [logits]  # (B, Tc + 1, V): position t predicts completion token t, the last one nothing
