@@ -476,17 +476,22 @@ def set_workload(name: str, overrides: dict, parser: argparse.ArgumentParser) ->
     return w
 
 
-def workload_model(name: str):
-    """(tokenizer, model) of a workload: the character-level tokenizer and the Llama, seed 0."""
+def workload_model(name: str, device: str = "cpu"):
+    """(tokenizer, model) of a workload: the character-level tokenizer and the Llama, seed 0, its weights drawn on
+    `device` (a GPU draws a 1.5B model's in a blink; the CPU takes many seconds)."""
+    import torch
+
     from tidyrl.tiny import build_char_tokenizer, build_tiny_llama
 
     w = WORKLOADS[name]
     tok = build_char_tokenizer(chat_template=None)
-    model = build_tiny_llama(w.get("vocab", len(tok)), hidden_size=w["hidden"], num_layers=w["layers"],
-                             num_heads=w["heads"], num_kv_heads=w.get("kv_heads"), intermediate_size=w["intermediate"],
-                             max_position_embeddings=1024, seed=0, bos_token_id=tok.bos_token_id,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                             tie_word_embeddings=w.get("tied", False))
+    with torch.device(device):
+        model = build_tiny_llama(w.get("vocab", len(tok)), hidden_size=w["hidden"], num_layers=w["layers"],
+                                 num_heads=w["heads"], num_kv_heads=w.get("kv_heads"),
+                                 intermediate_size=w["intermediate"],
+                                 max_position_embeddings=1024, seed=0, bos_token_id=tok.bos_token_id,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                 tie_word_embeddings=w.get("tied", False))
     return tok, model
 
 
@@ -510,12 +515,12 @@ def in_process_setup(doc: str, default_repeats: int, extra_args=None):
     return (args, w, *workload_model(args.workload))
 
 
-def build_workload(name: str, folder: Path, dtype: str = "float32") -> tuple[str, str, dict]:
-    """Save the workload's model (its weights in `dtype`) and tokenizer and the prompt file; return their paths
-    and FLOP facts."""
+def build_workload(name: str, folder: Path, dtype: str = "float32", device: str = "cpu") -> tuple[str, str, dict]:
+    """Save the workload's model (its weights in `dtype`, drawn on `device`) and tokenizer and the prompt file;
+    return their paths and FLOP facts."""
     import torch
 
-    tok, model = workload_model(name)
+    tok, model = workload_model(name, device)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model_dir = folder / "model"
@@ -528,6 +533,9 @@ def build_workload(name: str, folder: Path, dtype: str = "float32") -> tuple[str
     matmul = sum(mod.weight.numel() for mod in model.modules() if type(mod).__name__ == "Linear")
     prompt_len = statistics.mean(len(tok(t)["input_ids"]) for t in texts)
     facts = {"params": n_params, "matmul_params": matmul, "prompt_len": prompt_len, "vocab": model.config.vocab_size}
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the children, not this process, hold the GPU from here
     return str(model_dir), str(prompts), facts
 
 
@@ -722,7 +730,7 @@ def main(argv=None) -> None:
             print(f"measured {dtype} GEMM peak ({args.device}): {peaks[dtype] / 1e9:.1f} GFLOP/s", flush=True)
         peak = peaks[dtype]
         folder = base / name
-        model_dir, prompts, facts = build_workload(name, folder, dtype)
+        model_dir, prompts, facts = build_workload(name, folder, dtype, args.device)
         warmup = w["warmup"] if args.warmup is None else args.warmup
         rollouts = -(-(args.steps or w["steps"]) // w["epochs"])
         if args.profile and args.steps is None:

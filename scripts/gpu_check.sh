@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Every GPU figure of issue 26 in one call, about 6 minutes on one H100/H200 (BUDGET seconds at most):
+#
+#   scripts/gpu_check.sh [OUT_DIR]          # OUT_DIR: logs and the summary (default $OUT, else ./gpu-check-out)
+#   DEVICE=cpu BUDGET=600 SUITE_PATHS=tests/test_launch.py scripts/gpu_check.sh /tmp/x   # its logic on a CPU
+#                                           (tiny shapes, one test file instead of the suite)
+#
+# Runs, each part with its own time limit inside one overall deadline, so that one hang does not eat the rest:
+#   - in the background, on cores of their own: the CUDA tests (pytest -m cuda), then the rest of the suite with the
+#     GPU visible (pytest -n, pytest-xdist; the suite's runs pin themselves to the CPU, tests/conftest.py);
+#   - in the foreground: bench_passes.py (each layout of the training forward: scoring and update micro-batch, with
+#     a profile) on qwen0.5b and qwen1.5b; bench_vs_trl.py on both workloads with tidyrl, tidyrl-hf-forward (the
+#     model's own forward) and TRL side by side; one --profile rollout of tidyrl on qwen0.5b (split by phase).
+# Prints one summary at the end (the tables) and leaves every log in OUT_DIR/logs.tgz (the profiles' tables too).
+# TRL is taken where it is importable (pip install trl==1.16.0; without it the benchmarks run tidyrl alone).
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-gpu-check-out}}
+mkdir -p "$OUT_DIR"
+LOGS=$(mktemp -d /tmp/gpu_check_logs.XXXX)
+WORK=$(mktemp -d /tmp/gpu_check_work.XXXX)
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+BUDGET=${BUDGET:-400}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+START=$(date +%s)
+DEADLINE=$((START + BUDGET))
+SUMMARY="$LOGS/summary.txt"
+
+# Cores: the tests get the last 6 where there are 12 or more, the benchmarks the rest.
+NCPU=$(nproc)
+if [ "$NCPU" -ge 12 ] && command -v taskset >/dev/null; then
+  BENCH_CORES="0-$((NCPU - 7))"; TEST_CORES="$((NCPU - 6))-$((NCPU - 1))"; WORKERS=6
+else
+  BENCH_CORES=""; TEST_CORES=""; WORKERS=2
+fi
+
+log() { echo "[$(date +%T) +$(($(date +%s) - START))s] $*" | tee -a "$SUMMARY"; }
+
+# part NAME LIMIT CORES CMD...: CMD under `timeout`, at most LIMIT seconds and never past the deadline (less 10 s
+# for the summary); its output in logs/NAME.log.
+part() {
+  local name=$1 limit=$2 cores=$3
+  shift 3
+  local left=$((DEADLINE - $(date +%s) - 10))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 5 ]; then log "$name: skipped (no time left)"; return 124; fi
+  [ -n "$cores" ] && set -- taskset -c "$cores" "$@"
+  local t0
+  t0=$(date +%s)
+  timeout -s INT -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1  # (SIGINT: pytest still prints what failed so far)
+  local rc=$?
+  log "$name: exit $rc after $(($(date +%s) - t0)) s (limit $limit s)"
+  return $rc
+}
+
+{
+  echo "== machine"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | head -3
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else ''); print('transformers', transformers.__version__)"
+  $PY -c "import trl; print('trl', trl.__version__)" 2>&1 | tail -1
+  echo "cores $NCPU: benchmarks on '${BENCH_CORES:-all}', tests on '${TEST_CORES:-all}' with $WORKERS workers"
+} 2>&1 | tee -a "$SUMMARY"
+
+# ---- the tests, in the background on their own cores
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && XDIST="-n $WORKERS"
+PTIMEOUT=""
+$PY -c "import pytest_timeout" 2>/dev/null && PTIMEOUT="--timeout 240"
+(
+  part cuda-tests 150 "$TEST_CORES" $PY -m pytest -q -m cuda tests/test_cuda.py -rfEs -p no:cacheprovider
+  part suite 600 "$TEST_CORES" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY -m pytest -q $XDIST $PTIMEOUT \
+    -m "not slow and not cuda" -rfE -p no:cacheprovider ${SUITE_PATHS:-}
+) &
+TESTS=$!
+
+# ---- the benchmarks, in the foreground
+if [ "$DEVICE" = cuda ]; then
+  W05=qwen0.5b; W15=qwen1.5b; SET05=""; SET15="--steps 2"; PSET=""
+else  # the logic on a CPU: the tiny workload twice, with KL on
+  W05=tiny; W15=tiny; SET05="--set kl_coef=0.04,steps=2,warmup=1"; SET15="--set kl_coef=0.04,steps=1,warmup=1"
+  PSET="--set kl_coef=0.04,warmup=1"
+fi
+part passes-$W05 100 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W05 --repeats 3 --profile
+part passes-$W15 100 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W15 --repeats 3 --profile
+part vs-trl-$W05 150 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
+  --libraries tidyrl,tidyrl-hf-forward,trl --repeats 1 $SET05 --keep "$WORK/vs05"
+rm -rf "$WORK"/vs05/*/model
+part vs-trl-$W15-b 170 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W15 \
+  --libraries tidyrl,tidyrl-hf-forward,trl --repeats 1 $SET15 --keep "$WORK/vs15"
+rm -rf "$WORK"/vs15/*/model
+part profile-$W05 90 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
+  --libraries tidyrl --repeats 1 --profile $PSET --keep "$WORK/prof"
+rm -rf "$WORK"/prof/*/model
+
+wait $TESTS  # (its parts end by the deadline: their limits are cut to it)
+
+# ---- the summary: the tables, then the tests' results
+{
+  echo
+  echo "================================ SUMMARY ($(($(date +%s) - START)) s) ================================"
+  for f in "$LOGS"/passes-*.log; do
+    [ -f "$f" ] || continue
+    echo "--- $(basename "$f" .log)"
+    grep -E "^(== |pass |lean |shared |onepass |trl )|^  profile |^ +[0-9.]+% " "$f" | cut -c1-150
+  done
+  for f in "$LOGS"/vs-trl-*.log "$LOGS"/profile-*.log; do
+    [ -f "$f" ] || continue
+    echo "--- $(basename "$f" .log)"
+    grep -E "GEMM peak \(|run [0-9]+/[0-9]+:|^  profile |^    (generate|score|update): |^ {6} *[0-9.]+% " "$f" | cut -c1-160
+    sed -n '/^== /,$p' "$f" | grep -vE "Warning|warn\(|^\s*$" | cut -c1-160
+    grep -E "Error|Traceback" "$f" | head -5
+  done
+  for name in cuda-tests suite; do
+    [ -f "$LOGS/$name.log" ] || continue
+    echo "--- $name"
+    grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|error" "$LOGS/$name.log" | cut -c1-220 | tail -25
+  done
+  echo "--- parts"
+  cat "$SUMMARY" | grep -E "exit|skipped"
+} > "$LOGS/tables.txt" 2>&1
+cat "$LOGS/tables.txt"
+for d in vs05 vs15 prof; do  # the children's logs and profile tables
+  for f in "$WORK"/$d/*/*/child.log "$WORK"/$d/*/*/profile.txt "$WORK"/$d/*/*/profile.json; do
+    [ -f "$f" ] && cp "$f" "$LOGS/$d-$(basename "$(dirname "$f")")-$(basename "$f")"
+  done
+done
+tar -czf "$OUT_DIR/logs.tgz" -C "$LOGS" . && cp "$LOGS/tables.txt" "$OUT_DIR/tables.txt"
+rm -rf "$WORK"
