@@ -17,7 +17,9 @@ max_new_tokens long, as bench_vs_trl.py's runs) through four passes that compute
 
 For each: `score`, the no-grad pass of one scoring chunk (eval mode), and `update`, forward (with entropy) and
 backward of one training micro-batch (train mode); median seconds over --repeats (the device synchronised around
-each), peak device memory of the update, and the largest log-prob difference from `onepass`. Per rollout, the
+each), peak device memory of the update, and the largest log-prob difference from `onepass`. --widths N adds the
+cost of a new shape: each pass on N new prompt widths, the first call on each (cold) and the second (warm), with
+torch's order of attention kernels and with tidyrl's (models.forward.ATTENTION_ORDER). Per rollout, the
 loops run R / micro_batch of each (printed as `x rollout`). --profile adds, per pass, one profiled score and update:
 device time against wall time (a pass whose device time is far below its wall time waits on the host), the
 attention kernels torch chose, and the top kernels with their share of the pass's device time.
@@ -74,6 +76,61 @@ def micro_batch(w: dict, tok) -> Rollout:
     gen = torch.Generator().manual_seed(0)
     completions = torch.randint(4, len(tok), (len(rows), T), generator=gen)
     return Rollout(ids, mask, completions, torch.ones(len(rows), T), torch.zeros(len(rows), dtype=torch.bool))
+
+
+def batch_of_width(w: dict, tok, width: int, seed: int) -> Rollout:
+    """A micro-batch like `micro_batch`'s whose prompts are all `width` tokens (BOS + random ids): a new shape of every
+    attention call for each new width, as the chunks of a real run have."""
+    m, k, T = w["micro_batch"], w["k"], w["max_new_tokens"]
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [[tok.bos_token_id] + torch.randint(4, len(tok), (width - 1,), generator=gen).tolist()
+               for _ in range(max(1, -(-m // k)))]
+    ids, mask = left_pad([p for p in prompts for _ in range(k)][:m], tok.pad_token_id)
+    completions = torch.randint(4, len(tok), (len(ids), T), generator=gen)
+    return Rollout(ids, mask, completions, torch.ones(len(ids), T), torch.zeros(len(ids), dtype=torch.bool))
+
+
+@contextlib.contextmanager
+def attention(name: str, device):
+    """`torch`: torch's own order of SDPA kernels; `tidyrl`: models.forward.ATTENTION_ORDER's for the device."""
+    kind = torch.device(device).type
+    had, before = kind in tidy_forward.ATTENTION_ORDER, tidy_forward.ATTENTION_ORDER.get(kind)
+    if name == "torch":
+        tidy_forward.ATTENTION_ORDER.pop(kind, None)
+    try:
+        yield
+    finally:
+        if had:
+            tidy_forward.ATTENTION_ORDER[kind] = before
+
+
+def widths_table(args, w, tok, model, device) -> None:
+    """Each pass on --widths new prompt widths (a shape never seen: cold) and then again on each (warm), with torch's
+    order of attention kernels and with tidyrl's (ATTENTION_ORDER): medians over the widths, ms."""
+    print(f"\n-- new shapes: {args.widths} new prompt widths per pass and attention order; cold = first call on a new "
+          f"width, warm = the same again (ms, medians); attention 'torch' = torch's kernel order, 'tidyrl' = "
+          f"ATTENTION_ORDER {tidy_forward.ATTENTION_ORDER.get(torch.device(device).type)}")
+    print(f"{'pass':10}{'attention':>10}{'score cold':>12}{'score warm':>12}{'update cold':>13}{'update warm':>13}")
+    next_width = 20
+    gen = torch.Generator().manual_seed(2)
+    weights = torch.randn(len(micro_batch(w, tok)), w["max_new_tokens"], generator=gen).to(device)
+    for name in args.passes:
+        for order in ("torch", "tidyrl") if name != "trl" else ("torch",):  # (TRL's pass is not tidyrl's forward)
+            cold = {"score": [], "update": []}
+            warm = {"score": [], "update": []}
+            with attention(order, device):
+                for i in range(args.widths):
+                    batch = batch_of_width(w, tok, next_width, seed=next_width)
+                    next_width += 1
+                    for phase, fn in (("score", lambda: score(name, model, batch)),
+                                      ("update", lambda: update(name, model, batch, weights))):
+                        cold[phase].append(timed(fn, device)[0])
+                        warm[phase].append(timed(fn, device)[0])
+            model.zero_grad(set_to_none=True)
+            med = {f"{k}_{p}": 1e3 * statistics.median(d[p]) for k, d in (("cold", cold), ("warm", warm))
+                   for p in ("score", "update")}
+            print(f"{name:10}{order:>10}{med['cold_score']:12.1f}{med['warm_score']:12.1f}{med['cold_update']:13.1f}"
+                  f"{med['warm_update']:13.1f}", flush=True)
 
 
 def _trl_functions():
@@ -321,6 +378,8 @@ def measure(args, w) -> None:
         diff = (logprobs[name] - ref).abs().max().item()
         print(f"{name:10}{1e3 * s:10.1f}{s * per_rollout:13.3f}{1e3 * u:11.1f}{u * per_rollout:13.3f}"
               f"{peak.get(name, float('nan')):17.0f}{diff:13.2e}", flush=True)
+    if args.widths:
+        widths_table(args, w, tok, model, device)
     if args.profile:
         for name in args.passes:
             for phase, fn in (("score", lambda: score(name, model, batch)),
@@ -343,6 +402,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--passes", default=",".join(PASSES), help=f"a subset of {', '.join(PASSES)}")
     parser.add_argument("--profile", action="store_true", help="profile one score and one update per pass")
+    parser.add_argument("--widths", type=int, default=0,
+                        help="also time each pass on this many new prompt widths, cold and warm, with torch's and "
+                             "tidyrl's order of attention kernels")
     parser.add_argument("--trace", action="store_true", help="op-by-op trace on the meta device instead of timings")
     parser.add_argument("--set", dest="overrides", default="", metavar="KEY=VALUE,...")
     args = parser.parse_args(argv)

@@ -748,7 +748,10 @@ def main(argv=None) -> None:
                 figures = summarise(result, w, warmup, flops)
                 per_lib[lib].append(figures)
                 print(f"  {name} {lib:11} run {rep + 1}/{args.repeats}: {figures['episodes_per_s']:.1f} episodes/s, "
-                      f"{figures['s_per_step']:.3f} s/step, peak RSS {figures['peak_rss_mib']:.0f} MiB "
+                      f"{figures['s_per_step']:.3f} s/step (generate {figures['generate_s']:.3f}, score "
+                      f"{figures['score_s']:.3f}, update {figures['update_s']:.3f} s"
+                      + (f", peak GPU {figures['peak_gpu_mib']:.0f} MiB" if "peak_gpu_mib" in figures else "")
+                      + f"), peak RSS {figures['peak_rss_mib']:.0f} MiB "
                       f"({time.perf_counter() - t0:.0f} s with loading; load average {load:.2f} -> "
                       f"{os.getloadavg()[0]:.2f})", flush=True)
                 if args.profile:

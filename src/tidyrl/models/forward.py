@@ -13,6 +13,7 @@ are copied to its rows: for Llama layouts in one lean pass of our own (`models.l
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -90,11 +91,39 @@ def layouts_for(device: torch.device | str) -> tuple[str, ...]:
     return LAYOUTS.get(torch.device(device).type, DEFAULT_LAYOUTS)
 
 
+# The attention kernels the training forward prefers, by device type, first to last (torch's SDPA takes the first of
+# them that is enabled and accepts the call; the order only, nothing is enabled that was not). CUDA: torch's default
+# puts cuDNN's attention first on Hopper, and cuDNN builds an execution plan for every new shape of the call: every
+# new prompt or completion width of a scoring chunk or micro-batch (widths change with every chunk in a real run),
+# forward and backward. The memory-efficient kernel has no such step. Measured: docs/benchmarks.md, "Which layout
+# on which device" (benchmarks/bench_passes.py --widths).
+ATTENTION_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH"),
+}
+
+
+def attention_order(device: torch.device | str):
+    """A context in which torch's SDPA tries the kernels in ATTENTION_ORDER's order for `device` (a no-op where it
+    has no entry)."""
+    names = ATTENTION_ORDER.get(torch.device(device).type)
+    if not names:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    enabled = {"FLASH_ATTENTION": torch.backends.cuda.flash_sdp_enabled(),
+               "EFFICIENT_ATTENTION": torch.backends.cuda.mem_efficient_sdp_enabled(),
+               "CUDNN_ATTENTION": torch.backends.cuda.cudnn_sdp_enabled(),
+               "MATH": torch.backends.cuda.math_sdp_enabled()}
+    backends = [getattr(SDPBackend, name) for name in names if enabled.get(name)]
+    return sdpa_kernel(backends, set_priority=True) if backends else contextlib.nullcontext()
+
+
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                       fast_path: bool = True) -> torch.Tensor:
     """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
     `fast_path`: the lean pass for Llama layouts where it applies (`models.llama_forward.can_run`)."""
-    parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    with attention_order(model_device(model)):
+        parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[:, :completion_ids.shape[1]]
 
 
@@ -176,7 +205,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
     per-token entropy (computed without grad). Gradients flow when called outside no_grad. `fast_path`: see
     `completion_logits`."""
-    parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    with attention_order(model_device(model)):
+        parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
     tc, widths = completion_ids.shape[1], [p.shape[1] for p in parts]
     # A column that predicts nothing is read with token 0 and dropped: per-position maths, the same numbers.
     ids = F.pad(to_device(completion_ids, parts[0].device), (0, sum(widths) - tc)).split(widths, dim=1)
