@@ -606,7 +606,7 @@ def print_table(name: str, w: dict, facts: dict, figures: dict[str, dict], peak:
     width = max(14, *(len(c) + 2 for c in cols))
     header = f"{'':28}" + "".join(f"{c:>{width}}" for c in cols)
     if len(cols) == 2:
-        header += f"{cols[0] + '/' + cols[1]:>14}"
+        header += f"{cols[0] + '/' + cols[1]:>{len(cols[0]) + len(cols[1]) + 3}}"
     print(header)
     rows = [
         ("episodes/s", "episodes_per_s", "{:.2f}", True),

@@ -63,38 +63,49 @@ part() {
   echo "cores $NCPU: benchmarks on '${BENCH_CORES:-all}', tests on '${TEST_CORES:-all}' with $WORKERS workers"
 } 2>&1 | tee -a "$SUMMARY"
 
+PARTS=${PARTS:-"tests passes05 passes15 vs05 vs15 profile"}  # which parts run (all by default), in this order
+has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+LIBS=${LIBS:-tidyrl,tidyrl-hf-forward,trl}         # bench_vs_trl's --libraries
+TEST_PATHS=${TEST_PATHS:-}                         # the suite's paths (default: all of tests/)
+
 # ---- the tests, in the background on their own cores
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n $WORKERS"
 PTIMEOUT=""
 $PY -c "import pytest_timeout" 2>/dev/null && PTIMEOUT="--timeout 240"
-(
-  part cuda-tests 150 "$TEST_CORES" $PY -m pytest -q -m cuda tests/test_cuda.py -rfEs -p no:cacheprovider
-  part suite 600 "$TEST_CORES" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY -m pytest -q $XDIST $PTIMEOUT \
-    -m "not slow and not cuda" -rfE -p no:cacheprovider ${SUITE_PATHS:-}
-) &
-TESTS=$!
+TESTS=""
+if has tests; then
+  (
+    part cuda-tests 150 "$TEST_CORES" $PY -m pytest -q -m cuda tests/test_cuda.py -rfEs -p no:cacheprovider
+    part suite 600 "$TEST_CORES" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY -m pytest -q $XDIST $PTIMEOUT \
+      -m "not slow and not cuda" -rfEs -p no:cacheprovider ${SUITE_PATHS:-$TEST_PATHS}
+  ) &
+  TESTS=$!
+fi
 
 # ---- the benchmarks, in the foreground
 if [ "$DEVICE" = cuda ]; then
-  W05=qwen0.5b; W15=qwen1.5b; SET05=""; SET15="--steps 2"; PSET=""
+  W05=qwen0.5b; W15=qwen1.5b; SET05=${SET05:-}; SET15=${SET15:-"--steps 2"}; PSET=""
 else  # the logic on a CPU: the tiny workload twice, with KL on
   W05=tiny; W15=tiny; SET05="--set kl_coef=0.04,steps=2,warmup=1"; SET15="--set kl_coef=0.04,steps=1,warmup=1"
   PSET="--set kl_coef=0.04,warmup=1"
 fi
-part passes-$W05 100 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W05 --repeats 3 --profile
-part passes-$W15 100 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W15 --repeats 3 --profile
-part vs-trl-$W05 150 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
-  --libraries tidyrl,tidyrl-hf-forward,trl --repeats 1 $SET05 --keep "$WORK/vs05"
+PASSES_ARGS=${PASSES_ARGS:-"--repeats 3 --profile"}
+has passes05 && part passes-$W05 100 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W05 \
+  $PASSES_ARGS
+has passes15 && part passes-$W15 100 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W15 \
+  $PASSES_ARGS
+has vs05 && part vs-trl-$W05 ${VS05_LIMIT:-150} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
+  --workload $W05 --libraries $LIBS --repeats 1 $SET05 --keep "$WORK/vs05"
 rm -rf "$WORK"/vs05/*/model
-part vs-trl-$W15-b 170 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W15 \
-  --libraries tidyrl,tidyrl-hf-forward,trl --repeats 1 $SET15 --keep "$WORK/vs15"
-rm -rf "$WORK"/vs15/*/model
-part profile-$W05 90 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
-  --libraries tidyrl --repeats 1 --profile $PSET --keep "$WORK/prof"
+has profile && part profile-$W05 90 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
+  --libraries ${PROFILE_LIBS:-tidyrl} --repeats 1 --profile $PSET --keep "$WORK/prof"
 rm -rf "$WORK"/prof/*/model
+has vs15 && part vs-trl-$W15-b ${VS15_LIMIT:-170} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
+  --workload $W15 --libraries ${LIBS15:-$LIBS} --repeats 1 $SET15 --keep "$WORK/vs15"
+rm -rf "$WORK"/vs15/*/model
 
-wait $TESTS  # (its parts end by the deadline: their limits are cut to it)
+[ -n "$TESTS" ] && wait $TESTS  # (its parts end by the deadline: their limits are cut to it)
 
 # ---- the summary: the tables, then the tests' results
 {
@@ -103,7 +114,7 @@ wait $TESTS  # (its parts end by the deadline: their limits are cut to it)
   for f in "$LOGS"/passes-*.log; do
     [ -f "$f" ] || continue
     echo "--- $(basename "$f" .log)"
-    grep -E "^(== |pass |lean |shared |onepass |trl )|^  profile |^ +[0-9.]+% " "$f" | cut -c1-150
+    grep -E "^(== |-- |pass |lean |shared |onepass |trl )|^  profile |^ +[0-9.]+% " "$f" | cut -c1-220
   done
   for f in "$LOGS"/vs-trl-*.log "$LOGS"/profile-*.log; do
     [ -f "$f" ] || continue
