@@ -123,6 +123,32 @@ def test_the_lean_pass_attends_with_a_fused_kernel_over_grouped_heads():
             torch.testing.assert_close(got.detach() * read, want * read, atol=1e-4, rtol=1e-4)
 
 
+def test_cuda_scores_and_trains_with_the_model_s_own_forward_and_the_same_numbers(monkeypatch):
+    """On CUDA the training forward takes the layout measured fastest there (models.forward.LAYOUTS: the model's own
+    forward over whole rows, not the lean pass), forward and backward, with the lean pass's log-probs (float32)."""
+    from tidyrl.models import forward
+    from tidyrl.models.llama_forward import completion_logits
+
+    assert forward.layouts_for("cuda") == ("onepass",)
+    prompts = torch.tensor([[0, 0, 5, 6], [0, 0, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10]])
+    pmask = (prompts != 0).long()
+    completions = torch.tensor([[11, 12, 2, 0, 0, 0], [13, 14, 15, 16, 17, 18]] * 2)
+    cmask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]] * 2).float()
+    model = llama(num_attention_heads=4, num_key_value_heads=2).to("cuda").train()
+    calls = []
+    real = forward.logits_if_lean
+    monkeypatch.setattr(forward, "logits_if_lean", lambda *a: calls.append(1) or real(*a))
+    logprobs, entropy = forward.completion_logprobs(model, prompts, pmask, completions, cmask, 1.0,
+                                                    with_entropy=True)
+    logprobs.sum().backward()
+    assert calls == [] and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    with torch.no_grad():
+        lean = torch.log_softmax(completion_logits(model, prompts, pmask, completions, cmask).float(), -1)
+    want = lean.gather(-1, completions.cuda()[..., None])[..., 0]
+    read = cmask.cuda()
+    torch.testing.assert_close(logprobs.detach() * read, want * read, atol=1e-4, rtol=1e-4)
+
+
 def test_the_update_and_scoring_never_wait_for_the_gpu_inside_their_loops(tiny_model_dir, prompt_file, tmp_path,
                                                                           monkeypatch):
     """torch.cuda.set_sync_debug_mode("error") raises at any host synchronisation: it is on from the start of each

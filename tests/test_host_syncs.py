@@ -73,7 +73,7 @@ class _MetaAccelerator:
 
 
 @pytest.mark.parametrize("case", ["grpo-kl-epochs", "grpo-importance-weights", "rloo-kl-in-reward", "ppo",
-                                  "grpo-model-forward"])
+                                  "grpo-model-forward", "grpo-cuda-layouts"])
 def test_the_update_reads_nothing_back_from_the_device_inside_its_micro_batch_loop(case, tiny_model_dir, prompt_file,
                                                                                    tmp_path, monkeypatch,
                                                                                    autocast_takes_meta):
@@ -86,7 +86,12 @@ def test_the_update_reads_nothing_back_from_the_device_inside_its_micro_batch_lo
         "rloo-kl-in-reward": {"algorithm": "rloo", "rloo": {"kl_coef": 0.05}},
         "ppo": {"algorithm": "ppo", "ppo": {"kl_coef": 0.05}},  # the critic: the model's own forward
         "grpo-model-forward": {"grpo": {"kl_coef": 0.04}, "model_fast_paths": False},  # shared-prompt passes
+        "grpo-cuda-layouts": {"grpo": {"kl_coef": 0.04}, "train": {"epochs_per_rollout": 2}},  # as on CUDA, below
     }[case]
+    if case == "grpo-cuda-layouts":  # the update on meta takes the layouts CUDA takes (models.forward.LAYOUTS)
+        from tidyrl.models import forward
+
+        monkeypatch.setitem(forward.LAYOUTS, "meta", forward.layouts_for("cuda"))
     config = with_sections({
         "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 0,
         "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],

@@ -8,12 +8,12 @@ knows nothing of rollouts, losses or loops.
 When several rows share a prompt (the k samples of a group), the prompt is run once and its keys and values
 are copied to its rows: for Llama layouts in one lean pass of our own (`models.llama_forward`, the fast path:
 `model_fast_paths: false` turns it off), for other models in two passes of the model's forward
-(`_shared_prompt_logits`): the same maths with fewer FLOPs.
+(`_shared_prompt_logits`): the same maths with fewer FLOPs. Which of these a device takes is decided per device
+type by measurement (`LAYOUTS`): on CUDA the model's own forward over whole rows, measured faster there.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -79,11 +79,18 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
 #   "shared"   `_shared_prompt_logits`: the model's forward twice, distinct prompts once (rows that share a prompt)
 #   "onepass"  the model's forward over [prompt, completion] with logits_to_keep: always applies (layouts listed
 #              after it are never tried), and runs where none listed applies
-# Chosen per device by measurement: benchmarks/bench_passes.py times each layout's scoring and update micro-batch
-# side by side on the device (docs/benchmarks.md, "Which layout on which device"). `model_fast_paths: false`
-# removes "lean" wherever it is listed, and nothing else.
+# Chosen per device by measurement (benchmarks/bench_passes.py: each layout's scoring chunk and update micro-batch
+# side by side on the device; docs/benchmarks.md, "Which layout on which device"):
+# - CPU (and the default): the lean pass, 1.04-1.3x faster than the model's forward per update micro-batch.
+# - CUDA: the model's own forward over whole rows. On an H200 (bf16, micro-batch 16 x 256 tokens, torch's cuDNN
+#   attention) it took 7-19 % less time than the lean pass per scoring chunk and update micro-batch on the qwen0.5b
+#   and qwen1.5b shapes, and 14 % less per GRPO rollout on qwen0.5b (2.50 vs 2.92 s s/step, both runs with the
+#   memory-efficient attention kernel put first); the shared-prompt passes took
+#   1.8-2.0x its time. At these sizes the GPU waits on the host's launches, and the model's forward, with fewer and
+#   larger kernels, wins over the FLOPs that running each prompt once saves.
+# `model_fast_paths: false` removes "lean" wherever it is listed, and nothing else.
 DEFAULT_LAYOUTS = ("lean", "shared", "onepass")
-LAYOUTS: dict[str, tuple[str, ...]] = {}
+LAYOUTS: dict[str, tuple[str, ...]] = {"cuda": ("onepass",)}
 
 
 def layouts_for(device: torch.device | str) -> tuple[str, ...]:
@@ -91,39 +98,11 @@ def layouts_for(device: torch.device | str) -> tuple[str, ...]:
     return LAYOUTS.get(torch.device(device).type, DEFAULT_LAYOUTS)
 
 
-# The attention kernels the training forward prefers, by device type, first to last (torch's SDPA takes the first of
-# them that is enabled and accepts the call; the order only, nothing is enabled that was not). CUDA: torch's default
-# puts cuDNN's attention first on Hopper, and cuDNN builds an execution plan for every new shape of the call: every
-# new prompt or completion width of a scoring chunk or micro-batch (widths change with every chunk in a real run),
-# forward and backward. The memory-efficient kernel has no such step. Measured: docs/benchmarks.md, "Which layout
-# on which device" (benchmarks/bench_passes.py --widths).
-ATTENTION_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH"),
-}
-
-
-def attention_order(device: torch.device | str):
-    """A context in which torch's SDPA tries the kernels in ATTENTION_ORDER's order for `device` (a no-op where it
-    has no entry)."""
-    names = ATTENTION_ORDER.get(torch.device(device).type)
-    if not names:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    enabled = {"FLASH_ATTENTION": torch.backends.cuda.flash_sdp_enabled(),
-               "EFFICIENT_ATTENTION": torch.backends.cuda.mem_efficient_sdp_enabled(),
-               "CUDNN_ATTENTION": torch.backends.cuda.cudnn_sdp_enabled(),
-               "MATH": torch.backends.cuda.math_sdp_enabled()}
-    backends = [getattr(SDPBackend, name) for name in names if enabled.get(name)]
-    return sdpa_kernel(backends, set_priority=True) if backends else contextlib.nullcontext()
-
-
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                       fast_path: bool = True) -> torch.Tensor:
     """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
     `fast_path`: the lean pass for Llama layouts where it applies (`models.llama_forward.can_run`)."""
-    with attention_order(model_device(model)):
-        parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[:, :completion_ids.shape[1]]
 
 
@@ -205,8 +184,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
     per-token entropy (computed without grad). Gradients flow when called outside no_grad. `fast_path`: see
     `completion_logits`."""
-    with attention_order(model_device(model)):
-        parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
     tc, widths = completion_ids.shape[1], [p.shape[1] for p in parts]
     # A column that predicts nothing is read with token 0 and dropped: per-position maths, the same numbers.
     ids = F.pad(to_device(completion_ids, parts[0].device), (0, sum(widths) - tc)).split(widths, dim=1)
