@@ -19,7 +19,8 @@ For each: `score`, the no-grad pass of one scoring chunk (eval mode), and `updat
 backward of one training micro-batch (train mode); median seconds over --repeats (the device synchronised around
 each), peak device memory of the update, and the largest log-prob difference from `onepass`. --widths N adds the
 cost of a new shape: each pass on N new prompt widths, the first call on each (cold) and the second (warm), with
-torch's order of attention kernels and with tidyrl's (models.forward.ATTENTION_ORDER). Per rollout, the
+torch's order of attention kernels (on Hopper: cuDNN's first, which plans each new shape) and with the
+memory-efficient kernel first. Per rollout, the
 loops run R / micro_batch of each (printed as `x rollout`). --profile adds, per pass, one profiled score and update:
 device time against wall time (a pass whose device time is far below its wall time waits on the host), the
 attention kernels torch chose, and the top kernels with their share of the pass's device time.
@@ -90,35 +91,35 @@ def batch_of_width(w: dict, tok, width: int, seed: int) -> Rollout:
     return Rollout(ids, mask, completions, torch.ones(len(ids), T), torch.zeros(len(ids), dtype=torch.bool))
 
 
-@contextlib.contextmanager
-def attention(name: str, device):
-    """`torch`: torch's own order of SDPA kernels; `tidyrl`: models.forward.ATTENTION_ORDER's for the device."""
-    kind = torch.device(device).type
-    had, before = kind in tidy_forward.ATTENTION_ORDER, tidy_forward.ATTENTION_ORDER.get(kind)
+def attention(name: str):
+    """`torch`: torch's own order of SDPA kernels (on Hopper cuDNN's first); `efficient`: the memory-efficient kernel
+    first (then flash, cuDNN, math: the order only, nothing enabled that was not)."""
     if name == "torch":
-        tidy_forward.ATTENTION_ORDER.pop(kind, None)
-    try:
-        yield
-    finally:
-        if had:
-            tidy_forward.ATTENTION_ORDER[kind] = before
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    enabled = [(SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+               (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+               (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled()),
+               (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled())]
+    return sdpa_kernel([b for b, on in enabled if on], set_priority=True)
 
 
 def widths_table(args, w, tok, model, device) -> None:
     """Each pass on --widths new prompt widths (a shape never seen: cold) and then again on each (warm), with torch's
-    order of attention kernels and with tidyrl's (ATTENTION_ORDER): medians over the widths, ms."""
+    order of attention kernels and with the memory-efficient kernel first: medians over the widths, ms."""
     print(f"\n-- new shapes: {args.widths} new prompt widths per pass and attention order; cold = first call on a new "
-          f"width, warm = the same again (ms, medians); attention 'torch' = torch's kernel order, 'tidyrl' = "
-          f"ATTENTION_ORDER {tidy_forward.ATTENTION_ORDER.get(torch.device(device).type)}")
+          f"width, warm = the same again (ms, medians); attention 'torch' = torch's kernel order (Hopper: cuDNN "
+          f"first), 'efficient' = the memory-efficient kernel first")
     print(f"{'pass':10}{'attention':>10}{'score cold':>12}{'score warm':>12}{'update cold':>13}{'update warm':>13}")
     next_width = 20
     gen = torch.Generator().manual_seed(2)
     weights = torch.randn(len(micro_batch(w, tok)), w["max_new_tokens"], generator=gen).to(device)
     for name in args.passes:
-        for order in ("torch", "tidyrl") if name != "trl" else ("torch",):  # (TRL's pass is not tidyrl's forward)
+        for order in ("torch", "efficient"):
             cold = {"score": [], "update": []}
             warm = {"score": [], "update": []}
-            with attention(order, device):
+            with attention(order):
                 for i in range(args.widths):
                     batch = batch_of_width(w, tok, next_width, seed=next_width)
                     next_width += 1
@@ -403,8 +404,8 @@ def main(argv=None) -> None:
     parser.add_argument("--passes", default=",".join(PASSES), help=f"a subset of {', '.join(PASSES)}")
     parser.add_argument("--profile", action="store_true", help="profile one score and one update per pass")
     parser.add_argument("--widths", type=int, default=0,
-                        help="also time each pass on this many new prompt widths, cold and warm, with torch's and "
-                             "tidyrl's order of attention kernels")
+                        help="also time each pass on this many new prompt widths, cold and warm, with torch's order "
+                             "of attention kernels and with the memory-efficient kernel first")
     parser.add_argument("--trace", action="store_true", help="op-by-op trace on the meta device instead of timings")
     parser.add_argument("--set", dest="overrides", default="", metavar="KEY=VALUE,...")
     args = parser.parse_args(argv)

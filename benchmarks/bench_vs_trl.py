@@ -196,128 +196,147 @@ def synchronised(fn):
 
 
 PHASES = ("generate", "score", "update")
+PROFILED_PHASES = ("score", "update")
+"""The phases --profile traces kernel by kernel. Generation is timed only: its kernels (a captured graph replayed
+per token) are hundreds of thousands of trace events, whose parsing alone outlasted a 90 s limit on an H200."""
 
 
 class Profiler:
-    """--profile: torch.profiler over ONE measured rollout of a child (the first after the warmup), its phases
-    marked (record_function ranges, the device synchronised at each phase's end). Writes profile.txt (the top
-    ops/kernels by self time) and profile.json (kernel launches or, on CPU, dispatched aten ops; host
-    synchronisations by kind; the top 12 overall; per phase, its device time and its top 8 kernels with their
-    share of the phase) into the child's folder. The profiler slows the host side: its timings are not the
-    benchmark's figures."""
+    """--profile: ONE measured rollout of a child (the first after the warmup) with its phases timed (the device
+    synchronised at each phase's end) and its scoring and update traced by torch.profiler, each call of a phase in a
+    session of its own. Writes profile.txt (each traced phase's top ops/kernels by self time) and profile.json (per
+    phase: wall time, device time and its top 8 kernels with their share of the phase, the top host ops; over the
+    traced phases: kernel launches or, on CPU, dispatched aten ops, host synchronisations by kind, the top 12) into
+    the child's folder. The profiler slows the host side: its timings are not the benchmark's figures."""
 
     def __init__(self, spec: dict):
-        self.on, self.spec, self.prof, self.calls, self.done = bool(spec.get("profile")), spec, None, 0, False
+        self.on, self.spec, self.calls, self.active, self.inside = bool(spec.get("profile")), spec, 0, False, False
+        self.cuda = spec.get("device") == "cuda"
+        self.walls = {p: 0.0 for p in PHASES}
+        self.kernels: dict[str, dict[str, list[float]]] = {p: {} for p in PHASES}  # name -> [us, calls]
+        self.host: dict[str, dict[str, list[float]]] = {p: {} for p in PHASES}
+        self.tables: list[str] = []
 
     def starting_at_measured(self, fn, per_rollout: int = 1):
-        """`fn` is called `per_rollout` times per rollout, first at its start: the profiler runs from its first call
-        after the warmup to its first call of the next rollout (or the end of training)."""
+        """`fn` is called `per_rollout` times per rollout, first at its start: the phases are profiled from its first
+        call after the warmup to its first call of the next rollout (or the end of training)."""
         def wrapper(*a, **kw):
-            if self.calls == (self.spec["warmup"] + 1) * per_rollout and self.prof is not None and not self.done:
-                self._stop()
             if self.calls == self.spec["warmup"] * per_rollout:
-                import torch.profiler as tp
-
-                cuda = self.spec.get("device") == "cuda"
-                activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if cuda else [])
-                self.prof = tp.profile(activities=activities)
-                self.prof.__enter__()
+                self.active = True
+            elif self.calls == (self.spec["warmup"] + 1) * per_rollout:
+                self.active = False
             self.calls += 1
             return fn(*a, **kw)
         return wrapper
 
     def phase(self, name: str, fn):
-        """`fn` inside a range named `phase::name` while profiling, the device synchronised at its end."""
+        """`fn`, timed as part of phase `name` in the profiled rollout (and traced when the phase is one of
+        PROFILED_PHASES); calls inside another phase's call count as that one's."""
         import functools
 
         @functools.wraps(fn)
         def wrapper(*a, **kw):
-            if self.prof is None or self.done:
+            if not self.active or self.inside:
                 return fn(*a, **kw)
             import torch
+            import torch.profiler as tp
 
-            with torch.profiler.record_function(f"phase::{name}"):
-                result = fn(*a, **kw)
-                if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    torch.cuda.synchronize()
+            sync = torch.cuda.synchronize if self.cuda else (lambda: None)
+            self.inside = True
+            try:
+                sync()
+                t0 = time.perf_counter()
+                if name in PROFILED_PHASES:
+                    activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.cuda else [])
+                    with tp.profile(activities=activities) as prof:
+                        result = fn(*a, **kw)
+                        sync()
+                else:
+                    result = fn(*a, **kw)
+                    sync()
+                self.walls[name] += time.perf_counter() - t0
+            finally:
+                self.inside = False
+            if name in PROFILED_PHASES:
+                self._collect(name, prof)
             return result
         return wrapper
 
+    def _collect(self, name: str, prof) -> None:
+        events = prof.key_averages()
+        attr = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        for e in events:
+            if self.cuda and e.device_type.name != "CUDA":
+                if e.self_cpu_time_total > 0:
+                    entry = self.host[name].setdefault(e.key, [0.0, 0])
+                    entry[0] += e.self_cpu_time_total
+                    entry[1] += e.count
+                continue
+            us = getattr(e, attr)
+            if us > 0 or e.key in SYNC_EVENTS or e.key in LAUNCH_EVENTS:
+                entry = self.kernels[name].setdefault(e.key, [0.0, 0])
+                entry[0] += us
+                entry[1] += e.count
+        if len(self.tables) < 4:
+            self.tables.append(f"== {name}\n" + events.table(sort_by=attr, row_limit=25))
+
     def finish(self) -> None:
-        if self.prof is not None and not self.done:
-            self._stop()
-
-    def _stop(self) -> None:
-        import torch
-
-        self.done = True
-        cuda = self.spec.get("device") == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-        self.prof.__exit__(None, None, None)
-        events = self.prof.key_averages()
-        on_device = "self_device_time_total" if cuda else "self_cpu_time_total"
+        if not self.on:
+            return
         out = Path(self.spec["out"])
-        out.joinpath("profile.txt").write_text(events.table(sort_by=on_device, row_limit=40))
-        top = sorted(events, key=lambda e: getattr(e, on_device), reverse=True)[:12]
-        launches = sum(e.count for e in events if e.key in LAUNCH_EVENTS) if cuda else \
-            sum(e.count for e in events if e.key.startswith("aten::"))
+        out.joinpath("profile.txt").write_text("\n".join(self.tables))
+        merged: dict[str, list[float]] = {}
+        for p in PROFILED_PHASES:
+            for key, (us, n) in {**self.kernels[p], **self.host[p]}.items():
+                entry = merged.setdefault(key, [0.0, 0])
+                entry[0] += us
+                entry[1] += n
+        launches = sum(n for k, (_, n) in merged.items() if k in LAUNCH_EVENTS) if self.cuda else \
+            sum(n for k, (_, n) in merged.items() if k.startswith("aten::"))
+        device = {k: v for p in PROFILED_PHASES for k, v in self.kernels[p].items()
+                  if k not in SYNC_EVENTS and k not in LAUNCH_EVENTS}
         summary = {
             "rollouts": 1, "launches_per_rollout": launches,
-            "launch_kind": "kernel launches" if cuda else "aten ops dispatched",
-            "syncs_per_rollout": {e.key: e.count for e in events if e.key in SYNC_EVENTS},
-            "top": [{"name": e.key, "calls": e.count, "ms": getattr(e, on_device) / 1e3} for e in top],
-            "phases": self._phases(cuda),
+            "launch_kind": ("kernel launches" if self.cuda else "aten ops dispatched") + " in scoring and the update",
+            "syncs_per_rollout": {k: n for k, (_, n) in merged.items() if k in SYNC_EVENTS},
+            "top": [{"name": k, "calls": v[1], "ms": v[0] / 1e3}
+                    for k, v in sorted(device.items(), key=lambda kv: kv[1][0], reverse=True)[:12]],
+            "phases": {},
         }
-        out.joinpath("profile.json").write_text(json.dumps(summary, indent=1))
-
-    def _phases(self, cuda: bool) -> dict:
-        """Per phase: the kernels (CUDA) or top-level aten ops (CPU) that started inside its ranges, by name."""
-        events = list(self.prof.events())
-        ranges = {p: [(e.time_range.start, e.time_range.end) for e in events if e.name == f"phase::{p}"]
-                  for p in PHASES}
-        order = ("generate", "score", "update")  # a nested range (TRL's generation inside its step) wins
-        per: dict[str, dict[str, list[float]]] = {p: {} for p in PHASES}
-        for e in events:
-            if cuda:
-                if e.device_type.name != "CUDA":
-                    continue
-                us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            else:
-                if not e.name.startswith("aten::") or (e.cpu_parent is not None
-                                                       and e.cpu_parent.name.startswith("aten::")):
-                    continue
-                us = e.cpu_time_total
-            start = e.time_range.start
-            for p in order:
-                if any(a <= start <= b for a, b in ranges[p]):
-                    entry = per[p].setdefault(e.name, [0.0, 0])
-                    entry[0] += us
-                    entry[1] += 1
-                    break
-        result = {}
         for p in PHASES:
-            total = sum(v[0] for v in per[p].values())
-            wall = sum(b - a for a, b in ranges[p])
-            top = sorted(per[p].items(), key=lambda kv: kv[1][0], reverse=True)[:8]
-            result[p] = {"wall_ms": wall / 1e3, "busy_ms": total / 1e3, "kernels": sum(v[1] for v in per[p].values()),
-                         "top": [{"name": k, "ms": v[0] / 1e3, "calls": v[1], "share": v[0] / max(total, 1e-9)}
-                                 for k, v in top]}
-        return result
+            kernels = {k: v for k, v in self.kernels[p].items() if k not in SYNC_EVENTS and k not in LAUNCH_EVENTS}
+            busy = sum(v[0] for v in kernels.values())
+            top = sorted(kernels.items(), key=lambda kv: kv[1][0], reverse=True)[:8]
+            host = sorted(self.host[p].items(), key=lambda kv: kv[1][0], reverse=True)[:5]
+            summary["phases"][p] = {
+                "wall_ms": self.walls[p] * 1e3, "traced": p in PROFILED_PHASES, "busy_ms": busy / 1e3,
+                "kernels": int(sum(v[1] for v in kernels.values())),
+                "top": [{"name": k, "ms": v[0] / 1e3, "calls": int(v[1]), "share": v[0] / max(busy, 1e-9)}
+                        for k, v in top],
+                "host_top": [{"name": k, "ms": v[0] / 1e3, "calls": int(v[1])} for k, v in host]}
+        out.joinpath("profile.json").write_text(json.dumps(summary, indent=1))
 
 
 def print_profile(name: str, lib: str, folder: Path) -> None:
-    """The child's profile.json as a few lines: launches, host synchronisations and the top ops per rollout."""
+    """The child's profile.json as a few lines: launches, host synchronisations, and per phase its wall time, device
+    time and top kernels (with their share of the phase) and, on CUDA, its top host ops."""
     summary = json.loads((folder / "profile.json").read_text())
     syncs = ", ".join(f"{k} {v:g}" for k, v in sorted(summary["syncs_per_rollout"].items())) or "none"
     print(f"  profile {name} {lib}: per rollout {summary['launches_per_rollout']:.0f} {summary['launch_kind']}; "
           f"host synchronisations: {syncs}", flush=True)
-    for phase, p in summary.get("phases", {}).items():
-        print(f"    {phase}: wall {p['wall_ms']:.0f} ms (profiled), busy {p['busy_ms']:.0f} ms in {p['kernels']} "
-              f"{'kernels' if 'kernel' in summary['launch_kind'] else 'ops'}", flush=True)
+    unit = "kernels" if "kernel" in summary["launch_kind"] else "ops"
+    for phase, p in summary["phases"].items():
+        if not p["traced"]:
+            print(f"    {phase}: wall {p['wall_ms']:.0f} ms (timed, not traced)", flush=True)
+            continue
+        print(f"    {phase}: wall {p['wall_ms']:.0f} ms (profiled), busy {p['busy_ms']:.0f} ms in {p['kernels']} {unit}",
+              flush=True)
         for e in p["top"]:
             print(f"      {e['share']:6.1%} {e['ms']:9.1f} ms {e['calls']:7d} x  {e['name'][:90]}", flush=True)
-    print(f"    (full table: {folder / 'profile.txt'})", flush=True)
+        if p["host_top"]:
+            print("      host: " + "; ".join(f"{e['name'][:40]} {e['ms']:.0f} ms/{e['calls']}" for e in p["host_top"]),
+                  flush=True)
+    print(f"    (full tables: {folder / 'profile.txt'})", flush=True)
 
 
 def gpu_memory() -> dict:
@@ -389,8 +408,10 @@ def child_trl(spec: dict) -> dict:
     trainer.add_callback(StepClock())
     profiler = Profiler(spec)
     if profiler.on:  # training_step is called R/m times per optimizer step, its first generating the rollout
-        trainer.training_step = profiler.starting_at_measured(profiler.phase("update", trainer.training_step),
+        trainer.training_step = profiler.starting_at_measured(trainer.training_step,
                                                               per_rollout=(R // m) * w["epochs"])
+        trainer.compute_loss = profiler.phase("update", trainer.compute_loss)  # the update: loss, then backward
+        trainer.accelerator.backward = profiler.phase("update", trainer.accelerator.backward)
         trainer._generate = profiler.phase("generate", trainer._generate)
         logps = trainer._get_per_token_logps_and_entropies
         scoring = profiler.phase("score", logps)

@@ -96,22 +96,25 @@ def test_bench_vs_trl_runs_in_bfloat16_and_leaves_gpu_workloads_to_a_gpu(tmp_pat
 
 
 def test_bench_vs_trl_profiles_one_measured_rollout_by_phase(tmp_path):
-    """--profile: one measured rollout (and no more is run) under torch.profiler, summarised (ops or kernel launches,
-    host synchronisations, the top ops) and split by phase (generate, score, update: each one's top ops with their
-    share of it), the tables kept beside the run."""
+    """--profile: one measured rollout (and no more is run), its phases timed and its scoring and update traced by
+    torch.profiler: summarised (ops or kernel launches, host synchronisations, the top ops) and split by phase (each
+    traced one's top ops with their share of it), the tables kept beside the run."""
     out = run("bench_vs_trl.py", "--workload", "tiny", "--repeats", "1", "--warmup", "1", "--set", "kl_coef=0.04",
               "--libraries", "tidyrl", "--profile", "--keep", str(tmp_path))
-    match = re.search(r"profile tiny tidyrl: per rollout ([0-9]+) aten ops dispatched; host synchronisations: (.*)",
-                      out)
+    match = re.search(r"profile tiny tidyrl: per rollout ([0-9]+) aten ops dispatched in scoring and the update; "
+                      r"host synchronisations: (.*)", out)
     assert match and int(match.group(1)) > 1000, out
     folder = tmp_path / "tiny" / "tidyrl-0"
     summary = json.loads((folder / "profile.json").read_text())
     assert summary["rollouts"] == 1 and len(summary["top"]) == 12
     assert any(e["name"].startswith("aten::") for e in summary["top"])
-    for phase in ("generate", "score", "update"):
+    assert summary["phases"]["generate"]["wall_ms"] > 0 and not summary["phases"]["generate"]["traced"]
+    assert "    generate: wall " in out and "(timed, not traced)" in out
+    for phase in ("score", "update"):  # traced: the top ops with their share of the phase
         p = summary["phases"][phase]
-        assert p["wall_ms"] > 0 and p["top"] and abs(sum(e["share"] for e in p["top"]) - 1) <= 1 and p["kernels"] > 0
-        assert f"    {phase}: wall " in out
+        assert p["traced"] and p["wall_ms"] > 0 and p["kernels"] > 0 and p["top"]
+        assert 0 < sum(e["share"] for e in p["top"]) <= 1 + 1e-9
+        assert f"    {phase}: wall " in out and "(profiled)" in out
     assert len((folder / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # warmup + the profiled rollout
     assert "Self CPU" in (folder / "profile.txt").read_text()
 
