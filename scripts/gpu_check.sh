@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# Every GPU figure of issue 26 in one call, about 6 minutes on one H100/H200 (BUDGET seconds at most):
+# Every GPU figure of issue 26 in one call, at most BUDGET seconds (470: under 8 minutes) on one H100/H200:
 #
 #   scripts/gpu_check.sh [OUT_DIR]          # OUT_DIR: logs and the summary (default $OUT, else ./gpu-check-out)
 #   DEVICE=cpu BUDGET=600 SUITE_PATHS=tests/test_launch.py scripts/gpu_check.sh /tmp/x   # its logic on a CPU
 #                                           (tiny shapes, one test file instead of the suite)
 #
-# Runs, each part with its own time limit inside one overall deadline, so that one hang does not eat the rest:
+# Each part runs under its own time limit, cut to one overall deadline, so that one hang does not eat the rest:
 #   - in the background, on cores of their own: the CUDA tests (pytest -m cuda), then the rest of the suite with the
 #     GPU visible (pytest -n, pytest-xdist; the suite's runs pin themselves to the CPU, tests/conftest.py);
-#   - in the foreground: bench_passes.py (each layout of the training forward: scoring and update micro-batch, with
-#     a profile) on qwen0.5b and qwen1.5b; bench_vs_trl.py on both workloads with tidyrl, tidyrl-hf-forward (the
-#     model's own forward) and TRL side by side; one --profile rollout of tidyrl on qwen0.5b (split by phase).
+#   - in the foreground, most wanted first: bench_passes.py on qwen0.5b (each layout of the training forward and
+#     TRL's, scoring chunk and update micro-batch, on new shapes too, with a profile); bench_vs_trl.py on qwen0.5b and
+#     qwen1.5b, tidyrl beside TRL (LIBS=tidyrl,tidyrl-lean,trl adds the lean pass); one --profile rollout of tidyrl
+#     on qwen0.5b (split by phase); bench_passes.py on qwen1.5b.
 # Prints one summary at the end (the tables) and leaves every log in OUT_DIR/logs.tgz (the profiles' tables too).
 # TRL is taken where it is importable (pip install trl==1.16.0; without it the benchmarks run tidyrl alone).
+# PARTS, LIBS, LIBS15, SET05, SET15, PASSES_ARGS, TEST_PATHS, BUDGET choose what a call runs (see below).
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-gpu-check-out}}
@@ -21,7 +23,7 @@ LOGS=$(mktemp -d /tmp/gpu_check_logs.XXXX)
 WORK=$(mktemp -d /tmp/gpu_check_work.XXXX)
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
-BUDGET=${BUDGET:-400}
+BUDGET=${BUDGET:-470}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)
@@ -63,9 +65,9 @@ part() {
   echo "cores $NCPU: benchmarks on '${BENCH_CORES:-all}', tests on '${TEST_CORES:-all}' with $WORKERS workers"
 } 2>&1 | tee -a "$SUMMARY"
 
-PARTS=${PARTS:-"tests passes05 passes15 vs05 vs15 profile"}  # which parts run (all by default), in this order
+PARTS=${PARTS:-"tests passes05 vs05 vs15 profile passes15"}  # which parts run (all by default)
 has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
-LIBS=${LIBS:-tidyrl,tidyrl-hf-forward,trl}         # bench_vs_trl's --libraries
+LIBS=${LIBS:-tidyrl,trl}                           # bench_vs_trl's --libraries (e.g. tidyrl,tidyrl-lean,trl)
 TEST_PATHS=${TEST_PATHS:-}                         # the suite's paths (default: all of tests/)
 
 # ---- the tests, in the background on their own cores
@@ -83,27 +85,27 @@ if has tests; then
   TESTS=$!
 fi
 
-# ---- the benchmarks, in the foreground
+# ---- the benchmarks, in the foreground, most wanted first (a part the deadline cuts is cut short or skipped)
 if [ "$DEVICE" = cuda ]; then
-  W05=qwen0.5b; W15=qwen1.5b; SET05=${SET05:-}; SET15=${SET15:-"--steps 2"}; PSET=""
+  W05=qwen0.5b; W15=qwen1.5b; SET05=${SET05:-"--steps 2"}; SET15=${SET15:-"--steps 1"}; PSET=""
 else  # the logic on a CPU: the tiny workload twice, with KL on
   W05=tiny; W15=tiny; SET05="--set kl_coef=0.04,steps=2,warmup=1"; SET15="--set kl_coef=0.04,steps=1,warmup=1"
   PSET="--set kl_coef=0.04,warmup=1"
 fi
-PASSES_ARGS=${PASSES_ARGS:-"--repeats 3 --profile"}
-has passes05 && part passes-$W05 100 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W05 \
+PASSES_ARGS=${PASSES_ARGS:-"--repeats 3 --widths 3 --profile"}
+has passes05 && part passes-$W05 90 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W05 \
   $PASSES_ARGS
-has passes15 && part passes-$W15 100 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W15 \
-  $PASSES_ARGS
-has vs05 && part vs-trl-$W05 ${VS05_LIMIT:-150} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
+has vs05 && part vs-trl-$W05 ${VS05_LIMIT:-170} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
   --workload $W05 --libraries $LIBS --repeats 1 $SET05 --keep "$WORK/vs05"
 rm -rf "$WORK"/vs05/*/model
-has profile && part profile-$W05 90 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
-  --libraries ${PROFILE_LIBS:-tidyrl} --repeats 1 --profile $PSET --keep "$WORK/prof"
-rm -rf "$WORK"/prof/*/model
-has vs15 && part vs-trl-$W15-b ${VS15_LIMIT:-170} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
+has vs15 && part vs-trl-$W15-b ${VS15_LIMIT:-150} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
   --workload $W15 --libraries ${LIBS15:-$LIBS} --repeats 1 $SET15 --keep "$WORK/vs15"
 rm -rf "$WORK"/vs15/*/model
+has profile && part profile-$W05 60 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
+  --libraries ${PROFILE_LIBS:-tidyrl} --repeats 1 --profile $PSET --keep "$WORK/prof"
+rm -rf "$WORK"/prof/*/model
+has passes15 && part passes-$W15 60 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W15 \
+  --repeats 3
 
 [ -n "$TESTS" ] && wait $TESTS  # (its parts end by the deadline: their limits are cut to it)
 
