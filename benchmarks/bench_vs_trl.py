@@ -204,7 +204,8 @@ per token) are hundreds of thousands of trace events, whose parsing alone outlas
 class Profiler:
     """--profile: ONE measured rollout of a child (the first after the warmup) with its phases timed (the device
     synchronised at each phase's end) and its scoring and update traced by torch.profiler, each call of a phase in a
-    session of its own. Writes profile.txt (each traced phase's top ops/kernels by self time) and profile.json (per
+    session of its own. Writes profile.txt (each traced phase's top kernels, or ops by self time, and host ops) and
+    profile.json (per
     phase: wall time, device time and its top 8 kernels with their share of the phase, the top host ops; over the
     traced phases: kernel launches or, on CPU, dispatched aten ops, host synchronisations by kind, the top 12) into
     the child's folder. The profiler slows the host side: its timings are not the benchmark's figures."""
@@ -215,7 +216,6 @@ class Profiler:
         self.walls = {p: 0.0 for p in PHASES}
         self.kernels: dict[str, dict[str, list[float]]] = {p: {} for p in PHASES}  # name -> [us, calls]
         self.host: dict[str, dict[str, list[float]]] = {p: {} for p in PHASES}
-        self.tables: list[str] = []
 
     def starting_at_measured(self, fn, per_rollout: int = 1):
         """`fn` is called `per_rollout` times per rollout, first at its start: the phases are profiled from its first
@@ -263,28 +263,57 @@ class Profiler:
         return wrapper
 
     def _collect(self, name: str, prof) -> None:
-        events = prof.key_averages()
-        attr = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        """Add one traced call of phase `name` to its sums: kernels (CUDA) or ops' self time (CPU) by name, host ops'
+        self time, and the runtime calls (launches, synchronisations) by count. Read from the trace as Chrome JSON
+        (written by the profiler's C++ side): torch.profiler's own Python summary (key_averages) of one rollout's
+        trace took minutes on an H200."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            events = [e for e in json.loads(path.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
+        device, host = self.kernels[name], self.host[name]
+
+        def add(table, key, us, n=1):
+            entry = table.setdefault(key, [0.0, 0])
+            entry[0] += us
+            entry[1] += n
+
+        ops = sorted((e for e in events if e.get("cat") == "cpu_op"),
+                     key=lambda e: (e.get("pid"), e.get("tid"), e["ts"], -e.get("dur", 0)))
+        stack: list[list] = []  # [end, own duration, name, thread] of the open ops, innermost last
+        for e in ops + [None]:
+            while stack and (e is None or (e.get("pid"), e.get("tid")) != stack[-1][3] or e["ts"] >= stack[-1][0]):
+                end, own, key, _ = stack.pop()
+                add(device if not self.cuda else host, key, own)
+            if e is None:
+                break
+            dur = e.get("dur", 0)
+            if stack:
+                stack[-1][1] -= dur  # the parent's self time excludes its children's
+            stack.append([e["ts"] + dur, dur, e["name"], (e.get("pid"), e.get("tid"))])
         for e in events:
-            if self.cuda and e.device_type.name != "CUDA":
-                if e.self_cpu_time_total > 0:
-                    entry = self.host[name].setdefault(e.key, [0.0, 0])
-                    entry[0] += e.self_cpu_time_total
-                    entry[1] += e.count
-                continue
-            us = getattr(e, attr)
-            if us > 0 or e.key in SYNC_EVENTS or e.key in LAUNCH_EVENTS:
-                entry = self.kernels[name].setdefault(e.key, [0.0, 0])
-                entry[0] += us
-                entry[1] += e.count
-        if len(self.tables) < 4:
-            self.tables.append(f"== {name}\n" + events.table(sort_by=attr, row_limit=25))
+            cat = e.get("cat", "")
+            if self.cuda and cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+                add(device, e["name"], e.get("dur", 0))
+            elif cat in ("cuda_runtime", "cuda_driver") and (e["name"] in SYNC_EVENTS or e["name"] in LAUNCH_EVENTS):
+                add(device, e["name"], 0)
 
     def finish(self) -> None:
         if not self.on:
             return
         out = Path(self.spec["out"])
-        out.joinpath("profile.txt").write_text("\n".join(self.tables))
+        lines = []
+        for p in PROFILED_PHASES:
+            for title, table in (("device" if self.cuda else "ops (self time)", self.kernels[p]),
+                                 ("host ops (self time)", self.host[p] if self.cuda else {})):
+                if not table:
+                    continue
+                lines.append(f"== {p}: {title}\n{'ms':>10} {'calls':>8}  name")
+                for key, (us, n) in sorted(table.items(), key=lambda kv: kv[1][0], reverse=True)[:30]:
+                    lines.append(f"{us / 1e3:10.2f} {int(n):8d}  {key}")
+        out.joinpath("profile.txt").write_text("\n".join(lines) + "\n")
         merged: dict[str, list[float]] = {}
         for p in PROFILED_PHASES:
             for key, (us, n) in {**self.kernels[p], **self.host[p]}.items():
