@@ -3,6 +3,7 @@
     python benchmarks/bench_passes.py --device cuda --workload qwen0.5b --repeats 5 [--profile]   # a GPU
     python benchmarks/bench_passes.py --trace --workload qwen0.5b        # op by op, on the meta device (no GPU)
     python benchmarks/bench_passes.py --workload tiny --repeats 3        # this CPU
+    python benchmarks/bench_passes.py --device cuda --workload qwen0.5b --prompt-width 512   # long shared prompts
 
 One micro-batch of the workload (micro_batch rows: the k samples of a prompt side by side, every completion
 max_new_tokens long, as bench_vs_trl.py's runs) through four passes that compute the same log-probs:
@@ -346,7 +347,7 @@ def measure(args, w) -> None:
     device = args.device
     dtype = getattr(torch, args.dtype or w.get("dtype", "float32"))
     tok, model = build_model(w, device, dtype)
-    batch = micro_batch(w, tok)
+    batch = batch_of_width(w, tok, args.prompt_width, seed=0) if args.prompt_width else micro_batch(w, tok)
     gen = torch.Generator().manual_seed(1)
     weights = torch.randn(batch.completion_ids.shape, generator=gen).to(device)
     per_rollout = w["prompts"] * w["k"] // len(batch)
@@ -406,6 +407,9 @@ def main(argv=None) -> None:
     parser.add_argument("--widths", type=int, default=0,
                         help="also time each pass on this many new prompt widths, cold and warm, with torch's order "
                              "of attention kernels and with the memory-efficient kernel first")
+    parser.add_argument("--prompt-width", type=int, default=0,
+                        help="prompts of this many tokens (random ids) instead of the benchmark's 8-30 characters: "
+                             "where running each prompt once (lean, shared) starts to pay")
     parser.add_argument("--trace", action="store_true", help="op-by-op trace on the meta device instead of timings")
     parser.add_argument("--set", dest="overrides", default="", metavar="KEY=VALUE,...")
     args = parser.parse_args(argv)

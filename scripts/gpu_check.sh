@@ -106,6 +106,9 @@ has profile && part profile-$W05 60 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.p
 rm -rf "$WORK"/prof/*/model
 has passes15 && part passes-$W15 60 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W15 \
   --repeats 3
+# not by default: where long shared prompts make running each prompt once pay (PARTS="... passeslong")
+has passeslong && part passes-long-$W05 60 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE \
+  --workload $W05 --repeats 3 --passes lean,onepass,trl --prompt-width ${PROMPT_WIDTH:-512}
 
 [ -n "$TESTS" ] && wait $TESTS  # (its parts end by the deadline: their limits are cut to it)
 
