@@ -87,7 +87,9 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
 #   and qwen1.5b shapes, and 14 % less per GRPO rollout on qwen0.5b (2.50 vs 2.92 s s/step, both runs with the
 #   memory-efficient attention kernel put first); the shared-prompt passes took
 #   1.8-2.0x its time. At these sizes the GPU waits on the host's launches, and the model's forward, with fewer and
-#   larger kernels, wins over the FLOPs that running each prompt once saves.
+#   larger kernels, wins over the FLOPs that running each prompt once saves. Measured with short prompts (the k
+#   samples' repeated prompt tokens ~5 % of a micro-batch's); long shared prompts may favour the lean pass there too
+#   (`bench_passes.py --prompt-width`: not yet measured).
 # `model_fast_paths: false` removes "lean" wherever it is listed, and nothing else.
 DEFAULT_LAYOUTS = ("lean", "shared", "onepass")
 LAYOUTS: dict[str, tuple[str, ...]] = {"cuda": ("onepass",)}
