@@ -180,8 +180,21 @@ def dpo(folder: Path) -> dict:
     }
 
 
+def eval_command(folder: Path) -> dict:
+    """`tidyrl eval` (tidyrl.evaluate): sampled completions of every prompt, scored by two reward functions; one
+    more evaluation, greedy, is run beside it by `run_golden`."""
+    return {
+        "algorithm": "grpo", "model": str(_policy(folder, seed=2)), "output_dir": str(folder / "run"), "seed": 4,
+        "data": {"path": str(_words_file(folder))},
+        "rewards": [{"function": "tidyrl.demo:anagram_reward", "weight": 0.7, "normalize": True},
+                    {"function": "tidyrl.demo:anagram_reward", "name": "plain"}],
+        "rollout": {"samples_per_prompt": 3, "max_new_tokens": 7, "generation_batch_size": 5, "top_k": 20},
+        "train": {"rollouts": 1},
+    }
+
+
 RUNS = {f.__name__: f for f in (demo, grpo_dynamic, ppo_reward_model, reinforce_pp, rloo_gspo,
-                                 multiturn_calculator, sft, dpo)}
+                                 multiturn_calculator, sft, dpo, eval_command)}
 
 
 def is_clock(key: str) -> bool:
@@ -198,6 +211,15 @@ def run_golden(name: str, folder: Path) -> dict:
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = RUNS[name](folder)
+    if name == "eval_command":  # eval.json (clocks aside) as its rows, eval_samples.jsonl as its samples
+        from tidyrl.evaluate import evaluate
+
+        rows, samples = [], []
+        for greedy in (False, True):
+            result = evaluate(cfg, greedy=greedy, num_prompts=5, output_dir=folder / f"eval-{greedy}", quiet=True)
+            rows.append({k: v for k, v in result.summary.items() if k not in ("time", "model", "data")})
+            samples += result.samples
+        return {"metrics": rows, "samples": samples, "weights": {}}
     result = tidyrl.train(cfg)
     out = Path(cfg["output_dir"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
