@@ -15,7 +15,7 @@ alone and the script says so.
 
 How the comparison is kept fair
 -------------------------------
-- Same weights: each workload's Llama and character-level tokenizer are built once (tidyrl.tiny) and
+- Same weights: each workload's Llama and character-level tokenizer are built once (tidyrl.models.tiny) and
   saved to a temporary folder; both libraries load that folder with `from_pretrained`, float32.
 - Same prompts (the same token ids: both tokenize plain strings with BOS), the same reward function
   (it does not depend on completion length), the same group size k, prompts per rollout P, optimizer
@@ -134,7 +134,7 @@ def child_tidyrl(spec: dict) -> dict:
     if profiler.on:
         from tidyrl.loops import rl
 
-        rl._RLRun.make_rollout = profiler.starting_at_measured(rl._RLRun.make_rollout)
+        rl.RLRun.make_rollout = profiler.starting_at_measured(rl.RLRun.make_rollout)
     tidyrl.train(cfg)
     profiler.finish()
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -348,7 +348,7 @@ def parse_overrides(text: str, parser: argparse.ArgumentParser) -> dict:
 def set_workload(name: str, overrides: dict, parser: argparse.ArgumentParser) -> dict:
     """WORKLOADS[name] changed by `overrides` (which workload_model and the children read); a shape the model
     cannot take or a micro-batch that does not divide the rollout is a usage error, before anything runs."""
-    from tidyrl.tiny import build_char_tokenizer
+    from tidyrl.models.tiny import build_char_tokenizer
 
     WORKLOADS[name] = w = {**WORKLOADS[name], **overrides}
     kv_heads, tokens = w.get("kv_heads", w["heads"]), len(build_char_tokenizer(chat_template=None))
@@ -365,7 +365,7 @@ def set_workload(name: str, overrides: dict, parser: argparse.ArgumentParser) ->
 
 def workload_model(name: str):
     """(tokenizer, model) of a workload: the character-level tokenizer and the Llama, seed 0."""
-    from tidyrl.tiny import build_char_tokenizer, build_tiny_llama
+    from tidyrl.models.tiny import build_char_tokenizer, build_tiny_llama
 
     w = WORKLOADS[name]
     tok = build_char_tokenizer(chat_template=None)

@@ -32,7 +32,7 @@ def _words_file(folder: Path) -> Path:
 
 
 def _policy(folder: Path, seed: int = 0) -> Path:
-    from tidyrl.tiny import save_tiny_model
+    from tidyrl.models.tiny import save_tiny_model
 
     return save_tiny_model(folder / "policy", seed=seed, hidden_size=32, num_layers=2, num_heads=2)
 
@@ -69,7 +69,7 @@ def grpo_dynamic(folder: Path) -> dict:
 def ppo_reward_model(folder: Path) -> dict:
     """PPO: a reward model with its own tokenizer beside a reward function, a critic from the policy, the KL in
     the reward, E = 2, M = 2."""
-    from tidyrl.tiny import save_tiny_reward_model
+    from tidyrl.models.tiny import save_tiny_reward_model
 
     rm = save_tiny_reward_model(folder / "rm", seed=4)
     policy = _policy(folder)
@@ -137,7 +137,7 @@ class Hint:
 def multiturn_calculator(folder: Path) -> dict:
     """GRPO against a two-turn tool environment (model turn, tool message, model turn; the environment's reward)
     on a random tiny chat model: model and environment tokens, the action mask, keyed turns."""
-    from tidyrl.tiny import save_tiny_model
+    from tidyrl.models.tiny import save_tiny_model
 
     (folder / "hint.py").write_text(HINT_ENVIRONMENT)
     model = save_tiny_model(folder / "policy", hidden_size=64, num_layers=2, seed=0)

@@ -128,7 +128,7 @@ def test_eval_says_a_normalized_reward_is_reported_raw(tiny_model_dir, prompt_fi
 
 def test_rl_eval_during_training_scores_held_out_prompts_as_tidyrl_eval_does(tiny_model_dir, prompt_file, tmp_path,
                                                                             capsys):
-    from tidyrl.offline_data import held_out_rows
+    from tidyrl.data.offline import held_out_rows
 
     (tmp_path / "my_rewards.py").write_text(
         "def vowels(completions, word, **kw):\n    return [sum(c in 'aeiou' for c in t) / 4 for t in completions]\n")

@@ -12,7 +12,9 @@ from conftest import read_jsonl
 
 import tidyrl
 from tidyrl.environments import EnvironmentPool, EnvReply, ToolEnvironment, parse_tool_calls
-from tidyrl.multiturn import build_environments, environment_message_ids, run_conversations
+from tidyrl.engines import SamplingSettings
+from tidyrl.engines.builtin import BuiltinEngine
+from tidyrl.rollouts.episodes import EpisodeSettings, build_environments, environment_message_ids, run_episodes
 
 ENVS = textwrap.dedent('''
     import time
@@ -89,10 +91,11 @@ def test_conversations_alternate_keep_the_budget_and_replay_from_their_keys(tiny
 
     def run(budget):
         envs = build_environments(Counter, [{"word": w} for w in words], [1, 2, 3], pool)
-        return run_conversations(model, tok, prompts, messages, envs, sample_key=lambda i, t: 100 * i + t,
-                                 budget=budget, max_turns=3, max_turn_tokens=4, pool=pool, env_names=["Counter"] * 3,
-                                 generate_kwargs=dict(eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
-                                                      batch_size=8))
+        settings = EpisodeSettings(SamplingSettings(max_new_tokens=budget, eos_ids=[tok.eos_token_id],
+                                                    pad_id=tok.pad_token_id, batch_size=8),
+                                   max_turns=3, max_turn_tokens=4)
+        return run_episodes(BuiltinEngine(model), tok, prompts, settings, sample_key=lambda i, t: 100 * i + t,
+                            environments=envs, messages=messages, pool=pool, env_names=["Counter"] * 3)
 
     first, again = run(120), run(120)
     for c, d in zip(first, again):
@@ -122,18 +125,18 @@ def multiturn_config(model_dir, prompt_file, out, factory, **environment):
 
 
 def test_a_grpo_run_trains_on_model_tokens_only(tiny_model_dir, prompt_file, env_file, tmp_path, monkeypatch):
-    from tidyrl.loops import rl
+    from tidyrl.loops import rl_update
 
     seen = []
-    real = rl._RLRun._loss_mask
+    real = rl_update.loss_mask
 
-    def spy(self, completion_mask, truncated, action_mask=None):
-        mask = real(self, completion_mask, truncated, action_mask)
+    def spy(completion_mask, truncated, action_mask, mask_truncated):
+        mask = real(completion_mask, truncated, action_mask, mask_truncated)
         if action_mask is not None:
             seen.append((mask, completion_mask, action_mask))
         return mask
 
-    monkeypatch.setattr(rl._RLRun, "_loss_mask", spy)
+    monkeypatch.setattr(rl_update, "loss_mask", spy)
     result = tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "run", f"{env_file}:Counter"))
     rows = read_jsonl(result.output_dir / "metrics.jsonl")
     assert len(rows) == result.plan.total_optimizer_steps == 4

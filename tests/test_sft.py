@@ -132,7 +132,7 @@ def load_examples(model_dir, data_file, **sections):
     from transformers import AutoTokenizer
 
     from tidyrl.config import load_config
-    from tidyrl.offline_data import completion_eos_ids, load_sft_examples
+    from tidyrl.data.offline import completion_eos_ids, load_sft_examples
 
     cfg = load_config(sft_config(model_dir, data_file, "unused", **sections))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

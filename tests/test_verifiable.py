@@ -12,7 +12,7 @@ from conftest import read_jsonl, write_jsonl
 
 import tidyrl
 from tidyrl.rewards import RewardError, build_reward_functions, compute_rewards
-from tidyrl.verifiable import code_tests, extract_code, format_match, math_answer, run_python_tests
+from tidyrl.rewards.verifiable import code_tests, extract_code, format_match, math_answer, run_python_tests
 
 
 def test_math_answer_accepts_equivalent_forms_and_rejects_the_rest():
@@ -97,7 +97,7 @@ def test_the_sandbox_limits_files_and_removes_its_scratch_folder(tmp_path, monke
         created.append(real_mkdtemp(*args, **kwargs))
         return created[-1]
 
-    monkeypatch.setattr("tidyrl.verifiable.tempfile.mkdtemp", remember)
+    monkeypatch.setattr("tidyrl.rewards.verifiable.tempfile.mkdtemp", remember)
     assert run_python_tests(code, "", timeout_s=5) == (True, "passed")
     assert created and not os.path.exists(created[0])  # the scratch folder is gone
 
@@ -105,13 +105,13 @@ def test_the_sandbox_limits_files_and_removes_its_scratch_folder(tmp_path, monke
 def test_reward_options_come_from_the_config_and_are_checked():
     from tidyrl.config import RewardConfig
 
-    funcs = build_reward_functions([RewardConfig(function="tidyrl.verifiable:format_match",
+    funcs = build_reward_functions([RewardConfig(function="tidyrl.rewards.verifiable:format_match",
                                                  kwargs={"pattern": r"Answer: \d+"})])
     result = compute_rewards(funcs, prompts=["q", "q"], completions=["Answer: 7", "no"], completion_ids=[[1], [2]],
                              columns={"pattern": ["(ignored)", "(ignored)"]})  # a column never overrides an option
     assert result.per_function["format_match"] == [1.0, 0.0]
     with pytest.raises(RewardError, match=r"rewards\[0\].kwargs: 'math_answer' takes no argument\(s\) \['patern'\]"):
-        build_reward_functions([RewardConfig(function="tidyrl.verifiable:math_answer", kwargs={"patern": "x"})])
+        build_reward_functions([RewardConfig(function="tidyrl.rewards.verifiable:math_answer", kwargs={"patern": "x"})])
 
 
 def test_a_grpo_run_rewarded_by_math_answer(tiny_model_dir, tmp_path):
@@ -120,8 +120,8 @@ def test_a_grpo_run_rewarded_by_math_answer(tiny_model_dir, tmp_path):
     result = tidyrl.train({
         "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 0,
         "data": {"path": str(data)},
-        "rewards": [{"function": "tidyrl.verifiable:math_answer"},
-                    {"function": "tidyrl.verifiable:format_match", "kwargs": {"pattern": r"\d+"}, "weight": 0.1}],
+        "rewards": [{"function": "tidyrl.rewards.verifiable:math_answer"},
+                    {"function": "tidyrl.rewards.verifiable:format_match", "kwargs": {"pattern": r"\d+"}, "weight": 0.1}],
         "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 3},
         "train": {"rollouts": 2, "micro_batch_size": 4},
         "log": {"progress_bar": False},

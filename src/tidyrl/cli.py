@@ -138,12 +138,17 @@ def main(argv: list[str] | None = None) -> int:
             from tidyrl.plan import plan_from_config
 
             cfg = load_config(args.config, args.overrides)
+            from tidyrl.api import check_parts
+
+            check_parts(cfg)
             if cfg.algorithm in OFFLINE_ALGORITHMS:  # rows of examples/pairs (packed rows with sft.packing)
-                from tidyrl.models.loading import load_model_config
-                from tidyrl.offline_data import count_eval_examples, count_offline_examples
+                from tidyrl.data.offline import count_eval_examples, count_offline_examples
+                from tidyrl.models.loading import load_model_config, load_tokenizer
 
                 load_model_config(cfg.model)  # the policy exists (at once, offline too)
-                num_examples, num_eval = count_offline_examples(cfg), count_eval_examples(cfg)
+                packing = cfg.algorithm == "sft" and cfg.sft.packing  # packed rows: counted with the tokenizer
+                tokenizer = load_tokenizer(cfg.tokenizer or cfg.model) if packing else None
+                num_examples, num_eval = count_offline_examples(cfg, tokenizer), count_eval_examples(cfg)
                 plan = plan_from_config(cfg, num_examples, args.num_processes)
                 extra = {"eval_examples": num_eval} if num_eval else {}
                 if cfg.algorithm == "dpo":  # what the reference costs: once per dataset, before training
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({**plan.to_dict(), **extra}, indent=2))
                 return 0
             from tidyrl.config import config_base_dir
-            from tidyrl.loops.rl import check_rl_inputs, plan_extras
+            from tidyrl.loops.rl_inputs import check_rl_inputs, plan_extras
 
             # The checks `train` makes before loading weights, the same function (tokenizer and data files only).
             inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes)
@@ -199,7 +204,7 @@ def _tiny(args) -> None:
     from pathlib import Path
 
     from tidyrl.config import ConfigError
-    from tidyrl.tiny import save_tiny_model, save_tiny_reward_model
+    from tidyrl.models.tiny import save_tiny_model, save_tiny_reward_model
 
     out = Path(args.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

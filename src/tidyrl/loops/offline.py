@@ -19,8 +19,8 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from tidyrl.devices import to_device
-from tidyrl.offline_data import TokenizedSequence
+from tidyrl.models.devices import to_device
+from tidyrl.data.offline import TokenizedSequence
 from tidyrl.plan import OfflinePlan, offline_epochs_done
 
 OFFLINE_STEP_METRICS = (
@@ -109,7 +109,7 @@ def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     previous example's last token "predicts" in the flat row, is never a target, so nothing crosses examples."""
     import torch.nn.functional as F
 
-    from tidyrl.ops import gather_logprobs
+    from tidyrl.models.ops import gather_logprobs
 
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     logits_BTV = model(**inputs, use_cache=False).logits
@@ -374,7 +374,7 @@ class OfflineRun:
         """checkpoint-<step> (main process; atomic, tidyrl.checkpoint)."""
         from tidyrl.checkpoint import save_checkpoint
         from tidyrl.config import config_to_dict
-        from tidyrl.sharding import ShardingError, sharding_kind
+        from tidyrl.models.sharding import ShardingError, sharding_kind
 
         acc = self.accelerator
         if sharding_kind(acc) != "none":  # only a stop signal gets here (save_every is refused under FSDP)

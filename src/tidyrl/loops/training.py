@@ -101,7 +101,7 @@ def apply_update(accelerator, parts: Sequence[tuple], max_grad_norm: float, step
     A NaN or infinite loss or norm stops the run before any update (a NaN step would poison every later one):
     NonFiniteLossError names the 1-based `step`, where the run can resume from, and `advice`."""
     from tidyrl.checkpoint import last_good_checkpoint
-    from tidyrl.host_memory import release_freed_memory
+    from tidyrl.models.host_memory import release_freed_memory
 
     max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
     norms = [float(accelerator.clip_grad_norm_(model.parameters(), max_norm)) for model, _, _ in parts]

@@ -22,15 +22,13 @@ import os
 import tempfile
 from typing import Optional, TYPE_CHECKING, Any
 
+from tidyrl.data.errors import DataError
+
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File extension -> `datasets` builder used to read it."""
-
-
-class DataError(ValueError):
-    """The prompt data or its configuration is unusable; the message says how to fix it."""
 
 
 # ---------------------------------------------------------------------------
@@ -39,10 +37,10 @@ class DataError(ValueError):
 
 def load_rl_prompts(cfg) -> "datasets.Dataset":
     """The prompt set of an RL config: data.path read (load_prompt_dataset), or data.reasoning_gym's generated
-    problems (tidyrl.tasks)."""
+    problems (tidyrl.data.reasoning_gym)."""
     d = cfg.data
     if d.reasoning_gym is not None:
-        from tidyrl.tasks import reasoning_gym_dataset
+        from tidyrl.data.reasoning_gym import reasoning_gym_dataset
 
         return reasoning_gym_dataset(d.reasoning_gym, d.reasoning_gym_size, cfg.seed, d.reasoning_gym_options,
                                      d.prompt_column)

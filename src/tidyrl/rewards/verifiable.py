@@ -1,10 +1,10 @@
 """Verifiable rewards, built in: name them in the YAML like any reward function.
 
     rewards:
-      - function: tidyrl.verifiable:math_answer      # data column `answer`: the reference answer
-      - function: tidyrl.verifiable:format_match     # options: `kwargs: {pattern: ...}`
+      - function: tidyrl.rewards.verifiable:math_answer      # data column `answer`: the reference answer
+      - function: tidyrl.rewards.verifiable:format_match     # options: `kwargs: {pattern: ...}`
         weight: 0.2
-      - function: tidyrl.verifiable:code_tests       # data column `tests`: Python asserts
+      - function: tidyrl.rewards.verifiable:code_tests       # data column `tests`: Python asserts
         kwargs: {timeout_s: 5, memory_mb: 512}
 
 Each returns one float per completion and never raises on what a model writes: a completion that was cut
@@ -48,7 +48,7 @@ def _math_verify():
     try:
         import math_verify
     except ImportError:
-        raise ImportError("tidyrl.verifiable:math_answer needs the math-verify package: pip install 'tidyrl[math]'") \
+        raise ImportError("tidyrl.rewards.verifiable:math_answer needs the math-verify package: pip install 'tidyrl[math]'") \
             from None
     return math_verify
 
