@@ -43,9 +43,10 @@ RESUMABLE_CHANGES = {
     "train.micro_batch_size", "train.gradient_checkpointing", "train.sync_each_microbatch",
     "train.group_by_length", "train.padding_free",
     "log.progress_bar", "log.save_every", "log.keep_last", "lora.save_merged",
+    "environment.max_error_fraction",
 }
-"""Config keys that may differ on resume: memory knobs and saving cadence change speed and memory,
-never the maths. Any other difference (sizes, learning rate, algorithm, data, rewards, ...) is refused."""
+"""Config keys that may differ on resume: memory knobs, saving cadence and the environment's failure threshold
+change speed, memory or when a failing run stops, never the maths. Any other difference (sizes, learning rate, algorithm, data, rewards, ...) is refused."""
 
 
 class CheckpointError(RuntimeError):

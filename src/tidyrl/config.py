@@ -492,6 +492,8 @@ class EnvironmentConfig:
     """The episode's environment reward when its environment raised, timed out or answered wrongly."""
     workers: int = 8
     """Environment calls run at once (threads)."""
+    max_error_fraction: float = 0.5
+    """The run stops (after saving a checkpoint) when more than this share of a rollout's episodes ended on an environment error: it would learn from nothing. 1.0 = never stop."""
 
     def check(self, need, cfg: "Config") -> None:
         if self.factory is None:
@@ -502,6 +504,8 @@ class EnvironmentConfig:
         need(self.timeout_s > 0, "environment.timeout_s", f"must be > 0, got {self.timeout_s}")
         need(self.workers >= 1, "environment.workers", f"must be >= 1, got {self.workers}")
         need(math.isfinite(self.error_reward), "environment.error_reward", f"must be a number, got {self.error_reward}")
+        need(0 <= self.max_error_fraction <= 1, "environment.max_error_fraction",
+             f"must be in [0, 1] (1 = never stop), got {self.max_error_fraction}")
         need(not (cfg.data.eval_path or cfg.data.eval_fraction), "data.eval_fraction",
              "evaluation during training does not run environments yet; evaluate checkpoints separately")
         need(not cfg.rollout.dynamic_sampling, "rollout.dynamic_sampling", "not combined with environments yet")

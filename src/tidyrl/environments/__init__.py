@@ -5,9 +5,9 @@
 - `openenv`: `OpenEnvEnvironment`, the adapter for an OpenEnv client.
 """
 
-from tidyrl.environments.base import EnvironmentError_, EnvironmentPool, EnvReply, check_reply
+from tidyrl.environments.base import EnvironmentError_, EnvironmentFailure, EnvironmentPool, EnvReply, check_reply
 from tidyrl.environments.openenv import OpenEnvEnvironment
 from tidyrl.environments.tools import ToolEnvironment, parse_tool_calls
 
-__all__ = ["EnvReply", "EnvironmentError_", "EnvironmentPool", "OpenEnvEnvironment", "ToolEnvironment",
+__all__ = ["EnvReply", "EnvironmentError_", "EnvironmentFailure", "EnvironmentPool", "OpenEnvEnvironment", "ToolEnvironment",
            "check_reply", "parse_tool_calls"]

@@ -34,6 +34,11 @@ class EnvironmentError_(RuntimeError):
     """An environment misbehaved (raised, timed out, or answered with something that is not an EnvReply)."""
 
 
+class EnvironmentFailure(RuntimeError):
+    """Too many of a rollout's episodes ended on an environment error (environment.max_error_fraction): the run
+    stopped, since it would learn from nothing."""
+
+
 @dataclass
 class EnvReply:
     """An environment's answer to one model turn."""

@@ -39,7 +39,8 @@ def parse_tool_calls(turn: str) -> list[dict]:
 
 class ToolEnvironment:
     """Tools from Python functions. Subclass it and set `tools` (functions with type hints and a docstring);
-    override `reward(row, messages)` to score the finished conversation. Each model turn: every tool call in
+    override `reward(self, messages)` to score the finished conversation, and `close(self)` to release what the
+    episode's tools held. Each model turn: every tool call in
     it runs, and the results come back in one `tool` message; a turn with no tool call ends the episode (the
     model answered) and `reward` scores it. Unknown tools and malformed calls are answered with an error
     message, so the model can recover."""
@@ -62,6 +63,11 @@ class ToolEnvironment:
 
     def reward(self, messages: list[dict]) -> float:
         return 0.0
+
+    def close(self) -> None:
+        """Called once when the episode ends (done, out of turns or tokens, or failed), in an environment worker:
+        override it to release what `__init__` opened for the tools (a file, a connection, a session). What it
+        raises is recorded, never raised into the run."""
 
     def step(self, turn: str, messages: list[dict]) -> EnvReply:
         calls = parse_tool_calls(turn)

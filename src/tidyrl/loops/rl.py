@@ -162,6 +162,7 @@ class RLRun:
         log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
         bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar, initial=step)
         self.start = time.perf_counter() - elapsed
+        self.first_reward, self.env_errors = first_reward, []
         row, last_reward = {}, None
         try:
             with StopSignals() as stop:
@@ -172,6 +173,7 @@ class RLRun:
                     else:
                         rollout, stats = self._new_rollout(r, step, log.samples)
                     first_reward = stats["reward_mean"] if first_reward is None else first_reward
+                    self.first_reward = first_reward
                     last_reward = stats["reward_mean"]
                     for j in range(step - r * per_rollout, per_rollout):
                         step += 1
@@ -266,12 +268,35 @@ class RLRun:
         except RewardError as err:
             raise RewardError(f"{err}\nStopped in rollout {r + 1}, after optimizer step {step}; "
                               f"{last_good_checkpoint(self.out)}.") from None
+        failed = stats.get("env/error_fraction", 0.0)
+        if failed > self.cfg.environment.max_error_fraction:
+            self._stop_on_environment_errors(r, step, failed)
         for sample in samples:
             samples_log.write({"rollout": r + 1, "step": step, **sample})
         for key in GROUP_COUNTS:  # dynamic sampling's totals, for the summary
             if key in stats:
                 self.state.group_totals[key] = self.state.group_totals.get(key, 0) + stats[key]
         return rollout, stats
+
+    def _stop_on_environment_errors(self, r: int, step: int, failed: float) -> None:
+        """More than environment.max_error_fraction of rollout r's episodes failed: keep the steps done (a
+        checkpoint, so a resume continues exactly once the environment works) and stop with what to check."""
+        from tidyrl.environments import EnvironmentFailure
+
+        env = self.cfg.environment
+        saved = "nothing was trained yet: start the run again once the environment works"
+        if step > 0:
+            self._save(step, None, {}, self.first_reward)
+            saved = (f"checkpoint-{step} holds the {step} optimizer steps done; once the environment works, resume "
+                     "with: tidyrl train CONFIG.yaml resume_from=latest (the rollout is made again, the same)")
+        examples = "; ".join(self.env_errors[:3]) or "(on another process)"
+        raise EnvironmentFailure(
+            f"rollout {r + 1}: {failed:.0%} of the episodes ended on an environment error, more than "
+            f"environment.max_error_fraction = {env.max_error_fraction}; the run would learn from nothing, so it "
+            f"stopped. Environment {env.factory}, first errors: {examples}. Check that it can serve "
+            f"{self.plan.episodes_per_rollout_per_process} episodes at once per process (a server's session "
+            f"capacity), that environment.timeout_s = {env.timeout_s} s fits its calls, and that the server is up. "
+            f"{saved}.")
 
     def make_rollout(self, r: int):
         """Rollout `r` (0-based): its episodes produced and rewarded, scored, gathered (every process holds all R,
@@ -317,9 +342,12 @@ class RLRun:
         if rollout.action_mask is not None:
             stats["turns_mean"] = float(self._gather(made.episodes.turns).mean())
             stats["env/error_fraction"] = float(self._gather(made.episodes.errors).mean())
-            errors = [text for text in made.episodes.error_texts if text]
-            self._say(errors and f"rollout {r + 1}: {len(errors)} episode(s) of this process ended on an environment "
-                      f"error, e.g. {errors[0]}")
+            self.env_errors = [text for text in made.episodes.error_texts if text]
+            self._say(self.env_errors and f"rollout {r + 1}: {len(self.env_errors)} episode(s) of this process ended "
+                      f"on an environment error, e.g. {self.env_errors[0]}")
+            closing = [text for text in made.episodes.close_errors if text]
+            self._say(closing and f"rollout {r + 1}: {len(closing)} environment close() call(s) failed (recorded, the "
+                      f"run goes on), e.g. {closing[0]}")
         stats.update(mismatch)
         if self.engine.capabilities.needs_weight_sync:
             stats["time/weight_sync_s"] = t_sync

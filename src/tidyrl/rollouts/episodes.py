@@ -42,6 +42,10 @@ class Conversation:
     the engine stopped it at max_new_tokens without EOS)."""
     error: Optional[str] = None
     done: bool = False
+    closed: bool = False
+    """Its environment's `close()` ran (or it has none): the episode's end was handled."""
+    close_error: Optional[str] = None
+    """What `close()` raised, recorded (never raised into the run)."""
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str:
@@ -106,6 +110,8 @@ class Episodes:
     """(B,) 1.0 where the episode ended on an environment error; None without an environment."""
     error_texts: list = field(default_factory=list)
     """The error of each episode, or None."""
+    close_errors: list = field(default_factory=list)
+    """What each episode's environment's `close()` raised, or None."""
 
 
 def run_episodes(engine, tokenizer, prompt_ids: Sequence[Sequence[int]], settings: EpisodeSettings, *,
@@ -153,7 +159,30 @@ def run_episodes(engine, tokenizer, prompt_ids: Sequence[Sequence[int]], setting
             c = conversations[i]
             if not c.done and len(c.ids) >= budget:
                 c.truncated, c.done = True, True
+        if environments is not None:
+            close_ended(conversations, environments, pool)
+    if environments is not None:  # episodes still open when the turns ran out
+        for c in conversations:
+            c.done = True
+        close_ended(conversations, environments, pool)
     return conversations
+
+
+def close_ended(conversations: Sequence[Conversation], environments: Sequence[Any], pool: EnvironmentPool) -> None:
+    """An episode's end: the environment of every episode that has ended (done, out of turns or tokens, failed)
+    and is not closed yet gets its `close()` called, once, in the pool's workers (with its timeout), so that what
+    it holds (an OpenEnv session, a connection, a file) is released as soon as the episode is over. What `close()`
+    raises is recorded in `Conversation.close_error`, never raised into the run. Environments without `close`,
+    and those whose constructor failed, have nothing to close."""
+    ending = [i for i, c in enumerate(conversations) if c.done and not c.closed]
+    calls = []
+    for i in ending:
+        conversations[i].closed = True
+        closer = getattr(environments[i], "close", None)
+        if not isinstance(environments[i], str) and callable(closer):
+            calls.append((i, closer))
+    for (i, _), (_, error) in zip(calls, pool.call([closer for _, closer in calls])):
+        conversations[i].close_error = error
 
 
 def _environment_turn(conversations, replies, environments, settings: EpisodeSettings, pool, env_names, tokenizer,
@@ -208,7 +237,7 @@ def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int,
                     env_reward=torch.tensor([c.reward for c in conversations]),
                     turns=torch.tensor([float(c.turns) for c in conversations]),
                     errors=torch.tensor([float(c.error is not None) for c in conversations]),
-                    error_texts=[c.error for c in conversations])
+                    error_texts=[c.error for c in conversations], close_errors=[c.close_error for c in conversations])
 
 
 def build_environments(env_cls, rows: Sequence[dict], seeds: Sequence[int], pool: EnvironmentPool) -> list:
