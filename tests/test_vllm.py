@@ -195,31 +195,14 @@ def test_an_fsdp2_sharded_policy_syncs_one_parameter_at_a_time(vllm_model_dir, t
         assert result["logprob_diff"] < 1e-5
 
 
-COUNTER = '''
-from tidyrl.environments import EnvReply
-
-
-class Counter:
-    """Three model turns; each turn holding the letter 'a' earns 1."""
-
-    def __init__(self, row, seed):
-        self.word, self.turns = row["word"], 0
-
-    def step(self, turn, messages):
-        self.turns += 1
-        reward = 1.0 if "a" in turn else 0.0
-        if self.turns >= 3:
-            return EnvReply(reward=reward, done=True)
-        return EnvReply(message={"role": "user", "content": "again " + self.word}, reward=reward)
-'''
-
-
 def test_multi_turn_episodes_run_on_the_vllm_engine(vllm_model_dir, words_file, tmp_path):
     """One rollout path: a multi-turn GRPO run on vLLM. Each model turn is a generate call on the exact tokens so
     far (token in, token out); the environment's messages are appended as the chat template renders them and
     carry no loss; the sampler's log-probs of the model's tokens are the policy's; a resume replays the same
     conversations."""
-    (tmp_path / "envs.py").write_text(COUNTER)
+    from test_multiturn import ENVS  # its Counter: three model turns, each holding an 'a' earns 1
+
+    (tmp_path / "envs.py").write_text(ENVS)
     cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", log={"save_every": 1},
                       environment={"factory": str(tmp_path / "envs.py") + ":Counter", "max_turns": 3,
                                    "max_turn_tokens": 4},

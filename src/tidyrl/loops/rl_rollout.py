@@ -6,7 +6,7 @@ rollout, so the number of processes does not change it."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -120,30 +120,21 @@ def sample_row(tokenizer, rollout: Rollout, e: int, k: int, prompt, scores, raw_
 
 
 def gather_rollout(accelerator, local: Rollout, pad_id: int) -> Rollout:
-    """Every process gets all R episodes (ids and masks are small), padded to common widths."""
+    """Every process gets all R episodes (ids and masks are small), padded to common widths: prompts on the left
+    (with the pad id), every per-token field on the right (completions with the pad id)."""
     if accelerator.num_processes == 1:
         return local
 
-    def cat(t, pad_first=False, pad_index=0):
+    def cat(name, t):
         if t is None:
             return None
-        t = accelerator.pad_across_processes(t.to(accelerator.device), dim=1, pad_index=pad_index,
-                                             pad_first=pad_first)
+        t = t.to(accelerator.device)
+        if t.dim() == 2:
+            pad_index = pad_id if name in ("prompt_ids", "completion_ids") else 0
+            t = accelerator.pad_across_processes(t, dim=1, pad_index=pad_index, pad_first=name.startswith("prompt"))
         return accelerator.gather(t).cpu()
 
-    return Rollout(
-        prompt_ids=cat(local.prompt_ids, pad_first=True, pad_index=pad_id),
-        prompt_mask=cat(local.prompt_mask, pad_first=True),
-        completion_ids=cat(local.completion_ids, pad_index=pad_id),
-        completion_mask=cat(local.completion_mask),
-        truncated=accelerator.gather(local.truncated.to(accelerator.device)).cpu(),
-        old_logprobs=cat(local.old_logprobs),
-        ref_logprobs=cat(local.ref_logprobs),
-        old_values=cat(local.old_values),
-        action_mask=cat(local.action_mask),
-        is_weights=cat(local.is_weights),
-        sampler_logprobs=cat(local.sampler_logprobs),
-    )
+    return Rollout(**{f.name: cat(f.name, getattr(local, f.name)) for f in fields(Rollout)})
 
 
 def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, accelerator, use_reference: bool,

@@ -7,7 +7,7 @@ Generation is an engine's (`tidyrl.engines`); the forward passes are `tidyrl.mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -54,28 +54,15 @@ class Rollout:
         width = int(cm.sum(1).max().item()) if cm.numel() else 0
         width = max(width, 1)
 
-        def cut(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def cut(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             if t is None:
                 return None
             t = t[idx]
-            return t[:, :width] if t.dim() == 2 else t
+            if name.startswith("prompt"):  # left-padded: drop the columns every row pads
+                return t[:, first:]
+            return t[:, :width] if t.dim() == 2 else t  # per-token fields: right-padded
 
-        return Rollout(
-            prompt_ids=self.prompt_ids[idx][:, first:],
-            prompt_mask=pm[:, first:],
-            completion_ids=cut(self.completion_ids),
-            completion_mask=cut(self.completion_mask),
-            truncated=self.truncated[idx],
-            old_logprobs=cut(self.old_logprobs),
-            ref_logprobs=cut(self.ref_logprobs),
-            advantages=cut(self.advantages),
-            old_values=cut(self.old_values),
-            returns=cut(self.returns),
-            action_mask=cut(self.action_mask),
-            is_weights=cut(self.is_weights),
-            sampler_logprobs=cut(self.sampler_logprobs),
-        )
-
+        return Rollout(**{f.name: cut(f.name, getattr(self, f.name)) for f in fields(self)})
 
 
 def chunks(seq: Sequence[int], size: int) -> Iterator[list[int]]:
