@@ -31,6 +31,17 @@ def test_math_answer_accepts_equivalent_forms_and_rejects_the_rest():
     assert math_answer(["x = \\boxed{42}"], [42]) == [1.0]  # a numeric column
 
 
+def test_math_answer_reads_the_last_box_as_the_answer():
+    """A correction after a first attempt is the answer: the last \\boxed{} counts, not the set of every box
+    (math-verify alone reads `\\boxed{5} ... \\boxed{6}` as {5, 6}). A last box cut before its brace closes is no
+    answer, and an earlier box does not stand in for it."""
+    completions = ["\\boxed{5}. Wait, I made an error: \\boxed{6}", "\\boxed{5}. Wait, I made an error: \\boxed{6}",
+                   "first \\boxed{5} then \\boxed{\\frac{12}{2", "no box: the answer is 6",
+                   "\\boxed{\\frac{1}{2}} and then \\boxed{\\frac{3}{4}}"]
+    answers = ["6", "5", "5", "6", "0.75"]
+    assert math_answer(completions, answers) == [1.0, 0.0, 0.0, 1.0, 1.0]
+
+
 def test_math_answer_works_from_a_worker_thread():
     result = []
     thread = threading.Thread(target=lambda: result.append(math_answer(["\\boxed{2}", "\\boxed{3}"], ["2", "2"])))
