@@ -230,6 +230,12 @@ def test_tool_calls_are_parsed_run_and_answered():
     assert "unknown tool 'mul'" in unknown.message["content"]
     bad_args = env.step('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', [])
     assert "TypeError" in bad_args.message["content"]
+    # A call opened and never closed (cut by max_turn_tokens, say) is a malformed call, answered: not the answer.
+    assert parse_tool_calls('<tool_call>{"name": "add", "argu') == [
+        {"error": 'a <tool_call> is not closed with </tool_call>; write the whole call: '
+                  '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'}]
+    cut = env.step('<tool_call>{"name": "add", "argu', [])
+    assert not cut.done and "is not closed" in cut.message["content"] and cut.message["role"] == "tool"
     final = env.step("5", [{"role": "assistant", "content": "5"}])
     assert final == EnvReply(reward=1.0, done=True)
 

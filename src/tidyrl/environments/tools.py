@@ -16,7 +16,8 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 def parse_tool_calls(turn: str) -> list[dict]:
     """The tool calls of a model turn in the Hermes/Qwen convention the common chat templates use:
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, each a dict with name and arguments. A block
-    that is not such JSON is returned as {"error": ...} so the environment can answer it."""
+    that is not such JSON, and a `<tool_call>` never closed, are returned as {"error": ...} so the environment
+    answers them (a turn that opened a call is not the model's final answer)."""
     calls = []
     for body in _TOOL_CALL.findall(turn):
         try:
@@ -34,6 +35,9 @@ def parse_tool_calls(turn: str) -> list[dict]:
             except json.JSONDecodeError:
                 pass
         calls.append({"name": call["name"], "arguments": arguments if isinstance(arguments, dict) else {}})
+    if turn.count("<tool_call>") > turn.count("</tool_call>"):  # opened, never closed (often cut by max_turn_tokens)
+        calls.append({"error": "a <tool_call> is not closed with </tool_call>; write the whole call: "
+                               "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>"})
     return calls
 
 
