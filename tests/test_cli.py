@@ -51,6 +51,17 @@ def test_plan_prints_the_plan_as_json(yaml_run, capsys):
     assert printed["gradient_accumulation_steps"] == 1 and printed["total_optimizer_steps"] == 4
 
 
+def test_plan_says_when_a_rollout_holds_more_prompts_than_the_data_set(yaml_run, capsys):
+    """10 prompts, 16 a rollout, 2 rollouts: correct by the plan's formula (1.6 passes a rollout, 3.2 in all),
+    rarely what was meant; the plan says so on stderr and still prints."""
+    assert main(["plan", str(yaml_run), "rollout.prompts_per_rollout=16"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["prompts_per_rollout"] == 16
+    assert ("tidyrl: warning: rollout.prompts_per_rollout = 16 is more than the 10 prompts of the data set: every "
+            "rollout repeats prompts (1.6 passes over the data per rollout, 3.2 in all over 2 rollouts)") in err
+    assert main(["plan", str(yaml_run)]) == 0 and "warning" not in capsys.readouterr().err
+
+
 def test_plan_of_an_sft_stage_counts_its_examples_even_without_a_prompt_column(tiny_model_dir, tmp_path, capsys):
     from tidyrl.plan import make_offline_plan
 

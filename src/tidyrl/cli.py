@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # The checks `train` makes before loading weights, the same function (tokenizer and data files only).
             inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes)
-            if inputs.report:
-                print(f"tidyrl: {inputs.report}", file=sys.stderr)
+            for line in inputs.report.splitlines():
+                print(f"tidyrl: {line}", file=sys.stderr)
             plan = {**inputs.plan.to_dict(), **plan_extras(cfg, inputs.critic, inputs.eval_prompt_ids)}
             print(json.dumps(plan, indent=2))
         elif args.command == "train":

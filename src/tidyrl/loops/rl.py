@@ -81,9 +81,10 @@ class RLRun:
             prepare_output_dir(self.out, cfg.overwrite, self.accelerator)
         torch.manual_seed(cfg.seed)
 
-    def _say(self, line) -> None:
-        if line and self.is_main:
-            print(f"tidyrl: {line}", flush=True)
+    def _say(self, text) -> None:
+        if text and self.is_main:
+            for line in text.splitlines():
+                print(f"tidyrl: {line}", flush=True)
 
     # ------------------------------------------------------------------ setup
     def _load_models(self) -> None:

@@ -12,7 +12,7 @@ from tidyrl.config import Config, ConfigError
 from tidyrl.engines import engine_module
 from tidyrl.models.loading import ModelLoadError, load_model_config, load_tokenizer
 from tidyrl.models.lora import adapter_folder_problem
-from tidyrl.plan import plan_from_config
+from tidyrl.plan import epochs_done, plan_from_config
 
 
 def encode_prompt_set(cfg: Config, dataset, tokenizer, model_config, tools=None):
@@ -111,6 +111,8 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
             check_template_renders_tools(tokenizer, tools, cfg.environment.factory)
     dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
     plan = plan_from_config(cfg, len(dataset), world_size)
+    if plan.prompts_per_rollout > len(dataset):  # correct by the plan's formula, rarely what was meant
+        report = "\n".join(filter(None, [report, repeated_prompts_warning(plan, len(dataset))]))
     columns = other_columns(dataset, cfg.data.prompt_column)
     reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir, forward_batch_size=cfg.rollout.forward_batch_size)
     check_reward_columns(reward_fns, columns)
@@ -208,6 +210,16 @@ def choose_critic(cfg: Config, policy_vocab: dict) -> tuple[str, str]:
         return cfg.model, (f"the policy: the reward model{'s' if len(passed_over) > 1 else ''} "
                            f"{', '.join(passed_over)} read{'' if len(passed_over) > 1 else 's'} another vocabulary")
     return cfg.model, "the policy: no reward model to start from"
+
+
+def repeated_prompts_warning(plan, prompts: int) -> str:
+    """The line that says a rollout holds more prompts than the data set: every rollout repeats prompts, so the
+    run makes many passes over the data (the `epoch` metric counts them)."""
+    P = plan.prompts_per_rollout
+    total = epochs_done(plan, plan.rollouts)
+    return (f"warning: rollout.prompts_per_rollout = {P} is more than the {prompts} prompts of the data set: every "
+            f"rollout repeats prompts ({P / prompts:g} passes over the data per rollout, {total:g} in all over "
+            f"{plan.rollouts} rollouts). Lower rollout.prompts_per_rollout, or add prompts, if that is not meant.")
 
 
 def make_producers(cfg: Config, inputs: RLInputs, engine, eos_ids, pad_id: int, pool):
