@@ -62,6 +62,36 @@ def test_plan_says_when_a_rollout_holds_more_prompts_than_the_data_set(yaml_run,
     assert main(["plan", str(yaml_run)]) == 0 and "warning" not in capsys.readouterr().err
 
 
+def test_relative_paths_are_found_in_the_current_directory_then_beside_the_config(yaml_run, prompt_file, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """One rule for the data file, the models and the reward files: the current directory first, then the YAML's
+    folder. Run from elsewhere, a prompt file beside the YAML is found, and config.yaml records where."""
+    import shutil
+
+    from tidyrl.config import load_config
+
+    shutil.copy(prompt_file, yaml_run.parent / "beside.jsonl")
+    cfg = yaml.safe_load(yaml_run.read_text())
+    cfg["data"]["path"] = "beside.jsonl"
+    yaml_run.write_text(yaml.safe_dump(cfg))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["plan", str(yaml_run)]) == 0 and json.loads(capsys.readouterr().out)["num_prompts"] == 10
+    assert load_config(str(yaml_run)).data.path == str(yaml_run.parent / "beside.jsonl")
+    cfg["data"]["path"] = "missing.jsonl"
+    yaml_run.write_text(yaml.safe_dump(cfg))
+    assert main(["plan", str(yaml_run)]) == 2
+    assert "then beside the config file" in capsys.readouterr().err
+    # A missing reward file lists each place it looked once (the two are one when the YAML is in the current folder).
+    cfg["data"]["path"], cfg["rewards"][0]["function"] = str(prompt_file), "nope.py:f"
+    yaml_run.write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(yaml_run.parent)
+    assert main(["plan", str(yaml_run)]) == 2
+    err = capsys.readouterr().err
+    assert f"looked at ['{yaml_run.parent / 'nope.py'}']" in err
+
+
 def test_plan_of_an_sft_stage_counts_its_examples_even_without_a_prompt_column(tiny_model_dir, tmp_path, capsys):
     from tidyrl.plan import make_offline_plan
 

@@ -688,9 +688,33 @@ def load_config(source: Union[Config, dict, str, os.PathLike], overrides: Sequen
         raise TypeError(f"load_config takes a Config, a dict or a path, got {type(source).__name__}")
     cfg = config_from_dict(apply_overrides(data, overrides))
     validate(cfg)
+    if isinstance(source, (str, os.PathLike)):
+        resolve_input_paths(cfg, config_base_dir(source))
     if cfg.algorithm in RL_TABLE and algorithm_section(cfg).policy_loss is None:  # resolved: config.yaml says it
         algorithm_section(cfg).policy_loss = RL_TABLE[cfg.algorithm].policy_loss
     return cfg
+
+
+def resolve_input_paths(cfg: Config, base_dir: Optional[str]) -> None:
+    """One rule for every path a config file names as an input (model, tokenizer, data.path, data.eval_path,
+    rewards[i].model, critic.model; reward and environment files follow it in tidyrl.rewards): a relative path
+    is looked up in the current directory, then beside the config file. Found only beside the file, it is
+    replaced by that path (config.yaml then records where it was found); found nowhere, it is left for the
+    loader's error. output_dir, a folder to write, is relative to the current directory."""
+    if base_dir is None:
+        return
+
+    def resolved(path):
+        if not path or os.path.isabs(os.path.expanduser(path)) or os.path.exists(path):
+            return path
+        beside = os.path.join(base_dir, path)
+        return beside if os.path.exists(beside) else path
+
+    cfg.model, cfg.tokenizer = resolved(cfg.model), resolved(cfg.tokenizer)
+    cfg.data.path, cfg.data.eval_path = resolved(cfg.data.path), resolved(cfg.data.eval_path)
+    cfg.critic.model = resolved(cfg.critic.model)
+    for reward in cfg.rewards:
+        reward.model = resolved(reward.model)
 
 
 def config_base_dir(source) -> Optional[str]:

@@ -154,7 +154,8 @@ def load_table(path: str, split: str = "train") -> "datasets.Dataset":
         raise DataError("data.path is not set: point it at a .jsonl, .json, .parquet or .csv file, or a saved datasets folder.")
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
-        where = "" if os.path.isabs(path) else f" (relative to the current directory {os.getcwd()!r})"
+        where = "" if os.path.isabs(path) else (f" (a relative path is looked up in the current directory "
+                                                  f"{os.getcwd()!r}, then beside the config file)")
         raise DataError(f"data.path = {path!r} does not exist{where}; fix the path or use an absolute one.")
 
     was_enabled = datasets.utils.logging.is_progress_bar_enabled()

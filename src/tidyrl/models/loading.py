@@ -50,7 +50,7 @@ def check_model_source(path: str, key: str) -> None:
     cache while the hub cannot be reached (offline). A reachable hub answers for the rest itself (quickly)."""
     if os.path.exists(os.path.expanduser(path)):
         return
-    where = f"no folder {path!r} (relative to {os.getcwd()})"
+    where = f"no folder {path!r} in the current directory {os.getcwd()} or beside the config file"
     if not _HUB_ID.fullmatch(path) or path.startswith("."):
         raise ModelLoadError(f"{key}={path!r}: no such folder or hub id ({where}, and it is not a hub id). "
                              "Check the spelling, or give the path of a Hugging Face model folder.")

@@ -135,8 +135,8 @@ def _import_module(name: str, spec: str, key: str):
 def _load_module_from_file(target: str, base_dir: str | None, spec: str, key: str):
     target = os.path.expanduser(target)
     candidates = [target] if os.path.isabs(target) else [os.path.join(os.getcwd(), target)]
-    if base_dir is not None and not os.path.isabs(target):
-        candidates.append(os.path.join(base_dir, target))
+    if base_dir is not None and not os.path.isabs(target) and os.path.join(base_dir, target) not in candidates:
+        candidates.append(os.path.join(base_dir, target))  # the config file's folder (when not the current one)
     path = next((c for c in candidates if os.path.isfile(c)), None)
     if path is None:
         raise RewardError(f"{key} = {spec!r}: file {target!r} not found; looked at {candidates}.")
