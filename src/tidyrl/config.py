@@ -573,6 +573,8 @@ class Config:
     finished run is the same as one never interrupted; only memory knobs may change (see docs/checkpoints.md)."""
     overwrite: bool = False
     """Allow writing into an output_dir that already holds a run (its files are replaced)."""
+    extend: bool = False
+    """With resume_from: continue the run to a new, longer length (train.rollouts, train.dataset_epochs or train.max_steps may then change). The LR schedule is rebuilt over the new total from the resumed step, so the result is not the run that length would have made from the start; plan.json records the extension. Off: a resume must finish as the uninterrupted run (exact resume)."""
     data: DataConfig = field(default_factory=DataConfig)
     """The prompt set."""
     rewards: list[RewardConfig] = field(default_factory=list)
@@ -826,6 +828,8 @@ def _check_top_level(cfg: Config, need) -> None:
     need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
     need(cfg.resume_from is None or bool(cfg.resume_from.strip()), "resume_from",
          "must be `latest`, a path to a checkpoint-N folder, or null")
+    need(not cfg.extend or bool(cfg.resume_from), "extend",
+         "continues a run from a checkpoint to a new length: set resume_from too (e.g. resume_from=latest)")
 
 
 def _check_evaluation(cfg: Config, need, offline: bool) -> None:

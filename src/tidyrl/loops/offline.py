@@ -263,7 +263,7 @@ class OfflineRun:
         from tidyrl.data import PromptStream
         from tidyrl.loops.common import TrainResult, save_pretrained_atomic, write_run_header
         from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update,
-                                           keep_if_best, no_sync)
+                                           continue_longer, keep_if_best, no_sync)
         from tidyrl.metrics import ProgressBar, RunLogger, format_offline_summary
 
         cfg, acc, W = self.cfg, self.accelerator, self.world_size
@@ -274,6 +274,9 @@ class OfflineRun:
             set_rng_state(self.resumed["rng"])
             state = self.resumed["state"]
             step, elapsed, first = state["step"], state["elapsed_s"], state.get("first_row") or {}
+            note = continue_longer(cfg, self.resumed, plan, self.out, acc, [scheduler])
+            if note and self.is_main:
+                print(f"tidyrl: {note}", flush=True)
             self.best = state.get("best")
             acc.wait_for_everyone()
             if self.is_main:  # the rows the remaining steps write again

@@ -29,7 +29,8 @@ from tidyrl.loops.rl_checkpoint import RunState, restore_run, save_run
 from tidyrl.loops.rl_rollout import (GROUP_COUNTS, estimate_advantages, evaluate_held_out, gather_rollout, normalised,
                                      rollout_stats, sample_row, score_episodes)
 from tidyrl.loops.rl_update import Trainee, UpdateSettings, optimizer_step
-from tidyrl.loops.training import StopSignals, TrainingInterrupted, agree, check_resume, keep_if_best
+from tidyrl.loops.training import (StopSignals, TrainingInterrupted, agree, check_resume, continue_longer,
+                                   keep_if_best)
 from tidyrl.models.loading import load_causal_lm, load_critic, load_policy
 from tidyrl.models.lora import adapter_note
 from tidyrl.models.sharding import full_weights
@@ -156,6 +157,9 @@ class RLRun:
             step, elapsed, first_reward, unfinished = restore_run(
                 self.resumed, accelerator=self.accelerator, out=self.out, trainee=self.trainee, state=self.state,
                 plan=plan)
+            t = self.trainee
+            self._say(continue_longer(cfg, self.resumed, plan, self.out, self.accelerator,
+                                      [s for s in (t.scheduler, t.critic_scheduler) if s is not None]))
         else:
             write_run_header(cfg, plan, self.out, self.accelerator,
                              plan_extras(cfg, self.inputs.critic, self.inputs.eval_prompt_ids))
