@@ -316,30 +316,36 @@ _END_CHECK_EVERY = 8
 def cache_argument(model) -> str:
     """The keyword under which `model`'s forward takes its key/value cache: `cache` where the forward names it so
     (transformers 5.24 does, and warns that `past_key_values` is a deprecated alias to be removed in 5.40), else
-    `past_key_values` (transformers 4). Read from the forward's signature, under peft's and DDP's wrappers (whose
-    forwards pass keywords on), not from a version number; a forward that names neither (**kwargs) gets the
-    name of the installed transformers' model outputs."""
-    while True:
-        if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP
-            model = model.module
-        else:
-            return _cache_argument_of(type(model))
-
-
-@functools.cache
-def _cache_argument_of(cls: type) -> str:
-    try:  # inspect.signature follows functools.wraps, so transformers' deprecation decorators are seen through
-        parameters = inspect.signature(getattr(cls, "forward", cls.__call__)).parameters
-    except (TypeError, ValueError):
-        parameters = {}
+    `past_key_values` (transformers 4). Read from the forward's signature (`forward_parameters`), not from a
+    version number; a forward that names neither (**kwargs) gets the name of the installed transformers' model
+    outputs."""
+    parameters = forward_parameters(model)
     for name in ("cache", "past_key_values"):
         if name in parameters:
             return name
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def forward_parameters(model) -> frozenset[str]:
+    """The parameter names of the forward of the model under `model`'s peft and DDP wrappers (whose own forwards
+    pass keywords on). inspect.signature follows functools.wraps, so transformers' decorators are seen through."""
+    while True:
+        if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP
+            model = model.module
+        else:
+            return _forward_parameters_of(type(model))
+
+
+@functools.cache
+def _forward_parameters_of(cls: type) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(getattr(cls, "forward", cls.__call__)).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
 
 
 def returned_cache(output):
