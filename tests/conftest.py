@@ -31,12 +31,14 @@ def _package(frame) -> str:
 
 
 def caused_by_tidyrl(site) -> bool:
-    """Whether a warning issued at frame `site` (the one that called warnings.warn) is about a call tidyrl made:
-    tidyrl issued it (or a C function tidyrl called did), or the caller of the function that issued it, skipping
-    torch's module-call machinery and the closures of that function's package (decorators' wrappers), is tidyrl."""
-    if _package(site) == "tidyrl":
-        return True
+    """Whether a warning issued by a third party at frame `site` (the one that called warnings.warn) is about a
+    call tidyrl made: whether the caller of the function that issued it, past torch's module-call machinery and
+    the closures of that function's package (decorators' wrappers), is tidyrl. Warnings issued at a tidyrl line
+    (tidyrl's own, about its callers, or a C function's that tidyrl called) are judged by whom they are attributed
+    to, by the filters: False here."""
     issuer, frame = _package(site), site.f_back
+    if issuer == "tidyrl":
+        return False
     while frame is not None and (frame.f_globals.get("__name__", "").startswith(_CALL_MACHINERY)
                                  or (_package(frame) == issuer and frame.f_code.co_freevars)):
         frame = frame.f_back

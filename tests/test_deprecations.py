@@ -154,12 +154,12 @@ class Model(torch.nn.Module):
 def call(fn):
     return fn()
 
-def issue():  # tidyrl's own warning (or a C function tidyrl called)
+def issue():  # tidyrl's own warning, or a C function's that tidyrl called: left to the filters
     return caused_by_tidyrl(sys._getframe())
 """)
     assert ours.call(third.deprecated)  # tidyrl called the deprecated function
     assert ours.call(third.Model().__call__)  # ... a forward, through torch's module call and a decorator
-    assert ours.issue()
+    assert not ours.issue()
     assert not ours.call(third.internal)  # the third party's own use, inside a call of tidyrl's
     assert not third.deprecated()  # a test's call
 
@@ -184,9 +184,16 @@ def call(fn):
 
 def own():
     warnings.warn("tidyrl's own", DeprecationWarning)
+
+def moved():  # tidyrl's deprecation of its caller's call (tidyrl/_moved.py's way)
+    warnings.warn("moved", DeprecationWarning, stacklevel=2)
 """)
     with pytest.raises(DeprecationWarning):
         ours.own()
+    with pytest.raises(DeprecationWarning):
+        ours.call(ours.moved)  # tidyrl called it
+    with pytest.warns(DeprecationWarning, match="moved"):
+        ours.moved()  # a test called it: recorded as any warning (here by pytest.warns)
     with pytest.raises(FutureWarning, match="deprecated"):
         ours.call(third.deprecated)
     assert request.node.stash[conftest._TIDYRL_DEPRECATIONS] == ["FutureWarning: deprecated() is deprecated"]
