@@ -19,8 +19,9 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from tidyrl.models.devices import to_device
 from tidyrl.data.offline import TokenizedSequence
+from tidyrl.models.devices import to_device
+from tidyrl.models.generation import forward_parameters
 from tidyrl.plan import OfflinePlan, offline_epochs_done
 
 OFFLINE_STEP_METRICS = (
@@ -147,7 +148,10 @@ def packed_attention_error(model) -> Optional[str]:
     with torch.no_grad():
         apart = torch.cat([unwrapped(input_ids=x[None], use_cache=False).logits[0] for x in (a, b)]).float()
         positions = torch.cat([torch.arange(5), torch.arange(3)])[None].to(device)
-        packed = unwrapped(input_ids=torch.cat([a, b])[None], position_ids=positions, use_cache=False).logits[0].float()
+        # Not to a forward that does not name them: Bloom's in transformers 4 warns that they have no effect
+        # (ALiBi) and are deprecated.
+        positions = {"position_ids": positions} if "position_ids" in forward_parameters(unwrapped) else {}
+        packed = unwrapped(input_ids=torch.cat([a, b])[None], **positions, use_cache=False).logits[0].float()
     unwrapped.train(was_training)
     # Rounding of another shape stays near 1e-6 in float32 (1e-3 in bfloat16); mixing examples, even in a random
     # tiny model, shows at ~5e-3 and up (bloom's ALiBi, OPT's learned positions), in a trained one at O(1).

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from tidyrl.models.devices import to_device
-from tidyrl.models.generation import _plain_kv_cache, model_device
+from tidyrl.models.generation import _plain_kv_cache, cache_argument, model_device, returned_cache
 from tidyrl.models.llama_forward import logits_if_lean
 from tidyrl.models.loading import activation_checkpointing_on
 from tidyrl.models.ops import gather_logprobs_and_entropy
@@ -122,14 +122,14 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, comple
     prompt = inner(input_ids=u_ids, attention_mask=model_mask(inner, u_mask, lp), position_ids=u_pos, use_cache=True,
                    logits_to_keep=1)
     inverse = to_device(inverse, device)
-    cache = prompt.past_key_values
+    cache = returned_cache(prompt)
     for layer in cache.layers:  # (U, ...) -> (B, ...); index_select's backward (index_add) sums the k copies
         layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
     # the full rows' mask and positions, as in the one-pass forward (the last completion token predicts nothing)
     ids, attn, positions = _rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     attn = attn[:, :-1]
     rest = model(input_ids=ids[:, lp:-1], attention_mask=model_mask(model, attn, attn.shape[1] - lp),
-                 position_ids=positions[:, lp:-1], past_key_values=cache, use_cache=True).logits
+                 position_ids=positions[:, lp:-1], **{cache_argument(inner): cache}, use_cache=True).logits
     return [prompt.logits[:, -1:].index_select(0, inverse), rest]  # (B, 1, V), (B, Tc - 1, V)
 
 
