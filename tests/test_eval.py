@@ -27,7 +27,9 @@ def test_eval_shows_the_gain_of_a_short_demo_training(tmp_path, capsys):
     before_printed = capsys.readouterr().out
     assert main(["eval", str(config), "--model", str(result.final_dir), *flags]) == 0
 
-    before_dir, after_dir = tmp_path / "eval-base-model", tmp_path / "run" / "eval-final"  # beside each model
+    # Beside the model; for a model inside a run's folder, beside the run (the run's folder gets nothing added).
+    before_dir, after_dir = tmp_path / "eval-base-model", tmp_path / "run-eval-final"
+    assert not (tmp_path / "run" / "eval-final").exists()
     before = json.loads((before_dir / "eval.json").read_text())
     after = json.loads((after_dir / "eval.json").read_text())
     assert before["model"] == str(tmp_path / "base-model") and after["model"] == str(result.final_dir)

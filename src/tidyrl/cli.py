@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--greedy", action="store_true", help="take the most likely token at every step (top_k = 1)")
     e.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
     e.add_argument("--output-dir", help="where eval.json and eval_samples.jsonl go (default: eval-<model name> "
-                   "beside the model folder)")
+                   "beside the model folder; <run>-eval-<model name> beside the run for a run's final/ or "
+                   "checkpoint)")
 
     pt = sub.add_parser("plot", help="PNG charts of runs' metrics.jsonl (several runs overlaid)",
                         description="One PNG per metric against optimizer steps: reward_mean, reward/<name>, kl, "

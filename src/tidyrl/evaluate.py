@@ -20,8 +20,9 @@ What is evaluated:
 - normalize: a reward with `normalize: true` is reported raw (see `normalize_not_applied` in eval.json).
 
 Writes eval.json (the means and the settings) and eval_samples.jsonl (every sample) into `output_dir`,
-by default a folder `eval-<model folder name>` beside the model (runs/my-run/eval-final), numbered
-(eval-final-2, ...) when an earlier evaluation is there: none is ever replaced.
+by default a folder `eval-<model folder name>` beside the model, or, for a model inside a run's folder, beside
+the run (runs/my-run/final -> runs/my-run-eval-final), numbered (-2, ...) when an earlier evaluation is there:
+none is ever replaced, and a run's folder gets nothing added.
 """
 
 from __future__ import annotations
@@ -88,13 +89,18 @@ def resolve_eval_config(config=None, *, model: Optional[str] = None, data: Optio
 
 
 def default_output_dir(model: str) -> Path:
-    """eval-<name> beside a local model folder (eval/<hub id with / as --> for a hub id), or, when an earlier
-    evaluation is there, the first of eval-<name>-2, -3, ... that holds none: an evaluation never replaces
-    another (the earlier one may be of other prompts, settings or weights)."""
+    """Where an evaluation goes by default: eval-<name> beside a local model folder, except for a model inside a
+    run's folder (a checkpoint-N/, final/, best/ of a folder holding plan.json), whose evaluation goes beside the
+    run as <run>-eval-<name> (a run's folder holds what the run wrote, nothing added later); eval/<hub id with / as
+    --> for a hub id. When an earlier evaluation is there, the first of ...-2, -3, ... that holds none: an
+    evaluation never replaces another (it may be of other prompts, settings or weights)."""
     path = Path(model).expanduser()
     if path.is_dir():
         path = path.resolve()
-        base = path.parent / f"eval-{path.name}"
+        if (path.parent / "plan.json").is_file():  # inside a run's folder: beside the run
+            base = path.parent.parent / f"{path.parent.name}-eval-{path.name}"
+        else:
+            base = path.parent / f"eval-{path.name}"
     else:
         base = Path("eval") / model.replace("/", "--")
     candidate, n = base, 1
