@@ -1,4 +1,4 @@
-"""Token log-probs of low-precision logits, forward and backward: tidyrl.ops against autograd's own loop.
+"""Token log-probs of low-precision logits, forward and backward: tidyrl.models.ops against autograd's own loop.
 
     python benchmarks/bench_logprobs.py                                  # 16 x 256 tokens, 151 936-token vocabulary
     python benchmarks/bench_logprobs.py --rows 16 --tokens 256 --vocab 151936 --device cuda --repeats 5
@@ -6,7 +6,7 @@
 The training pass turns bf16 logits (rows x tokens x vocabulary, one micro-batch's completions) into float32
 log-probs one row at a time. Differentiated by autograd, that loop keeps a float32 copy of every row for the
 backward pass (twice the logits) and gives each row a backward that builds a zero tensor of the whole batch's shape
-(rows^2 x tokens x vocabulary of memory traffic). `tidyrl.ops.gather_logprobs` writes the same arithmetic out
+(rows^2 x tokens x vocabulary of memory traffic). `tidyrl.models.ops.gather_logprobs` writes the same arithmetic out
 (`_LowPrecisionLogprobs`). Prints, for both, the median seconds of forward and backward, the bytes kept for backward,
 and checks that log-probs and gradients are equal bit for bit. Alternates the two; medians of --repeats.
 """
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from tidyrl.ops import gather_logprobs
+from tidyrl.models.ops import gather_logprobs
 
 
 def autograd_rows(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ def main() -> None:
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, sum(kept.values()), out.detach(), leaf.grad
 
-    fns = {"tidyrl.ops": gather_logprobs, "autograd loop": autograd_rows}
+    fns = {"tidyrl.models.ops": gather_logprobs, "autograd loop": autograd_rows}
     results = {name: step(fn) for name, fn in fns.items()}  # warm-up, and the outputs compared below
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(args.repeats):
@@ -85,9 +85,9 @@ def main() -> None:
         totals[name] = statistics.median(t[0] + t[1] for t in times[name])
         print(f"  {name:13s}  forward {1000 * fwd:8.1f} ms  backward {1000 * bwd:8.1f} ms  "
               f"total {1000 * totals[name]:8.1f} ms  kept for backward {results[name][2] / 2**20:8.1f} MiB")
-    ours, theirs = results["tidyrl.ops"], results["autograd loop"]
+    ours, theirs = results["tidyrl.models.ops"], results["autograd loop"]
     same = torch.equal(ours[3], theirs[3]) and torch.equal(ours[4], theirs[4])
-    print(f"  speed-up {totals['autograd loop'] / totals['tidyrl.ops']:.2f}x; kept for backward "
+    print(f"  speed-up {totals['autograd loop'] / totals['tidyrl.models.ops']:.2f}x; kept for backward "
           f"{ours[2] / theirs[2]:.2f}x; log-probs and gradients bit-identical: {'yes' if same else 'NO'}")
 
 

@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    from tidyrl.tiny import save_tiny_model
+    from tidyrl.models.tiny import save_tiny_model
 
     sizes = [int(p) for p in args.prompts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

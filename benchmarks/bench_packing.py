@@ -40,7 +40,7 @@ VARIANTS = {
 
 
 def build(root: Path, args) -> tuple[Path, Path]:
-    from tidyrl.tiny import save_tiny_model
+    from tidyrl.models.tiny import save_tiny_model
 
     model = save_tiny_model(root / "model", hidden_size=args.hidden, num_layers=args.layers, num_heads=4)
     rng = random.Random(0)

@@ -50,15 +50,15 @@ from bench_vs_trl import WORKLOADS, prompt_texts, set_workload, parse_overrides 
 
 from tidyrl.models import forward as tidy_forward  # noqa: E402
 from tidyrl.models.generation import left_pad  # noqa: E402
-from tidyrl.ops import gather_logprobs_and_entropy  # noqa: E402
-from tidyrl.rollout import Rollout  # noqa: E402
+from tidyrl.models.ops import gather_logprobs_and_entropy  # noqa: E402
+from tidyrl.rollouts.record import Rollout  # noqa: E402
 
 PASSES = ("lean", "shared", "onepass", "trl")
 
 
 def build_model(w: dict, device: str, dtype: torch.dtype):
     """The workload's Llama (random init, seed 0), built directly on `device` (no host copy of a large model)."""
-    from tidyrl.tiny import build_char_tokenizer, build_tiny_llama
+    from tidyrl.models.tiny import build_char_tokenizer, build_tiny_llama
 
     tok = build_char_tokenizer(chat_template=None)
     with torch.device(device):

@@ -26,7 +26,7 @@ from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 
 from tidyrl.models.forward import completion_logprobs  # noqa: E402
 from tidyrl.models.generation import left_pad  # noqa: E402
-from tidyrl.rollout import Rollout  # noqa: E402
+from tidyrl.rollouts import Rollout  # noqa: E402
 
 
 def saved_bytes(fn) -> tuple[object, int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
+import warnings
 
 import pytest
 import torch
@@ -18,9 +20,83 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ACCELERATE_USE_CPU", "1")
 
 
+# Deprecations that tidyrl's own calls cause fail the suite (pyproject.toml's filterwarnings has the policy and
+# the third-party warnings left). The filters there match the module a warning is attributed to, which is
+# tidyrl's only when the deprecated function sets its stacklevel to its caller; transformers' are attributed to
+# torch's module-call machinery (a deprecated keyword of a forward) or to the deprecated function itself (a
+# property). So each deprecation that passes the filters is also judged by its call stack: it is tidyrl's when the
+# frame that called the deprecated function, past torch's module-call machinery and the warning package's
+# decorator wrappers, is in tidyrl.
+DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+_CALL_MACHINERY = ("torch.nn.modules.module", "functools", "contextlib", "torch.utils._contextlib")
+
+
+def _package(frame) -> str:
+    return frame.f_globals.get("__name__", "").partition(".")[0]
+
+
+def caused_by_tidyrl(site) -> bool:
+    """Whether a warning issued by a third party at frame `site` (the one that called warnings.warn) is about a
+    call tidyrl made: whether the caller of the function that issued it, past torch's module-call machinery and
+    the closures of that function's package (decorators' wrappers), is tidyrl. Warnings issued at a tidyrl line
+    (tidyrl's own, about its callers, or a C function's that tidyrl called) are judged by whom they are attributed
+    to, by the filters: False here."""
+    issuer, frame = _package(site), site.f_back
+    if issuer == "tidyrl":
+        return False
+    while frame is not None and (frame.f_globals.get("__name__", "").startswith(_CALL_MACHINERY)
+                                 or (_package(frame) == issuer and frame.f_code.co_freevars)):
+        frame = frame.f_back
+    return frame is not None and _package(frame) == "tidyrl"
+
+
+def _warning_site():
+    """The frame that called warnings.warn, seen from inside the warnings machinery (this module's frames and the
+    warnings module's skipped)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") in (__name__, "warnings"):
+        frame = frame.f_back
+    return frame
+
+
+_TIDYRL_DEPRECATIONS = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Inside pytest's recording of each test's warnings: a deprecation caused by tidyrl's call is raised where
+    it is issued, as an error (the others are recorded as pytest records them)."""
+    record, caught = warnings._showwarnmsg_impl, item.stash.setdefault(_TIDYRL_DEPRECATIONS, [])
+
+    def judged(message):
+        if issubclass(message.category, DEPRECATIONS):
+            site = _warning_site()
+            if site is not None and caused_by_tidyrl(site):
+                caught.append(f"{message.category.__name__}: {message.message}")
+                raise message.message
+        record(message)
+
+    warnings._showwarnmsg_impl = judged
+    try:
+        return (yield)
+    finally:
+        warnings._showwarnmsg_impl = record
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """The test fails also where code between the deprecated call and the test caught the error (`except
+    Exception`)."""
+    result = yield
+    caught = item.stash.get(_TIDYRL_DEPRECATIONS, [])
+    if caught:
+        pytest.fail("deprecations caused by tidyrl's calls:\n" + "\n".join(caught), pytrace=False)
+    return result
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from tidyrl.tiny import save_tiny_model
+    from tidyrl.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, hidden_size=32, num_layers=2,
                            num_heads=2)

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 from tidyrl.models.generation import generate, sample_seed
-from tidyrl.sharding import full_weights, is_sharded
+from tidyrl.models.sharding import full_weights, is_sharded
 
 model_dir, report = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")

@@ -12,9 +12,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from tidyrl.models.engines import SamplingSettings, VLLMEngine
-from tidyrl.ops import gather_logprobs
-from tidyrl.sharding import is_sharded
+from tidyrl.engines import SamplingSettings
+from tidyrl.engines.vllm import VLLMEngine
+from tidyrl.models.ops import gather_logprobs
+from tidyrl.models.sharding import is_sharded
 
 model_dir, report = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")

@@ -70,7 +70,7 @@ def test_a_mistyped_hub_id_fails_at_once_when_offline(tiny_model_dir, prompt_fil
     import time
 
     from tidyrl.cli import main
-    from tidyrl.tiny import save_tiny_reward_model
+    from tidyrl.models.tiny import save_tiny_reward_model
 
     rm = save_tiny_reward_model(tmp_path / "rm", seed=1)
     cases = {
@@ -180,7 +180,7 @@ def test_an_empty_dataset_and_a_missing_prompt_column(tmp_path, tiny_model_dir):
 
 
 def test_a_tokenizer_without_a_pad_token_works(tmp_path, prompt_file):
-    from tidyrl.tiny import build_char_tokenizer, build_tiny_llama
+    from tidyrl.models.tiny import build_char_tokenizer, build_tiny_llama
 
     tok = build_char_tokenizer()
     model = build_tiny_llama(len(tok), hidden_size=32, num_heads=2, seed=1, pad_token_id=None)
@@ -258,7 +258,7 @@ def test_a_nan_loss_stops_before_the_update_and_keeps_the_last_good_checkpoint(t
                                                                               prompt_file, monkeypatch):
     import torch
 
-    import tidyrl.algorithms.losses as losses
+    import tidyrl.loops.rl_update as losses  # the learner's step, where the loss is aggregated
 
     real, calls = losses.aggregate_loss, []
 

@@ -75,7 +75,7 @@ def test_bench_update_compares_both_paths_and_they_agree():
 
 def test_bench_logprobs_keeps_half_the_bytes_and_gives_autograds_numbers():
     out = run("bench_logprobs.py", "--rows", "6", "--tokens", "8", "--vocab", "3000", "--repeats", "1")
-    assert re.search(r"tidyrl.ops\s+forward\s+[0-9.]+ ms\s+backward\s+[0-9.]+ ms", out)
+    assert re.search(r"tidyrl.models.ops\s+forward\s+[0-9.]+ ms\s+backward\s+[0-9.]+ ms", out)
     assert "bit-identical: yes" in out
     kept = float(re.search(r"kept for backward ([0-9.]+)x", out).group(1))
     assert kept == 0.5  # the bf16 logits instead of their float32 copy (plus [B, T] logsumexps, under rounding)

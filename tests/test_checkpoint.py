@@ -259,6 +259,36 @@ def test_resume_refuses_changes_to_the_maths_and_allows_memory_knobs(tmp_path, t
             "draws with 'inverse-transform-float64'") in capsys.readouterr().out
 
 
+def test_extend_continues_a_run_to_a_new_length_and_says_it_is_another_run(tmp_path, tiny_model_dir, prompt_file,
+                                                                            capsys):
+    """"Train longer": refused by default (with the way to do it), then with extend=true the run goes on from its
+    checkpoint to the new length, its LR schedule rebuilt over the new total (the rates of the later steps are
+    the new cosine's), plan.json records the extension, and the run says the result is not the longer run made
+    from the start. Shorter is refused."""
+    from conftest import expected_lrs
+
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "longer", rollouts=2)
+    out = tmp_path / "longer"
+    tidyrl.train(config, ["log.save_every=4"])  # 8 steps, checkpoint-4
+    with pytest.raises(CheckpointError, match=r"train.rollouts: 2 -> 3(.|\n)*add extend=true"):
+        tidyrl.train(config, ["resume_from=latest", "train.rollouts=3"])
+    with pytest.raises(CheckpointError, match="only makes a run longer: the checkpoint is at optimizer step 4, and "
+                                              "the new length is 4 steps"):
+        tidyrl.train(config, ["resume_from=latest", "train.rollouts=1", "extend=true"])
+    capsys.readouterr()
+    tidyrl.train(config, ["resume_from=latest", "train.rollouts=3", "extend=true", "log.save_every=0"])
+    assert ("tidyrl: warning: extend=true: this run continues from optimizer step 4 of 8 to 12, its LR schedule "
+            "rebuilt over 12 steps; the result is not the run that 12 steps from the start would have made") \
+        in capsys.readouterr().out
+    got = rows(out / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, 13))
+    old, new = expected_lrs(8, 1, "cosine", 1e-3), expected_lrs(12, 1, "cosine", 1e-3)
+    assert [r["lr"] for r in got] == pytest.approx(old[:4] + new[4:], rel=1e-12)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["total_optimizer_steps"] == 12 and plan["rollouts"] == 3 and plan["engine"] == "builtin"
+    assert plan["extended"] == [{"step": 4, "from_total_optimizer_steps": 8, "to_total_optimizer_steps": 12}]
+
+
 def test_resume_without_a_checkpoint_says_what_to_do(tmp_path, tiny_model_dir, prompt_file):
     config = write_config(tmp_path, tiny_model_dir, prompt_file, "none")
     with pytest.raises(CheckpointError, match="holds no complete checkpoint-N.*log.save_every"):

@@ -51,6 +51,47 @@ def test_plan_prints_the_plan_as_json(yaml_run, capsys):
     assert printed["gradient_accumulation_steps"] == 1 and printed["total_optimizer_steps"] == 4
 
 
+def test_plan_says_when_a_rollout_holds_more_prompts_than_the_data_set(yaml_run, capsys):
+    """10 prompts, 16 a rollout, 2 rollouts: correct by the plan's formula (1.6 passes a rollout, 3.2 in all),
+    rarely what was meant; the plan says so on stderr and still prints."""
+    assert main(["plan", str(yaml_run), "rollout.prompts_per_rollout=16"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["prompts_per_rollout"] == 16
+    assert ("tidyrl: warning: rollout.prompts_per_rollout = 16 is more than the 10 prompts of the data set: every "
+            "rollout repeats prompts (1.6 passes over the data per rollout, 3.2 in all over 2 rollouts)") in err
+    assert main(["plan", str(yaml_run)]) == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_relative_paths_are_found_in_the_current_directory_then_beside_the_config(yaml_run, prompt_file, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """One rule for the data file, the models and the reward files: the current directory first, then the YAML's
+    folder. Run from elsewhere, a prompt file beside the YAML is found, and config.yaml records where."""
+    import shutil
+
+    from tidyrl.config import load_config
+
+    shutil.copy(prompt_file, yaml_run.parent / "beside.jsonl")
+    cfg = yaml.safe_load(yaml_run.read_text())
+    cfg["data"]["path"] = "beside.jsonl"
+    yaml_run.write_text(yaml.safe_dump(cfg))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["plan", str(yaml_run)]) == 0 and json.loads(capsys.readouterr().out)["num_prompts"] == 10
+    assert load_config(str(yaml_run)).data.path == str(yaml_run.parent / "beside.jsonl")
+    cfg["data"]["path"] = "missing.jsonl"
+    yaml_run.write_text(yaml.safe_dump(cfg))
+    assert main(["plan", str(yaml_run)]) == 2
+    assert "then beside the config file" in capsys.readouterr().err
+    # A missing reward file lists each place it looked once (the two are one when the YAML is in the current folder).
+    cfg["data"]["path"], cfg["rewards"][0]["function"] = str(prompt_file), "nope.py:f"
+    yaml_run.write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(yaml_run.parent)
+    assert main(["plan", str(yaml_run)]) == 2
+    err = capsys.readouterr().err
+    assert f"looked at ['{yaml_run.parent / 'nope.py'}']" in err
+
+
 def test_plan_of_an_sft_stage_counts_its_examples_even_without_a_prompt_column(tiny_model_dir, tmp_path, capsys):
     from tidyrl.plan import make_offline_plan
 

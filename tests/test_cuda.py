@@ -154,17 +154,17 @@ def test_the_update_and_scoring_never_wait_for_the_gpu_inside_their_loops(tiny_m
     """torch.cuda.set_sync_debug_mode("error") raises at any host synchronisation: it is on from the start of each
     optimizer step to its one reduction of the metric sums (the micro-batch loop), and around every scoring
     forward. tests/test_host_syncs.py checks the same on the meta device, without a GPU."""
-    from tidyrl import rollout as rollout_module
+    from tidyrl.rollouts import scoring as rollout_module
     from tidyrl.loops import rl
     from tidyrl.loops.training import Sums
 
-    real_step, real_reduced, real_forward = rl._RLRun.optimizer_step, Sums.reduced, rollout_module.completion_logprobs
+    real_step, real_reduced, real_forward = rl.optimizer_step, Sums.reduced, rollout_module.completion_logprobs
     checked = {"steps": 0, "scoring": 0}
 
-    def step(self, *a, **kw):
+    def step(*a, **kw):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return real_step(self, *a, **kw)
+            return real_step(*a, **kw)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -183,7 +183,7 @@ def test_the_update_and_scoring_never_wait_for_the_gpu_inside_their_loops(tiny_m
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(rl._RLRun, "optimizer_step", step)
+    monkeypatch.setattr(rl, "optimizer_step", step)
     monkeypatch.setattr(Sums, "reduced", reduced)
     monkeypatch.setattr(rollout_module, "completion_logprobs", scoring)
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)

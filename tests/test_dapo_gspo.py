@@ -26,7 +26,7 @@ def test_gspo_ratio_is_the_geometric_mean_and_clips_whole_sequences():
     # d/dlogp_t of -s A = -A s / |y| = 2 / 3 per token, halved by the mean over 2 completions.
     loss = aggregate_loss(loss_BT, mask, "sequence_mean", loss_normaliser("sequence_mean", num_tokens=5,
                                                                            num_sequences=2, max_new_tokens=3))
-    assert float(loss) == pytest.approx(0.45)
+    assert loss.item() == pytest.approx(0.45)
     loss.backward()
     assert torch.allclose(logprobs.grad, torch.tensor([[0.0, 0.0, 0.0], [1 / 3, 1 / 3, 1 / 3]]))
 

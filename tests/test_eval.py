@@ -27,7 +27,9 @@ def test_eval_shows_the_gain_of_a_short_demo_training(tmp_path, capsys):
     before_printed = capsys.readouterr().out
     assert main(["eval", str(config), "--model", str(result.final_dir), *flags]) == 0
 
-    before_dir, after_dir = tmp_path / "eval-base-model", tmp_path / "run" / "eval-final"  # beside each model
+    # Beside the model; for a model inside a run's folder, beside the run (the run's folder gets nothing added).
+    before_dir, after_dir = tmp_path / "eval-base-model", tmp_path / "run-eval-final"
+    assert not (tmp_path / "run" / "eval-final").exists()
     before = json.loads((before_dir / "eval.json").read_text())
     after = json.loads((after_dir / "eval.json").read_text())
     assert before["model"] == str(tmp_path / "base-model") and after["model"] == str(result.final_dir)
@@ -128,7 +130,7 @@ def test_eval_says_a_normalized_reward_is_reported_raw(tiny_model_dir, prompt_fi
 
 def test_rl_eval_during_training_scores_held_out_prompts_as_tidyrl_eval_does(tiny_model_dir, prompt_file, tmp_path,
                                                                             capsys):
-    from tidyrl.offline_data import held_out_rows
+    from tidyrl.data.offline import held_out_rows
 
     (tmp_path / "my_rewards.py").write_text(
         "def vowels(completions, word, **kw):\n    return [sum(c in 'aeiou' for c in t) / 4 for t in completions]\n")

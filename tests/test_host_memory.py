@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidyrl.host_memory import _malloc_trim, free_heap_bytes, release_freed_memory
+from tidyrl.models.host_memory import _malloc_trim, free_heap_bytes, release_freed_memory
 
 
 def rss_kib() -> int:

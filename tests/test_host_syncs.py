@@ -15,7 +15,7 @@ import torch
 from conftest import with_sections
 
 import tidyrl
-from tidyrl.devices import to_device
+from tidyrl.models.devices import to_device
 from tidyrl.loops import rl
 from tidyrl.loops.training import Sums
 
@@ -99,20 +99,19 @@ def test_the_update_reads_nothing_back_from_the_device_inside_its_micro_batch_lo
         "train": {"rollouts": 1, "micro_batch_size": 4}, "log": {"progress_bar": False},
     }, sections)
     reached = []
-    real_step = rl._RLRun.optimizer_step
+    real_step = rl.optimizer_step
 
-    def step_on_meta(self, rollout, minibatch, step):
-        for model in (self.model, self.critic):
+    def step_on_meta(rollout, minibatch, step, *, trainee, accelerator, **kw):
+        for model in (trainee.model, trainee.critic):
             if model is not None:
                 model.to("meta")
-        self.accelerator = _MetaAccelerator(self.accelerator)
-        return real_step(self, rollout, minibatch, step)
+        return real_step(rollout, minibatch, step, trainee=trainee, accelerator=_MetaAccelerator(accelerator), **kw)
 
     def reduced(self, accelerator):
         reached.append({name: self._values.device.type for name in self.names})
         raise _LoopDone
 
-    monkeypatch.setattr(rl._RLRun, "optimizer_step", step_on_meta)
+    monkeypatch.setattr(rl, "optimizer_step", step_on_meta)
     monkeypatch.setattr(Sums, "reduced", reduced)
     with pytest.raises(_LoopDone):
         tidyrl.train(config)
@@ -125,7 +124,7 @@ def test_scoring_reads_its_chunks_back_only_once_after_the_last(monkeypatch, aut
     from conftest import llama
     from test_llama_forward import _batch
 
-    from tidyrl import rollout as rollout_module
+    from tidyrl.rollouts import scoring as rollout_module
 
     real_chunks, finished = rollout_module.chunks, []
 

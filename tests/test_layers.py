@@ -1,5 +1,18 @@
-"""The package's floors: model code and the modules beside it never import the training loops, and model code
-never imports the rollout record. An upward import is how loading code ended up inside loops/common.py."""
+"""The import rules of DESIGN §6, each checked on every module (imports at top level and inside functions alike):
+
+    face (cli, api, demo, evaluate, plot)
+      learner loops                                   -> plan, config, checkpoint, metrics (the run's support)
+        rollouts (episodes -> Rollout record)
+          engines   environments   rewards   data
+            models
+              algorithms (pure tensor maths)
+
+A part may use the parts below it, never the ones above; the run's support modules use only each other and the
+algorithm table; and no module reaches itself through its imports (no circles). docs/architecture.md draws the
+same picture.
+"""
+
+from __future__ import annotations
 
 import ast
 from pathlib import Path
@@ -7,40 +20,106 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "tidyrl"
-ABOVE_THE_LOOPS = {"api.py", "cli.py", "__init__.py", "__main__.py", "demo.py"}  # they start the loops
+FACE = {"api", "cli", "demo", "evaluate", "plot", "__init__", "__main__", "_moved"}
+SUPPORT = {"config", "plan", "checkpoint", "metrics", "trackers", "run_lock"}
+
+ALLOWED = {  # part -> the parts it may import (besides itself)
+    "algorithms": set(),
+    "models": {"algorithms"},
+    "engines": {"models", "algorithms"},
+    "environments": set(),
+    "rewards": {"models", "algorithms"},
+    "data": set(),
+    "rollouts": {"engines", "environments", "rewards", "data", "models", "algorithms"},
+    "loops": {"rollouts", "engines", "environments", "rewards", "data", "models", "algorithms", "support"},
+    "support": {"algorithms"},
+}
+WHY = {
+    "algorithms": "algorithms are pure tensor maths: they import no other tidyrl part and take no config",
+    "models": "models take arguments, not the config; they know no rollout, loop or engine",
+    "engines": "engines know no rollout record, no loop, no environment",
+    "environments": "environments never generate (no engine, no model): they answer a turn's text",
+    "rewards": "rewards know no loop, rollout or engine",
+    "data": "data take a tokenizer and load no model",
+    "rollouts": "rollouts know no learner (loops) and no run support: they are handed what they need",
+    "loops": "the learner loops are below the face",
+    "support": "the run's support (config, plan, checkpoint, metrics) imports only itself and the algorithm table: "
+               "engine-, tracker- and model-specific checks live with those parts",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(["tidyrl", *parts])
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module `path` imports, at top level or inside functions."""
+    """Every tidyrl module `path` imports, at top level or inside functions (`from tidyrl.x import y` counts as
+    tidyrl.x.y where that is a module, else tidyrl.x)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
-    return names
+            names.update(f"{node.module}.{alias.name}" for alias in node.names
+                         if f"{node.module}.{alias.name}" in MODULES)
+    return {n for n in names if n == "tidyrl" or n.startswith("tidyrl.")}
 
 
-def below_the_loops() -> list[Path]:
-    return [p for p in sorted(SRC.rglob("*.py"))
-            if "loops" not in p.relative_to(SRC).parts and p.name not in ABOVE_THE_LOOPS or
-            p.parent.name == "models"]
+def part_of(module: str) -> str:
+    """The part a module belongs to: its folder under tidyrl/, or face/support for the top-level modules."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "face"
+    if parts[1] in FACE:
+        return "face"
+    if parts[1] in SUPPORT:
+        return "support"
+    return parts[1]
 
 
-@pytest.mark.parametrize("path", below_the_loops(), ids=lambda p: str(p.relative_to(SRC)))
-def test_nothing_below_the_loops_imports_them(path):
-    upward = sorted(m for m in imported_modules(path) if m == "tidyrl.loops" or m.startswith("tidyrl.loops."))
-    assert not upward, f"{path.relative_to(SRC)} imports {upward}: move what it needs below the loops"
+MODULES = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
 
 
-@pytest.mark.parametrize("path", sorted((SRC / "models").glob("*.py")), ids=lambda p: p.name)
-def test_model_code_does_not_import_the_rollout_record(path):
-    assert "tidyrl.rollout" not in imported_modules(path), \
-        f"models/{path.name} imports tidyrl.rollout: model code takes tensors, not a Rollout"
+@pytest.mark.parametrize("module", sorted(MODULES), ids=str)
+def test_a_part_imports_only_the_parts_below_it(module):
+    part = part_of(module)
+    if part == "face":
+        return
+    assert part in ALLOWED, f"{module}: the part {part!r} is not in DESIGN §6's picture; add it to this test and the docs"
+    wrong = sorted(m for m in imported_modules(MODULES[module])
+                   if part_of(m) != part and part_of(m) not in ALLOWED[part])
+    assert not wrong, f"{module} imports {wrong}: {WHY[part]}"
 
 
-def test_the_check_sees_an_upward_import(tmp_path):
-    """The checker itself: an upward import inside a function is found."""
+def test_no_module_reaches_itself_through_its_imports():
+    graph = {m: {i for i in imported_modules(p) if i in MODULES and i != m} for m, p in MODULES.items()}
+    for module, path in MODULES.items():  # a module's package (its __init__) is not an import of it
+        graph[module] -= {m for m in graph[module] if module.startswith(m + ".")}
+    cycles, state = [], {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_checks_see_an_import_inside_a_function(tmp_path):
+    """The checker itself: an import inside a function is found, and a module's part is its folder."""
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from tidyrl.loops.common import TrainResult\n")
     assert "tidyrl.loops.common" in imported_modules(module)
+    assert (part_of("tidyrl.loops.rl"), part_of("tidyrl.config"), part_of("tidyrl.cli")) == ("loops", "support", "face")
+    assert part_of("tidyrl.models.lora") == "models" and part_of("tidyrl.rollouts") == "rollouts"

@@ -11,7 +11,8 @@ from conftest import llama as _llama
 
 from tidyrl.models import generation, llama_decode
 from tidyrl.models.llama_decode import LlamaDecodeStep, attention_bias, supports
-from tidyrl.models.generation import _BufferedLayer, _buffered_cache, generate, left_pad, sample_seed
+from tidyrl.models.generation import (_BufferedLayer, _buffered_cache, cache_argument, generate, left_pad,
+                                      returned_cache, sample_seed)
 
 
 @pytest.mark.parametrize("copy_weights", [True, False], ids=["copied-weights", "own-weights"])
@@ -51,13 +52,13 @@ def _decode_side_by_side(model, step, prefill, mask, pos, steps: int):
     step and the model's own forward, each on a copy of `prefill`'s cache, both fed the model's greedy token."""
     B, Lp = mask.shape
     rows = torch.arange(B)
-    theirs, ours = (_buffered_cache(prefill.past_key_values, rows, Lp + steps) for _ in range(2))
+    theirs, ours = (_buffered_cache(returned_cache(prefill), rows, Lp + steps) for _ in range(2))
     full_mask = torch.cat([mask, torch.ones(B, steps, dtype=mask.dtype)], dim=1)
     bias = attention_bias(full_mask, prefill.logits.dtype)
     token, next_pos = prefill.logits[:, -1].argmax(-1), pos[:, -1:] + 1
     for t in range(steps):
         want = model(input_ids=token[:, None], attention_mask=full_mask[:, : Lp + t + 1], position_ids=next_pos,
-                     past_key_values=theirs, use_cache=True).logits[:, -1]
+                     **{cache_argument(model): theirs}, use_cache=True).logits[:, -1]
         yield step(token, bias[..., : Lp + t + 1], next_pos, ours.layers), want, ours, theirs
         token, next_pos = want.argmax(-1), next_pos + 1
 
@@ -79,7 +80,7 @@ def test_prefill_equals_the_model_forward(name, copy_weights, monkeypatch):
         got = step.prefill(ids, mask, pos, layers)
     torch.testing.assert_close(got, want.logits[:, -1], atol=2e-5, rtol=1e-5)
     real = mask.bool()
-    for ours, theirs in zip(layers, want.past_key_values.layers):
+    for ours, theirs in zip(layers, returned_cache(want).layers):
         assert ours.get_seq_length() == Lp
         for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):  # (B, Hkv, Lp, D)
             torch.testing.assert_close(a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=2e-5, rtol=1e-5)

@@ -12,7 +12,7 @@ from tidyrl.models.llama_forward import can_run, completion_logits, logits_if_le
 from tidyrl.models.loading import enable_gradient_checkpointing
 from tidyrl.models.forward import completion_logprobs
 from tidyrl.models.generation import left_pad
-from tidyrl.rollout import Rollout
+from tidyrl.rollouts import Rollout
 
 K = 3  # samples per prompt
 

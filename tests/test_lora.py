@@ -59,16 +59,16 @@ def test_grpo_with_lora_holds_no_reference_copy_and_saves_a_loadable_adapter(tin
     from transformers import AutoModelForCausalLM
 
     from tidyrl.config import load_config
-    from tidyrl.loops.rl import _RLRun
+    from tidyrl.loops.rl import RLRun
 
     loads = count_loads(monkeypatch)
     out = tmp_path / "run"
-    run = _RLRun(load_config(rl_config(tiny_model_dir, prompt_file, out, lora={"save_merged": True})), None)
+    run = RLRun(load_config(rl_config(tiny_model_dir, prompt_file, out, lora={"save_merged": True})), None)
     result = run.run()
     # One from_pretrained for the whole run: the policy. The reference is the same object, adapter disabled.
     assert loads == [str(tiny_model_dir)]
     assert run.use_reference and run.ref_model is None
-    policy = run.accelerator.unwrap_model(run.model)
+    policy = run.accelerator.unwrap_model(run.trainee.model)
     assert isinstance(policy, peft.PeftModel)
     assert "LoRA: training" in capsys.readouterr().out
 
@@ -105,23 +105,23 @@ def test_lora_reference_log_probs_are_the_base_models(tiny_model_dir, prompt_fil
     from transformers import AutoModelForCausalLM
 
     from tidyrl.config import load_config
-    from tidyrl.loops.rl import _RLRun
-    from tidyrl.lora import reference_of
-    from tidyrl.rollout import score_logprobs
+    from tidyrl.loops.rl import RLRun
+    from tidyrl.models.lora import reference_of
+    from tidyrl.rollouts import score_logprobs
 
-    run = _RLRun(load_config(rl_config(tiny_model_dir, prompt_file, tmp_path / "ref", train={"rollouts": 1})), None)
+    run = RLRun(load_config(rl_config(tiny_model_dir, prompt_file, tmp_path / "ref", train={"rollouts": 1})), None)
     run.run()
-    policy = run.accelerator.unwrap_model(run.model)
+    policy = run.accelerator.unwrap_model(run.trainee.model)
     with reference_of(policy, run.ref_model) as reference:
         assert reference is policy  # the same object: no copy
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    rollout, _ = run.make_rollout(1)  # a rollout after training: the adapter is no longer zero
+    rollout, _, _ = run.make_rollout(1)  # a rollout after training: the adapter is no longer zero
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     expected = score_logprobs(base, rollout, 1.0, 64)
     mask = rollout.completion_mask.bool()
     assert torch.allclose(rollout.ref_logprobs[mask], expected[mask], atol=1e-5)
-    policy_lp = score_logprobs(run.accelerator.unwrap_model(run.model), rollout, 1.0, 64)
+    policy_lp = score_logprobs(run.accelerator.unwrap_model(run.trainee.model), rollout, 1.0, 64)
     assert (policy_lp[mask] - expected[mask]).abs().max() > 1e-4  # ... and the adapter is back on afterwards
 
 
@@ -182,7 +182,7 @@ def test_sft_and_dpo_with_lora(tiny_model_dir, tmp_path, monkeypatch):
 def test_reward_model_with_lora_trains_its_score_head_and_merges(tiny_model_dir, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from tidyrl.reward_model import RewardModel, RewardModelError
+    from tidyrl.rewards.reward_models import RewardModel, RewardModelError
 
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"{w}:", "chosen": w[::-1], "rejected": w}
                                                    for w in ["apple", "pear", "fig", "kiwi"]])

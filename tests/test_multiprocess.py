@@ -18,7 +18,7 @@ import pytest
 from conftest import free_port, gloo_cpu_env
 import yaml
 
-from tidyrl.tiny import save_tiny_reward_model
+from tidyrl.models.tiny import save_tiny_reward_model
 
 TOL = 1e-5
 

@@ -3,6 +3,7 @@ no loss, keyed conversations replay, a failing environment ends its episode and 
 
 from __future__ import annotations
 
+import importlib
 import json
 import textwrap
 
@@ -12,7 +13,9 @@ from conftest import read_jsonl
 
 import tidyrl
 from tidyrl.environments import EnvironmentPool, EnvReply, ToolEnvironment, parse_tool_calls
-from tidyrl.multiturn import build_environments, environment_message_ids, run_conversations
+from tidyrl.engines import SamplingSettings
+from tidyrl.engines.builtin import BuiltinEngine
+from tidyrl.rollouts.episodes import EpisodeSettings, build_environments, environment_message_ids, run_episodes
 
 ENVS = textwrap.dedent('''
     import time
@@ -89,10 +92,11 @@ def test_conversations_alternate_keep_the_budget_and_replay_from_their_keys(tiny
 
     def run(budget):
         envs = build_environments(Counter, [{"word": w} for w in words], [1, 2, 3], pool)
-        return run_conversations(model, tok, prompts, messages, envs, sample_key=lambda i, t: 100 * i + t,
-                                 budget=budget, max_turns=3, max_turn_tokens=4, pool=pool, env_names=["Counter"] * 3,
-                                 generate_kwargs=dict(eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
-                                                      batch_size=8))
+        settings = EpisodeSettings(SamplingSettings(max_new_tokens=budget, eos_ids=[tok.eos_token_id],
+                                                    pad_id=tok.pad_token_id, batch_size=8),
+                                   max_turns=3, max_turn_tokens=4)
+        return run_episodes(BuiltinEngine(model), tok, prompts, settings, sample_key=lambda i, t: 100 * i + t,
+                            environments=envs, messages=messages, pool=pool, env_names=["Counter"] * 3)
 
     first, again = run(120), run(120)
     for c, d in zip(first, again):
@@ -122,18 +126,18 @@ def multiturn_config(model_dir, prompt_file, out, factory, **environment):
 
 
 def test_a_grpo_run_trains_on_model_tokens_only(tiny_model_dir, prompt_file, env_file, tmp_path, monkeypatch):
-    from tidyrl.loops import rl
+    from tidyrl.loops import rl_update
 
     seen = []
-    real = rl._RLRun._loss_mask
+    real = rl_update.loss_mask
 
-    def spy(self, completion_mask, truncated, action_mask=None):
-        mask = real(self, completion_mask, truncated, action_mask)
+    def spy(completion_mask, truncated, action_mask, mask_truncated):
+        mask = real(completion_mask, truncated, action_mask, mask_truncated)
         if action_mask is not None:
             seen.append((mask, completion_mask, action_mask))
         return mask
 
-    monkeypatch.setattr(rl._RLRun, "_loss_mask", spy)
+    monkeypatch.setattr(rl_update, "loss_mask", spy)
     result = tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "run", f"{env_file}:Counter"))
     rows = read_jsonl(result.output_dir / "metrics.jsonl")
     assert len(rows) == result.plan.total_optimizer_steps == 4
@@ -226,6 +230,12 @@ def test_tool_calls_are_parsed_run_and_answered():
     assert "unknown tool 'mul'" in unknown.message["content"]
     bad_args = env.step('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', [])
     assert "TypeError" in bad_args.message["content"]
+    # A call opened and never closed (cut by max_turn_tokens, say) is a malformed call, answered: not the answer.
+    assert parse_tool_calls('<tool_call>{"name": "add", "argu') == [
+        {"error": 'a <tool_call> is not closed with </tool_call>; write the whole call: '
+                  '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'}]
+    cut = env.step('<tool_call>{"name": "add", "argu', [])
+    assert not cut.done and "is not closed" in cut.message["content"] and cut.message["role"] == "tool"
     final = env.step("5", [{"role": "assistant", "content": "5"}])
     assert final == EnvReply(reward=1.0, done=True)
 
@@ -377,3 +387,152 @@ def test_an_openenv_environment_runs_through_the_adapter(tiny_model_dir, prompt_
     result = tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "run", f"{path}:Guess"))
     rows = read_jsonl(result.output_dir / "metrics.jsonl")
     assert all(r["env/error_fraction"] == 0.0 and 1.0 <= r["turns_mean"] <= 2.0 for r in rows)
+
+
+LIFE_CYCLE = textwrap.dedent('''
+    import os
+    import threading
+
+    from tidyrl.environments import EnvReply, ToolEnvironment
+
+    EVENTS = []
+    LOCK = threading.Lock()
+
+
+    class Session:
+        """Ends after `turns` model turns (1 for 'fig', else 2); 'kiwi' fails in step, 'lime' in close."""
+
+        def __init__(self, row, seed):
+            self.word = row["word"]
+            with LOCK:
+                EVENTS.append(("open", self.word))
+
+        def step(self, turn, messages):
+            with LOCK:
+                EVENTS.append(("step", self.word))
+            if self.word == "kiwi":
+                raise ConnectionError("lost the session")
+            done = self.word == "fig" or len(messages) >= 4
+            return EnvReply(reward=1.0, done=True) if done else EnvReply(message={"role": "user", "content": "more"})
+
+        def close(self):
+            with LOCK:
+                EVENTS.append(("close", self.word))
+            if self.word == "lime":
+                raise OSError("the socket was already gone")
+
+
+    class Files(ToolEnvironment):
+        """A tool environment whose episode holds a file open (its tools would read it)."""
+
+        OPENED = []
+
+        def __init__(self, row, seed):
+            super().__init__(row, seed)
+            self.handle = open(os.devnull)
+            Files.OPENED.append(self.handle)
+
+        def close(self):
+            self.handle.close()
+''')
+
+
+def test_each_environment_is_closed_once_when_its_episode_ends(tiny_model_and_tokenizer, tmp_path):
+    """An episode's end (done, out of turns, failed) closes its environment at once, in the pool, once; what
+    close() raises is recorded, not raised."""
+    model, tok = tiny_model_and_tokenizer
+    path = tmp_path / "life.py"
+    path.write_text(LIFE_CYCLE)
+    Session = load_class(path, "Session")
+    events = importlib.import_module(Session.__module__).EVENTS
+    words = ["fig", "pear", "kiwi", "lime"]
+    messages = [[{"role": "user", "content": w + ":"}] for w in words]
+    prompts = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for m in messages]
+    pool = EnvironmentPool(timeout_s=10)
+    envs = build_environments(Session, [{"word": w} for w in words], [1, 2, 3, 4], pool)
+    settings = EpisodeSettings(SamplingSettings(max_new_tokens=60, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id),
+                               max_turns=3, max_turn_tokens=4)
+    done = run_episodes(BuiltinEngine(model), tok, prompts, settings, sample_key=lambda i, t: 7 * i + t,
+                        environments=envs, messages=messages, pool=pool, env_names=["Session"] * 4)
+    pool.close()
+    closes = [w for kind, w in events if kind == "close"]
+    assert sorted(closes) == sorted(words)  # every one, once
+    # fig ended (done) and kiwi failed in turn 1: both closed before anyone's second step.
+    second_steps = [i for i, e in enumerate(events) if e[0] == "step"][4:]
+    assert {w for kind, w in events[:second_steps[0]] if kind == "close"} == {"fig", "kiwi"}
+    assert done[2].error and "lost the session" in done[2].error
+    assert "OSError: the socket was already gone" in done[3].close_error and done[3].error is None
+    assert [c.close_error is None for c in done] == [True, True, True, False]
+
+
+def test_a_tool_environment_releases_what_its_episode_opened(tiny_model_dir, prompt_file, tmp_path):
+    path = tmp_path / "life.py"
+    path.write_text(LIFE_CYCLE)
+    cfg = multiturn_config(tiny_model_dir, prompt_file, tmp_path / "run", f"{path}:Files")
+    cfg["train"]["rollouts"] = 1
+    tidyrl.train(cfg)
+    from tidyrl.rewards import load_reward_function
+
+    opened = load_reward_function(f"{path}:Files", None).OPENED
+    assert len(opened) == 6 and all(handle.closed for handle in opened)  # one per episode, each closed
+
+
+FLAKY = textwrap.dedent('''
+    import os
+
+    from tidyrl.environments import EnvReply
+
+
+    class Flaky:
+        """A server's session: refused while the file TIDYRL_TEST_DOWN names exists."""
+
+        def __init__(self, row, seed):
+            if os.path.exists(os.environ["TIDYRL_TEST_DOWN"]):
+                raise ConnectionError("Server at capacity: 16/16 sessions active")
+            self.word = row["word"]
+
+        def step(self, turn, messages):
+            return EnvReply(reward=float("a" in turn), done=True)
+
+
+    def takes_the_server_down(completions, **kwargs):
+        if os.environ.get("TIDYRL_TEST_TAKE_DOWN") == "1":
+            open(os.environ["TIDYRL_TEST_DOWN"], "w").close()
+        return [0.0] * len(completions)
+''')
+
+
+def test_a_run_whose_episodes_all_fail_stops_with_a_checkpoint_that_resumes_exactly(tiny_model_dir, prompt_file,
+                                                                                   tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from tidyrl.checkpoint import complete_checkpoints
+    from tidyrl.environments import EnvironmentFailure
+
+    path = tmp_path / "flaky.py"
+    path.write_text(FLAKY)
+    down = tmp_path / "down"
+    monkeypatch.setenv("TIDYRL_TEST_DOWN", str(down))
+
+    def config(out):
+        cfg = multiturn_config(tiny_model_dir, prompt_file, tmp_path / out, f"{path}:Flaky")
+        cfg["rewards"] = [{"function": f"{path}:takes_the_server_down", "weight": 1.0}]
+        cfg["train"].update({"rollouts": 2, "epochs_per_rollout": 1})
+        return cfg
+
+    whole = tidyrl.train(config("whole"))
+    monkeypatch.setenv("TIDYRL_TEST_TAKE_DOWN", "1")  # the first rollout's rewards take the server down
+    with pytest.raises(EnvironmentFailure) as err:
+        tidyrl.train(config("stopped"))
+    message = str(err.value)
+    assert "rollout 2: 100% of the episodes ended on an environment error" in message
+    assert "environment.max_error_fraction = 0.5" in message and "Server at capacity" in message
+    assert "checkpoint-1" in message and "resume_from=latest" in message
+    out = tmp_path / "stopped"
+    assert [s for s, _ in complete_checkpoints(out)] == [1] and not (out / "final").exists()
+    monkeypatch.delenv("TIDYRL_TEST_TAKE_DOWN")
+    down.unlink()  # the server is back
+    resumed = tidyrl.train(config("stopped"), ["resume_from=latest"])
+    a, b = load_file(whole.final_dir / "model.safetensors"), load_file(resumed.final_dir / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -133,7 +133,7 @@ def test_sft_eval_split_scores_held_out_examples_and_keeps_the_best(tiny_model_d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tidyrl.loops.offline import pad_batch, target_logprobs
-    from tidyrl.offline_data import completion_eos_ids, held_out_rows, load_sft_examples
+    from tidyrl.data.offline import completion_eos_ids, held_out_rows, load_sft_examples
 
     data = write_jsonl(tmp_path / "data.jsonl", sft_rows())
     out = tmp_path / "run"

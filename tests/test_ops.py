@@ -1,4 +1,4 @@
-"""tidyrl.ops against the direct (memory-hungry) torch formulas."""
+"""tidyrl.models.ops against the direct (memory-hungry) torch formulas."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import torch
 from conftest import recorded_outputs
 
-from tidyrl.ops import entropy_from_logits, gather_logprobs
+from tidyrl.models.ops import entropy_from_logits, gather_logprobs
 
 
 def _random(B=3, T=5, V=11, seed=0):
@@ -78,7 +78,7 @@ def _autograd_rows(logits_BTV, ids_BT):
 
 
 def test_low_precision_logprobs_and_gradient_are_autograds_bit_for_bit():
-    from tidyrl.ops import gather_logprobs_and_entropy
+    from tidyrl.models.ops import gather_logprobs_and_entropy
 
     logits, ids = _random(B=4, T=6, V=37)
     weights = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))  # a loss's per-token weights

@@ -14,7 +14,7 @@ from test_sft import sft_config
 import tidyrl
 from tidyrl.config import ConfigError
 from tidyrl.loops.offline import pad_batch, packed_attention_error, target_logprobs
-from tidyrl.offline_data import TokenizedSequence
+from tidyrl.data.offline import TokenizedSequence
 
 WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach"]
 
@@ -60,7 +60,7 @@ def test_the_flat_layout_is_differentiable_like_the_padded_one():
 def test_target_logprobs_read_the_logits_without_slicing_them():
     """The last position predicts no token: it is read with a dummy id and dropped, not sliced off the logits
     (a slice's backward is a zero-filled copy of all of them). The same numbers as the sliced formulation."""
-    from tidyrl.ops import gather_logprobs
+    from tidyrl.models.ops import gather_logprobs
 
     model = llama().train()
     batch = pad_batch(sequences(torch.Generator().manual_seed(2), [6, 9, 4]), 0, "cpu")

@@ -11,7 +11,7 @@ from conftest import expected_lrs, with_sections
 
 import tidyrl
 from tidyrl.checkpoint import complete_checkpoints
-from tidyrl.tiny import build_char_tokenizer, save_tiny_reward_model
+from tidyrl.models.tiny import build_char_tokenizer, save_tiny_reward_model
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tidyrl
-from tidyrl.reward_model import RewardModel, RewardModelError, RunningMoments
-from tidyrl.tiny import save_tiny_reward_model
+from tidyrl.rewards.reward_models import RewardModel, RewardModelError, RunningMoments
+from tidyrl.models.tiny import save_tiny_reward_model
 
 PROMPTS = ["apple:", [{"role": "user", "content": "fig?"}], "a much longer prompt than the others:", "kiwi:"]
 COMPLETIONS = ["pale", "gif", "x", "wiki and more"]

@@ -1,6 +1,6 @@
 """Reward-model training (`algorithm: reward`) end to end on a tiny local model: counts, accuracy rising on a
 separable toy set, and a final/ folder that loads as a sequence classifier and that the RL stages' reward-model
-scorer (tidyrl.reward_model.RewardModel) reads exactly as it was trained.
+scorer (tidyrl.rewards.reward_models.RewardModel) reads exactly as it was trained.
 
 (tests/test_reward_model.py tests that scorer itself.)"""
 
@@ -16,7 +16,7 @@ from conftest import expected_lrs, read_jsonl, write_jsonl, torchrun_train, with
 import tidyrl
 from tidyrl.data import DataError
 from tidyrl.loops.offline import OFFLINE_STEP_METRICS
-from tidyrl.offline_data import reward_model_input_ids
+from tidyrl.data.offline import reward_model_input_ids
 from tidyrl.plan import make_offline_plan
 
 
@@ -99,7 +99,7 @@ def test_reward_model_learns_a_separable_preference(tiny_model_dir, tmp_path):
     assert alone.item() == pytest.approx(chosen[0].item(), abs=1e-5)
 
     # The RL stages load it as `rewards: [{model: .../final}]` and give the same scores.
-    from tidyrl.reward_model import RewardModel
+    from tidyrl.rewards.reward_models import RewardModel
 
     rm = RewardModel(str(result.final_dir), batch_size=5)
     rl_scores = rm(prompts=[p["prompt"] for p in pairs], completions=[p["chosen"] for p in pairs])
@@ -127,7 +127,7 @@ def test_margin_column_and_micro_batch_invariance(tiny_model_dir, tmp_path):
 def test_pairs_are_tokenised_as_the_rl_reward_model_scorer_reads_them(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from tidyrl.offline_data import reward_model_input_ids
+    from tidyrl.data.offline import reward_model_input_ids
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt = [{"role": "user", "content": "fig"}]

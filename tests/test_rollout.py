@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tidyrl.models.generation import filter_logits, generate, left_pad, sample_seed, eos_token_ids
-from tidyrl.rollout import Rollout, score_logprobs
+from tidyrl.rollouts import Rollout, score_logprobs
 
 PAD, EOS, EOS2, V = 0, 2, 3, 12
 
@@ -284,7 +284,7 @@ def _rollout_with_groups(model, tok, k=4):
 
 def _one_pass_logprobs(model, batch, temperature):
     """The plain forward over [prompt, completion] (what scoring did before prompts were shared)."""
-    from tidyrl.ops import gather_logprobs
+    from tidyrl.models.ops import gather_logprobs
     from tidyrl.models.forward import model_inputs as _model_inputs
 
     tc = batch.completion_ids.shape[1]
@@ -331,7 +331,7 @@ def test_the_two_pass_logprobs_read_each_pass_s_logits_without_concatenating_the
 
     from conftest import recorded_outputs
     from tidyrl.models.forward import completion_logits, completion_logprobs
-    from tidyrl.ops import entropy_from_logits, gather_logprobs
+    from tidyrl.models.ops import entropy_from_logits, gather_logprobs
 
     _, tok = tiny_model_and_tokenizer
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -132,7 +132,7 @@ def load_examples(model_dir, data_file, **sections):
     from transformers import AutoTokenizer
 
     from tidyrl.config import load_config
-    from tidyrl.offline_data import completion_eos_ids, load_sft_examples
+    from tidyrl.data.offline import completion_eos_ids, load_sft_examples
 
     cfg = load_config(sft_config(model_dir, data_file, "unused", **sections))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -238,3 +238,19 @@ def test_two_processes_match_one(tiny_model_dir, sft_file, tmp_path):
     a = load_file(one.final_dir / "model.safetensors")
     b = load_file(tmp_path / "two" / "final" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_an_sft_run_extends_to_more_steps_with_its_schedule_rebuilt(tiny_model_dir, sft_file, tmp_path):
+    """extend=true in an offline stage: from checkpoint-2 of a 4-step run to 6 steps, the later rates from the
+    cosine over 6 steps, plan.json's `extended` saying so."""
+    out = tmp_path / "run"
+    cfg = sft_config(tiny_model_dir, sft_file, out, train={"dataset_epochs": None, "max_steps": 4},
+                     log={"save_every": 2})
+    tidyrl.train(cfg)
+    tidyrl.train(cfg, ["resume_from=latest", "train.max_steps=6", "extend=true", "log.save_every=0"])
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    old, new = expected_lrs(4, 1, "cosine", 1e-2), expected_lrs(6, 1, "cosine", 1e-2)
+    assert [r["lr"] for r in rows] == pytest.approx(old[:2] + new[2:], rel=1e-12)
+    assert json.loads((out / "plan.json").read_text())["extended"] == [
+        {"step": 2, "from_total_optimizer_steps": 4, "to_total_optimizer_steps": 6}]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import free_port, gloo_cpu_env
 
-from tidyrl.sharding import ShardingError, check_supported
+from tidyrl.models.sharding import ShardingError, check_supported
 
 
 def test_fsdp2_generation_gathers_once_and_matches_the_unsharded_model(tiny_model_dir, tmp_path):
@@ -51,7 +51,7 @@ def test_unsupported_sharding_is_refused_with_what_to_use():
 def test_sharding_kind_reads_accelerates_distributed_type():
     from accelerate.utils import DistributedType
 
-    from tidyrl.sharding import sharding_kind
+    from tidyrl.models.sharding import sharding_kind
 
     def acc(kind, version=None):
         return SimpleNamespace(distributed_type=kind,

@@ -10,7 +10,7 @@ from conftest import read_jsonl
 
 import tidyrl
 from tidyrl.data import DataError
-from tidyrl.tasks import reasoning_gym_dataset, reasoning_gym_score
+from tidyrl.data.reasoning_gym import reasoning_gym_dataset, reasoning_gym_score
 
 
 # In the [test] extra (CI installs it); a machine without it (a GPU image, say) skips these instead of failing them.
@@ -48,7 +48,7 @@ def test_a_grpo_run_on_a_reasoning_gym_task(tiny_model_dir, tmp_path):
         "data": {"reasoning_gym": "basic_arithmetic", "reasoning_gym_size": 12, "eval_fraction": 0.25,
                  "reasoning_gym_options": {"max_terms": 2, "max_digits": 1},
                  "overlong_prompts": "truncate"},  # the tiny model has 256 positions; the system prompt is long
-        "rewards": [{"function": "tidyrl.tasks:reasoning_gym_score"}],
+        "rewards": [{"function": "tidyrl.data.reasoning_gym:reasoning_gym_score"}],
         "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 4},
         "train": {"rollouts": 2, "micro_batch_size": 4},
         "log": {"progress_bar": False},

@@ -169,9 +169,11 @@ def test_a_tracker_that_is_not_installed_is_refused_before_any_model_loads(tiny_
 
 
 def test_an_unknown_tracker_name_lists_the_known_ones():
+    from tidyrl.api import check_parts
+
     with pytest.raises(ConfigError) as err:
-        load_config({"model": "m", "data": {"path": "p"}, "rewards": [{"function": "a:b"}],
-                     "train": {"rollouts": 1}, "log": {"report_to": ["tensorbored"]}})
+        check_parts(load_config({"model": "m", "data": {"path": "p"}, "rewards": [{"function": "a:b"}],
+                                 "train": {"rollouts": 1}, "log": {"report_to": ["tensorbored"]}}))
     assert "log.report_to: 'tensorbored'" in str(err.value) and "tensorboard, wandb, trackio" in str(err.value)
 
 

@@ -220,25 +220,28 @@ def test_old_logprobs_come_from_sampling_and_only_when_several_steps_share_a_rol
                                                                                       tmp_path, monkeypatch):
     """Old log-probs exist only when E*M > 1, and cost no forward pass: the sampling pass returns them. They
     equal what scoring the rollout with the policy gives (up to float rounding)."""
-    import tidyrl.rollout as rollout_module
-    from tidyrl.loops.rl import _RLRun
+    import tidyrl.loops.rl_rollout as rl_rollout
+    import tidyrl.rollouts.scoring as scoring
+    from tidyrl.loops.rl import RLRun
 
     calls, seen = [], []
-    original_score = rollout_module.score_logprobs
-    monkeypatch.setattr(rollout_module, "score_logprobs", lambda *a, **k: calls.append(1) or original_score(*a, **k))
-    original_make = _RLRun.make_rollout
+    original_score = scoring.score_logprobs
+    counting = lambda *a, **k: calls.append(1) or original_score(*a, **k)  # noqa: E731
+    monkeypatch.setattr(scoring, "score_logprobs", counting)
+    monkeypatch.setattr(rl_rollout, "score_logprobs", counting)
+    original_make = RLRun.make_rollout
 
     def make_rollout(run, r):
-        rollout, stats = original_make(run, r)
+        rollout, stats, samples = original_make(run, r)
         if rollout.old_logprobs is not None:
-            policy = run.accelerator.unwrap_model(run.model)
+            policy = run.accelerator.unwrap_model(run.trainee.model)
             scored = original_score(policy, rollout, run.cfg.rollout.temperature, 64)
             seen.append(float((scored - rollout.old_logprobs).abs().max()))
         else:
             seen.append(None)
-        return rollout, stats
+        return rollout, stats, samples
 
-    monkeypatch.setattr(_RLRun, "make_rollout", make_rollout)
+    monkeypatch.setattr(RLRun, "make_rollout", make_rollout)
     one_step = {"rollouts": 2, "epochs_per_rollout": 1, "minibatches_per_epoch": 1, "micro_batch_size": 8,
                 "warmup_steps": 0}
     tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "a", train=one_step, log={"progress_bar": False}))

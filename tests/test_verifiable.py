@@ -13,7 +13,7 @@ from conftest import read_jsonl, write_jsonl
 
 import tidyrl
 from tidyrl.rewards import RewardError, build_reward_functions, compute_rewards
-from tidyrl.verifiable import code_tests, extract_code, format_match, math_answer, run_python_tests
+from tidyrl.rewards.verifiable import code_tests, extract_code, format_match, math_answer, run_python_tests
 
 
 # In the [test] extra (CI installs it); a machine without it (a GPU image, say) skips these instead of failing them.
@@ -36,6 +36,18 @@ def test_math_answer_accepts_equivalent_forms_and_rejects_the_rest():
     answers = ["0.5", "\\frac{1}{2}", "3.0", "\\{2, 1\\}", "5", "7", "1", "2"]
     assert math_answer(completions, answers) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert math_answer(["x = \\boxed{42}"], [42]) == [1.0]  # a numeric column
+
+
+@needs_math_verify
+def test_math_answer_reads_the_last_box_as_the_answer():
+    """A correction after a first attempt is the answer: the last \\boxed{} counts, not the set of every box
+    (math-verify alone reads `\\boxed{5} ... \\boxed{6}` as {5, 6}). A last box cut before its brace closes is no
+    answer, and an earlier box does not stand in for it."""
+    completions = ["\\boxed{5}. Wait, I made an error: \\boxed{6}", "\\boxed{5}. Wait, I made an error: \\boxed{6}",
+                   "first \\boxed{5} then \\boxed{\\frac{12}{2", "no box: the answer is 6",
+                   "\\boxed{\\frac{1}{2}} and then \\boxed{\\frac{3}{4}}"]
+    answers = ["6", "5", "5", "6", "0.75"]
+    assert math_answer(completions, answers) == [1.0, 0.0, 0.0, 1.0, 1.0]
 
 
 @needs_math_verify
@@ -105,7 +117,7 @@ def test_the_sandbox_limits_files_and_removes_its_scratch_folder(tmp_path, monke
         created.append(real_mkdtemp(*args, **kwargs))
         return created[-1]
 
-    monkeypatch.setattr("tidyrl.verifiable.tempfile.mkdtemp", remember)
+    monkeypatch.setattr("tidyrl.rewards.verifiable.tempfile.mkdtemp", remember)
     assert run_python_tests(code, "", timeout_s=5) == (True, "passed")
     assert created and not os.path.exists(created[0])  # the scratch folder is gone
 
@@ -113,13 +125,13 @@ def test_the_sandbox_limits_files_and_removes_its_scratch_folder(tmp_path, monke
 def test_reward_options_come_from_the_config_and_are_checked():
     from tidyrl.config import RewardConfig
 
-    funcs = build_reward_functions([RewardConfig(function="tidyrl.verifiable:format_match",
+    funcs = build_reward_functions([RewardConfig(function="tidyrl.rewards.verifiable:format_match",
                                                  kwargs={"pattern": r"Answer: \d+"})])
     result = compute_rewards(funcs, prompts=["q", "q"], completions=["Answer: 7", "no"], completion_ids=[[1], [2]],
                              columns={"pattern": ["(ignored)", "(ignored)"]})  # a column never overrides an option
     assert result.per_function["format_match"] == [1.0, 0.0]
     with pytest.raises(RewardError, match=r"rewards\[0\].kwargs: 'math_answer' takes no argument\(s\) \['patern'\]"):
-        build_reward_functions([RewardConfig(function="tidyrl.verifiable:math_answer", kwargs={"patern": "x"})])
+        build_reward_functions([RewardConfig(function="tidyrl.rewards.verifiable:math_answer", kwargs={"patern": "x"})])
 
 
 @needs_math_verify
@@ -129,8 +141,8 @@ def test_a_grpo_run_rewarded_by_math_answer(tiny_model_dir, tmp_path):
     result = tidyrl.train({
         "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 0,
         "data": {"path": str(data)},
-        "rewards": [{"function": "tidyrl.verifiable:math_answer"},
-                    {"function": "tidyrl.verifiable:format_match", "kwargs": {"pattern": r"\d+"}, "weight": 0.1}],
+        "rewards": [{"function": "tidyrl.rewards.verifiable:math_answer"},
+                    {"function": "tidyrl.rewards.verifiable:format_match", "kwargs": {"pattern": r"\d+"}, "weight": 0.1}],
         "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 3},
         "train": {"rollouts": 2, "micro_batch_size": 4},
         "log": {"progress_bar": False},

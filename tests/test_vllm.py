@@ -21,21 +21,21 @@ WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango
 
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
-    from tidyrl.tiny import save_tiny_model
+    from tidyrl.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("vllm") / "model", hidden_size=128, num_layers=2, num_heads=2)
 
 
 @pytest.fixture(scope="module")
 def engine(vllm_model_dir):
-    from tidyrl.models.engines import VLLMEngine
+    from tidyrl.engines.vllm import VLLMEngine
 
     return VLLMEngine(str(vllm_model_dir), dtype="float32", seed=0, max_model_len=128, kv_cache_gb=1,
                       gpu_memory_utilization=0.5, enforce_eager=True, device="cpu")
 
 
 def hf_logprobs(model, prompt, completion):
-    from tidyrl.ops import gather_logprobs
+    from tidyrl.models.ops import gather_logprobs
 
     sequence = torch.tensor([list(prompt) + list(completion)])
     with torch.no_grad():
@@ -46,7 +46,7 @@ def hf_logprobs(model, prompt, completion):
 def test_keyed_samples_repeat_and_their_log_probs_are_the_policys(engine, vllm_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tidyrl.models.engines import SamplingSettings
+    from tidyrl.engines import SamplingSettings
 
     tok = AutoTokenizer.from_pretrained(vllm_model_dir)
     prompts = [tok(w + ":")["input_ids"] for w in WORDS[:4]]
@@ -163,7 +163,7 @@ def test_an_architecture_vllm_cannot_run_on_this_cpu_stops_before_the_model_load
     """Heads of 16 (the default test model's) have no CPU attention kernel in vLLM: the config check says so
     and names the way out, before any engine starts or file is written."""
     from tidyrl.config import ConfigError
-    from tidyrl.tiny import save_tiny_model
+    from tidyrl.models.tiny import save_tiny_model
 
     small_heads = save_tiny_model(tmp_path / "heads16", hidden_size=32, num_layers=1, num_heads=2)
     with pytest.raises(ConfigError, match=r"head sizes .*this model's is 16.*rollout.engine: builtin"):
@@ -193,3 +193,47 @@ def test_an_fsdp2_sharded_policy_syncs_one_parameter_at_a_time(vllm_model_dir, t
         assert result["shards"] > 0 and result["gathered"] == result["shards"]
         assert result["still_sharded"]
         assert result["logprob_diff"] < 1e-5
+
+
+def test_multi_turn_episodes_run_on_the_vllm_engine(vllm_model_dir, words_file, tmp_path):
+    """One rollout path: a multi-turn GRPO run on vLLM. Each model turn is a generate call on the exact tokens so
+    far (token in, token out); the environment's messages are appended as the chat template renders them and
+    carry no loss; the sampler's log-probs of the model's tokens are the policy's; a resume replays the same
+    conversations."""
+    from test_multiturn import ENVS  # its Counter: three model turns, each holding an 'a' earns 1
+
+    (tmp_path / "envs.py").write_text(ENVS)
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", log={"save_every": 1},
+                      environment={"factory": str(tmp_path / "envs.py") + ":Counter", "max_turns": 3,
+                                   "max_turn_tokens": 4},
+                      rollout={"max_new_tokens": 120}, train={"epochs_per_rollout": 1})
+    cfg["rewards"] = []
+    result = tidyrl.train(cfg)
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["turns_mean"] == 3.0 and row["env/error_fraction"] == 0.0
+        assert row["tokens/env_mean"] > 0 and row["tokens/model_mean"] > 0
+        assert row["reward_mean"] == pytest.approx(row["reward/env"])
+        assert row["mismatch/logprob_abs_mean"] < 1e-4  # the model's tokens only: vLLM's log-probs are the policy's
+    samples = read_jsonl(result.output_dir / "samples.jsonl")
+    assert all(s["completion"].count("<user>again ") == 2 for s in samples)
+    tidyrl.train(cfg, ["resume_from=" + str(tmp_path / "run" / "checkpoint-1")])
+    assert read_jsonl(result.output_dir / "samples.jsonl") == samples
+
+
+def test_tidyrl_eval_runs_on_the_vllm_engine(vllm_model_dir, words_file, tmp_path):
+    """`tidyrl eval` takes rollout.engine: greedy completions on vLLM are the builtin engine's (both the most
+    likely token at every step), sampled ones are keyed (the same on a second evaluation)."""
+    from tidyrl.evaluate import evaluate
+
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run")
+    builtin = evaluate({**cfg, "rollout": {**cfg["rollout"], "engine": "builtin"}}, greedy=True,
+                       output_dir=tmp_path / "builtin", quiet=True)
+    greedy = evaluate(cfg, greedy=True, output_dir=tmp_path / "greedy", quiet=True)
+    same = sum(a["completion"] == b["completion"] for a, b in zip(greedy.samples, builtin.samples))
+    assert same >= len(builtin.samples) - 1, (greedy.samples, builtin.samples)  # a float near-tie may flip one
+    sampled = evaluate(cfg, output_dir=tmp_path / "sampled", quiet=True)
+    again = evaluate(cfg, output_dir=tmp_path / "again", quiet=True)
+    assert [s["completion"] for s in sampled.samples] == [s["completion"] for s in again.samples]
+    assert sampled.summary["n"] == len(WORDS[:10]) * 4

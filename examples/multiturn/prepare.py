@@ -1,6 +1,6 @@
 """The example's tiny model and data: `python prepare.py WORK_DIR` writes
 
-    WORK_DIR/base-model/   a random tiny Llama with a character tokenizer (tidyrl.tiny)
+    WORK_DIR/base-model/   a random tiny Llama with a character tokenizer (tidyrl.models.tiny)
     WORK_DIR/sft.jsonl     conversations that use the calculator: user "a+b", assistant "a+b", tool "= s", assistant "s"
     WORK_DIR/tasks.jsonl   RL prompts: {"prompt": [user "a+b"], "answer": "s"}
 """
@@ -10,7 +10,7 @@ import random
 import sys
 from pathlib import Path
 
-from tidyrl.tiny import save_tiny_model
+from tidyrl.models.tiny import save_tiny_model
 
 
 def main(work: str) -> None:

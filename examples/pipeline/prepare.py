@@ -5,7 +5,7 @@
 The task: answer a word with the word reversed ("lemon" -> "nomel"). The prompt is the same chat message in
 every stage, so SFT, the reward model and GRPO all see it rendered by the same chat template.
 
-    base-model/         a random tiny Llama and its character tokenizer (tidyrl.tiny), never downloaded
+    base-model/         a random tiny Llama and its character tokenizer (tidyrl.models.tiny), never downloaded
     sft.jsonl           {"prompt": [{"role": "user", "content": "lemon"}], "completion": "nomel"}
     preferences.jsonl   {"prompt": [...], "chosen": "nomel", "rejected": "lemon"}   (4 wrong answers per word)
     prompts.jsonl       {"prompt": [...], "word": "lemon"}                         (the GRPO prompt set)
@@ -38,7 +38,7 @@ def wrong_answers(word: str, rng: random.Random) -> list[str]:
 
 
 def prepare(work: str | Path) -> Path:
-    from tidyrl.tiny import save_tiny_model
+    from tidyrl.models.tiny import save_tiny_model
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)

@@ -6,22 +6,34 @@ import importlib
 from pathlib import Path
 from typing import Sequence
 
-from tidyrl.config import Config, config_base_dir, load_config
+from tidyrl.config import RL_ALGORITHMS, Config, ConfigError, config_base_dir, load_config
 from tidyrl.loops.common import TrainResult
 from tidyrl.run_lock import release_output_dir
 
 LOOPS = {
-    "grpo": "tidyrl.loops.rl",
-    "rloo": "tidyrl.loops.rl",
-    "ppo": "tidyrl.loops.rl",
-    "reinforce_pp": "tidyrl.loops.rl",
-    "reinforce_pp_baseline": "tidyrl.loops.rl",
+    **{name: "tidyrl.loops.rl" for name in RL_ALGORITHMS},  # every on-policy algorithm of the algorithm table
     "sft": "tidyrl.loops.sft",
     "reward": "tidyrl.loops.reward_model",
     "dpo": "tidyrl.loops.dpo",
     "kto": "tidyrl.loops.kto",
 }
 """algorithm -> the module whose `run(cfg, base_dir)` trains it (one explicit loop per family)."""
+
+
+def check_parts(cfg: Config) -> None:
+    """The checks that live with the parts a config names, before anything loads: its trackers (log.report_to)
+    and, for an RL stage, its engine (rollout.engine). Raises ConfigError listing every problem. `tidyrl.train`
+    and `tidyrl plan` call it after `load_config`'s own checks."""
+    from tidyrl.trackers import tracker_problems
+
+    problems = []
+    if cfg.algorithm in RL_ALGORITHMS:
+        from tidyrl.engines import engine_problems
+
+        problems += engine_problems(cfg)
+    problems += tracker_problems(cfg.log.report_to)
+    if problems:
+        raise ConfigError(problems)
 
 
 def train(config: Config | dict | str | Path, overrides: Sequence[str] = ()) -> TrainResult:
@@ -31,8 +43,9 @@ def train(config: Config | dict | str | Path, overrides: Sequence[str] = ()) -> 
     Reward functions may be Python callables in `rewards[i].function`. Returns a `TrainResult`.
     """
     cfg = load_config(config, overrides)
+    check_parts(cfg)
     if cfg.lora.enabled:
-        from tidyrl.lora import require_peft
+        from tidyrl.models.lora import require_peft
 
         require_peft()  # before any data or weights are read
     loop = importlib.import_module(LOOPS[cfg.algorithm])

@@ -38,14 +38,19 @@ from typing import Any, Optional
 STATE_DIR = "trainer_state"
 
 RESUMABLE_CHANGES = {
-    "resume_from", "overwrite", "output_dir",
+    "resume_from", "overwrite", "output_dir", "extend",
     "rollout.generation_batch_size", "rollout.forward_batch_size",
     "train.micro_batch_size", "train.gradient_checkpointing", "train.sync_each_microbatch",
     "train.group_by_length", "train.padding_free",
     "log.progress_bar", "log.save_every", "log.keep_last", "lora.save_merged",
+    "environment.max_error_fraction",
 }
-"""Config keys that may differ on resume: memory knobs and saving cadence change speed and memory,
-never the maths. Any other difference (sizes, learning rate, algorithm, data, rewards, ...) is refused."""
+"""Config keys that may differ on resume: memory knobs, saving cadence and the environment's failure threshold
+change speed, memory or when a failing run stops, never the maths. Any other difference (sizes, learning rate, algorithm, data, rewards, ...) is refused."""
+
+
+EXTENDABLE = {"train.rollouts", "train.dataset_epochs", "train.max_steps"}
+"""The length of a run: with `extend: true` a resume may change it (longer only; loops.training.continue_longer)."""
 
 
 class CheckpointError(RuntimeError):
@@ -90,15 +95,16 @@ def last_good_checkpoint(output_dir: Path) -> str:
     return "no checkpoint was saved, so the run must start again (set log.save_every to keep some)"
 
 
-def refused_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two config dicts and are not in RESUMABLE_CHANGES."""
+def refused_changes(saved: dict, current: dict, prefix: str = "", allowed=frozenset()) -> list[str]:
+    """The dotted keys whose values differ between two config dicts and are neither in RESUMABLE_CHANGES nor in
+    `allowed`."""
     changes = []
     for key in sorted(set(saved) | set(current)):
         dotted = prefix + key
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            changes += refused_changes(a, b, dotted + ".")
-        elif a != b and dotted not in RESUMABLE_CHANGES:
+            changes += refused_changes(a, b, dotted + ".", allowed)
+        elif a != b and dotted not in RESUMABLE_CHANGES and dotted not in allowed:
             changes.append(f"{dotted}: {a!r} -> {b!r}")
     return changes
 

@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--greedy", action="store_true", help="take the most likely token at every step (top_k = 1)")
     e.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
     e.add_argument("--output-dir", help="where eval.json and eval_samples.jsonl go (default: eval-<model name> "
-                   "beside the model folder)")
+                   "beside the model folder; <run>-eval-<model name> beside the run for a run's final/ or "
+                   "checkpoint)")
 
     pt = sub.add_parser("plot", help="PNG charts of runs' metrics.jsonl (several runs overlaid)",
                         description="One PNG per metric against optimizer steps: reward_mean, reward/<name>, kl, "
@@ -138,12 +139,17 @@ def main(argv: list[str] | None = None) -> int:
             from tidyrl.plan import plan_from_config
 
             cfg = load_config(args.config, args.overrides)
+            from tidyrl.api import check_parts
+
+            check_parts(cfg)
             if cfg.algorithm in OFFLINE_ALGORITHMS:  # rows of examples/pairs (packed rows with sft.packing)
-                from tidyrl.models.loading import load_model_config
-                from tidyrl.offline_data import count_eval_examples, count_offline_examples
+                from tidyrl.data.offline import count_eval_examples, count_offline_examples
+                from tidyrl.models.loading import load_model_config, load_tokenizer
 
                 load_model_config(cfg.model)  # the policy exists (at once, offline too)
-                num_examples, num_eval = count_offline_examples(cfg), count_eval_examples(cfg)
+                packing = cfg.algorithm == "sft" and cfg.sft.packing  # packed rows: counted with the tokenizer
+                tokenizer = load_tokenizer(cfg.tokenizer or cfg.model) if packing else None
+                num_examples, num_eval = count_offline_examples(cfg, tokenizer), count_eval_examples(cfg)
                 plan = plan_from_config(cfg, num_examples, args.num_processes)
                 extra = {"eval_examples": num_eval} if num_eval else {}
                 if cfg.algorithm == "dpo":  # what the reference costs: once per dataset, before training
@@ -153,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({**plan.to_dict(), **extra}, indent=2))
                 return 0
             from tidyrl.config import config_base_dir
-            from tidyrl.loops.rl import check_rl_inputs, plan_extras
+            from tidyrl.loops.rl_inputs import check_rl_inputs, plan_extras
 
             # The checks `train` makes before loading weights, the same function (tokenizer and data files only).
             inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes)
-            if inputs.report:
-                print(f"tidyrl: {inputs.report}", file=sys.stderr)
+            for line in inputs.report.splitlines():
+                print(f"tidyrl: {line}", file=sys.stderr)
             plan = {**inputs.plan.to_dict(), **plan_extras(cfg, inputs.critic, inputs.eval_prompt_ids)}
             print(json.dumps(plan, indent=2))
         elif args.command == "train":
@@ -199,7 +205,7 @@ def _tiny(args) -> None:
     from pathlib import Path
 
     from tidyrl.config import ConfigError
-    from tidyrl.tiny import save_tiny_model, save_tiny_reward_model
+    from tidyrl.models.tiny import save_tiny_model, save_tiny_reward_model
 
     out = Path(args.output_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

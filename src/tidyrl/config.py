@@ -18,8 +18,11 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
-RL_ALGORITHMS = ("grpo", "rloo", "ppo", "reinforce_pp", "reinforce_pp_baseline")
-"""On-policy RL stages (tidyrl.loops.rl): they generate, so they need `rollout` and `rewards`."""
+from tidyrl.algorithms.table import ALGORITHMS as RL_TABLE
+from tidyrl.algorithms.table import POLICY_LOSSES
+
+RL_ALGORITHMS = tuple(RL_TABLE)
+"""On-policy RL stages (tidyrl.loops.rl; the algorithm table): they generate, so they need `rollout` and `rewards`."""
 OFFLINE_ALGORITHMS = ("sft", "reward", "dpo", "kto")
 """Stages that train on a fixed dataset (docs/stages.md): length in train.dataset_epochs or train.max_steps,
 optimizer batch train.batch_size; no rollout, no rewards."""
@@ -54,7 +57,7 @@ class DataConfig:
     at the end (the prompt kept whole), reward at the start (a reward model scores the end, as in RL). null = no
     limit. Required by sft.packing (the packed row length)."""
     reasoning_gym: Optional[str] = None
-    """RL stages: generate the prompts with this reasoning-gym task (e.g. basic_arithmetic) instead of reading data.path; score them with the reward tidyrl.tasks:reasoning_gym_score. pip install 'tidyrl[gym]'."""
+    """RL stages: generate the prompts with this reasoning-gym task (e.g. basic_arithmetic) instead of reading data.path; score them with the reward tidyrl.data.reasoning_gym:reasoning_gym_score. pip install 'tidyrl[gym]'."""
     reasoning_gym_size: int = 1000
     """reasoning_gym: prompts generated (with the run's seed)."""
     reasoning_gym_options: dict = field(default_factory=dict)
@@ -63,6 +66,20 @@ class DataConfig:
     """A held-out file (the format of `path`: prompts for RL stages, examples or pairs for sft, reward, dpo) scored during training: log.eval_every."""
     eval_fraction: float = 0.0
     """Hold out this fraction of `path` instead (rows drawn with `seed`; at least one row); they are not trained on."""
+
+    def check(self, need, cfg: "Config") -> None:
+        need(self.path != "" or self.reasoning_gym is not None, "data.path",
+             "set the prompt file (.jsonl .json .parquet .csv) or a saved datasets folder")
+        need(self.path == "" or self.reasoning_gym is None, "data.reasoning_gym",
+             "the prompts come from data.path or from a reasoning-gym task, not both; remove one")
+        need(self.reasoning_gym is None or cfg.algorithm not in OFFLINE_ALGORITHMS, "data.reasoning_gym",
+             "generates prompts for the RL stages; offline stages read data.path")
+        need(self.reasoning_gym_size >= 1, "data.reasoning_gym_size", f"must be >= 1, got {self.reasoning_gym_size}")
+        need(self.prompt_column != "", "data.prompt_column", "set the column holding the prompt")
+        need(self.max_prompt_length is None or self.max_prompt_length >= 1, "data.max_prompt_length",
+             f"must be >= 1 or null (the model's context minus rollout.max_new_tokens), got {self.max_prompt_length}")
+        need(self.overlong_prompts in ("error", "truncate", "skip"), "data.overlong_prompts",
+             f"{self.overlong_prompts!r} is not one of error, truncate, skip")
 
 
 @dataclass
@@ -80,7 +97,25 @@ class RewardConfig:
     max_length: Optional[int] = None
     """Reward models: longest input in the model's own tokens, cut from the left; default: its maximum length."""
     kwargs: dict = field(default_factory=dict)
-    """Reward functions: options passed to the function as keyword arguments on every call, e.g. {pattern: "^<answer>.*</answer>$"} for tidyrl.verifiable:format_match."""
+    """Reward functions: options passed to the function as keyword arguments on every call, e.g. {pattern: "^<answer>.*</answer>$"} for tidyrl.rewards.verifiable:format_match."""
+
+    def check(self, need, key: str) -> None:
+        """`key`: where it sits, e.g. rewards.0."""
+        if (self.function is None) == (self.model is None):
+            need(False, key, "set exactly one of `function` and `model`")
+        elif self.model is not None:
+            need(bool(self.model.strip()), f"{key}.model", "set the reward model folder or hub id")
+        elif isinstance(self.function, str):
+            module, sep, name = self.function.rpartition(":")
+            need(bool(sep and module and name), f"{key}.function",
+                 f"{self.function!r} is not of the form package.module:function or path/to/file.py:function")
+        else:
+            need(callable(self.function), f"{key}.function",
+                 f"must be a 'module:function' string or a callable, got {type(self.function).__name__}")
+        need(math.isfinite(self.weight), f"{key}.weight", f"must be a finite number, got {self.weight}")
+        need(self.name != "", f"{key}.name", "must not be empty; use null for the function's name")
+        need(not (self.kwargs and self.model is not None), f"{key}.kwargs",
+             "options are for reward functions; a reward model takes none")
 
 
 @dataclass
@@ -115,6 +150,37 @@ class RolloutConfig:
     """dynamic_sampling: generation rounds per rollout at most (the first included), each of prompts_per_rollout prompts."""
     on_sampling_cap: str = "fill"
     """dynamic_sampling, when the rounds run out with fewer informative groups than prompts_per_rollout: fill (complete the rollout with dropped groups, first generated first; they carry no advantage) or error (stop, with the counts)."""
+
+    def check(self, need, cfg: "Config") -> None:
+        for name in ("prompts_per_rollout", "generation_batch_size", "forward_batch_size"):
+            need(getattr(self, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(self, name)}")
+        grouped = cfg.algorithm in RL_TABLE and RL_TABLE[cfg.algorithm].grouped
+        need(not grouped or self.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+             f"must be >= 2 for {cfg.algorithm}: a group of one completion has no baseline, so its advantage is 0; "
+             f"got {self.samples_per_prompt}")
+        need(self.samples_per_prompt >= 1, "rollout.samples_per_prompt", f"must be >= 1, got {self.samples_per_prompt}")
+        need(self.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        need(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens",
+             f"must be in [0, rollout.max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+        need(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
+        need(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1] (1 = off), got {self.top_p}")
+        need(self.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+
+    def check_rl(self, need, cfg: "Config") -> None:
+        """The RL stages' rollout options (the engine's own checks live with the engine: tidyrl.engines)."""
+        need(self.tis_cap is None or self.tis_cap == 0 or self.tis_cap >= 1, "rollout.tis_cap",
+             f"must be >= 1 (a cap on pi_trainer / pi_sampler), 0 (off) or null, got {self.tis_cap}")
+        need(self.behaviour_logprobs in ("sampler", "trainer"), "rollout.behaviour_logprobs",
+             f"{self.behaviour_logprobs!r} is not sampler or trainer")
+        if self.dynamic_sampling:
+            need(RL_TABLE[cfg.algorithm].grouped, "rollout.dynamic_sampling",
+                 "drops groups of equal rewards, which only a group baseline makes uninformative ("
+                 f"{', '.join(n for n, a in RL_TABLE.items() if a.grouped)}); {cfg.algorithm} learns from every "
+                 "completion")
+            need(self.max_sampling_rounds >= 1, "rollout.max_sampling_rounds",
+                 f"must be >= 1, got {self.max_sampling_rounds}")
+            need(self.on_sampling_cap in ("fill", "error"), "rollout.on_sampling_cap",
+                 f"{self.on_sampling_cap!r} is not fill or error")
 
 
 @dataclass
@@ -163,6 +229,40 @@ class TrainConfig:
     padding_free: Optional[bool] = None
     """sft, dpo: each micro-batch as one row of its examples side by side, no padding (positions restart; the model is checked to keep examples apart). null = on where the attention has a varlen kernel (flash_attention_2/3), off otherwise (on CPU, group_by_length is faster: docs/benchmarks.md)."""
 
+    def check(self, need, cfg: "Config") -> None:
+        offline = cfg.algorithm in OFFLINE_ALGORITHMS
+        if not offline and (self.rollouts is None) == (self.dataset_epochs is None):
+            need(False, "train", "set exactly one of train.rollouts and train.dataset_epochs "
+                                 f"(got rollouts={self.rollouts}, dataset_epochs={self.dataset_epochs})")
+        need(self.rollouts is None or self.rollouts >= 1, "train.rollouts", f"must be >= 1, got {self.rollouts}")
+        need(self.dataset_epochs is None or (math.isfinite(self.dataset_epochs) and self.dataset_epochs > 0),
+             "train.dataset_epochs", f"must be a number > 0, got {self.dataset_epochs}")
+        for name in ("batch_size", "max_steps"):
+            need(offline or getattr(self, name) is None, f"train.{name}",
+                 f"only for sft, reward, dpo and kto; {cfg.algorithm} steps once per mini-batch of a rollout "
+                 "(train.rollouts or train.dataset_epochs, train.minibatches_per_epoch); set it to null")
+        for name in ("epochs_per_rollout", "minibatches_per_epoch", "micro_batch_size"):
+            need(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        need(self.learning_rate >= 0, "train.learning_rate", f"must be >= 0, got {self.learning_rate}")
+        need(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        need(0 <= self.warmup_ratio < 1, "train.warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        need(not (self.warmup_steps > 0 and self.warmup_ratio > 0), "train.warmup_steps",
+             f"set train.warmup_steps ({self.warmup_steps}) or train.warmup_ratio ({self.warmup_ratio}), not both")
+        need(self.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        need(0 <= self.adam_beta1 < 1, "train.adam_beta1", f"must be in [0, 1), got {self.adam_beta1}")
+        need(0 <= self.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {self.adam_beta2}")
+        need(self.adam_epsilon > 0, "train.adam_epsilon", f"must be > 0, got {self.adam_epsilon}")
+        need(self.max_grad_norm >= 0, "train.max_grad_norm",
+             f"must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
+        schedulers = scheduler_names(self.lr_scheduler, cfg.critic.lr_scheduler)
+        if self.lr_scheduler in UNSUPPORTED_SCHEDULERS:
+            need(False, "train.lr_scheduler", f"{self.lr_scheduler!r} is not supported because "
+                                              f"{UNSUPPORTED_SCHEDULERS[self.lr_scheduler]}; use one of "
+                                              f"{', '.join(schedulers)}")
+        else:
+            need(self.lr_scheduler in schedulers, "train.lr_scheduler",
+                 f"{self.lr_scheduler!r} is not a scheduler name; use one of {', '.join(schedulers)}")
+
 
 @dataclass
 class LogConfig:
@@ -186,6 +286,15 @@ class LogConfig:
     report_to: list[str] = field(default_factory=list)
     """Experiment trackers that also receive the metrics rows and sample tables: any of tensorboard, wandb, trackio (each an optional extra: pip install 'tidyrl[wandb]'). Default: none."""
 
+    def check(self, need, cfg: "Config") -> None:
+        need(self.log_every >= 1, "log.log_every", f"must be >= 1 (optimizer steps), got {self.log_every}")
+        need(self.save_every >= 0, "log.save_every", f"must be >= 0 (0 = only the final model), got {self.save_every}")
+        need(self.keep_last >= 1, "log.keep_last", f"must be >= 1, got {self.keep_last}")
+        need(self.eval_every >= 0, "log.eval_every",
+             f"must be >= 0 (0 = only after the last step), got {self.eval_every}")
+        need(self.samples_per_rollout >= 0, "log.samples_per_rollout", f"must be >= 0, got {self.samples_per_rollout}")
+        # log.report_to's trackers are checked where they live (tidyrl.trackers.tracker_problems, by tidyrl.train).
+
 
 @dataclass
 class PolicyLossConfig:
@@ -199,8 +308,8 @@ class PolicyLossConfig:
     """Coefficient of the KL penalty to the frozen reference model; 0 = no reference model is loaded."""
     kl_estimator: str = "k3"
     """KL estimator (Schulman 2020): k1, k2 or k3."""
-    policy_loss: str = "token"
-    """token: PPO's clipped ratio per token (GRPO, DAPO); sequence: GSPO (Zheng et al. 2025), one length-normalised ratio per completion, clipped as a whole (grpo, rloo; its clip ranges are ~1e-3, e.g. clip_eps 3e-4, clip_eps_high 4e-4, with loss_aggregation sequence_mean)."""
+    policy_loss: Optional[str] = None
+    """null = the algorithm's own (cispo for cispo, token otherwise). token: PPO's clipped ratio per token (GRPO, DAPO); cispo: CISPO (MiniMax 2025), a REINFORCE token loss weighted by the ratio capped at 1 + clip_eps_high (or 1 + clip_eps), without gradient, so no token loses its gradient; sequence: GSPO (Zheng et al. 2025), one length-normalised ratio per completion, clipped as a whole (grpo, rloo; its clip ranges are ~1e-3, e.g. clip_eps 3e-4, clip_eps_high 4e-4, with loss_aggregation sequence_mean)."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a completion longer than rollout.max_new_tokens - overlong_buffer loses up to overlong_penalty from its reward, linearly in the tokens past that point; 0 = off."""
     overlong_penalty: float = 1.0
@@ -208,11 +317,38 @@ class PolicyLossConfig:
     mask_truncated: bool = False
     """DAPO's overlong filtering: completions cut at rollout.max_new_tokens (no EOS) are left out of the loss and its normaliser (they still count in the group's reward statistics)."""
 
+    def check(self, need, cfg: "Config") -> None:
+        """The options of an RL algorithm's section (`a`: its name in the YAML)."""
+        a, spec = RL_TABLE[cfg.algorithm].section, RL_TABLE[cfg.algorithm]
+        need(self.clip_eps > 0, f"{a}.clip_eps", f"must be > 0, got {self.clip_eps}")
+        need(self.clip_eps_high is None or self.clip_eps_high > 0, f"{a}.clip_eps_high",
+             f"must be > 0, or null to use clip_eps, got {self.clip_eps_high}")
+        need(self.loss_aggregation in LOSS_AGGREGATIONS, f"{a}.loss_aggregation",
+             f"{self.loss_aggregation!r} is not one of {', '.join(LOSS_AGGREGATIONS)}")
+        need(self.kl_coef >= 0, f"{a}.kl_coef", f"must be >= 0 (0 = no KL term), got {self.kl_coef}")
+        need(self.kl_estimator in KL_ESTIMATORS, f"{a}.kl_estimator",
+             f"{self.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
+        need(self.policy_loss is None or self.policy_loss in POLICY_LOSSES, f"{a}.policy_loss",
+             f"{self.policy_loss!r} is not one of {', '.join(POLICY_LOSSES)}, or null (the algorithm's own)")
+        need(self.policy_loss != "sequence" or spec.sequence_advantages, f"{a}.policy_loss",
+             "sequence (GSPO) needs one advantage per completion ("
+             f"{', '.join(n for n, s in RL_TABLE.items() if s.sequence_advantages)}); {cfg.algorithm}'s are per token")
+        need(0 <= self.overlong_buffer <= cfg.rollout.max_new_tokens, f"{a}.overlong_buffer",
+             f"must be in [0, rollout.max_new_tokens = {cfg.rollout.max_new_tokens}] tokens, got "
+             f"{self.overlong_buffer}")
+        need(self.overlong_penalty >= 0 and math.isfinite(self.overlong_penalty), f"{a}.overlong_penalty",
+             f"must be a number >= 0, got {self.overlong_penalty}")
+
 
 @dataclass
 class GRPOConfig(PolicyLossConfig):
     scale_rewards: str = "group"
     """Scale the group-centred rewards by the group std (group), the rollout's std (batch), or not at all (none)."""
+
+    def check(self, need, cfg: "Config") -> None:
+        super().check(need, cfg)
+        need(self.scale_rewards in SCALE_REWARDS, "grpo.scale_rewards",
+             f"{self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
 
 
 @dataclass
@@ -246,6 +382,16 @@ class PPOConfig(PolicyLossConfig):
     missing_eos_penalty: Optional[float] = None
     """Subtract this from the score of a completion that reached max_new_tokens without EOS; null = none."""
 
+    def check(self, need, cfg: "Config") -> None:
+        super().check(need, cfg)
+        _check_returns(self, need, "ppo")
+        need(0 <= self.lam <= 1, "ppo.lam", f"must be in [0, 1], got {self.lam}")
+        need(self.vf_coef >= 0, "ppo.vf_coef", f"must be >= 0, got {self.vf_coef}")
+        need(self.value_clip is None or self.value_clip > 0, "ppo.value_clip",
+             f"must be > 0 or null (no clipping), got {self.value_clip}")
+        need(self.kl_target > 0, "ppo.kl_target", f"must be > 0, got {self.kl_target}")
+        need(self.kl_horizon >= 1, "ppo.kl_horizon", f"must be >= 1, got {self.kl_horizon}")
+
 
 @dataclass
 class ReinforcePPConfig(PolicyLossConfig):
@@ -258,6 +404,10 @@ class ReinforcePPConfig(PolicyLossConfig):
     missing_eos_penalty: Optional[float] = None
     """Subtract this from the score of a completion that reached max_new_tokens without EOS; null = none."""
 
+    def check(self, need, cfg: "Config") -> None:
+        super().check(need, cfg)
+        _check_returns(self, need, "reinforce_pp")
+
 
 @dataclass
 class CriticConfig:
@@ -269,6 +419,14 @@ class CriticConfig:
     """Peak learning rate of the critic; default: train.learning_rate."""
     lr_scheduler: Optional[str] = None
     """The critic's LR schedule (same optimizer-step count and warmup as the policy); default: train.lr_scheduler."""
+
+    def check(self, need, cfg: "Config") -> None:
+        need(self.model is None or bool(self.model.strip()), "critic.model", "set a folder, or null for the default")
+        need(self.learning_rate is None or self.learning_rate >= 0, "critic.learning_rate",
+             f"must be >= 0 or null (train.learning_rate), got {self.learning_rate}")
+        schedulers = scheduler_names(cfg.train.lr_scheduler, self.lr_scheduler)
+        need(self.lr_scheduler is None or self.lr_scheduler in schedulers, "critic.lr_scheduler",
+             f"{self.lr_scheduler!r} is not a scheduler name; use one of {', '.join(schedulers)}")
 
 
 @dataclass
@@ -334,6 +492,23 @@ class EnvironmentConfig:
     """The episode's environment reward when its environment raised, timed out or answered wrongly."""
     workers: int = 8
     """Environment calls run at once (threads)."""
+    max_error_fraction: float = 0.5
+    """The run stops (after saving a checkpoint) when more than this share of a rollout's episodes ended on an environment error: it would learn from nothing. 1.0 = never stop."""
+
+    def check(self, need, cfg: "Config") -> None:
+        if self.factory is None:
+            return
+        need(self.max_turns >= 1, "environment.max_turns", f"must be >= 1, got {self.max_turns}")
+        need(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "environment.max_turn_tokens",
+             f"must be >= 1 or null, got {self.max_turn_tokens}")
+        need(self.timeout_s > 0, "environment.timeout_s", f"must be > 0, got {self.timeout_s}")
+        need(self.workers >= 1, "environment.workers", f"must be >= 1, got {self.workers}")
+        need(math.isfinite(self.error_reward), "environment.error_reward", f"must be a number, got {self.error_reward}")
+        need(0 <= self.max_error_fraction <= 1, "environment.max_error_fraction",
+             f"must be in [0, 1] (1 = never stop), got {self.max_error_fraction}")
+        need(not (cfg.data.eval_path or cfg.data.eval_fraction), "data.eval_fraction",
+             "evaluation during training does not run environments yet; evaluate checkpoints separately")
+        need(not cfg.rollout.dynamic_sampling, "rollout.dynamic_sampling", "not combined with environments yet")
 
 
 @dataclass
@@ -367,11 +542,20 @@ class LoRAConfig:
     save_merged: bool = False
     """Also write final/merged/: the base weights with the adapter folded in, a plain model folder."""
 
+    def check(self, need, cfg: "Config") -> None:
+        if not self.enabled:
+            return
+        need(self.r >= 1, "lora.r", f"must be >= 1, got {self.r}")
+        need(self.alpha > 0, "lora.alpha", f"must be > 0, got {self.alpha}")
+        need(0 <= self.dropout < 1, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        need(self.target_modules is None or len(self.target_modules) > 0, "lora.target_modules",
+             "list at least one module name (e.g. [q_proj, v_proj]) or null for every linear layer")
+
 
 @dataclass
 class Config:
     algorithm: str = "grpo"
-    """The algorithm: grpo, rloo, ppo, reinforce_pp or reinforce_pp_baseline (RL), sft, reward or dpo (offline stages, docs/stages.md)."""
+    """The algorithm: grpo, rloo, ppo, reinforce_pp, reinforce_pp_baseline or cispo (RL: the algorithm table, docs/algorithms.md), sft, reward, dpo or kto (offline stages, docs/stages.md)."""
     model: str = ""
     """The policy: a local Hugging Face model folder or a hub id."""
     tokenizer: Optional[str] = None
@@ -389,6 +573,8 @@ class Config:
     finished run is the same as one never interrupted; only memory knobs may change (see docs/checkpoints.md)."""
     overwrite: bool = False
     """Allow writing into an output_dir that already holds a run (its files are replaced)."""
+    extend: bool = False
+    """With resume_from: continue the run to a new, longer length (train.rollouts, train.dataset_epochs or train.max_steps may then change). The LR schedule is rebuilt over the new total from the resumed step, so the result is not the run that length would have made from the start; plan.json records the extension. Off: a resume must finish as the uninterrupted run (exact resume)."""
     data: DataConfig = field(default_factory=DataConfig)
     """The prompt set."""
     rewards: list[RewardConfig] = field(default_factory=list)
@@ -465,8 +651,9 @@ def supported_schedulers() -> list[str]:
     return [s.value for s in SchedulerType if s.value not in UNSUPPORTED_SCHEDULERS]
 
 
-ALGORITHM_SECTIONS = {"reinforce_pp_baseline": "reinforce_pp"}
-"""Algorithms whose options live in another algorithm's section; every other algorithm has its own."""
+ALGORITHM_SECTIONS = {name: a.section for name, a in RL_TABLE.items() if a.section != name}
+"""Algorithms whose options live in another algorithm's section (the algorithm table: reinforce_pp_baseline reads
+reinforce_pp, cispo reads grpo); every other algorithm has its own."""
 
 
 def algorithm_section(cfg: "Config"):
@@ -503,7 +690,33 @@ def load_config(source: Union[Config, dict, str, os.PathLike], overrides: Sequen
         raise TypeError(f"load_config takes a Config, a dict or a path, got {type(source).__name__}")
     cfg = config_from_dict(apply_overrides(data, overrides))
     validate(cfg)
+    if isinstance(source, (str, os.PathLike)):
+        resolve_input_paths(cfg, config_base_dir(source))
+    if cfg.algorithm in RL_TABLE and algorithm_section(cfg).policy_loss is None:  # resolved: config.yaml says it
+        algorithm_section(cfg).policy_loss = RL_TABLE[cfg.algorithm].policy_loss
     return cfg
+
+
+def resolve_input_paths(cfg: Config, base_dir: Optional[str]) -> None:
+    """One rule for every path a config file names as an input (model, tokenizer, data.path, data.eval_path,
+    rewards[i].model, critic.model; reward and environment files follow it in tidyrl.rewards): a relative path
+    is looked up in the current directory, then beside the config file. Found only beside the file, it is
+    replaced by that path (config.yaml then records where it was found); found nowhere, it is left for the
+    loader's error. output_dir, a folder to write, is relative to the current directory."""
+    if base_dir is None:
+        return
+
+    def resolved(path):
+        if not path or os.path.isabs(os.path.expanduser(path)) or os.path.exists(path):
+            return path
+        beside = os.path.join(base_dir, path)
+        return beside if os.path.exists(beside) else path
+
+    cfg.model, cfg.tokenizer = resolved(cfg.model), resolved(cfg.tokenizer)
+    cfg.data.path, cfg.data.eval_path = resolved(cfg.data.path), resolved(cfg.data.eval_path)
+    cfg.critic.model = resolved(cfg.critic.model)
+    for reward in cfg.rewards:
+        reward.model = resolved(reward.model)
 
 
 def config_base_dir(source) -> Optional[str]:
@@ -563,7 +776,9 @@ def config_from_dict(data: dict) -> Config:
 
 
 def validate(cfg: Config) -> None:
-    """Check the values of a Config; raise ConfigError listing every problem, each with its dotted key."""
+    """Check the values of a Config; raise ConfigError listing every problem, each with its dotted key. Each
+    section checks itself (its `check`); the checks that span sections are here. The checks that live with the
+    parts a config names (the engine, the trackers) are `tidyrl.api.check_parts`'."""
     problems: list[str] = []
     _build(Config, _to_data(cfg), "", problems)  # types first: the checks below compare numbers
     if problems:
@@ -573,34 +788,9 @@ def validate(cfg: Config) -> None:
         if not ok:
             problems.append(f"{key}: {message}")
 
-    need(cfg.algorithm in ALGORITHMS, "algorithm", f"{cfg.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    need(cfg.model != "", "model", "set the policy: a local Hugging Face model folder or a hub id")
-    need(cfg.tokenizer != "", "tokenizer", "set a tokenizer folder or hub id, or null to use `model`")
-    need(cfg.model_dtype in MODEL_DTYPES, "model_dtype",
-         f"{cfg.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
-    need(cfg.output_dir != "", "output_dir", "set the folder the run writes to")
-    need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
-    need(cfg.resume_from is None or bool(cfg.resume_from.strip()), "resume_from",
-         "must be `latest`, a path to a checkpoint-N folder, or null")
-    need(cfg.data.path != "" or cfg.data.reasoning_gym is not None, "data.path",
-         "set the prompt file (.jsonl .json .parquet .csv) or a saved datasets folder")
-    need(cfg.data.path == "" or cfg.data.reasoning_gym is None, "data.reasoning_gym",
-         "the prompts come from data.path or from a reasoning-gym task, not both; remove one")
-    need(cfg.data.reasoning_gym is None or cfg.algorithm not in OFFLINE_ALGORITHMS, "data.reasoning_gym",
-         "generates prompts for the RL stages; offline stages read data.path")
-    need(cfg.data.reasoning_gym_size >= 1, "data.reasoning_gym_size", f"must be >= 1, got {cfg.data.reasoning_gym_size}")
-    need(cfg.data.prompt_column != "", "data.prompt_column", "set the column holding the prompt")
-    need(cfg.data.max_prompt_length is None or cfg.data.max_prompt_length >= 1, "data.max_prompt_length",
-         f"must be >= 1 or null (the model's context minus rollout.max_new_tokens), got {cfg.data.max_prompt_length}")
-    need(cfg.data.overlong_prompts in ("error", "truncate", "skip"), "data.overlong_prompts",
-         f"{cfg.data.overlong_prompts!r} is not one of error, truncate, skip")
-
-    if cfg.lora.enabled:
-        need(cfg.lora.r >= 1, "lora.r", f"must be >= 1, got {cfg.lora.r}")
-        need(cfg.lora.alpha > 0, "lora.alpha", f"must be > 0, got {cfg.lora.alpha}")
-        need(0 <= cfg.lora.dropout < 1, "lora.dropout", f"must be in [0, 1), got {cfg.lora.dropout}")
-        need(cfg.lora.target_modules is None or len(cfg.lora.target_modules) > 0, "lora.target_modules",
-             "list at least one module name (e.g. [q_proj, v_proj]) or null for every linear layer")
+    _check_top_level(cfg, need)
+    cfg.data.check(need, cfg)
+    cfg.lora.check(need, cfg)
     offline = cfg.algorithm in OFFLINE_ALGORITHMS
     if offline:
         _validate_offline(cfg, need)
@@ -610,6 +800,40 @@ def validate(cfg: Config) -> None:
     else:
         need(cfg.train.padding_free is None, "train.padding_free",
              f"only for sft and dpo; {cfg.algorithm} scores its rollouts with the rollout.forward_batch_size knob")
+    _check_evaluation(cfg, need, offline)
+    need(offline or len(cfg.rewards) > 0 or cfg.environment.factory is not None, "rewards",
+         "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
+    cfg.environment.check(need, cfg)
+    for i, reward in enumerate(cfg.rewards):
+        reward.check(need, f"rewards.{i}")
+    cfg.rollout.check(need, cfg)
+    cfg.train.check(need, cfg)
+    if cfg.algorithm in RL_TABLE:
+        algorithm_section(cfg).check(need, cfg)
+        cfg.rollout.check_rl(need, cfg)
+        if RL_TABLE[cfg.algorithm].critic:
+            cfg.critic.check(need, cfg)
+    cfg.log.check(need, cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_top_level(cfg: Config, need) -> None:
+    need(cfg.algorithm in ALGORITHMS, "algorithm", f"{cfg.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    need(cfg.model != "", "model", "set the policy: a local Hugging Face model folder or a hub id")
+    need(cfg.tokenizer != "", "tokenizer", "set a tokenizer folder or hub id, or null to use `model`")
+    need(cfg.model_dtype in MODEL_DTYPES, "model_dtype",
+         f"{cfg.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+    need(cfg.output_dir != "", "output_dir", "set the folder the run writes to")
+    need(cfg.seed >= 0, "seed", f"must be >= 0, got {cfg.seed}")
+    need(cfg.resume_from is None or bool(cfg.resume_from.strip()), "resume_from",
+         "must be `latest`, a path to a checkpoint-N folder, or null")
+    need(not cfg.extend or bool(cfg.resume_from), "extend",
+         "continues a run from a checkpoint to a new length: set resume_from too (e.g. resume_from=latest)")
+
+
+def _check_evaluation(cfg: Config, need, offline: bool) -> None:
+    """The held-out split (data.eval_path / eval_fraction) and what log.eval_every and log.best_metric need."""
     d = cfg.data
     need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}")
     need(not (d.eval_path and d.eval_fraction), "data.eval_fraction",
@@ -627,167 +851,20 @@ def validate(cfg: Config) -> None:
          + ("" if offline else " or eval/reward/<name>"))
     need(cfg.log.eval_decoding in ("greedy", "sampled"), "log.eval_decoding",
          f"{cfg.log.eval_decoding!r} is not greedy or sampled")
-    env = cfg.environment
-    need(offline or len(cfg.rewards) > 0 or env.factory is not None, "rewards",
-         "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
-    if env.factory is not None:
-        need(env.max_turns >= 1, "environment.max_turns", f"must be >= 1, got {env.max_turns}")
-        need(env.max_turn_tokens is None or env.max_turn_tokens >= 1, "environment.max_turn_tokens",
-             f"must be >= 1 or null, got {env.max_turn_tokens}")
-        need(env.timeout_s > 0, "environment.timeout_s", f"must be > 0, got {env.timeout_s}")
-        need(env.workers >= 1, "environment.workers", f"must be >= 1, got {env.workers}")
-        need(math.isfinite(env.error_reward), "environment.error_reward", f"must be a number, got {env.error_reward}")
-        need(not (cfg.data.eval_path or cfg.data.eval_fraction), "data.eval_fraction",
-             "evaluation during training does not run environments yet; evaluate checkpoints separately")
-        need(not cfg.rollout.dynamic_sampling, "rollout.dynamic_sampling",
-             "not combined with environments yet")
-    for i, reward in enumerate(cfg.rewards):
-        key = f"rewards.{i}"
-        if (reward.function is None) == (reward.model is None):
-            problems.append(f"{key}: set exactly one of `function` and `model`")
-        elif reward.model is not None:
-            need(bool(reward.model.strip()), f"{key}.model", "set the reward model folder or hub id")
-        elif isinstance(reward.function, str):
-            module, sep, name = reward.function.rpartition(":")
-            need(bool(sep and module and name), f"{key}.function",
-                 f"{reward.function!r} is not of the form package.module:function or path/to/file.py:function")
-        else:
-            need(callable(reward.function), f"{key}.function",
-                 f"must be a 'module:function' string or a callable, got {type(reward.function).__name__}")
-        need(math.isfinite(reward.weight), f"{key}.weight", f"must be a finite number, got {reward.weight}")
-        need(reward.name != "", f"{key}.name", "must not be empty; use null for the function's name")
-        need(not (reward.kwargs and reward.model is not None), f"{key}.kwargs",
-             "options are for reward functions; a reward model takes none")
 
-    r, t = cfg.rollout, cfg.train
-    for name in ("prompts_per_rollout", "generation_batch_size", "forward_batch_size"):
-        need(getattr(r, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(r, name)}")
-    grouped = cfg.algorithm in ("grpo", "rloo", "reinforce_pp_baseline")
-    need(not grouped or r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
-         f"must be >= 2 for {cfg.algorithm}: a group of one completion has no baseline, so its advantage is 0; "
-         f"got {r.samples_per_prompt}")
-    need(r.samples_per_prompt >= 1, "rollout.samples_per_prompt", f"must be >= 1, got {r.samples_per_prompt}")
-    need(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
-    need(0 <= r.min_new_tokens <= r.max_new_tokens, "rollout.min_new_tokens",
-         f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {r.min_new_tokens}")
-    need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
-    need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1] (1 = off), got {r.top_p}")
-    need(r.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {r.top_k}")
 
-    if not offline and (t.rollouts is None) == (t.dataset_epochs is None):
-        problems.append("train: set exactly one of train.rollouts and train.dataset_epochs "
-                        f"(got rollouts={t.rollouts}, dataset_epochs={t.dataset_epochs})")
-    need(t.rollouts is None or t.rollouts >= 1, "train.rollouts", f"must be >= 1, got {t.rollouts}")
-    need(t.dataset_epochs is None or (math.isfinite(t.dataset_epochs) and t.dataset_epochs > 0),
-         "train.dataset_epochs", f"must be a number > 0, got {t.dataset_epochs}")
-    for name in ("batch_size", "max_steps"):
-        need(offline or getattr(t, name) is None, f"train.{name}",
-             f"only for sft, reward, dpo and kto; {cfg.algorithm} steps once per mini-batch of a rollout "
-             "(train.rollouts or train.dataset_epochs, train.minibatches_per_epoch); set it to null")
-    for name in ("epochs_per_rollout", "minibatches_per_epoch", "micro_batch_size"):
-        need(getattr(t, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(t, name)}")
-    need(t.learning_rate >= 0, "train.learning_rate", f"must be >= 0, got {t.learning_rate}")
-    need(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
-    need(0 <= t.warmup_ratio < 1, "train.warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}")
-    need(not (t.warmup_steps > 0 and t.warmup_ratio > 0), "train.warmup_steps",
-         f"set train.warmup_steps ({t.warmup_steps}) or train.warmup_ratio ({t.warmup_ratio}), not both")
-    need(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
-    need(0 <= t.adam_beta1 < 1, "train.adam_beta1", f"must be in [0, 1), got {t.adam_beta1}")
-    need(0 <= t.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {t.adam_beta2}")
-    need(t.adam_epsilon > 0, "train.adam_epsilon", f"must be > 0, got {t.adam_epsilon}")
-    need(t.max_grad_norm >= 0, "train.max_grad_norm", f"must be >= 0 (0 = no clipping), got {t.max_grad_norm}")
-    # The known names need no transformers import; any other (train's or the critic's) is looked up there.
-    known = all(name is None or name in LR_SCHEDULERS for name in (t.lr_scheduler, cfg.critic.lr_scheduler))
-    schedulers = list(LR_SCHEDULERS) if known else supported_schedulers()
-    if t.lr_scheduler in UNSUPPORTED_SCHEDULERS:
-        problems.append(f"train.lr_scheduler: {t.lr_scheduler!r} is not supported because "
-                        f"{UNSUPPORTED_SCHEDULERS[t.lr_scheduler]}; use one of {', '.join(schedulers)}")
-    else:
-        need(t.lr_scheduler in schedulers, "train.lr_scheduler",
-             f"{t.lr_scheduler!r} is not a scheduler name; use one of {', '.join(schedulers)}")
+def _check_returns(section, need, a: str) -> None:
+    """PPO's and REINFORCE++'s discounted returns and missing-EOS penalty."""
+    need(0 <= section.gamma <= 1, f"{a}.gamma", f"must be in [0, 1], got {section.gamma}")
+    need(section.missing_eos_penalty is None or math.isfinite(section.missing_eos_penalty),
+         f"{a}.missing_eos_penalty", "must be a finite number or null")
 
-    if cfg.algorithm in RL_ALGORITHMS:
-        section: PolicyLossConfig = algorithm_section(cfg)
-        a = ALGORITHM_SECTIONS.get(cfg.algorithm, cfg.algorithm)
-        need(section.clip_eps > 0, f"{a}.clip_eps", f"must be > 0, got {section.clip_eps}")
-        need(section.clip_eps_high is None or section.clip_eps_high > 0, f"{a}.clip_eps_high",
-             f"must be > 0, or null to use clip_eps, got {section.clip_eps_high}")
-        need(section.loss_aggregation in LOSS_AGGREGATIONS, f"{a}.loss_aggregation",
-             f"{section.loss_aggregation!r} is not one of {', '.join(LOSS_AGGREGATIONS)}")
-        need(section.kl_coef >= 0, f"{a}.kl_coef", f"must be >= 0 (0 = no KL term), got {section.kl_coef}")
-        need(section.kl_estimator in KL_ESTIMATORS, f"{a}.kl_estimator",
-             f"{section.kl_estimator!r} is not one of {', '.join(KL_ESTIMATORS)}")
-        ro = cfg.rollout
-        need(ro.engine in ("builtin", "vllm"), "rollout.engine", f"{ro.engine!r} is not builtin or vllm")
-        if ro.engine == "vllm":
-            from tidyrl.models.engines import vllm_problem
 
-            problem = vllm_problem()
-            need(problem is None, "rollout.engine", (problem or "").removeprefix("rollout.engine: "))
-            need(cfg.environment.factory is None, "rollout.engine",
-                 "multi-turn environments generate with the builtin engine so far; set rollout.engine=builtin")
-            need(cfg.vllm.kv_cache_gb > 0, "vllm.kv_cache_gb", f"must be > 0, got {cfg.vllm.kv_cache_gb}")
-            # vLLM returns raw log-probs (temperature 1, before top-k/top-p): as the behaviour policy they would
-            # not be the sampling distribution's, so the trainer's must be used.
-            need(ro.behaviour_logprobs == "trainer" or (ro.temperature == 1.0 and ro.top_k == 0 and ro.top_p == 1.0),
-                 "rollout.behaviour_logprobs", "with rollout.engine=vllm and temperature/top_k/top_p set, the "
-                 "sampler's log-probs are vLLM's raw ones (temperature 1, unfiltered); set "
-                 "rollout.behaviour_logprobs=trainer to recompute them with the policy")
-            need(0 < cfg.vllm.gpu_memory_utilization < 1, "vllm.gpu_memory_utilization",
-                 f"must be in (0, 1), got {cfg.vllm.gpu_memory_utilization}")
-        need(ro.tis_cap is None or ro.tis_cap == 0 or ro.tis_cap >= 1, "rollout.tis_cap",
-             f"must be >= 1 (a cap on pi_trainer / pi_sampler), 0 (off) or null, got {ro.tis_cap}")
-        need(ro.behaviour_logprobs in ("sampler", "trainer"), "rollout.behaviour_logprobs",
-             f"{ro.behaviour_logprobs!r} is not sampler or trainer")
-        if cfg.rollout.dynamic_sampling:
-            need(cfg.algorithm in ("grpo", "rloo", "reinforce_pp_baseline"), "rollout.dynamic_sampling",
-                 f"drops groups of equal rewards, which only a group baseline makes uninformative (grpo, rloo, "
-                 f"reinforce_pp_baseline); {cfg.algorithm} learns from every completion")
-            need(cfg.rollout.max_sampling_rounds >= 1, "rollout.max_sampling_rounds",
-                 f"must be >= 1, got {cfg.rollout.max_sampling_rounds}")
-            need(cfg.rollout.on_sampling_cap in ("fill", "error"), "rollout.on_sampling_cap",
-                 f"{cfg.rollout.on_sampling_cap!r} is not fill or error")
-        need(section.policy_loss in ("token", "sequence"), f"{a}.policy_loss",
-             f"{section.policy_loss!r} is not token or sequence (GSPO)")
-        need(section.policy_loss == "token" or cfg.algorithm in ("grpo", "rloo"), f"{a}.policy_loss",
-             f"sequence (GSPO) needs one advantage per completion (grpo, rloo); {cfg.algorithm}'s are per token")
-        need(0 <= section.overlong_buffer <= cfg.rollout.max_new_tokens, f"{a}.overlong_buffer",
-             f"must be in [0, rollout.max_new_tokens = {cfg.rollout.max_new_tokens}] tokens, got "
-             f"{section.overlong_buffer}")
-        need(section.overlong_penalty >= 0 and math.isfinite(section.overlong_penalty), f"{a}.overlong_penalty",
-             f"must be a number >= 0, got {section.overlong_penalty}")
-        if isinstance(section, GRPOConfig):
-            need(section.scale_rewards in SCALE_REWARDS, "grpo.scale_rewards",
-                 f"{section.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
-        if isinstance(section, (PPOConfig, ReinforcePPConfig)):
-            need(0 <= section.gamma <= 1, f"{a}.gamma", f"must be in [0, 1], got {section.gamma}")
-            need(section.missing_eos_penalty is None or math.isfinite(section.missing_eos_penalty),
-                 f"{a}.missing_eos_penalty", "must be a finite number or null")
-        if isinstance(section, PPOConfig):
-            need(0 <= section.lam <= 1, "ppo.lam", f"must be in [0, 1], got {section.lam}")
-            need(section.vf_coef >= 0, "ppo.vf_coef", f"must be >= 0, got {section.vf_coef}")
-            need(section.value_clip is None or section.value_clip > 0, "ppo.value_clip",
-                 f"must be > 0 or null (no clipping), got {section.value_clip}")
-            need(section.kl_target > 0, "ppo.kl_target", f"must be > 0, got {section.kl_target}")
-            need(section.kl_horizon >= 1, "ppo.kl_horizon", f"must be >= 1, got {section.kl_horizon}")
-            c = cfg.critic
-            need(c.model is None or bool(c.model.strip()), "critic.model", "set a folder, or null for the default")
-            need(c.learning_rate is None or c.learning_rate >= 0, "critic.learning_rate",
-                 f"must be >= 0 or null (train.learning_rate), got {c.learning_rate}")
-            need(c.lr_scheduler is None or c.lr_scheduler in schedulers, "critic.lr_scheduler",
-                 f"{c.lr_scheduler!r} is not a scheduler name; use one of {', '.join(schedulers)}")
-
-    log = cfg.log
-    need(log.log_every >= 1, "log.log_every", f"must be >= 1 (optimizer steps), got {log.log_every}")
-    need(log.save_every >= 0, "log.save_every", f"must be >= 0 (0 = only the final model), got {log.save_every}")
-    need(log.keep_last >= 1, "log.keep_last", f"must be >= 1, got {log.keep_last}")
-    need(log.eval_every >= 0, "log.eval_every", f"must be >= 0 (0 = only after the last step), got {log.eval_every}")
-    need(log.samples_per_rollout >= 0, "log.samples_per_rollout", f"must be >= 0, got {log.samples_per_rollout}")
-    from tidyrl.trackers import tracker_problems  # finds the tracker packages without importing them
-
-    problems += tracker_problems(log.report_to)
-    if problems:
-        raise ConfigError(problems)
+def scheduler_names(*names) -> list[str]:
+    """The scheduler names to check `names` against: the known ones without importing transformers when every
+    name is known (config errors come back at once), else the installed transformers' own list."""
+    known = all(name is None or name in LR_SCHEDULERS for name in names)
+    return list(LR_SCHEDULERS) if known else supported_schedulers()
 
 
 EVAL_METRICS = {

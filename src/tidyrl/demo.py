@@ -55,7 +55,7 @@ def demo_config(folder: Path) -> dict:
 
 def prepare_demo(folder: str | Path) -> Path:
     """Write the tiny model, the prompt set and demo.yaml into `folder`; return the YAML path."""
-    from tidyrl.tiny import save_tiny_model
+    from tidyrl.models.tiny import save_tiny_model
 
     from transformers.utils import logging as hf_logging
 

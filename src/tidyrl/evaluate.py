@@ -20,8 +20,9 @@ What is evaluated:
 - normalize: a reward with `normalize: true` is reported raw (see `normalize_not_applied` in eval.json).
 
 Writes eval.json (the means and the settings) and eval_samples.jsonl (every sample) into `output_dir`,
-by default a folder `eval-<model folder name>` beside the model (runs/my-run/eval-final), numbered
-(eval-final-2, ...) when an earlier evaluation is there: none is ever replaced.
+by default a folder `eval-<model folder name>` beside the model, or, for a model inside a run's folder, beside
+the run (runs/my-run/final -> runs/my-run-eval-final), numbered (-2, ...) when an earlier evaluation is there:
+none is ever replaced, and a run's folder gets nothing added.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-EVAL_ROLLOUT = -1
-"""The rollout slot of the sampling keys (rollout.sample_seed): training uses 0, 1, ...; eval its own."""
+from tidyrl.rollouts.producer import EVAL_SLOT
+
+EVAL_ROLLOUT = EVAL_SLOT
+"""The rollout slot of the sampling keys (models.generation.sample_seed): training uses 0, 1, ...; eval its own."""
 
 
 class EvalError(ValueError):
@@ -86,13 +89,18 @@ def resolve_eval_config(config=None, *, model: Optional[str] = None, data: Optio
 
 
 def default_output_dir(model: str) -> Path:
-    """eval-<name> beside a local model folder (eval/<hub id with / as --> for a hub id), or, when an earlier
-    evaluation is there, the first of eval-<name>-2, -3, ... that holds none: an evaluation never replaces
-    another (the earlier one may be of other prompts, settings or weights)."""
+    """Where an evaluation goes by default: eval-<name> beside a local model folder, except for a model inside a
+    run's folder (a checkpoint-N/, final/, best/ of a folder holding plan.json), whose evaluation goes beside the
+    run as <run>-eval-<name> (a run's folder holds what the run wrote, nothing added later); eval/<hub id with / as
+    --> for a hub id. When an earlier evaluation is there, the first of ...-2, -3, ... that holds none: an
+    evaluation never replaces another (it may be of other prompts, settings or weights)."""
     path = Path(model).expanduser()
     if path.is_dir():
         path = path.resolve()
-        base = path.parent / f"eval-{path.name}"
+        if (path.parent / "plan.json").is_file():  # inside a run's folder: beside the run
+            base = path.parent.parent / f"{path.parent.name}-eval-{path.name}"
+        else:
+            base = path.parent / f"eval-{path.name}"
     else:
         base = Path("eval") / model.replace("/", "--")
     candidate, n = base, 1
@@ -110,9 +118,12 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     import torch
 
     from tidyrl.data import encode_prompts, fit_prompts, load_prompt_dataset, load_rl_prompts, other_columns
+    from tidyrl.engines import SamplingSettings, make_engine
+    from tidyrl.models.generation import eos_token_ids, pad_token_id
     from tidyrl.models.loading import load_causal_lm, load_model_config, load_tokenizer
-    from tidyrl.rewards import build_reward_functions, compute_rewards
-    from tidyrl.models.generation import eos_token_ids, generate, pad_token_id, sample_seed
+    from tidyrl.rewards import build_reward_functions
+    from tidyrl.rollouts.episodes import EpisodeSettings
+    from tidyrl.rollouts.producer import Columns, Producer
 
     cfg, base_dir = resolve_eval_config(config, model=model, data=data, rewards=rewards, overrides=overrides)
     ro = cfg.rollout
@@ -150,28 +161,32 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
         prompts = [prompts[i] for i in kept]
         columns = {c: [values[i] for i in kept] for c, values in columns.items()}
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     policy = load_causal_lm(cfg.model, cfg.model_dtype)
-    policy.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    policy.to(device).eval()
     eos_ids = eos_token_ids(policy, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
-
-    # Episode e = p * k + j is sample j of prompt p, as in a training rollout.
+    # The rollout path of training (tidyrl.rollouts), on the configured engine (rollout.engine).
+    engine = make_engine(cfg, policy, device, max(len(p) for p in encoded) + ro.max_new_tokens)
+    engine.sync(policy)
+    sampling = SamplingSettings(max_new_tokens=ro.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                                batch_size=ro.generation_batch_size, min_new_tokens=ro.min_new_tokens,
+                                temperature=ro.temperature, top_p=ro.top_p, top_k=top_k)
+    table = Columns({cfg.data.prompt_column: prompts, **columns})
+    producer = Producer(engine, tokenizer, table, encoded, prompt_column=cfg.data.prompt_column,
+                        columns=list(columns), reward_fns=reward_fns, settings=EpisodeSettings(sampling), seed=seed)
+    # Episode e = p * k + j is sample j of prompt p, as in a training rollout, keyed (seed, EVAL_ROLLOUT, e).
     episodes = range(len(prompts) * k)
     t0 = time.perf_counter()
-    ids, mask, truncated = generate(
-        policy, [encoded[e // k] for e in episodes], sample_keys=[sample_seed(seed, EVAL_ROLLOUT, e) for e in episodes],
-        max_new_tokens=ro.max_new_tokens, min_new_tokens=ro.min_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
-        batch_size=ro.generation_batch_size, temperature=ro.temperature, top_p=ro.top_p, top_k=top_k,
-    )
-    t_generate = time.perf_counter() - t0
-    lengths = mask.sum(1).long().tolist()
-    completion_ids = [ids[i, : lengths[i]].tolist() for i in episodes]
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    t0 = time.perf_counter()
-    scored = compute_rewards(reward_fns, prompts=[prompts[e // k] for e in episodes], completions=completions,
-                             completion_ids=completion_ids,
-                             columns={c: [v[e // k] for e in episodes] for c, v in columns.items()})
-    t_reward = time.perf_counter() - t0
+    made = producer.round(EVAL_ROLLOUT, list(episodes), [e // k for e in episodes])
+    engine.release()
+    t_reward = made.reward_s
+    t_generate = time.perf_counter() - t0 - t_reward
+    lengths = made.completion_lengths
+    truncated = made.episodes.truncated
+    scored = made.scored
+    completions = tokenizer.batch_decode([made.episodes.completion_ids[i, : lengths[i]].tolist() for i in episodes],
+                                         skip_special_tokens=True)
 
     total = scored.total
     mean = sum(total) / len(total)

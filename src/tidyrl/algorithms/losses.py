@@ -143,6 +143,65 @@ def sequence_clipped_policy_loss(
     return loss_B[:, None] * mask, clipped_B[:, None] & mask_BT.bool()
 
 
+def cispo_policy_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages: Tensor,
+    clip_eps_high: float,
+) -> tuple[Tensor, Tensor]:
+    """CISPO's loss: a clipped, stop-gradient importance weight on a REINFORCE token loss, as a loss to minimise.
+
+    MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", §3.1, eq. 4-5:
+
+        r_t    = exp(logp_t - old_logp_t)
+        w_t    = sg( clip(r_t, 1 - eps_low, 1 + eps_high) )
+        loss_t = -w_t * A * logp_t
+
+    PPO's clip zeroes the gradient of the clipped tokens, which drops rare tokens with large ratios (often the
+    "reflective" ones) from the update; CISPO clips only the weight, so every token keeps its gradient
+    -w_t * A * grad(logp_t). As in the paper's experiments there is no lower bound (eps_low large: the weight is
+    only capped from above at 1 + `clip_eps_high`). With one optimizer step per rollout the ratio is 1 and the
+    gradient is the plain policy gradient, as PPO's.
+
+    Args:
+        logprobs_BT: [B, T] log-probs of the sampled tokens under the current policy (with grad).
+        old_logprobs_BT: [B, T] under the policy that generated the rollout (detached here).
+        advantages: [B] (broadcast over T) or [B, T]; detached here.
+        clip_eps_high: the weight's cap is 1 + clip_eps_high (> 0).
+
+    Returns:
+        (loss_BT, capped_BT): [B, T] per-token loss (unmasked) and the tokens whose weight was capped (the
+        `clip_fraction` metric).
+    """
+    if clip_eps_high <= 0:
+        raise ValueError(f"CISPO's clip_eps_high must be > 0, got {clip_eps_high}")
+    adv_BT = advantages.detach()
+    if adv_BT.dim() == 1:
+        adv_BT = adv_BT.unsqueeze(-1)
+    adv_BT = adv_BT.to(logprobs_BT.dtype)
+    with torch.no_grad():
+        ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
+        weight_BT = ratio_BT.clamp(max=1.0 + clip_eps_high)
+        capped_BT = ratio_BT > 1.0 + clip_eps_high
+    return -weight_BT * adv_BT * logprobs_BT, capped_BT
+
+
+def policy_loss(name: str, logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages: Tensor, mask_BT: Tensor,
+                clip_eps: float, clip_eps_high: float | None) -> tuple[Tensor, Tensor]:
+    """The policy loss `<section>.policy_loss` names (algorithms.table.POLICY_LOSSES), per token, and the tokens
+    it clipped: token (PPO's clipped ratio), sequence (GSPO's), cispo (CISPO's weight, capped at
+    1 + clip_eps_high, or 1 + clip_eps when that is unset)."""
+    if name == "token":
+        return clipped_policy_loss(logprobs_BT, old_logprobs_BT, advantages, clip_eps, clip_eps_high)
+    if name == "sequence":
+        return sequence_clipped_policy_loss(logprobs_BT, old_logprobs_BT, advantages, mask_BT, clip_eps,
+                                            clip_eps_high)
+    if name == "cispo":
+        return cispo_policy_loss(logprobs_BT, old_logprobs_BT, advantages,
+                                 clip_eps if clip_eps_high is None else clip_eps_high)
+    raise ValueError(f"unknown policy loss {name!r}; valid values: token, sequence, cispo")
+
+
 def truncated_importance_weights(trainer_BT: Tensor, sampler_BT: Tensor, mask_BT: Tensor,
                                  cap: float) -> tuple[Tensor, Tensor, Tensor]:
     """Truncated importance sampling against the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL

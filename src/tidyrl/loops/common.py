@@ -73,11 +73,11 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
     process would silently train alone and all would write the same output_dir. On CUDA, more processes per
     machine than GPUs are refused first (`check_processes_fit_devices`). With `cfg`, a sharding
-    mode the launch asks for and tidyrl cannot run `cfg` under is refused here (tidyrl.sharding)."""
+    mode the launch asks for and tidyrl cannot run `cfg` under is refused here (tidyrl.models.sharding)."""
     import torch
     from accelerate import Accelerator
 
-    from tidyrl.sharding import check_supported, sharding_kind
+    from tidyrl.models.sharding import check_supported, sharding_kind
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     on_cpu = not cuda_in_use()
@@ -175,8 +175,8 @@ def save_pretrained_atomic(accelerator, model, tokenizer, target: Path, extra_mo
     `extra_models` (name -> model, e.g. PPO's critic) go into subfolders, each loadable on its own.
     A LoRA model saves its adapter (a peft folder); with `merged`, also `merged/`, the base weights with the
     adapter folded in (this merges the model in place: call it once training is over)."""
-    from tidyrl.lora import save_merged, unwrap_peft
-    from tidyrl.sharding import full_state_dict
+    from tidyrl.models.lora import save_merged, unwrap_peft
+    from tidyrl.models.sharding import full_state_dict
 
     accelerator.wait_for_everyone()
     # Sharded (FSDP) weights are gathered in full first: a collective, so every process takes part.

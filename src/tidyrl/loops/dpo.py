@@ -22,7 +22,7 @@ from typing import Optional
 from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training
 from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
-from tidyrl.lora import adapter_note, reference_of
+from tidyrl.models.lora import adapter_note, reference_of
 
 
 def sequence_logps_cache(accelerator, model, sequences, pad_id: int, chunk: int):
@@ -108,7 +108,7 @@ class PreferenceStage:
         import torch
 
         from tidyrl.algorithms.preference import dpo_loss, orpo_odds_ratio_loss, sequence_logps, simpo_loss
-        from tidyrl.devices import to_device
+        from tidyrl.models.devices import to_device
         from tidyrl.loops.offline import batch_cells, pad_batch, target_logprobs
 
         opts, b = self.opts, len(pairs)
@@ -191,7 +191,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     import torch
 
     from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
-    from tidyrl.offline_data import (check_distinct_pairs, completion_eos_ids, load_preference_pairs, pair_key,
+    from tidyrl.data.offline import (check_distinct_pairs, completion_eos_ids, load_preference_pairs, pair_key,
                                      split_train_eval)
     from tidyrl.plan import offline_plan_from_config
 
@@ -213,7 +213,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 2. The policy (trained; the checkpoint's when resuming) and the reference: the starting weights, frozen,
     # no grad ever. With LoRA no second copy: the reference is the policy with its adapter disabled.
-    model = load_policy(cfg, run.resume_path)
+    model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path)
     ref_model = None
     reference_free = opts.loss_type in ("simpo", "orpo")
     if reference_free:

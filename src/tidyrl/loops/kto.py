@@ -27,7 +27,7 @@ from typing import Optional
 from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training
 from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
-from tidyrl.lora import adapter_note, reference_of
+from tidyrl.models.lora import adapter_note, reference_of
 
 
 class KTOStage:
@@ -65,7 +65,7 @@ class KTOStage:
 
         from tidyrl.algorithms.preference import kto_reference_point
         from tidyrl.loops.training import Sums
-        from tidyrl.offline_data import mismatched_sequence
+        from tidyrl.data.offline import mismatched_sequence
 
         B, per, rank = len(batch), self.batch_size // self.run.world_size, self.run.rank
         m = self.run.cfg.train.micro_batch_size
@@ -89,7 +89,7 @@ class KTOStage:
         import torch
 
         from tidyrl.algorithms.preference import kto_loss
-        from tidyrl.devices import to_device
+        from tidyrl.models.devices import to_device
 
         policy_B, cells = self._logps(self.model, [e.sequence for e in examples])
         desirable_B = to_device(torch.tensor([e.desirable for e in examples]), policy_B.device)
@@ -140,7 +140,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     from tidyrl.loops.dpo import sequence_logps_cache
     from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
-    from tidyrl.offline_data import completion_eos_ids, kto_key, load_kto_examples, split_train_eval
+    from tidyrl.data.offline import completion_eos_ids, kto_key, load_kto_examples, split_train_eval
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads
@@ -163,7 +163,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 2. The policy (the checkpoint's when resuming) and the reference: the starting weights, frozen. With LoRA no
     # second copy: the reference is the policy with its adapter disabled. KTO keeps it for the per-step z0.
-    model = load_policy(cfg, run.resume_path)
+    model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path)
     ref_model = None
     if not cfg.lora.enabled:
         ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(run.accelerator.device)

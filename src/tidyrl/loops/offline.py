@@ -19,8 +19,9 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from tidyrl.devices import to_device
-from tidyrl.offline_data import TokenizedSequence
+from tidyrl.data.offline import TokenizedSequence
+from tidyrl.models.devices import to_device
+from tidyrl.models.generation import forward_parameters
 from tidyrl.plan import OfflinePlan, offline_epochs_done
 
 OFFLINE_STEP_METRICS = (
@@ -109,7 +110,7 @@ def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     previous example's last token "predicts" in the flat row, is never a target, so nothing crosses examples."""
     import torch.nn.functional as F
 
-    from tidyrl.ops import gather_logprobs
+    from tidyrl.models.ops import gather_logprobs
 
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     logits_BTV = model(**inputs, use_cache=False).logits
@@ -147,7 +148,10 @@ def packed_attention_error(model) -> Optional[str]:
     with torch.no_grad():
         apart = torch.cat([unwrapped(input_ids=x[None], use_cache=False).logits[0] for x in (a, b)]).float()
         positions = torch.cat([torch.arange(5), torch.arange(3)])[None].to(device)
-        packed = unwrapped(input_ids=torch.cat([a, b])[None], position_ids=positions, use_cache=False).logits[0].float()
+        # Not to a forward that does not name them: Bloom's in transformers 4 warns that they have no effect
+        # (ALiBi) and are deprecated.
+        positions = {"position_ids": positions} if "position_ids" in forward_parameters(unwrapped) else {}
+        packed = unwrapped(input_ids=torch.cat([a, b])[None], **positions, use_cache=False).logits[0].float()
     unwrapped.train(was_training)
     # Rounding of another shape stays near 1e-6 in float32 (1e-3 in bfloat16); mixing examples, even in a random
     # tiny model, shows at ~5e-3 and up (bloom's ALiBi, OPT's learned positions), in a trained one at O(1).
@@ -263,7 +267,7 @@ class OfflineRun:
         from tidyrl.data import PromptStream
         from tidyrl.loops.common import TrainResult, save_pretrained_atomic, write_run_header
         from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update,
-                                           keep_if_best, no_sync)
+                                           continue_longer, keep_if_best, no_sync)
         from tidyrl.metrics import ProgressBar, RunLogger, format_offline_summary
 
         cfg, acc, W = self.cfg, self.accelerator, self.world_size
@@ -274,6 +278,9 @@ class OfflineRun:
             set_rng_state(self.resumed["rng"])
             state = self.resumed["state"]
             step, elapsed, first = state["step"], state["elapsed_s"], state.get("first_row") or {}
+            note = continue_longer(cfg, self.resumed, plan, self.out, acc, [scheduler])
+            if note and self.is_main:
+                print(f"tidyrl: {note}", flush=True)
             self.best = state.get("best")
             acc.wait_for_everyone()
             if self.is_main:  # the rows the remaining steps write again
@@ -374,7 +381,7 @@ class OfflineRun:
         """checkpoint-<step> (main process; atomic, tidyrl.checkpoint)."""
         from tidyrl.checkpoint import save_checkpoint
         from tidyrl.config import config_to_dict
-        from tidyrl.sharding import ShardingError, sharding_kind
+        from tidyrl.models.sharding import ShardingError, sharding_kind
 
         acc = self.accelerator
         if sharding_kind(acc) != "none":  # only a stop signal gets here (save_every is refused under FSDP)

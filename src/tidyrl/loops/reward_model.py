@@ -117,7 +117,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     import torch
 
     from tidyrl.loops.offline import OfflineRun, model_pad_id
-    from tidyrl.offline_data import completion_eos_ids, load_preference_pairs, pair_key, split_train_eval
+    from tidyrl.data.offline import completion_eos_ids, load_preference_pairs, pair_key, split_train_eval
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads
@@ -135,7 +135,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 2. The model (the checkpoint's when resuming), the optimizer and the LR schedule (over the plan's steps).
     if cfg.lora.enabled:  # the new score head is trained in full (peft's modules_to_save), the rest by LoRA
-        from tidyrl.lora import adapter_note, apply_lora, load_adapter
+        from tidyrl.models.lora import adapter_note, apply_lora, load_adapter
 
         model = load_reward_model(cfg.model, pad_id, cfg.model_dtype)
         model = (load_adapter(model, run.resume_path, trainable=True) if run.resume_path else

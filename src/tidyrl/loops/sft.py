@@ -19,7 +19,7 @@ from typing import Optional
 from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training
 from tidyrl.models.loading import load_policy, load_tokenizer
-from tidyrl.lora import adapter_note
+from tidyrl.models.lora import adapter_note
 
 
 class SFTStage:
@@ -78,7 +78,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     import torch
 
     from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
-    from tidyrl.offline_data import (completion_eos_ids, load_sft_examples, pack_examples, sequence_key,
+    from tidyrl.data.offline import (completion_eos_ids, load_sft_examples, pack_examples, sequence_key,
                                      split_train_eval)
     from tidyrl.plan import offline_plan_from_config
 
@@ -99,7 +99,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     torch.manual_seed(cfg.seed)
 
     # 2. The model (the checkpoint's when resuming), the optimizer and the LR schedule (over the plan's steps).
-    model = load_policy(cfg, run.resume_path)
+    model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path)
     flat, notes = choose_padding_free(cfg, model)  # and checks that packed rows keep examples apart
     run.say(notes + ([adapter_note(model)] if cfg.lora.enabled else []))
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)

@@ -68,11 +68,11 @@ class Sums:
         `reduced`); the sums move there with the first such tensor and stay. Numbers and host tensors are read
         as numbers: copying a host value to the device, or the sums back, would wait for the device each time.
         Sums are float64 either way. The one move of the sums to the device goes through pinned memory
-        (`tidyrl.devices.to_device`): queued like a kernel, never a wait for the device."""
+        (`tidyrl.models.devices.to_device`): queued like a kernel, never a wait for the device."""
         for name, value in values.items():
             if hasattr(value, "device") and value.device.type != "cpu":
                 if self._values.device != value.device:
-                    from tidyrl.devices import to_device
+                    from tidyrl.models.devices import to_device
 
                     self._values = to_device(self._values, value.device)
                 self._values[self._index[name]] += value.detach().to(self._values.dtype)
@@ -104,7 +104,7 @@ def apply_update(accelerator, parts: Sequence[tuple], max_grad_norm: float, step
     A NaN or infinite loss or norm stops the run before any update (a NaN step would poison every later one):
     NonFiniteLossError names the 1-based `step`, where the run can resume from, and `advice`."""
     from tidyrl.checkpoint import last_good_checkpoint
-    from tidyrl.host_memory import release_freed_memory
+    from tidyrl.models.host_memory import release_freed_memory
 
     max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
     norms = [float(accelerator.clip_grad_norm_(model.parameters(), max_norm)) for model, _, _ in parts]
@@ -131,21 +131,61 @@ def check_resume(cfg, output_dir: Path, accelerator) -> tuple[Optional[Path], Op
     changes anything beyond the memory knobs and the saving cadence (checkpoint.RESUMABLE_CHANGES)."""
     if not cfg.resume_from:
         return None, None
-    from tidyrl.checkpoint import CheckpointError, find_checkpoint, load_trainer_state, refused_changes
+    from tidyrl.checkpoint import EXTENDABLE, CheckpointError, find_checkpoint, load_trainer_state, refused_changes
     from tidyrl.config import config_to_dict
     from tidyrl.run_lock import hold_output_dir
 
     hold_output_dir(output_dir, accelerator)
     path = find_checkpoint(output_dir, cfg.resume_from)
     loaded = load_trainer_state(path)
-    changes = refused_changes(with_defaults(loaded["state"]["config"]), config_to_dict(cfg))
+    changes = refused_changes(with_defaults(loaded["state"]["config"]), config_to_dict(cfg),
+                              allowed=EXTENDABLE if cfg.extend else frozenset())
     if changes:
+        longer = [c for c in changes if c.split(":")[0] in EXTENDABLE]
         raise CheckpointError(
             f"cannot resume from {path}: these changes alter the plan or the maths:\n  " + "\n  ".join(changes)
             + "\nRevert them to resume, or start a new run in another output_dir. Only memory knobs (micro/"
             "generation/forward batch sizes, gradient checkpointing) and the saving cadence may change on resume."
+            + ("\nTo train longer from this checkpoint, add extend=true (the LR schedule is then rebuilt over the "
+               "new length: the result is not the run that length would have made from the start)." if longer else "")
         )
     return path, loaded
+
+
+def continue_longer(cfg, loaded: dict, plan, out: Path, accelerator, schedulers) -> Optional[str]:
+    """`extend: true`: the resumed run goes on to the new plan's length. Refuses a length that is not longer than
+    the steps done; rebuilds each LR schedule over the new total (the optimizers' rates set from it at the resumed
+    step: the next step uses the new schedule's rate); records the extension in plan.json (`extended`: step,
+    from and to totals); returns the line that says so, or None when the length did not change."""
+    import json
+
+    from tidyrl.checkpoint import CheckpointError
+
+    if not cfg.extend:
+        return None
+    step, before = loaded["state"]["step"], loaded["state"]["plan"]["total_optimizer_steps"]
+    after = plan.total_optimizer_steps
+    if after == before:
+        return None
+    if after <= step:
+        raise CheckpointError(f"extend=true only makes a run longer: the checkpoint is at optimizer step {step}, and "
+                              f"the new length is {after} steps. Raise train.rollouts, train.dataset_epochs or "
+                              "train.max_steps.")
+    for scheduler in schedulers:
+        scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the LambdaLR
+        for group, base, rate in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * rate(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    if accelerator.is_main_process:
+        path = out / "plan.json"
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        record = {"step": step, "from_total_optimizer_steps": before, "to_total_optimizer_steps": after}
+        header = {k: v for k, v in previous.items() if k not in plan.to_dict() and k != "extended"}
+        extended = previous.get("extended", []) + [record]
+        path.write_text(json.dumps({**plan.to_dict(), **header, "extended": extended}, indent=2) + "\n")
+    return (f"warning: extend=true: this run continues from optimizer step {step} of {before} to {after}, its LR "
+            f"schedule rebuilt over {after} steps; the result is not the run that {after} steps from the start would "
+            "have made (plan.json 'extended' records it)")
 
 
 def keep_if_best(accelerator, cfg, output_dir: Path, best: Optional[dict], row: dict, model, tokenizer

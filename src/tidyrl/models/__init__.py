@@ -8,5 +8,5 @@ losses or training loops.
 - `llama_decode`, `llama_forward`: the fast paths for Llama-layout models (one config key,
   `model_fast_paths`), each checked against the model's own forward in the tests.
 
-Nothing here imports `tidyrl.loops` or `tidyrl.rollout` (tests/test_layers.py keeps it so).
+Nothing here imports `tidyrl.loops` or `tidyrl.rollouts` (tests/test_layers.py keeps it so).
 """

@@ -1,7 +1,7 @@
 """The training forward: log-probs (and PPO's values) of completion tokens given their prompts, as tensors.
 
 Every pass that reads a completion's log-probs goes through `completion_logprobs`: the no-grad scoring of a
-rollout (`tidyrl.rollout.score_logprobs`), the reference model's, and the policy-gradient update. It takes
+rollout (`tidyrl.rollouts.score_logprobs`), the reference model's, and the policy-gradient update. It takes
 the four tensors of a batch of episodes (left-padded prompts, right-padded completions, their masks), so it
 knows nothing of rollouts, losses or loops.
 
@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from tidyrl.devices import to_device
-from tidyrl.models.generation import _plain_kv_cache, model_device
+from tidyrl.models.devices import to_device
+from tidyrl.models.generation import _plain_kv_cache, cache_argument, model_device, returned_cache
 from tidyrl.models.llama_forward import logits_if_lean
 from tidyrl.models.loading import activation_checkpointing_on
-from tidyrl.ops import gather_logprobs_and_entropy
-from tidyrl.sharding import is_sharded
+from tidyrl.models.ops import gather_logprobs_and_entropy
+from tidyrl.models.sharding import is_sharded
 
 
 def model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict:
@@ -153,14 +153,14 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, comple
     prompt = inner(input_ids=u_ids, attention_mask=model_mask(inner, u_mask, lp), position_ids=u_pos, use_cache=True,
                    logits_to_keep=1)
     inverse = to_device(inverse, device)
-    cache = prompt.past_key_values
+    cache = returned_cache(prompt)
     for layer in cache.layers:  # (U, ...) -> (B, ...); index_select's backward (index_add) sums the k copies
         layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
     # the full rows' mask and positions, as in the one-pass forward (the last completion token predicts nothing)
     ids, attn, positions = _rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     attn = attn[:, :-1]
     rest = model(input_ids=ids[:, lp:-1], attention_mask=model_mask(model, attn, attn.shape[1] - lp),
-                 position_ids=positions[:, lp:-1], past_key_values=cache, use_cache=True).logits
+                 position_ids=positions[:, lp:-1], **{cache_argument(inner): cache}, use_cache=True).logits
     return [prompt.logits[:, -1:].index_select(0, inverse), rest]  # (B, 1, V), (B, Tc - 1, V)
 
 
@@ -194,7 +194,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     for logits, part_ids in zip(parts, ids):  # per column block: the same numbers as on their concatenation
         if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
             logits = logits / temperature
-        # entropy without grad; a low-precision row is upcast once for both (tidyrl.ops)
+        # entropy without grad; a low-precision row is upcast once for both (tidyrl.models.ops)
         part = gather_logprobs_and_entropy(logits, part_ids, with_entropy)
         logprobs.append(part[0])
         entropy.append(part[1])

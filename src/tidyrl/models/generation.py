@@ -24,7 +24,9 @@ What makes it fast, none of which changes a draw or the maths (docs/benchmarks.m
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
@@ -226,7 +228,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         u_logits = step_fn.prefill(u_ids, u_attn, u_pos, prefill_cache.layers)
     else:
         out = model(input_ids=u_ids, attention_mask=u_attn, position_ids=u_pos, use_cache=True, logits_to_keep=1)
-        u_logits, prefill_cache = out.logits[:, -1, :], out.past_key_values
+        u_logits, prefill_cache = out.logits[:, -1, :], returned_cache(out)
     logits = u_logits[inv]  # (B, V)
     cache = _buffered_cache(prefill_cache, inv, Lp + max_new_tokens) if lean else prefill_cache
     attn = torch.ones((B, Lp + max_new_tokens), dtype=u_attn.dtype, device=device)
@@ -256,6 +258,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     uniforms = torch.stack([torch.rand(max_new_tokens, generator=g, device=device, dtype=torch.float64)
                             for g in generators])  # (B, T)
     filtering = bool(top_k and top_k < vocab) or top_p < 1.0
+    cache_arg = cache_argument(model)
     for step in range(max_new_tokens):
         scaled = logits.float() / temperature if temperature != 1.0 else logits.float()  # (b, V)
         z = scaled
@@ -295,7 +298,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
             logits = step_fn(token, attn[..., : Lp + step + 1], next_pos, cache.layers)
         else:
             out = model(input_ids=token[:, None], attention_mask=attn[..., : Lp + step + 1], position_ids=next_pos,
-                        past_key_values=cache, use_cache=True)
+                        **{cache_arg: cache}, use_cache=True)
             logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     ids = ids[:, :steps]
@@ -308,6 +311,47 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
 
 # With fixed shapes, tokens decoded between two checks of whether every row has ended (see _generate_chunk).
 _END_CHECK_EVERY = 8
+
+
+def cache_argument(model) -> str:
+    """The keyword under which `model`'s forward takes its key/value cache: `cache` where the forward names it so
+    (transformers 5.24 does, and warns that `past_key_values` is a deprecated alias to be removed in 5.40), else
+    `past_key_values` (transformers 4). Read from the forward's signature (`forward_parameters`), not from a
+    version number; a forward that names neither (**kwargs) gets the name of the installed transformers' model
+    outputs."""
+    parameters = forward_parameters(model)
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def forward_parameters(model) -> frozenset[str]:
+    """The parameter names of the forward of the model under `model`'s peft and DDP wrappers (whose own forwards
+    pass keywords on). inspect.signature follows functools.wraps, so transformers' decorators are seen through."""
+    while True:
+        if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP
+            model = model.module
+        else:
+            return _forward_parameters_of(type(model))
+
+
+@functools.cache
+def _forward_parameters_of(cls: type) -> frozenset[str]:
+    try:
+        return frozenset(inspect.signature(getattr(cls, "forward", cls.__call__)).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def returned_cache(output):
+    """The key/value cache a forward returned: `output.cache` where the output class has that field
+    (transformers 5.24, where reading `past_key_values` logs a deprecation), else `output.past_key_values`."""
+    return output.cache if "cache" in getattr(output, "__dataclass_fields__", ()) else output.past_key_values
 
 
 def _plain_kv_cache(model) -> bool:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidyrl.sharding import is_sharded
+from tidyrl.models.sharding import is_sharded
 
 # Architectures whose decoder layer is exactly Llama's (checked module by module in `supports` as well).
 _ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")

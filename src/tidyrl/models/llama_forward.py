@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tidyrl.devices import to_device
+from tidyrl.models.devices import to_device
 from tidyrl.models.llama_decode import (COPY_MAX_BYTES, additive_mask, concatenated, is_silu, linear_weight_bytes,
                                  rms_norm, rope, signed_sin, supports)
 from tidyrl.models.loading import activation_checkpointing_on

@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from tidyrl.config import Config
 
 
 class ModelLoadError(RuntimeError):
@@ -51,7 +50,7 @@ def check_model_source(path: str, key: str) -> None:
     cache while the hub cannot be reached (offline). A reachable hub answers for the rest itself (quickly)."""
     if os.path.exists(os.path.expanduser(path)):
         return
-    where = f"no folder {path!r} (relative to {os.getcwd()})"
+    where = f"no folder {path!r} in the current directory {os.getcwd()} or beside the config file"
     if not _HUB_ID.fullmatch(path) or path.startswith("."):
         raise ModelLoadError(f"{key}={path!r}: no such folder or hub id ({where}, and it is not a hub id). "
                              "Check the spelling, or give the path of a Hugging Face model folder.")
@@ -89,7 +88,7 @@ def load_model_config(path: str, key: str = "model"):
     adapter folder (a LoRA run's final/ or checkpoint-N/), its base model's config."""
     from transformers import AutoConfig
 
-    from tidyrl.lora import adapter_base, is_adapter_folder
+    from tidyrl.models.lora import adapter_base, is_adapter_folder
 
     if is_adapter_folder(path):
         return load_model_config(adapter_base(path), key)
@@ -120,7 +119,7 @@ def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from tidyrl.lora import is_adapter_folder, merged_from_adapter
+    from tidyrl.models.lora import is_adapter_folder, merged_from_adapter
 
     if is_adapter_folder(path):
         return merged_from_adapter(path, lambda base: load_causal_lm(base, dtype, dropout))
@@ -131,15 +130,16 @@ def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False):
     return in_own_memory(AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype)))
 
 
-def load_policy(cfg: Config, resume_path: Optional[Path] = None):
-    """The model a stage trains: the policy in full, or with a LoRA adapter when `lora.enabled` (a fresh one,
-    or the checkpoint's when resuming; the base weights then come from `model` as at the start)."""
-    if not cfg.lora.enabled:
-        return load_causal_lm(str(resume_path or cfg.model), cfg.model_dtype)
-    from tidyrl.lora import apply_lora, load_adapter
+def load_policy(model: str, dtype: str, lora=None, resume_path: Optional[Path] = None):
+    """The model a stage trains: the policy in full, or with a LoRA adapter when `lora` (the options of
+    `models.lora.apply_lora`) is given: a fresh one, or the checkpoint's when resuming (the base weights then
+    come from `model` as at the start)."""
+    if lora is None:
+        return load_causal_lm(str(resume_path or model), dtype)
+    from tidyrl.models.lora import apply_lora, load_adapter
 
-    base = load_causal_lm(cfg.model, cfg.model_dtype)
-    return load_adapter(base, resume_path, trainable=True) if resume_path else apply_lora(base, cfg.lora, cfg.model)
+    base = load_causal_lm(model, dtype)
+    return load_adapter(base, resume_path, trainable=True) if resume_path else apply_lora(base, lora, model)
 
 
 def load_critic(path: str, dtype: str = "float32"):

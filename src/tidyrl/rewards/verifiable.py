@@ -1,10 +1,10 @@
 """Verifiable rewards, built in: name them in the YAML like any reward function.
 
     rewards:
-      - function: tidyrl.verifiable:math_answer      # data column `answer`: the reference answer
-      - function: tidyrl.verifiable:format_match     # options: `kwargs: {pattern: ...}`
+      - function: tidyrl.rewards.verifiable:math_answer      # data column `answer`: the reference answer
+      - function: tidyrl.rewards.verifiable:format_match     # options: `kwargs: {pattern: ...}`
         weight: 0.2
-      - function: tidyrl.verifiable:code_tests       # data column `tests`: Python asserts
+      - function: tidyrl.rewards.verifiable:code_tests       # data column `tests`: Python asserts
         kwargs: {timeout_s: 5, memory_mb: 512}
 
 Each returns one float per completion and never raises on what a model writes: a completion that was cut
@@ -48,7 +48,7 @@ def _math_verify():
     try:
         import math_verify
     except ImportError:
-        raise ImportError("tidyrl.verifiable:math_answer needs the math-verify package: pip install 'tidyrl[math]'") \
+        raise ImportError("tidyrl.rewards.verifiable:math_answer needs the math-verify package: pip install 'tidyrl[math]'") \
             from None
     return math_verify
 
@@ -62,8 +62,27 @@ def _gold_text(answer) -> str:
     return text
 
 
+def last_boxed(text: str) -> Optional[str]:
+    """The last `\\boxed{...}` of `text`, braces balanced (e.g. `\\boxed{\\frac{1}{2}}`); "" when that last box is
+    never closed (the completion was cut inside its answer); None when there is no box."""
+    start = text.rfind("\\boxed{")
+    if start == -1:
+        return None
+    depth = 0
+    for j in range(start + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start:j + 1]
+    return ""
+
+
 def math_answer(completions: Sequence[str], answer: Sequence) -> list[float]:
     """1.0 where the completion's final answer equals the row's `answer` (math-verify's equivalence), else 0.0.
+
+    The final answer is the completion's last `\\boxed{}` when it has one (math-verify alone would read every
+    boxed answer of `\\boxed{5} ... \\boxed{6}` as the set {5, 6} and score the completion 0 against 6: a
+    correction after a first attempt is the answer, as the docs say), else its last expression. A last box cut
+    before its closing brace is no answer (0.0), not a reason to score an earlier one.
 
     math-verify bounds its parsing with signal.alarm, which only the main thread may use; called from another
     thread (e.g. a reward running beside generation), its timeouts are off, and a pathological expression could
@@ -73,8 +92,12 @@ def math_answer(completions: Sequence[str], answer: Sequence) -> list[float]:
     timeouts = {} if main else {"parsing_timeout": None}
     scores = []
     for completion, gold in zip(completions, answer):
+        boxed = last_boxed(completion)
+        if boxed == "":
+            scores.append(0.0)
+            continue
         try:
-            target = mv.parse(completion, **timeouts)
+            target = mv.parse(f"${boxed}$" if boxed else completion, **timeouts)
             reference = mv.parse(_gold_text(gold), **timeouts)
             correct = bool(target) and bool(reference) and mv.verify(
                 reference, target, **({} if main else {"timeout_seconds": None}))

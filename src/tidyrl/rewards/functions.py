@@ -13,7 +13,7 @@ completion; `None` means "this function does not score this sample". The
 reward of a sample is the weighted sum over the functions that scored it
 (DESIGN §3, step 4).
 
-A reward model (`rewards[i].model`, tidyrl.reward_model.RewardModel) is called
+A reward model (`rewards[i].model`, tidyrl.rewards.reward_models.RewardModel) is called
 the same way and scores each sample with its own tokenizer and chat template.
 """
 
@@ -135,8 +135,8 @@ def _import_module(name: str, spec: str, key: str):
 def _load_module_from_file(target: str, base_dir: str | None, spec: str, key: str):
     target = os.path.expanduser(target)
     candidates = [target] if os.path.isabs(target) else [os.path.join(os.getcwd(), target)]
-    if base_dir is not None and not os.path.isabs(target):
-        candidates.append(os.path.join(base_dir, target))
+    if base_dir is not None and not os.path.isabs(target) and os.path.join(base_dir, target) not in candidates:
+        candidates.append(os.path.join(base_dir, target))  # the config file's folder (when not the current one)
     path = next((c for c in candidates if os.path.isfile(c)), None)
     if path is None:
         raise RewardError(f"{key} = {spec!r}: file {target!r} not found; looked at {candidates}.")
@@ -195,8 +195,8 @@ def build_reward_functions(reward_cfgs: list, base_dir: str | None = None, *, fo
         weight = cfg.weight
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise RewardError(f"rewards[{i}].weight = {weight!r} must be a finite number.")
-        if cfg.function is None:  # a reward model: its own tokenizer and chat template (tidyrl.reward_model)
-            from tidyrl.reward_model import RewardModel
+        if cfg.function is None:  # a reward model: its own tokenizer and chat template (tidyrl.rewards.reward_models)
+            from tidyrl.rewards.reward_models import RewardModel
 
             fn = RewardModel(cfg.model, key=f"rewards[{i}].model", batch_size=forward_batch_size,
                              max_length=getattr(cfg, "max_length", None))
@@ -314,17 +314,29 @@ def compute_rewards(
     per_function: dict[str, list[float | None]] = {func.name: _check_scores(func, raws[func.name], n)
                                                    for func in funcs}
 
-    total: list[float] = []
     for j in range(n):
-        scored = [(func, per_function[func.name][j]) for func in funcs if per_function[func.name][j] is not None]
-        if not scored:
+        if all(per_function[func.name][j] is None for func in funcs):
             raise RewardError(
                 f"sample {j} ({_sample_text(offered, j)}) got no score: every reward function "
                 f"({', '.join(f.name for f in funcs)}) returned None for it. "
                 "Make at least one function score every sample."
             )
-        total.append(sum(func.weight * score for func, score in scored))
-    return RewardResult(total=total, per_function=per_function)
+    import torch
+
+    exact = {name: torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+             for name, values in per_function.items()}  # float64: the Python floats exactly
+    return RewardResult(total=weighted_sum(funcs, exact).tolist(), per_function=per_function)
+
+
+def weighted_sum(funcs: list[RewardFunction], scores: dict, env=None):
+    """Each episode's reward: sum over the functions of weight * score, a function's missing score (NaN) counting
+    0, plus the environment's reward (`env`, weight 1) in multi-turn episodes. `scores`: name -> (N,) tensor; the
+    sum is in their dtype (the rollouts' float32; compute_rewards' float64, which equals the Python sum). The one
+    place rewards are combined."""
+    import torch
+
+    total = sum(f.weight * torch.nan_to_num(scores[f.name], nan=0.0) for f in funcs)
+    return total + env if env is not None else total
 
 
 def check_reward_columns(funcs: list[RewardFunction], columns: list[str]) -> None:

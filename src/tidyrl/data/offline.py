@@ -27,7 +27,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tidyrl.data import DataError, _prompt_problem, _short, load_table
+from tidyrl.data.errors import DataError
+from tidyrl.data.prompts import _prompt_problem, _short, load_table
 
 
 @dataclass
@@ -311,13 +312,10 @@ def count_eval_examples(cfg) -> int:
 
 def count_offline_examples(cfg, tokenizer=None) -> int:
     """N of an offline stage's plan, for `tidyrl plan`: rows of the data less the held-out ones
-    (data.eval_fraction), or the packed rows with sft.packing (which needs the tokenizer, loaded from
-    cfg.tokenizer or cfg.model when not given)."""
+    (data.eval_fraction), or the packed rows with sft.packing (which needs the policy's `tokenizer`)."""
     if cfg.algorithm == "sft" and cfg.sft.packing:
         if tokenizer is None:
-            from tidyrl.models.loading import load_tokenizer
-
-            tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+            raise ValueError("count_offline_examples: sft.packing counts packed rows, which needs the tokenizer")
         examples, _ = load_sft_examples(cfg, tokenizer, completion_eos_ids(cfg.model, tokenizer), pack=False)
         train, _, _ = split_train_eval(cfg, examples, lambda c: [], sequence_key)
         return len(pack_sequences(train, cfg.data.max_length))
@@ -402,7 +400,7 @@ def _render(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str
 def _completion_segments(prompt, completion, tokenizer) -> tuple[list[tuple[str, bool]], bool]:
     """(segments, add_special_tokens) of a prompt and its completion: the prompt as the RL stages render it
     (tidyrl.data.render_prompt), then the completion (trainable)."""
-    from tidyrl.data import render_prompt
+    from tidyrl.data.prompts import render_prompt
 
     if isinstance(completion, str):
         return [(render_prompt(prompt, tokenizer), False), (completion, True)], isinstance(prompt, str)
@@ -436,7 +434,7 @@ def _conversation_segments(messages: list[dict], first: int, tokenizer, row: Opt
 
 def reward_model_input_ids(prompt, completion, tokenizer) -> list[int]:
     """The token ids a reward model reads for (prompt, completion), exactly as the RL stages score a completion
-    with it (tidyrl.reward_model.RewardModel.encode, before its left cut): the whole text tokenised at once,
+    with it (tidyrl.rewards.reward_models.RewardModel.encode, before its left cut): the whole text tokenised at once,
     with the tokenizer's special tokens only for a string prompt (a chat template writes its own).
 
         string prompt:    prompt + completion

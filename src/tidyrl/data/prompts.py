@@ -22,15 +22,13 @@ import os
 import tempfile
 from typing import Optional, TYPE_CHECKING, Any
 
+from tidyrl.data.errors import DataError
+
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File extension -> `datasets` builder used to read it."""
-
-
-class DataError(ValueError):
-    """The prompt data or its configuration is unusable; the message says how to fix it."""
 
 
 # ---------------------------------------------------------------------------
@@ -39,10 +37,10 @@ class DataError(ValueError):
 
 def load_rl_prompts(cfg) -> "datasets.Dataset":
     """The prompt set of an RL config: data.path read (load_prompt_dataset), or data.reasoning_gym's generated
-    problems (tidyrl.tasks)."""
+    problems (tidyrl.data.reasoning_gym)."""
     d = cfg.data
     if d.reasoning_gym is not None:
-        from tidyrl.tasks import reasoning_gym_dataset
+        from tidyrl.data.reasoning_gym import reasoning_gym_dataset
 
         return reasoning_gym_dataset(d.reasoning_gym, d.reasoning_gym_size, cfg.seed, d.reasoning_gym_options,
                                      d.prompt_column)
@@ -156,7 +154,8 @@ def load_table(path: str, split: str = "train") -> "datasets.Dataset":
         raise DataError("data.path is not set: point it at a .jsonl, .json, .parquet or .csv file, or a saved datasets folder.")
     path = os.path.expanduser(str(path))
     if not os.path.exists(path):
-        where = "" if os.path.isabs(path) else f" (relative to the current directory {os.getcwd()!r})"
+        where = "" if os.path.isabs(path) else (f" (a relative path is looked up in the current directory "
+                                                  f"{os.getcwd()!r}, then beside the config file)")
         raise DataError(f"data.path = {path!r} does not exist{where}; fix the path or use an absolute one.")
 
     was_enabled = datasets.utils.logging.is_progress_bar_enabled()

@@ -2,11 +2,11 @@
 named in the YAML, nothing downloaded:
 
     data:
-      reasoning_gym: basic_arithmetic          # any of reasoning_gym's task names (tidyrl.tasks.task_names())
+      reasoning_gym: basic_arithmetic          # any of reasoning_gym's task names (tidyrl.data.reasoning_gym.task_names())
       reasoning_gym_size: 2000                 # prompts generated (seed: the run's seed)
       reasoning_gym_options: {min_terms: 2}    # the task's own configuration
     rewards:
-      - function: tidyrl.tasks:reasoning_gym_score
+      - function: tidyrl.data.reasoning_gym:reasoning_gym_score
 
 Each prompt is the task's question after reasoning-gym's default system prompt (think, then
 <answer>...</answer>); the rows carry `answer` and the whole generated entry (`reasoning_gym_entry`, JSON),
@@ -39,7 +39,7 @@ def reasoning_gym_dataset(task: str, size: int, seed: int, options: dict, prompt
     """A `datasets.Dataset` of `size` generated problems of `task`: prompt (chat messages), answer and the entry."""
     import datasets
 
-    from tidyrl.data import DataError
+    from tidyrl.data.errors import DataError
 
     rg = _reasoning_gym()
     if task not in rg.factory.DATASETS:
@@ -47,7 +47,7 @@ def reasoning_gym_dataset(task: str, size: int, seed: int, options: dict, prompt
 
         close = difflib.get_close_matches(task, rg.factory.DATASETS, n=3)
         raise DataError(f"data.reasoning_gym = {task!r} is not a reasoning-gym task"
-                        f"{'; did you mean ' + ', '.join(close) + '?' if close else ''} (tidyrl.tasks.task_names() "
+                        f"{'; did you mean ' + ', '.join(close) + '?' if close else ''} (tidyrl.data.reasoning_gym.task_names() "
                         "lists them all)")
     try:
         generated = rg.create_dataset(task, size=size, seed=seed, **options)

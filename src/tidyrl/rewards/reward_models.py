@@ -33,7 +33,7 @@ class RewardModel:
 
         hf_logging.disable_progress_bar()
         self.path, self.key, self.batch_size, self.dtype = path, key, batch_size, dtype
-        from tidyrl.lora import adapter_folder_problem
+        from tidyrl.models.lora import adapter_folder_problem
 
         problem = adapter_folder_problem(path, key, "a reward model")
         if problem:

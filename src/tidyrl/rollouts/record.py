@@ -2,18 +2,16 @@
 scoring (step 3: the reference's log-probs, the critic's values, the trainer's log-probs of what an engine
 sampled), chunk by chunk so that at most one chunk's logits exist at a time.
 
-Generation is an engine's (`tidyrl.models.engines`); the forward passes are `tidyrl.models.forward`.
+Generation is an engine's (`tidyrl.engines`); the forward passes are `tidyrl.models.forward`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-from tidyrl.devices import to_device
-from tidyrl.models.forward import completion_logprobs, completion_values
 
 
 @dataclass
@@ -56,56 +54,15 @@ class Rollout:
         width = int(cm.sum(1).max().item()) if cm.numel() else 0
         width = max(width, 1)
 
-        def cut(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        def cut(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             if t is None:
                 return None
             t = t[idx]
-            return t[:, :width] if t.dim() == 2 else t
+            if name.startswith("prompt"):  # left-padded: drop the columns every row pads
+                return t[:, first:]
+            return t[:, :width] if t.dim() == 2 else t  # per-token fields: right-padded
 
-        return Rollout(
-            prompt_ids=self.prompt_ids[idx][:, first:],
-            prompt_mask=pm[:, first:],
-            completion_ids=cut(self.completion_ids),
-            completion_mask=cut(self.completion_mask),
-            truncated=self.truncated[idx],
-            old_logprobs=cut(self.old_logprobs),
-            ref_logprobs=cut(self.ref_logprobs),
-            advantages=cut(self.advantages),
-            old_values=cut(self.old_values),
-            returns=cut(self.returns),
-            action_mask=cut(self.action_mask),
-            is_weights=cut(self.is_weights),
-            sampler_logprobs=cut(self.sampler_logprobs),
-        )
-
-
-
-@torch.no_grad()
-def score_logprobs(model, rollout: Rollout, temperature: float, chunk_size: int, fast_path: bool = True
-                   ) -> torch.Tensor:
-    """No-grad log-probs (R, Tc) of every completion token, in chunks of `chunk_size`, so that at most one
-    chunk's (chunk, Tc, V) logits exist at a time. Positions past EOS are 0."""
-    out = None  # on the model's device: one copy to the host at the end, no synchronisation per chunk
-    for idx in chunks(range(len(rollout)), chunk_size):
-        part = rollout.select(idx)
-        lp, _ = completion_logprobs(model, *part.sequences, temperature, fast_path=fast_path)
-        if out is None:
-            out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=lp.device)
-        out[idx[0]: idx[-1] + 1, : lp.shape[1]] = lp.float() * to_device(part.completion_mask, lp.device)
-    return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
-
-
-@torch.no_grad()
-def score_values(critic, rollout: Rollout, chunk_size: int) -> torch.Tensor:
-    """No-grad values (R, Tc) in chunks of `chunk_size`; positions past EOS are 0."""
-    out = None  # as in score_logprobs: on the critic's device until the end
-    for idx in chunks(range(len(rollout)), chunk_size):
-        part = rollout.select(idx)
-        v = completion_values(critic, *part.sequences)
-        if out is None:
-            out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=v.device)
-        out[idx[0]: idx[-1] + 1, : v.shape[1]] = v.float() * to_device(part.completion_mask, v.device)
-    return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
+        return Rollout(**{f.name: cut(f.name, getattr(self, f.name)) for f in fields(self)})
 
 
 def chunks(seq: Sequence[int], size: int) -> Iterator[list[int]]:

@@ -1,0 +1,46 @@
+"""Engines: what turns prompts into completions (`rollout.engine`), behind one interface (`engines.base`).
+
+Each engine is a module with its class, `build(cfg, policy, device, max_model_len)`, `config_problems(cfg)` and,
+where it reads the model, `input_problems(...)`; `ENGINES` names them. The learner and the rollouts call only
+the interface and read each engine's `capabilities`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tidyrl.engines.base import Capabilities, EngineError, SamplingSettings
+
+ENGINES = {"builtin": "tidyrl.engines.builtin", "vllm": "tidyrl.engines.vllm"}
+"""rollout.engine -> the module of that engine (imported when used: vLLM's takes seconds)."""
+
+
+def engine_module(name: str):
+    if name not in ENGINES:
+        raise EngineError(f"rollout.engine: {name!r} is not one of {', '.join(ENGINES)}")
+    return importlib.import_module(ENGINES[name])
+
+
+def engine_problems(cfg) -> list[str]:
+    """The configured engine's checks of the config (`key: problem` lines), before anything loads."""
+    if cfg.rollout.engine not in ENGINES:
+        return [f"rollout.engine: {cfg.rollout.engine!r} is not one of {', '.join(ENGINES)}"]
+    return engine_module(cfg.rollout.engine).config_problems(cfg)
+
+
+def make_engine(cfg, policy, device: str, max_model_len: int):
+    """The engine `rollout.engine` names, for this process (vLLM: built now, its weights synced before each
+    rollout)."""
+    return engine_module(cfg.rollout.engine).build(cfg, policy, device, max_model_len)
+
+
+def __getattr__(name):  # the engines' own names, from their modules (0.1's tidyrl.models.engines held them all)
+    for module in ("tidyrl.engines.builtin", "tidyrl.engines.vllm"):
+        mod = importlib.import_module(module)
+        if hasattr(mod, name):
+            return getattr(mod, name)
+    raise AttributeError(f"module 'tidyrl.engines' has no attribute {name!r}")
+
+
+__all__ = ["Capabilities", "ENGINES", "EngineError", "SamplingSettings", "engine_module", "engine_problems",
+           "make_engine"]

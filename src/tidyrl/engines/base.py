@@ -1,0 +1,66 @@
+"""The engine interface: what turns prompts into completions for a rollout (`rollout.engine`).
+
+    engine.sync(policy) -> seconds        before sampling: the engine holds exactly the policy's weights
+    engine.generate(prompts, sample_keys, settings)
+        -> (completion_ids (B, max_new_tokens), completion_mask (B, max_new_tokens), truncated (B,),
+            logprobs (B, max_new_tokens): the sampler's log-prob of each sampled token, 0 past the end)
+    engine.release()                      after generation: give memory back to training until the next sync
+
+Prompts are token ids and completions come back as token ids (token in, token out: nothing is re-tokenised),
+and each sample's random stream is its own key (`models.generation.sample_seed`), so a resumed run regenerates
+the same rollout. What an engine can do it declares (`Capabilities`); the learner reads those and never an
+engine's name. A new engine is one module here, a line in `engines.ENGINES`, and its tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+@dataclass
+class SamplingSettings:
+    """What every sample of a generate call shares (rollout.* keys)."""
+
+    max_new_tokens: int
+    eos_ids: Sequence[int]
+    pad_id: int
+    batch_size: int = 64
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class EngineError(RuntimeError):
+    """An engine cannot be built or used as configured; the message names the key or the package."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine declares about itself."""
+
+    samples_trained_weights: bool
+    """It samples from the training model itself (so under FSDP the full weights are gathered around a generate
+    call, and its log-probs are the trainer's up to rounding); False: from its own copy of the weights."""
+    needs_weight_sync: bool
+    """Its copy must be refreshed from the policy before each rollout (`sync` takes time worth logging as
+    time/weight_sync_s)."""
+    can_sleep: bool
+    """`release` frees its memory for training (vLLM's sleep mode on CUDA)."""
+    default_tis_cap: float
+    """The truncated importance sampling cap used when rollout.tis_cap is unset (0 = off): on where the sampler
+    is another program whose log-probs differ from the trainer's (Yao et al. 2025)."""
+
+
+class Engine(Protocol):
+    """The interface every engine implements (see the module docstring)."""
+
+    name: str
+    capabilities: Capabilities
+
+    def sync(self, policy) -> float: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], sample_keys: Sequence[int], settings: "SamplingSettings"): ...
+
+    def release(self) -> None: ...

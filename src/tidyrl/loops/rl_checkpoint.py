@@ -1,0 +1,87 @@
+"""The RL learner's checkpoints: what a run carries from rollout to rollout besides its weights and optimizers
+(`RunState`), written into checkpoint-<step>/ with the unfinished rollout when a save falls inside one, and read
+back so that a resumed run finishes as the uninterrupted one would (DESIGN §5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from tidyrl.models.sharding import ShardingError, sharding_kind
+from tidyrl.rollouts.record import Rollout
+
+
+@dataclass
+class RunState:
+    """The learner's running state: each normalised reward's moments, the KL coefficient's controller (None
+    where the KL is a term of the loss), the best evaluation so far, dynamic sampling's group counts."""
+
+    reward_moments: dict
+    kl_control: Any = None
+    best: Optional[dict] = None
+    group_totals: dict = field(default_factory=dict)
+
+
+def save_run(step: int, *, accelerator, out, trainee, tokenizer, state: RunState, plan, cfg, rollout, stats: dict,
+             elapsed: float, first_reward) -> None:
+    """checkpoint-<step> (main process), with the unfinished `rollout` (None at a rollout's end) and its stats."""
+    from tidyrl.checkpoint import save_checkpoint
+    from tidyrl.config import config_to_dict
+    from tidyrl.models.generation import SAMPLER
+
+    if sharding_kind(accelerator) != "none":  # only a stop signal gets here (save_every is refused)
+        raise ShardingError(f"stopped after optimizer step {step}; under FSDP no checkpoint can be written yet "
+                            "(docs/memory.md), so the run must start again.")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        saved = {"step": step, "rollouts_started": -(-step // plan.optimizer_steps_per_rollout),
+                 "elapsed_s": elapsed, "first_reward_mean": first_reward,
+                 "reward_moments": {name: m.state_dict() for name, m in state.reward_moments.items()},
+                 "kl_control": state.kl_control.state_dict() if state.kl_control else None,
+                 "best": state.best, "group_totals": state.group_totals,
+                 "world_size": accelerator.num_processes, "plan": plan.to_dict(), "config": config_to_dict(cfg),
+                 "sampler": SAMPLER}
+        unfinished = None
+        if rollout is not None:
+            unfinished = {"rollout": {f.name: getattr(rollout, f.name) for f in fields(rollout)}, "stats": stats}
+        t = trainee
+        save_checkpoint(out, step, model=accelerator.unwrap_model(t.model), tokenizer=tokenizer,
+                        optimizer=t.optimizer, scheduler=t.scheduler, state=saved, rollout=unfinished,
+                        keep_last=cfg.log.keep_last,
+                        critic=None if t.critic is None else (accelerator.unwrap_model(t.critic), t.critic_optimizer,
+                                                              t.critic_scheduler))
+    accelerator.wait_for_everyone()
+
+
+def restore_run(loaded: dict, *, accelerator, out, trainee, state: RunState, plan
+                ) -> tuple[int, float, Optional[float], Optional[tuple]]:
+    """Load a checkpoint's trainer state (`loaded`, from `training.check_resume`) into the trainee and `state`;
+    drop the metrics and samples rows that the remaining steps will write again. Returns (step, elapsed seconds,
+    first reward, the unfinished rollout and its stats or None)."""
+    from tidyrl.checkpoint import set_rng_state, truncate_jsonl
+
+    t = trainee
+    t.optimizer.load_state_dict(loaded["optimizer"])
+    t.scheduler.load_state_dict(loaded["scheduler"])
+    set_rng_state(loaded["rng"])
+    saved = loaded["state"]
+    for name, moments in state.reward_moments.items():
+        moments.load_state_dict(saved["reward_moments"][name])
+    if t.critic is not None:
+        t.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
+        t.critic_scheduler.load_state_dict(loaded["critic_scheduler"])
+    if state.kl_control is not None and saved.get("kl_control") is not None:
+        state.kl_control.load_state_dict(saved["kl_control"])
+    step = saved["step"]
+    state.best = saved.get("best")
+    state.group_totals = saved.get("group_totals") or {}
+    started = -(-step // plan.optimizer_steps_per_rollout)  # rollouts begun: ceil(step / (E*M))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        truncate_jsonl(out / "metrics.jsonl", lambda row: row["step"] <= step)
+        truncate_jsonl(out / "samples.jsonl", lambda row: row["rollout"] <= started)
+    accelerator.wait_for_everyone()
+    unfinished = None
+    if loaded["rollout"] is not None:
+        unfinished = (Rollout(**loaded["rollout"]["rollout"]), loaded["rollout"]["stats"])
+    return step, saved["elapsed_s"], saved.get("first_reward_mean"), unfinished

@@ -1,0 +1,251 @@
+"""What an RL run reads and checks before any weights load (`check_rl_inputs`, also run by `tidyrl plan`): the
+policy's config and tokenizer, the prompts and their lengths, the plan, the rewards, the environment, the
+engine's own checks, and PPO's critic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from tidyrl.algorithms.table import ALGORITHMS
+from tidyrl.config import Config, ConfigError
+from tidyrl.engines import engine_module
+from tidyrl.models.loading import ModelLoadError, load_model_config, load_tokenizer
+from tidyrl.models.lora import adapter_folder_problem
+from tidyrl.plan import epochs_done, plan_from_config
+
+
+def encode_prompt_set(cfg: Config, dataset, tokenizer, model_config, tools=None):
+    """Encode every prompt once (rendering chat messages) and apply data.overlong_prompts against
+    data.max_prompt_length (default: the model's context minus max_new_tokens).
+    Returns (the dataset of the prompts kept, their token ids, a one-line report or "")."""
+    from tidyrl.data import encode_prompts, fit_prompts
+
+    limit = cfg.data.max_prompt_length
+    context = getattr(model_config, "max_position_embeddings", None)
+    new = cfg.rollout.max_new_tokens
+    # A prompt and its completion must fit the model's context: beyond it, models with learned positions fail
+    # mid-run and rotary ones read positions they were never trained on. Checked before anything is encoded.
+    if context is not None and limit is None and new >= context:
+        raise ConfigError([f"rollout.max_new_tokens={new} leaves no room for a prompt in the model's context of "
+                           f"{context} tokens (max_position_embeddings); lower rollout.max_new_tokens."])
+    if context is not None and limit is not None and limit + new > context:
+        raise ConfigError([f"data.max_prompt_length={limit} + rollout.max_new_tokens={new} = {limit + new} tokens "
+                           f"overflow the model's context of {context} (max_position_embeddings); lower one of them "
+                           f"(e.g. data.max_prompt_length={max(context - new, 0)}) or leave data.max_prompt_length "
+                           "unset (then it is the context minus max_new_tokens)."])
+    encoded = encode_prompts(dataset[cfg.data.prompt_column], tokenizer, tools)
+    if limit is None and context is not None:
+        limit = context - new
+    if limit is None:
+        return dataset, encoded, ""
+    kept, encoded, report = fit_prompts(encoded, limit, cfg.data.overlong_prompts)
+    return (dataset if len(kept) == len(dataset) else dataset.select(kept)), encoded, report
+
+
+@dataclass
+class RLInputs:
+    """What `check_rl_inputs` read and checked, for the run to use."""
+
+    tokenizer: Any
+    dataset: Any
+    """The prompts kept (data.overlong_prompts)."""
+    prompt_ids: list
+    """Their token ids."""
+    report: str
+    """A line on overlong prompts, or ""."""
+    plan: Any
+    columns: list
+    """The data columns offered to reward functions."""
+    reward_fns: list
+    critic: Optional[dict]
+    """PPO: {"critic_model": path, "critic_model_reason": why}."""
+    eval_dataset: Any = None
+    """The held-out prompts (data.eval_path, or data.eval_fraction of data.path), or None."""
+    eval_prompt_ids: Optional[list] = None
+    """Their token ids."""
+    eval_report: str = ""
+    """A line on the held-out prompts (and any shared with training), or ""."""
+    environment: Any = None
+    """environment.factory, imported (multi-turn rollouts), or None."""
+    tools: Optional[list] = None
+    """The environment's tool schemas (its `tool_schemas()`), rendered into every prompt, or None."""
+
+
+def plan_extras(cfg, critic_choice: Optional[dict], eval_prompt_ids) -> dict:
+    """What plan.json (and `tidyrl plan`) say beside the plan's counts: the engine that generates, PPO's critic
+    and why, the held-out prompts."""
+    return {"engine": cfg.rollout.engine, **(critic_choice or {}),
+            **({"eval_prompts": len(eval_prompt_ids)} if eval_prompt_ids else {})}
+
+
+def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RLInputs:
+    """Everything an RL run can check before any weights load, in order: the policy and tokenizer exist (at once,
+    offline too), the data file reads, every prompt fits the context with max_new_tokens, the plan's sizes
+    divide, the reward functions import, the reward models exist, every argument a reward function needs is a
+    data column, and PPO's critic can read the policy's tokens. `tidyrl plan` runs the same checks, so a plan
+    that prints is a run that starts."""
+    from tidyrl.data import load_prompt_dataset, load_rl_prompts, other_columns
+    from tidyrl.rewards import build_reward_functions, check_reward_columns
+
+    model_config = load_model_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
+    dataset = load_rl_prompts(cfg)
+    eval_dataset = None
+    if cfg.data.eval_path:
+        eval_dataset = load_prompt_dataset(cfg.data.eval_path, cfg.data.prompt_column, cfg.data.split)
+    elif cfg.data.eval_fraction:  # held out before anything else: never trained on, not in the plan's N
+        from tidyrl.data.offline import held_out_rows
+
+        held = held_out_rows(len(dataset), cfg.data.eval_fraction, cfg.seed)
+        eval_dataset = dataset.select(held)
+        dataset = dataset.select(sorted(set(range(len(dataset))) - set(held)))
+    environment, tools = None, None
+    if cfg.environment.factory is not None:  # imported now: a typo fails here, before any weights load
+        from tidyrl.rewards import load_reward_function
+
+        environment = load_reward_function(cfg.environment.factory, base_dir, key="environment.factory")
+        schemas = getattr(environment, "tool_schemas", None)
+        tools = schemas() if callable(schemas) else None
+        if tools:
+            check_template_renders_tools(tokenizer, tools, cfg.environment.factory)
+    dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
+    plan = plan_from_config(cfg, len(dataset), world_size)
+    if plan.prompts_per_rollout > len(dataset):  # correct by the plan's formula, rarely what was meant
+        report = "\n".join(filter(None, [report, repeated_prompts_warning(plan, len(dataset))]))
+    columns = other_columns(dataset, cfg.data.prompt_column)
+    reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir, forward_batch_size=cfg.rollout.forward_batch_size)
+    check_reward_columns(reward_fns, columns)
+    eval_prompt_ids, eval_report = None, ""
+    if eval_dataset is not None:
+        eval_dataset, eval_prompt_ids, fit_report = encode_prompt_set(cfg, eval_dataset, tokenizer, model_config)
+        check_reward_columns(reward_fns, other_columns(eval_dataset, cfg.data.prompt_column))
+        source = f"data.eval_path = {cfg.data.eval_path!r}" if cfg.data.eval_path else \
+            f"data.eval_fraction = {cfg.data.eval_fraction}"
+        k = 1 if cfg.log.eval_decoding == "greedy" else cfg.rollout.samples_per_prompt
+        eval_report = (f"eval: {len(eval_dataset)} held-out prompts ({source}), {k} {cfg.log.eval_decoding} "
+                       f"completion(s) each, after every {cfg.log.eval_every or 'last'} optimizer step"
+                       f"{'s' if cfg.log.eval_every != 1 else ''}" + (f"; held-out {fit_report}" if fit_report else ""))
+        trained = {tuple(ids) for ids in prompt_ids}
+        shared = sum(tuple(ids) in trained for ids in eval_prompt_ids)
+        if shared:
+            eval_report += (f"\ntidyrl: warning: {shared} of {len(eval_prompt_ids)} held-out prompts are also "
+                            "training prompts; their eval metrics measure memory, not generalisation")
+    engine = engine_module(cfg.rollout.engine)
+    if hasattr(engine, "input_problems"):  # e.g. vLLM: the architecture, the key/value cache's size
+        from tidyrl.loops.common import cuda_in_use
+
+        longest = max(len(p) for p in [*prompt_ids, *(eval_prompt_ids or [])]) + cfg.rollout.max_new_tokens
+        problems = engine.input_problems(cfg, model_config, not cuda_in_use(), plan.episodes_per_rollout_per_process,
+                                         longest)
+        if problems:
+            raise ConfigError(problems)
+    critic = None
+    if ALGORITHMS[cfg.algorithm].critic:
+        path, why = choose_critic(cfg, tokenizer.get_vocab())
+        critic = {"critic_model": path, "critic_model_reason": why}
+    return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic, eval_dataset,
+                    eval_prompt_ids, eval_report, environment, tools)
+
+
+def check_template_renders_tools(tokenizer, tools: list, factory) -> None:
+    """A tool environment's schemas must reach the model: refuse a chat template that renders a conversation the
+    same with and without `tools` (it has no tool section, so the model would never learn the tools exist)."""
+    probe = [{"role": "user", "content": "hi"}]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError([f"environment.factory: {factory} offers tools, but the tokenizer has no chat template to "
+                           "render them; use a model whose template supports tools"])
+    try:
+        with_tools = tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # the template failed on the schemas
+        raise ConfigError([f"environment.factory: the chat template cannot render {factory}'s tool schemas "
+                           f"({type(err).__name__}: {err}); check the tools' type hints and docstrings"]) from None
+    without = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    if with_tools == without:
+        raise ConfigError([f"environment.factory: {factory} offers tools ({', '.join(t['function']['name'] for t in tools)}), "
+                           "but the model's chat template ignores `tools` (no tool section): the model would never "
+                           "see them. Use a model whose template renders tools, or describe the tools in the prompt "
+                           "and use an environment without tool_schemas"])
+
+
+def choose_critic(cfg: Config, policy_vocab: dict) -> tuple[str, str]:
+    """PPO's value model: (path, why it was chosen). `critic.model` when set, else the first reward model that
+    shares the policy's vocabulary, else the policy. The critic reads the policy's tokens, so a model of another
+    vocabulary cannot be one: as a default it is passed over (the reward model still scores with its own
+    tokenizer); named explicitly, it is an error. Reads configs and tokenizer files only, no weights."""
+    from transformers import AutoTokenizer
+
+    def vocabulary(path):
+        try:
+            return AutoTokenizer.from_pretrained(path).get_vocab()
+        except (OSError, ValueError):
+            return None  # a folder without tokenizer files: trust it
+
+    def usable(path, key):
+        load_model_config(path, key)  # exists and loads
+        problem = adapter_folder_problem(path, key, "a critic")
+        if problem:
+            raise ModelLoadError(problem)
+        vocab = vocabulary(path)
+        return vocab is None or vocab == policy_vocab
+
+    if cfg.critic.model:
+        if not usable(cfg.critic.model, "critic.model"):
+            raise ModelLoadError(
+                f"critic.model={cfg.critic.model!r} has another vocabulary than the policy's tokenizer, but the "
+                "critic reads the policy's tokens. Set critic.model to the policy (or a model sharing its "
+                "tokenizer), or leave it unset to take the default."
+            )
+        return cfg.critic.model, "critic.model"
+    passed_over = []
+    for reward in cfg.rewards:
+        if reward.model and reward.model not in passed_over:
+            if usable(reward.model, "critic.model (default: the first reward model of the policy's vocabulary)"):
+                return reward.model, "the first reward model sharing the policy's vocabulary"
+            passed_over.append(reward.model)
+    problem = adapter_folder_problem(cfg.model, "critic.model (default: the policy)", "a critic")
+    if problem:
+        raise ModelLoadError(problem)
+    if passed_over:
+        return cfg.model, (f"the policy: the reward model{'s' if len(passed_over) > 1 else ''} "
+                           f"{', '.join(passed_over)} read{'' if len(passed_over) > 1 else 's'} another vocabulary")
+    return cfg.model, "the policy: no reward model to start from"
+
+
+def repeated_prompts_warning(plan, prompts: int) -> str:
+    """The line that says a rollout holds more prompts than the data set: every rollout repeats prompts, so the
+    run makes many passes over the data (the `epoch` metric counts them)."""
+    P = plan.prompts_per_rollout
+    total = epochs_done(plan, plan.rollouts)
+    return (f"warning: rollout.prompts_per_rollout = {P} is more than the {prompts} prompts of the data set: every "
+            f"rollout repeats prompts ({P / prompts:g} passes over the data per rollout, {total:g} in all over "
+            f"{plan.rollouts} rollouts). Lower rollout.prompts_per_rollout, or add prompts, if that is not meant.")
+
+
+def make_producers(cfg: Config, inputs: RLInputs, engine, eos_ids, pad_id: int, pool):
+    """The producers of a run's episodes through `engine` (tidyrl.rollouts): the training prompts' (with the
+    environment, if any) and the held-out prompts' (log.eval_decoding's settings), or None without those."""
+    from dataclasses import replace
+
+    from tidyrl.data import other_columns
+    from tidyrl.engines import SamplingSettings
+    from tidyrl.rollouts.episodes import EpisodeSettings
+    from tidyrl.rollouts.producer import Producer
+
+    ro, env = cfg.rollout, cfg.environment
+    sampling = SamplingSettings(max_new_tokens=ro.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                                batch_size=ro.generation_batch_size, min_new_tokens=ro.min_new_tokens,
+                                temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k)
+    settings = EpisodeSettings(sampling)
+    if inputs.environment is not None:
+        settings = EpisodeSettings(sampling, max_turns=env.max_turns, max_turn_tokens=env.max_turn_tokens or
+                                   ro.max_new_tokens, error_reward=env.error_reward, tools=inputs.tools)
+    common = dict(prompt_column=cfg.data.prompt_column, reward_fns=inputs.reward_fns, seed=cfg.seed)
+    producer = Producer(engine, inputs.tokenizer, inputs.dataset, inputs.prompt_ids, columns=inputs.columns,
+                        settings=settings, environment=inputs.environment, pool=pool, **common)
+    if not inputs.eval_prompt_ids:
+        return producer, None
+    greedy = cfg.log.eval_decoding == "greedy"
+    return producer, Producer(engine, inputs.tokenizer, inputs.eval_dataset, inputs.eval_prompt_ids,
+                              columns=other_columns(inputs.eval_dataset, cfg.data.prompt_column),
+                              settings=EpisodeSettings(replace(sampling, top_k=1) if greedy else sampling), **common)

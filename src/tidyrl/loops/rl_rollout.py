@@ -1,0 +1,215 @@
+"""The learner's side of a rollout (DESIGN §3 steps 3-4), as functions: score the produced episodes (the trainer's
+log-probs where the sampler was another program, the reference's, the critic's values), turn rewards into the
+algorithm's advantages, and the rollout's metrics and samples.jsonl rows. Every statistic is over the global
+rollout, so the number of processes does not change it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+
+from tidyrl.algorithms.estimators import ESTIMATORS, Estimate
+from tidyrl.algorithms.kl import kl_per_token
+from tidyrl.algorithms.losses import masked_mean, truncated_importance_weights
+from tidyrl.loops.training import Sums, reduce_max
+from tidyrl.models.sharding import full_weights
+from tidyrl.rollouts.record import Rollout
+from tidyrl.rollouts.scoring import score_logprobs
+
+GROUP_COUNTS = ("groups/generated", "groups/kept", "groups/filled", "groups/dropped")
+"""rollout.dynamic_sampling's per-rollout counts, summed over the run for the summary."""
+
+
+def behaviour_correction(policy, local: Rollout, sampled_logprobs, *, tis_cap: float, behaviour: str,
+                         temperature: float, chunk_size: int, fast_path: bool, accelerator) -> tuple[Any, Any, dict]:
+    """The sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
+    RL training"): the trainer's log-probs of the sampled tokens, recomputed by the policy's forward. They are the
+    old log-probs of the PPO ratio; with rollout.behaviour_logprobs=sampler (and a cap) each token's loss is also
+    weighted by the truncated importance ratio w = min(pi_trainer / pi_sampler, tis_cap). Returns (the old
+    log-probs, the weights or None, the mismatch metrics: this process's tokens, summed over processes)."""
+    with full_weights(policy):
+        trainer = score_logprobs(policy, local, temperature, chunk_size, fast_path=fast_path)
+    mask = local.completion_mask.bool()
+    weights, delta, capped = truncated_importance_weights(trainer, sampled_logprobs, mask, tis_cap)
+    is_weights = weights if behaviour == "sampler" and tis_cap > 0 else None
+    totals = Sums("abs", "tokens", "capped")
+    totals.add(abs=delta.abs().sum(), tokens=mask.sum(), capped=capped.sum() if is_weights is not None else 0.0)
+    summed = totals.reduced(accelerator)
+    peak = reduce_max(accelerator, float(delta.abs().max()) if delta.numel() else 0.0)
+    tokens = max(summed["tokens"], 1.0)
+    stats = {"mismatch/logprob_abs_mean": summed["abs"] / tokens, "mismatch/logprob_abs_max": peak}
+    if is_weights is not None:
+        stats["mismatch/capped_fraction"] = summed["capped"] / tokens
+    return trainer, is_weights, stats
+
+
+def normalised(per_fn: dict, moments: dict) -> dict:
+    """`rewards[i].normalize`: those rewards' scores shifted and scaled by their running moments over the run,
+    updated with this (global) rollout's scores first; the others as they are."""
+    out = dict(per_fn)
+    for name, m in moments.items():
+        scored = per_fn[name][~torch.isnan(per_fn[name])]
+        m.update(scored.tolist())
+        out[name] = (per_fn[name] - m.mean) / max(m.std, 1e-8)
+    return out
+
+
+def estimate_advantages(spec, options, rollout: Rollout, scores, *, k: int, beta: float, use_reference: bool,
+                        policy_is_reference: bool) -> Estimate:
+    """The advantages of the algorithm's estimator (`spec.advantages`) for the global rollout. Multi-turn: only the
+    model's tokens carry a KL or an advantage."""
+    mask = rollout.completion_mask
+    if rollout.action_mask is not None:
+        mask = mask * rollout.action_mask.to(mask.dtype)
+    # Before the first update the policy is the reference (the same starting weights; with LoRA, B = 0), so the
+    # KL is exactly 0. Its estimate is not: the sampler's and the scorer's log-probs of the same weights differ by
+    # float rounding (~1e-7, and differently with another batch split). Where a group's scores tie, the baseline
+    # leaves only that rounding, the whitening scales it up, and AdamW turns a gradient of rounding into steps of
+    # the full learning rate: the run trained on noise and drifted ~lr per step between 1 and 2 processes
+    # (REINFORCE++-baseline, RLOO). So the first rollout's KL is taken as the 0 it is.
+    in_reward = spec.kl_in == "reward" and use_reference and not policy_is_reference
+    kl = kl_per_token(rollout.old_logprobs, rollout.ref_logprobs, options.kl_estimator) if in_reward \
+        else torch.zeros_like(mask)
+    return ESTIMATORS[spec.advantages](scores, k=k, mask=mask, multi_turn=rollout.action_mask is not None,
+                                       truncated=rollout.truncated, kl=kl, beta=beta, values=rollout.old_values,
+                                       **vars(options))
+
+
+def rollout_stats(rollout: Rollout, scores, raw_per_fn: dict, overlong, algo_stats: dict) -> dict:
+    """The rollout's metrics, the same in every metrics row of its optimizer steps."""
+    lengths = rollout.completion_mask.sum(1)
+    adv = rollout.advantages
+    stats: dict[str, Any] = {
+        "reward_mean": float(scores.mean()),
+        "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "completion_length_mean": float(lengths.mean()),
+        "truncated_fraction": float(rollout.truncated.float().mean()),
+        "advantage_abs_mean": float(adv.abs().mean() if adv.dim() == 1 else
+                                    masked_mean(adv.abs(), rollout.completion_mask)),
+        **algo_stats,
+    }
+    for name, v in raw_per_fn.items():
+        scored = v[~torch.isnan(v)]
+        stats[f"reward/{name}"] = float(scored.mean()) if len(scored) else None
+    if overlong is not None:
+        stats["overlong_penalty_mean"] = float(overlong.mean())  # included in reward_mean
+    if rollout.action_mask is not None:  # multi-turn: how the trajectories split between model and environment
+        model_tokens = (rollout.action_mask * rollout.completion_mask).sum(1)
+        stats["tokens/model_mean"] = float(model_tokens.mean())
+        stats["tokens/env_mean"] = float((rollout.completion_mask.sum(1) - model_tokens).mean())
+    return stats
+
+
+def sample_row(tokenizer, rollout: Rollout, e: int, k: int, prompt, scores, raw_per_fn) -> dict:
+    """One samples.jsonl row for global episode e."""
+    n = int(rollout.completion_mask[e].sum())
+    adv = rollout.advantages
+    return {
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
+        "sample": e % k,  # which of the prompt's k completions
+        "completion": tokenizer.decode(rollout.completion_ids[e, :n].tolist(), skip_special_tokens=True),
+        "reward": float(scores[e]),
+        "rewards": {name: None if math.isnan(float(v[e])) else float(v[e]) for name, v in raw_per_fn.items()},
+        # token-level advantages (PPO, REINFORCE++): the mean over the completion's tokens
+        "advantage": float(adv[e] if adv.dim() == 1 else masked_mean(adv[e], rollout.completion_mask[e])),
+        "truncated": bool(rollout.truncated[e]),
+    }
+
+
+def gather_rollout(accelerator, local: Rollout, pad_id: int) -> Rollout:
+    """Every process gets all R episodes (ids and masks are small), padded to common widths: prompts on the left
+    (with the pad id), every per-token field on the right (completions with the pad id)."""
+    if accelerator.num_processes == 1:
+        return local
+
+    def cat(name, t):
+        if t is None:
+            return None
+        t = t.to(accelerator.device)
+        if t.dim() == 2:
+            pad_index = pad_id if name in ("prompt_ids", "completion_ids") else 0
+            t = accelerator.pad_across_processes(t, dim=1, pad_index=pad_index, pad_first=name.startswith("prompt"))
+        return accelerator.gather(t).cpu()
+
+    return Rollout(**{f.name: cat(f.name, getattr(local, f.name)) for f in fields(Rollout)})
+
+
+def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, accelerator, use_reference: bool,
+                   reference, kl_in_reward: bool, critic) -> tuple[Rollout, dict]:
+    """This process's share of the rollout record, scored: the behaviour (old) log-probs and, where the sampler
+    was not the trainer, the importance weights; with a KL term (`use_reference`) the reference's log-probs
+    (`reference`: the frozen model, or None with LoRA: the policy with its adapter off); the critic's values
+    (`critic`, or None). Returns (the local Rollout, the mismatch metrics)."""
+    from tidyrl.models.generation import left_pad
+    from tidyrl.models.lora import reference_of
+    from tidyrl.rollouts.scoring import score_values
+
+    ro = cfg.rollout
+    ep = made.episodes
+    p_ids, p_mask = left_pad(made.prompt_ids, pad_id)
+    tokens = Rollout(p_ids, p_mask, ep.completion_ids, ep.completion_mask, ep.truncated, action_mask=ep.action_mask)
+    # Old log-probs differ from the current ones only after the rollout's first optimizer step, so they are kept
+    # only when E*M > 1, or when the KL penalty sits in the reward. The sampling pass computed them with the same
+    # weights (no second forward pass; equal up to rounding).
+    old = ep.logprobs if plan.optimizer_steps_per_rollout > 1 or (use_reference and kl_in_reward) else None
+    is_weights, sampler, mismatch = None, None, {}
+    if tis_cap > 0 and ro.behaviour_logprobs == "sampler" and plan.minibatches_per_epoch == 1:
+        # The rollout's first optimizer step covers all of it (one mini-batch per epoch), and the policy that takes
+        # it IS the trainer at sampling time: the importance weights come from that step's own forward
+        # (loops.rl_update), which also records the trainer's log-probs for the later epochs. No extra pass.
+        sampler = ep.logprobs
+    elif tis_cap > 0 or ro.behaviour_logprobs == "trainer":
+        old, is_weights, mismatch = behaviour_correction(
+            policy, tokens, ep.logprobs, tis_cap=tis_cap, behaviour=ro.behaviour_logprobs, temperature=ro.temperature,
+            chunk_size=ro.forward_batch_size, fast_path=cfg.model_fast_paths, accelerator=accelerator)
+    ref = values = None
+    if use_reference:
+        with full_weights(policy), reference_of(policy, reference) as model:
+            ref = score_logprobs(model, tokens, ro.temperature, ro.forward_batch_size, fast_path=cfg.model_fast_paths)
+    if critic is not None:
+        critic.eval()
+        with full_weights(critic):
+            values = score_values(critic, tokens, ro.forward_batch_size)
+    return replace(tokens, old_logprobs=old, ref_logprobs=ref, old_values=values, is_weights=is_weights,
+                   sampler_logprobs=sampler), mismatch
+
+
+def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts: int, accelerator) -> dict:
+    """The held-out prompts, generated and scored with the current policy through the rollout path:
+    eval/reward_mean (the weighted sum of the raw scores: a `normalize: true` reward is not normalised, as in
+    `tidyrl eval`), eval/reward/<name>, eval/completion_length_mean, eval/truncated_fraction, time/eval_s.
+
+    k completions per prompt (log.eval_decoding greedy: 1, the most likely token each step; sampled:
+    rollout.samples_per_prompt), keyed by (seed, EVAL_SLOT, episode) at every evaluation, so two evaluations differ
+    by the policy only. Each process takes a contiguous share of the episodes and the sums are reduced by name: the
+    same numbers on any number of processes."""
+    import time
+
+    from tidyrl.rollouts.producer import EVAL_SLOT
+
+    total, rank, world = prompts * k, accelerator.process_index, accelerator.num_processes
+    episodes = range(total * rank // world, total * (rank + 1) // world)
+    names = [f.name for f in producer.reward_fns]
+    sums = Sums("reward", "length", "truncated", *[f"{n}:sum" for n in names], *[f"{n}:count" for n in names])
+    t0 = time.perf_counter()
+    engine.sync(policy)  # the weights of this step
+    with weights_context:  # a collective under FSDP: every process enters, even with no episode
+        made = producer.round(EVAL_SLOT, list(episodes), [e // k for e in episodes])
+        engine.release()
+    if made.scored is not None:
+        sums.add(reward=sum(made.scored.total), length=sum(made.completion_lengths),
+                 truncated=made.episodes.truncated.sum())
+        for name, values in made.scored.per_function.items():
+            scored = [v for v in values if v is not None]
+            sums.add(**{f"{name}:sum": sum(scored), f"{name}:count": len(scored)})
+    totals = sums.reduced(accelerator)
+    metrics = {"eval/reward_mean": totals["reward"] / total}
+    for name in names:
+        count = totals[f"{name}:count"]
+        metrics[f"eval/reward/{name}"] = totals[f"{name}:sum"] / count if count else None
+    metrics.update({"eval/completion_length_mean": totals["length"] / total,
+                    "eval/truncated_fraction": totals["truncated"] / total, "time/eval_s": time.perf_counter() - t0})
+    return metrics

@@ -1,0 +1,208 @@
+"""One optimizer step of the on-policy RL learner (DESIGN §3 step 5): a global mini-batch of a rollout's
+episodes, this process's share in micro-batches of m with gradient accumulation, the loss normalised over the
+whole mini-batch (so m and the number of processes never change the gradient), then one optimizer and one
+LR-scheduler step for the policy (and PPO's critic).
+
+What differs between algorithms comes from the algorithm table (`algorithms.table`): the policy loss, where the
+KL goes, whether a critic learns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+
+from tidyrl.algorithms.kl import kl_per_token
+from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss, truncated_importance_weights
+from tidyrl.algorithms.ppo import clipped_value_loss
+from tidyrl.loops.training import Sums, apply_update, no_sync, reduce_max, reduce_sum
+from tidyrl.models.devices import to_device
+from tidyrl.models.forward import completion_logprobs, completion_values
+from tidyrl.rollouts.record import Rollout, chunks
+
+SUMS = ("loss", "kl_x_tokens", "entropy_x_tokens", "clipped_tokens", "tokens", "value_loss", "value_clipped_tokens",
+        "mismatch_abs", "mismatch_capped")
+"""What a step sums over its micro-batches and processes, for its metrics."""
+
+
+@dataclass
+class Trainee:
+    """What the updates change: the policy (and PPO's critic), each with its optimizer and LR schedule."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    critic: Any = None
+    critic_optimizer: Any = None
+    critic_scheduler: Any = None
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How a step computes its loss: the algorithm's options and table entry, resolved once per run."""
+
+    options: Any
+    """The algorithm's config section (clip_eps, kl_coef, loss_aggregation, ...)."""
+    policy_loss: str
+    kl_in_loss: bool
+    tis_cap: float
+    temperature: float
+    max_new_tokens: int
+    fast_path: bool
+    sync_each_microbatch: bool
+    max_grad_norm: float
+
+
+def loss_mask(completion_mask, truncated, action_mask, mask_truncated: bool):
+    """The tokens the loss (and its normaliser, KL and entropy metrics) covers: every completion token the model
+    sampled (multi-turn: not the environment's, `action_mask`), and with mask_truncated (DAPO's overlong
+    filtering) only those of completions that ended with EOS."""
+    mask = completion_mask if action_mask is None else completion_mask * action_mask.to(completion_mask.dtype)
+    if not mask_truncated:
+        return mask
+    return mask * (~truncated.bool()).to(mask.dtype)[:, None]
+
+
+def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, settings: UpdateSettings, plan,
+                   accelerator, out) -> tuple[dict, Optional[Rollout]]:
+    """One optimizer step over a global mini-batch of episode indices. Returns the step's metrics and, after the
+    rollout's first step when it took its importance weights from its own forward (and more steps follow), the
+    rollout with the trainer's log-probs and weights for the later epochs (else None)."""
+    models = [trainee.model] if trainee.critic is None else [trainee.model, trainee.critic]
+    for m in models:
+        m.train()
+    t0 = time.perf_counter()
+    o = settings.options
+    # Normaliser of the whole global mini-batch (every process holds the global rollout, so no all-reduce).
+    mb_mask = loss_mask(rollout.completion_mask[minibatch], rollout.truncated[minibatch],
+                        None if rollout.action_mask is None else rollout.action_mask[minibatch], o.mask_truncated)
+    normaliser = loss_normaliser(o.loss_aggregation, num_tokens=float(mb_mask.sum()), num_sequences=len(minibatch),
+                                 max_new_tokens=settings.max_new_tokens)
+    per_proc = plan.episodes_per_minibatch_per_process
+    rank = accelerator.process_index
+    mine = minibatch[rank * per_proc: (rank + 1) * per_proc].tolist()
+    # Samples of one prompt side by side, so a micro-batch runs each shared prompt once (models/forward.py). The
+    # split into micro-batches changes only the summation order: the normaliser is the mini-batch's.
+    mine.sort(key=lambda e: e // plan.samples_per_prompt)
+    micro_batches = list(chunks(mine, plan.micro_batch_size))
+    assert len(micro_batches) == plan.gradient_accumulation_steps
+    sums = Sums(*SUMS)
+    # The rollout's first step takes the importance weights from its own forward (see loops.rl).
+    in_update_weights = rollout.sampler_logprobs is not None
+    # Later epochs need the trainer's log-probs at sampling time (their old log-probs and weights): this step's
+    # forwards compute them, for this process's episodes (kept on the device until the step's end).
+    device = accelerator.device
+    trainer_logprobs = torch.zeros(rollout.completion_ids.shape, device=device) \
+        if in_update_weights and plan.optimizer_steps_per_rollout > 1 else None
+    peak = torch.zeros(())
+    for i, idx in enumerate(micro_batches):
+        sync = settings.sync_each_microbatch or i == len(micro_batches) - 1
+        with no_sync(accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
+            peak = _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator, sums, peak,
+                                trainer_logprobs, in_update_weights)
+    sums = sums.reduced(accelerator)
+    later = None
+    if trainer_logprobs is not None:  # every episode was in this step, on one process each: a sum gathers them
+        later = weights_for_later_epochs(rollout, reduce_sum(accelerator, trainer_logprobs).cpu(), settings.tis_cap)
+    return _step_and_metrics(sums, step, trainee, settings, accelerator, out, t0, in_update_weights, peak,
+                             rollout.ref_logprobs is not None), later
+
+
+def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator, sums, peak, trainer_logprobs,
+                 in_update_weights):
+    """Forward and backward of one micro-batch (episodes `idx`); adds its metric sums. Returns the running peak
+    of the sampler/trainer log-prob gap."""
+    o, device, model, critic = settings.options, accelerator.device, trainee.model, trainee.critic
+    # The micro-batch stays on the host (where its padding is trimmed and its shared prompts found); each tensor
+    # the step reads goes to the device without a synchronisation (tidyrl.models.devices).
+    part = rollout.select(idx)
+    mask = to_device(loss_mask(part.completion_mask, part.truncated, part.action_mask, o.mask_truncated), device)
+    logprobs, entropy = completion_logprobs(model, *part.sequences, settings.temperature, with_entropy=True,
+                                            fast_path=settings.fast_path)
+    # The ratio's old log-probs are the trainer's at sampling time. With one step per rollout that is this very
+    # forward (the weights have not moved), also where old_logprobs holds the sampler's for a KL in the reward:
+    # against those the ratio would count the sampler/trainer mismatch that the importance weights below already
+    # correct, a second time, and clip on it.
+    old = logprobs.detach() if part.old_logprobs is None or in_update_weights else to_device(part.old_logprobs, device)
+    adv = to_device(part.advantages, device)
+    token_loss, clipped = policy_loss(settings.policy_loss, logprobs, old, adv, mask, o.clip_eps, o.clip_eps_high)
+    if part.is_weights is not None:  # truncated importance sampling: the sampler was not the trainer
+        token_loss = token_loss * to_device(part.is_weights, device).to(token_loss.dtype)
+    elif in_update_weights:  # the same, its weights from this forward
+        weights, delta, capped = truncated_importance_weights(
+            logprobs.detach(), to_device(part.sampler_logprobs, device), mask, settings.tis_cap)
+        token_loss = token_loss * weights
+        sums.add(mismatch_abs=delta.abs().sum(), mismatch_capped=capped.sum())
+        peak = torch.maximum(delta.abs().max(), torch.as_tensor(peak))
+        if trainer_logprobs is not None:  # (index_copy_ with a device index: a list index would sync)
+            trainer_logprobs[:, : logprobs.shape[1]].index_copy_(
+                0, to_device(torch.as_tensor(idx), device), logprobs.detach().float() * to_device(part.completion_mask,
+                                                                                                   device))
+    kl = None
+    if part.ref_logprobs is not None:
+        # At step 1 the policy is the reference: its own log-probs are the reference's exactly, while the scored
+        # ones differ by rounding, whose KL gradient AdamW would turn into full steps where a group's advantages
+        # tie at 0. k2/k3 and their gradients are then exactly 0; k1 keeps its gradient (that of log pi).
+        ref = logprobs.detach() if step == 1 else to_device(part.ref_logprobs, device)
+        kl = kl_per_token(logprobs, ref, o.kl_estimator)
+        if settings.kl_in_loss:  # e.g. GRPO: the KL a term of the loss (Shao et al. 2024, eq. 3)
+            token_loss = token_loss + o.kl_coef * kl
+    loss = aggregate_loss(token_loss, mask, o.loss_aggregation, normaliser)
+    value_loss, value_clipped = torch.zeros(()), torch.zeros_like(mask)
+    if critic is not None:  # PPO: the clipped value loss on the GAE returns, same normaliser
+        values = completion_values(critic, *part.sequences)
+        value_BT, value_clipped = clipped_value_loss(values, to_device(part.old_values, device),
+                                                     to_device(part.returns, device), o.value_clip)
+        value_loss = aggregate_loss(value_BT, mask, o.loss_aggregation, normaliser)
+        loss = loss + o.vf_coef * value_loss
+    # DDP averages gradients over W processes; our loss is already this process's share of the global mean, so
+    # scale by W to make the synchronised gradient the global one.
+    accelerator.backward(loss * accelerator.num_processes)
+    with torch.no_grad():
+        sums.add(loss=loss, kl_x_tokens=(kl * mask).sum() if kl is not None else 0.0,
+                 entropy_x_tokens=(entropy * mask).sum(), clipped_tokens=(clipped.float() * mask).sum(),
+                 tokens=mask.sum(), value_loss=value_loss, value_clipped_tokens=(value_clipped.float() * mask).sum())
+    return peak
+
+
+def _step_and_metrics(sums: dict, step, trainee, settings, accelerator, out, t0, in_update_weights, peak,
+                      with_kl: bool) -> dict:
+    """The optimizer and scheduler steps (the critic's too), and the step's metrics."""
+    parts = [(trainee.model, trainee.optimizer, trainee.scheduler)]
+    if trainee.critic is not None:  # the critic's own optimizer and schedule, also stepped once per optimizer step
+        parts.append((trainee.critic, trainee.critic_optimizer, trainee.critic_scheduler))
+    updates = apply_update(accelerator, parts, settings.max_grad_norm, step, sums["loss"], out,
+                           "Lower train.learning_rate, check the rewards' scale, or set train.max_grad_norm.")
+    (lr, grad_norm) = updates[0]
+    tokens = max(sums["tokens"], 1.0)
+    metrics = {
+        "lr": lr,
+        "loss": sums["loss"],
+        "kl": sums["kl_x_tokens"] / tokens if with_kl else None,
+        "entropy": sums["entropy_x_tokens"] / tokens,
+        "clip_fraction": sums["clipped_tokens"] / tokens,
+        "grad_norm": grad_norm,
+        "time/update_s": time.perf_counter() - t0,
+    }
+    if in_update_weights:  # truncated importance sampling inside the update (the rollout's first step)
+        metrics.update({"mismatch/logprob_abs_mean": sums["mismatch_abs"] / tokens,
+                        "mismatch/logprob_abs_max": reduce_max(accelerator, float(peak)),
+                        "mismatch/capped_fraction": sums["mismatch_capped"] / tokens})
+    if trainee.critic is not None:
+        metrics["critic_lr"] = updates[1][0]
+        metrics.update({"value_loss": sums["value_loss"], "value_clip_fraction": sums["value_clipped_tokens"] / tokens,
+                        "critic_grad_norm": updates[1][1], "time/update_s": time.perf_counter() - t0})
+    return metrics
+
+
+def weights_for_later_epochs(rollout: Rollout, trainer_logprobs, tis_cap: float) -> Rollout:
+    """After the rollout's first step took its importance weights from its own forward: the trainer's log-probs
+    of that forward become the old log-probs of the later epochs, and their weights min(pi_trainer / pi_sampler,
+    tis_cap) are kept (as a separate scoring pass would have computed them, with one more forward). Saved with
+    the rollout in a checkpoint, so a resume continues with them."""
+    weights, _, _ = truncated_importance_weights(trainer_logprobs, rollout.sampler_logprobs, rollout.completion_mask,
+                                                 tis_cap)
+    return replace(rollout, is_weights=weights, old_logprobs=trainer_logprobs, sampler_logprobs=None)

@@ -1,0 +1,251 @@
+"""Episodes: a prompt, then model turns through an engine and environment turns, token in, token out.
+
+A single-turn prompt is an episode of one model turn (no environment): the same loop, which then ends.
+
+    for turn t = 0 .. max_turns - 1, over the episodes still running:
+        generate the model's turn from (prompt + everything so far), as tokens (keys: seed, rollout, episode, t)
+        the environment answers the decoded turn (in worker threads, with a timeout)
+        its message is rendered by the chat template and only the NEW text is tokenised and appended
+    until the environment says done, the turns run out, or the trajectory reaches rollout.max_new_tokens
+
+The trajectory is the exact token sequence the model saw and produced: the model's tokens are never decoded
+and re-encoded, and each environment message is encoded once, as the text the chat template adds after the
+model's turn (`environment_message_ids`). `action` marks the model's tokens: only they carry the loss, the KL
+and the entropy; the environment's are context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from tidyrl.engines.base import SamplingSettings
+from tidyrl.environments.base import EnvironmentError_, EnvironmentPool, check_reply
+
+
+@dataclass
+class Conversation:
+    """One episode's completion: every token after the prompt, model and environment."""
+
+    ids: list[int] = field(default_factory=list)
+    action: list[int] = field(default_factory=list)
+    """1 for a token the model sampled, 0 for one the environment's message added."""
+    logprobs: list[float] = field(default_factory=list)
+    """The sampling pass's log-prob of each model token (0 for environment tokens)."""
+    messages: list[dict] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    truncated: bool = False
+    """The trajectory reached the token budget (rollout.max_new_tokens) before the episode ended (a single turn:
+    the engine stopped it at max_new_tokens without EOS)."""
+    error: Optional[str] = None
+    done: bool = False
+    closed: bool = False
+    """Its environment's `close()` ran (or it has none): the episode's end was handled."""
+    close_error: Optional[str] = None
+    """What `close()` raised, recorded (never raised into the run)."""
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **({"tools": tools} if tools else {}))
+
+
+def environment_message_ids(tokenizer, messages: list[dict], turn_text: str, generated_text: str, message: dict,
+                            tools=None) -> list[int]:
+    """The tokens an environment message adds after the model's turn: the chat template's text for
+    `messages` (ending with the model's turn, `turn_text`) plus `message` plus the next generation prompt,
+    minus the text already there, less what the model itself generated after its content (`generated_text`,
+    e.g. its end-of-turn token). Encoded alone, without special tokens: nothing before it is re-tokenised."""
+    before = _render(tokenizer, messages, False, tools)
+    after = _render(tokenizer, messages + [message], True, tools)
+    if not after.startswith(before):
+        raise EnvironmentError_(
+            "the chat template does not render a conversation as the prefix of the longer one (it rewrites earlier "
+            "turns, e.g. drops reasoning), so an environment message cannot be appended as tokens; use a template "
+            "that renders prefixes consistently")
+    end = before.rfind(turn_text) + len(turn_text) if turn_text else len(before)
+    tail = before[end:]  # what the template writes after the turn's content (e.g. "<|im_end|>\n")
+    own = generated_text[len(turn_text):] if generated_text.startswith(turn_text) else ""
+    rest = tail[len(own):] if own and tail.startswith(own) else tail
+    return tokenizer(rest + after[len(before):], add_special_tokens=False)["input_ids"]
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """What shapes every episode of a call (the rollout.* and environment.* keys)."""
+
+    sampling: SamplingSettings
+    """The engine's settings; its max_new_tokens is the episode's budget (model and environment tokens)."""
+    max_turns: int = 1
+    max_turn_tokens: Optional[int] = None
+    """The most tokens of one model turn (None: the budget)."""
+    error_reward: float = 0.0
+    """The reward of an episode whose environment failed."""
+    tools: Optional[list] = None
+    """The environment's tool schemas, rendered by the chat template."""
+
+
+@dataclass
+class Episodes:
+    """B episodes laid out as a rollout's tensors (T = the budget, max_new_tokens)."""
+
+    completion_ids: torch.Tensor
+    """(B, T) long: every token after the prompt, the model's and the environment's; padding after."""
+    completion_mask: torch.Tensor
+    """(B, T) float: 1 for every real token."""
+    truncated: torch.Tensor
+    """(B,) bool (`Conversation.truncated`)."""
+    logprobs: torch.Tensor
+    """(B, T) the engine's log-prob of each token it sampled (the behaviour log-probs); 0 elsewhere."""
+    action_mask: Optional[torch.Tensor] = None
+    """(B, T) 1 for the model's tokens, 0 for the environment's; None without an environment."""
+    env_reward: Optional[torch.Tensor] = None
+    """(B,) the environment's reward (the sum of its replies'); None without an environment."""
+    turns: Optional[torch.Tensor] = None
+    """(B,) model turns taken (float); None without an environment."""
+    errors: Optional[torch.Tensor] = None
+    """(B,) 1.0 where the episode ended on an environment error; None without an environment."""
+    error_texts: list = field(default_factory=list)
+    """The error of each episode, or None."""
+    close_errors: list = field(default_factory=list)
+    """What each episode's environment's `close()` raised, or None."""
+
+
+def run_episodes(engine, tokenizer, prompt_ids: Sequence[Sequence[int]], settings: EpisodeSettings, *,
+                 sample_key: Callable[[int, int], int], environments: Optional[Sequence[Any]] = None,
+                 messages: Optional[Sequence[list[dict]]] = None, pool: Optional[EnvironmentPool] = None,
+                 env_names: Sequence[str] = ()) -> list[Conversation]:
+    """The episodes of `prompt_ids` through `engine` (see the module docstring). `sample_key(i, t)` seeds episode
+    i's turn t. With `environments` (one each, already built; an error text where one failed to build, see
+    `Conversation.error`), `messages` are the prompts as chat messages and `pool` calls the environments; without,
+    every episode is one model turn."""
+    conversations = [Conversation(messages=list(m)) for m in messages] if messages is not None else \
+        [Conversation() for _ in prompt_ids]
+    for i, env in enumerate(environments or ()):
+        if isinstance(env, str):  # the constructor failed: the episode ends before any turn
+            conversations[i].error, conversations[i].done = env, True
+            conversations[i].reward = settings.error_reward
+    budget = settings.sampling.max_new_tokens
+    for t in range(settings.max_turns if environments is not None else 1):
+        active = [i for i, c in enumerate(conversations) if not c.done]
+        if not active:
+            break
+        turn_tokens = min(settings.max_turn_tokens or budget, min(budget - len(conversations[i].ids) for i in active))
+        ids, mask, truncated, logprobs = engine.generate(
+            [list(prompt_ids[i]) + conversations[i].ids for i in active], [sample_key(i, t) for i in active],
+            replace(settings.sampling, max_new_tokens=max(turn_tokens, 1)))
+        replies = []
+        for row, i in enumerate(active):
+            c = conversations[i]
+            n = int(mask[row].sum())
+            turn = ids[row, :n].tolist()
+            c.ids += turn
+            c.action += [1] * n
+            c.logprobs += logprobs[row, :n].tolist()
+            c.turns += 1
+            if environments is None:  # a single turn: the episode ends with it
+                c.done, c.truncated = True, bool(truncated[row])
+                continue
+            text = tokenizer.decode(turn, skip_special_tokens=True)
+            c.messages.append({"role": "assistant", "content": text})
+            replies.append((i, text, tokenizer.decode(turn, skip_special_tokens=False)))
+        if environments is not None:
+            _environment_turn(conversations, replies, environments, settings, pool, env_names, tokenizer,
+                              last=(t == settings.max_turns - 1))
+        for i in active:
+            c = conversations[i]
+            if not c.done and len(c.ids) >= budget:
+                c.truncated, c.done = True, True
+        if environments is not None:
+            close_ended(conversations, environments, pool)
+    if environments is not None:  # episodes still open when the turns ran out
+        for c in conversations:
+            c.done = True
+        close_ended(conversations, environments, pool)
+    return conversations
+
+
+def close_ended(conversations: Sequence[Conversation], environments: Sequence[Any], pool: EnvironmentPool) -> None:
+    """An episode's end: the environment of every episode that has ended (done, out of turns or tokens, failed)
+    and is not closed yet gets its `close()` called, once, in the pool's workers (with its timeout), so that what
+    it holds (an OpenEnv session, a connection, a file) is released as soon as the episode is over. What `close()`
+    raises is recorded in `Conversation.close_error`, never raised into the run. Environments without `close`,
+    and those whose constructor failed, have nothing to close."""
+    ending = [i for i, c in enumerate(conversations) if c.done and not c.closed]
+    calls = []
+    for i in ending:
+        conversations[i].closed = True
+        closer = getattr(environments[i], "close", None)
+        if not isinstance(environments[i], str) and callable(closer):
+            calls.append((i, closer))
+    for (i, _), (_, error) in zip(calls, pool.call([closer for _, closer in calls])):
+        conversations[i].close_error = error
+
+
+def _environment_turn(conversations, replies, environments, settings: EpisodeSettings, pool, env_names, tokenizer,
+                      last: bool) -> None:
+    """The environments answer the model's turns `replies` [(episode, text, text with special tokens)]: their
+    rewards are added, their messages appended as tokens, and the episodes they end are marked done."""
+    budget = settings.sampling.max_new_tokens
+    results = pool.call([lambda i=i, text=text: environments[i].step(text, list(conversations[i].messages))
+                         for i, text, _ in replies])
+    for (i, text, generated), (reply, error) in zip(replies, results):
+        c = conversations[i]
+        if error is None:
+            try:
+                reply = check_reply(reply, env_names[i])
+            except EnvironmentError_ as err:
+                error = str(err)
+        if error is not None:
+            c.error, c.done, c.reward = error, True, settings.error_reward
+            continue
+        c.reward += float(reply.reward or 0.0)
+        if reply.done or last or reply.message is None:
+            c.done = True
+            continue
+        try:
+            extra = environment_message_ids(tokenizer, c.messages, text, generated, reply.message, settings.tools)
+        except EnvironmentError_ as err:
+            c.error, c.done, c.reward = str(err), True, settings.error_reward
+            continue
+        c.messages.append(dict(reply.message))
+        room = budget - len(c.ids)
+        c.ids += extra[:room]
+        c.action += [0] * min(len(extra), room)
+        c.logprobs += [0.0] * min(len(extra), room)
+        if len(extra) >= room:  # no room left for another model turn
+            c.truncated, c.done = True, True
+
+
+def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int, multi_turn: bool) -> Episodes:
+    """The conversations as a rollout's tensors (`Episodes`), each padded to the budget."""
+    B, T = len(conversations), budget
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask, logprobs, action = torch.zeros((B, T)), torch.zeros((B, T)), torch.zeros((B, T))
+    for b, c in enumerate(conversations):
+        n = len(c.ids)
+        ids[b, :n] = torch.tensor(c.ids, dtype=torch.long)
+        mask[b, :n], action[b, :n] = 1.0, torch.tensor(c.action, dtype=torch.float32)
+        logprobs[b, :n] = torch.tensor(c.logprobs)
+    truncated = torch.tensor([c.truncated for c in conversations], dtype=torch.bool)
+    if not multi_turn:
+        return Episodes(ids, mask, truncated, logprobs, error_texts=[None] * B)
+    return Episodes(ids, mask, truncated, logprobs, action_mask=action,
+                    env_reward=torch.tensor([c.reward for c in conversations]),
+                    turns=torch.tensor([float(c.turns) for c in conversations]),
+                    errors=torch.tensor([float(c.error is not None) for c in conversations]),
+                    error_texts=[c.error for c in conversations], close_errors=[c.close_error for c in conversations])
+
+
+def build_environments(env_cls, rows: Sequence[dict], seeds: Sequence[int], pool: EnvironmentPool) -> list:
+    """One environment per episode, built in the pool (a constructor may hang or raise too): the instance, or
+    the error text for that episode."""
+    built = pool.call([lambda row=row, seed=seed: env_cls(row, seed) for row, seed in zip(rows, seeds)])
+    return [env if error is None else f"environment constructor: {error}" for env, error in built]
+
+
+__all__ = ["Conversation", "EpisodeSettings", "Episodes", "as_episodes", "build_environments",
+           "environment_message_ids", "run_episodes"]
