@@ -19,7 +19,7 @@ from tidyrl.algorithms.kl import kl_per_token
 from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss, truncated_importance_weights
 from tidyrl.algorithms.ppo import clipped_value_loss
 from tidyrl.loops.training import Sums, apply_update, no_sync, reduce_max, reduce_sum
-from tidyrl.models.devices import to_device
+from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
 from tidyrl.rollouts.record import Rollout, chunks
 
@@ -177,6 +177,7 @@ def _step_and_metrics(sums: dict, step, trainee, settings, accelerator, out, t0,
     updates = apply_update(accelerator, parts, settings.max_grad_norm, step, sums["loss"], out,
                            "Lower train.learning_rate, check the rewards' scale, or set train.max_grad_norm.")
     (lr, grad_norm) = updates[0]
+    phase_done(accelerator.device)  # the optimizer step's kernels are the update's time (docs/benchmarks.md)
     tokens = max(sums["tokens"], 1.0)
     metrics = {
         "lr": lr,

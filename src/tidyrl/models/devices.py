@@ -25,3 +25,12 @@ def to_device(tensor: Optional[torch.Tensor], device: torch.device | str) -> Opt
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def phase_done(device: torch.device | str) -> None:
+    """Before a phase's clock stops: on a CUDA device, wait for the kernels the phase queued (the optimizer step's,
+    say), so that a phase's time is its own and not billed to the next one. One wait per phase, never inside a
+    loop; nothing to wait for elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
