@@ -304,3 +304,15 @@ def test_the_sandbox_of_an_unprivileged_trainer():
                           env={"PATH": "/usr/bin:/bin"}, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "sandboxed 65534" in done.stdout
+
+
+def test_the_benchmark_prints_completions_per_second_with_and_without_the_sandbox():
+    bench = Path(__file__).parent.parent / "benchmarks" / "bench_code_sandbox.py"
+    done = subprocess.run([sys.executable, str(bench), "--completions", "4", "--rounds", "1", "--workers", "1", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split("  ")[0].strip(): line for line in done.stdout.splitlines()}
+    for name in ("unsandboxed x1", "unsandboxed x2") + (() if NO_SANDBOX else ("sandboxed x1", "sandboxed x2")):
+        assert "completions/s" in rows[name] and float(rows[name].split()[2]) > 0, done.stdout
+    assert ("sandbox cost" in done.stdout) == (NO_SANDBOX is None)
+    assert NO_SANDBOX is None or f"sandbox: unavailable here ({NO_SANDBOX})" in done.stdout
