@@ -212,12 +212,18 @@ def run_python_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: i
         with tempfile.TemporaryFile() as out:
             proc = subprocess.Popen(argv, cwd=scratch or "/", env=env, stdin=subprocess.PIPE, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
+            # The limit is a timer that kills the group, and the wait a blocking one: Popen.wait(timeout=...)
+            # polls with sleeps growing to 50 ms, which added up to the run's own length to every completion.
+            expired = threading.Event()
+            timer = threading.Timer(timeout_s, _expire, (proc, expired))
+            timer.start()
             try:
-                proc.communicate(job, timeout=timeout_s)
-                code_ = proc.returncode
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                proc.communicate(job)
+            finally:
+                timer.cancel()
+            if expired.is_set():
                 return False, f"timed out after {timeout_s} s"
+            code_ = proc.returncode
             _kill_group(proc)  # outside the sandbox: anything it left running in the background
             out.seek(0)
             lines = out.read().decode("utf-8", "replace").strip().splitlines()
@@ -229,6 +235,15 @@ def run_python_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: i
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _expire(proc, expired: threading.Event) -> None:
+    """The time limit: kill the whole group (the waiting thread then reaps it)."""
+    expired.set()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _kill_group(proc) -> None:
