@@ -13,7 +13,14 @@ from conftest import read_jsonl, write_jsonl
 
 import tidyrl
 from tidyrl.rewards import RewardError, build_reward_functions, compute_rewards
+from tidyrl.rewards import sandbox
 from tidyrl.rewards.verifiable import code_tests, extract_code, format_match, math_answer, run_python_tests
+
+SANDBOXED = sandbox.problem() is None
+"""The limits are tested in the sandbox where this machine has one, else without (allow_unsandboxed); the sandbox's
+own tests, and the refusal where it is missing, are in tests/test_code_sandbox.py."""
+MODES = [pytest.param(True, marks=pytest.mark.skipif(not SANDBOXED, reason=f"no sandbox: {sandbox.problem()}"),
+                      id="sandboxed"), pytest.param(False, id="unsandboxed")]
 
 
 # In the [test] extra (CI installs it); a machine without it (a GPU image, say) skips these instead of failing them.
@@ -83,12 +90,13 @@ def test_code_tests_pass_fail_error_and_limits():
         "```python\nblob = bytearray(10 * 2**30)\n```",  # 10 GiB: over the memory limit
     ]
     start = time.perf_counter()
-    scores = code_tests(completions, [tests] * len(completions), timeout_s=2.0, memory_mb=256)
+    scores = code_tests(completions, [tests] * len(completions), timeout_s=2.0, memory_mb=256, allow_unsandboxed=True)
     assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert time.perf_counter() - start < 15  # the loop ends at its limit, never hangs the run
 
 
-def test_an_exit_before_the_tests_end_is_no_pass_whatever_its_status():
+@pytest.mark.parametrize("sandboxed", MODES)
+def test_an_exit_before_the_tests_end_is_no_pass_whatever_its_status(sandboxed):
     """The reward hacks a plain exit-status check pays for: exiting with status 0 before the asserts run."""
     tests = "assert add(2, 3) == 5"
     wrong = "def add(a, b):\n    return 0\n"
@@ -96,17 +104,20 @@ def test_an_exit_before_the_tests_end_is_no_pass_whatever_its_status():
         "import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit", "exit()", "quit(0)",
         "import __main__, os\nprint(getattr(__main__, 'token', ''))\nos._exit(0)")]  # the runner's token: not there
     honest = "```python\ndef add(a, b):\n    print('adding', end='')\n    return a + b\n```"  # no newline at its end
-    assert code_tests([*hacks, honest], [tests] * (len(hacks) + 1), timeout_s=5.0) == [0.0] * len(hacks) + [1.0]
-    passed, why = run_python_tests(wrong + "import sys\nsys.exit(0)", tests)
+    scores = [run_python_tests(extract_code(c), tests, sandbox=sandboxed)[0] for c in [*hacks, honest]]
+    assert scores == [False] * len(hacks) + [True]
+    passed, why = run_python_tests(wrong + "import sys\nsys.exit(0)", tests, sandbox=sandboxed)
     assert not passed and why == "exited before the tests ended (exit status 0)"
-    assert run_python_tests(wrong + "import os\nos._exit(0)", tests) == (
+    assert run_python_tests(wrong + "import os\nos._exit(0)", tests, sandbox=sandboxed) == (
         False, "exited before the tests ended (exit status 0)")
 
 
-def test_the_sandbox_limits_files_and_removes_its_scratch_folder(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sandboxed", MODES)
+def test_the_limits_and_the_scratch_folder(sandboxed, tmp_path, monkeypatch):
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:1")
     monkeypatch.setenv("SECRET_TOKEN", "s3cret")
-    passed, why = run_python_tests("import os\nopen('big', 'wb').write(b'x' * (64 * 2**20))", "", timeout_s=5)
+    passed, why = run_python_tests("import os\nopen('big', 'wb').write(b'x' * (64 * 2**20))", "", timeout_s=5,
+                                   sandbox=sandboxed)
     assert not passed and "File too large" in why
     code = ("import os, sys\nprint(os.getcwd())\nassert 'SECRET_TOKEN' not in os.environ\n"
             "assert 'HTTPS_PROXY' not in os.environ\nopen('note.txt', 'w').write('hi')\n")
@@ -118,8 +129,11 @@ def test_the_sandbox_limits_files_and_removes_its_scratch_folder(tmp_path, monke
         return created[-1]
 
     monkeypatch.setattr("tidyrl.rewards.verifiable.tempfile.mkdtemp", remember)
-    assert run_python_tests(code, "", timeout_s=5) == (True, "passed")
-    assert created and not os.path.exists(created[0])  # the scratch folder is gone
+    assert run_python_tests(code, "", timeout_s=5, sandbox=sandboxed) == (True, "passed")
+    if sandboxed:  # the scratch folder is the sandbox's own tmpfs: nothing of it on the host, ever
+        assert created == []
+    else:
+        assert created and not os.path.exists(created[0])  # the scratch folder is gone
 
 
 def test_reward_options_come_from_the_config_and_are_checked():
