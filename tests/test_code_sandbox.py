@@ -316,3 +316,19 @@ def test_the_benchmark_prints_completions_per_second_with_and_without_the_sandbo
         assert "completions/s" in rows[name] and float(rows[name].split()[2]) > 0, done.stdout
     assert ("sandbox cost" in done.stdout) == (NO_SANDBOX is None)
     assert NO_SANDBOX is None or f"sandbox: unavailable here ({NO_SANDBOX})" in done.stdout
+
+
+def test_tidyrl_eval_refuses_before_it_generates_where_code_cannot_be_sandboxed(tiny_model_dir, prompt_file, tmp_path,
+                                                                               monkeypatch, fresh_probe):
+    """`tidyrl eval` asks the rewards' before-the-run checks too: refused before the model loads, not at the first
+    scoring after generation."""
+    import tidyrl.models.loading as loading
+    from tidyrl.evaluate import evaluate
+
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    assert _sandbox_says(monkeypatch, path=empty).startswith("bubblewrap is not installed")
+    monkeypatch.setattr(loading, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SandboxUnavailable, match=r"rewards\[0\] \(code_tests\).*allow_unsandboxed: true"):
+        evaluate(model=str(tiny_model_dir), data=str(prompt_file),
+                 rewards=["tidyrl.rewards.verifiable:code_tests"], output_dir=tmp_path / "eval", quiet=True)

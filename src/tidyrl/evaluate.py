@@ -122,6 +122,7 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     from tidyrl.models.generation import eos_token_ids, pad_token_id
     from tidyrl.models.loading import load_causal_lm, load_model_config, load_tokenizer
     from tidyrl.rewards import build_reward_functions
+    from tidyrl.rewards.functions import rewards_before_run
     from tidyrl.rollouts.episodes import EpisodeSettings
     from tidyrl.rollouts.producer import Columns, Producer
 
@@ -143,6 +144,9 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     dataset = load_rl_prompts(cfg) if data is None else load_prompt_dataset(cfg.data.path, cfg.data.prompt_column,
                                                                              cfg.data.split)
     reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir)
+    for line in rewards_before_run(reward_fns):  # e.g. code_tests: refused here when it cannot sandbox
+        if not quiet:
+            print(f"tidyrl eval: {line}")
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
     n = len(dataset) if num_prompts is None else min(num_prompts, len(dataset))
     rows = dataset[:n]  # column -> n values

@@ -4,7 +4,6 @@ engine's own checks, and PPO's critic."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -117,6 +116,8 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
     columns = other_columns(dataset, cfg.data.prompt_column)
     reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir, forward_batch_size=cfg.rollout.forward_batch_size)
     check_reward_columns(reward_fns, columns)
+    from tidyrl.rewards.functions import rewards_before_run
+
     for line in rewards_before_run(reward_fns):
         report = f"{report}\ntidyrl: {line}" if report else line
     eval_prompt_ids, eval_report = None, ""
@@ -149,28 +150,6 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
         critic = {"critic_model": path, "critic_model_reason": why}
     return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic, eval_dataset,
                     eval_prompt_ids, eval_report, environment, tools)
-
-
-def rewards_before_run(reward_fns: list) -> list[str]:
-    """Each reward function's own check before the run (its `before_run(**options)`, e.g. code_tests: can this
-    machine sandbox the code, or did the user allow it unsandboxed). It raises to stop the run; the lines it
-    returns go to the run's report (printed by `tidyrl plan` and at the start of a run)."""
-    from tidyrl.rewards import RewardError
-
-    lines = []
-    for i, func in enumerate(reward_fns):
-        fn, options = func.fn, {}
-        if isinstance(fn, functools.partial):  # rewards[i].kwargs, bound by with_options
-            fn, options = fn.func, dict(fn.keywords)
-        check = getattr(fn, "before_run", None)
-        if callable(check):
-            try:
-                line = check(**options)
-            except RewardError as err:  # its own errors take one message: say which reward it is
-                raise type(err)(f"rewards[{i}] ({func.name}): {err}") from None
-            if line:
-                lines.append(f"rewards[{i}] ({func.name}): {line}")
-    return lines
 
 
 def check_template_renders_tools(tokenizer, tools: list, factory) -> None:

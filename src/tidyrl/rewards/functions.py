@@ -458,3 +458,23 @@ def _sample_text(offered: dict[str, list], j: int) -> str:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def rewards_before_run(reward_fns: list) -> list[str]:
+    """Each reward function's own check before the run (its `before_run(**options)`, e.g. code_tests: can this
+    machine sandbox the code, or did the user allow it unsandboxed). It raises to stop the run; the lines it
+    returns go to the run's report (printed by `tidyrl plan` and at the start of a run)."""
+    lines = []
+    for i, func in enumerate(reward_fns):
+        fn, options = func.fn, {}
+        if isinstance(fn, functools.partial):  # rewards[i].kwargs, bound by with_options
+            fn, options = fn.func, dict(fn.keywords)
+        check = getattr(fn, "before_run", None)
+        if callable(check):
+            try:
+                line = check(**options)
+            except RewardError as err:  # its own errors take one message: say which reward it is
+                raise type(err)(f"rewards[{i}] ({func.name}): {err}") from None
+            if line:
+                lines.append(f"rewards[{i}] ({func.name}): {line}")
+    return lines
