@@ -312,7 +312,25 @@ def summarise_trace(ops, vocab: int, weight_numel: int, model_dtype: torch.dtype
             "float32_weight_sized": dict(big_f32), "host_reads": dict(host)}
 
 
+class _AutocastTakesMeta:
+    """transformers < 5 computes its rotary embedding under `torch.autocast(device_type=x.device.type,
+    enabled=False)`, which torch refuses for the meta device ("unsupported scalarType"); disabled autocast is the
+    same on any device type, so the trace maps meta to cpu there (as tests/test_host_syncs.py does)."""
+
+    def __enter__(self):
+        self.real = real = torch.autocast
+        torch.autocast = lambda device_type, *a, **kw: real("cpu" if device_type == "meta" else device_type, *a, **kw)
+
+    def __exit__(self, *exc):
+        torch.autocast = self.real
+
+
 def trace(args, w) -> None:
+    with _AutocastTakesMeta():
+        _trace(args, w)
+
+
+def _trace(args, w) -> None:
     tok, model = build_model(w, "meta", getattr(torch, w.get("dtype", "float32")))
     batch = micro_batch(w, tok)
     weights = torch.ones(batch.completion_ids.shape, device="meta")
