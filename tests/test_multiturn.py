@@ -186,13 +186,36 @@ def test_a_failing_environment_ends_its_episode_not_the_run(tiny_model_dir, prom
             assert by_word[word] == {0.5}
 
 
+def test_evaluation_during_training_runs_the_environment_too(tiny_model_dir, prompt_file, env_file, tmp_path):
+    """The held-out prompts take the one rollout path: episodes with the environment, keyed (seed, EVAL_SLOT,
+    "e.t"), their reward the environment's (weight 1) plus the functions'. Counter pays 1 for each of its three
+    turns holding an 'a': eval/reward/env is a mean of such counts, and eval/reward_mean equals it here (no
+    reward functions)."""
+    cfg = multiturn_config(tiny_model_dir, prompt_file, tmp_path / "run", f"{env_file}:Counter")
+    cfg["data"]["eval_fraction"] = 0.2
+    cfg["log"].update({"eval_every": 2, "eval_decoding": "sampled"})
+    result = tidyrl.train(cfg)
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    evaluated = [r for r in rows if "eval/reward_mean" in r]
+    assert [r["step"] for r in evaluated] == [2, 4]
+    for row in evaluated:
+        assert row["eval/reward_mean"] == pytest.approx(row["eval/reward/env"])
+        assert 0.0 <= row["eval/reward/env"] <= 3.0 and row["eval/completion_length_mean"] > 0
+        # 2 held-out prompts x 3 samples of Counter's three turns: a mean of integers over 6 episodes
+        assert (row["eval/reward/env"] * 6) == pytest.approx(round(row["eval/reward/env"] * 6))
+    again = tidyrl.train({**cfg, "output_dir": str(tmp_path / "again")})  # keyed: the same evaluations
+    assert [r["eval/reward_mean"] for r in read_jsonl(again.output_dir / "metrics.jsonl") if "eval/reward_mean" in r] \
+        == [r["eval/reward_mean"] for r in evaluated]
+
+
 def test_environment_settings_are_checked_before_any_model_loads(tiny_model_dir, tmp_path, prompt_file):
     from tidyrl.config import ConfigError, load_config
     from tidyrl.rewards import RewardError
 
-    with pytest.raises(ConfigError, match="environment.max_turns: must be >= 1.*\n.*data.eval_fraction: evaluation"):
+    with pytest.raises(ConfigError, match="environment.max_turns: must be >= 1.*\n.*environment.max_error_fraction"):
         load_config({"algorithm": "ppo", "model": "m", "data": {"path": "p.jsonl", "eval_fraction": 0.1},
-                     "train": {"rollouts": 1}, "environment": {"factory": "envs.py:Counter", "max_turns": 0}})
+                     "train": {"rollouts": 1},
+                     "environment": {"factory": "envs.py:Counter", "max_turns": 0, "max_error_fraction": 1.5}})
     with pytest.raises(RewardError, match="environment.factory"):
         tidyrl.train(multiturn_config(tiny_model_dir, prompt_file, tmp_path / "out",
                                       f"{tmp_path / 'missing.py'}:Counter"))

@@ -506,8 +506,6 @@ class EnvironmentConfig:
         need(math.isfinite(self.error_reward), "environment.error_reward", f"must be a number, got {self.error_reward}")
         need(0 <= self.max_error_fraction <= 1, "environment.max_error_fraction",
              f"must be in [0, 1] (1 = never stop), got {self.max_error_fraction}")
-        need(not (cfg.data.eval_path or cfg.data.eval_fraction), "data.eval_fraction",
-             "evaluation during training does not run environments yet; evaluate checkpoints separately")
         need(not cfg.rollout.dynamic_sampling, "rollout.dynamic_sampling", "not combined with environments yet")
 
 

@@ -122,7 +122,8 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
         report = f"{report}\ntidyrl: {line}" if report else line
     eval_prompt_ids, eval_report = None, ""
     if eval_dataset is not None:
-        eval_dataset, eval_prompt_ids, fit_report = encode_prompt_set(cfg, eval_dataset, tokenizer, model_config)
+        eval_dataset, eval_prompt_ids, fit_report = encode_prompt_set(cfg, eval_dataset, tokenizer, model_config,
+                                                                      tools)
         check_reward_columns(reward_fns, other_columns(eval_dataset, cfg.data.prompt_column))
         source = f"data.eval_path = {cfg.data.eval_path!r}" if cfg.data.eval_path else \
             f"data.eval_fraction = {cfg.data.eval_fraction}"
@@ -249,7 +250,8 @@ def make_producers(cfg: Config, inputs: RLInputs, engine, eos_ids, pad_id: int, 
                         settings=settings, environment=inputs.environment, pool=pool, **common)
     if not inputs.eval_prompt_ids:
         return producer, None
-    greedy = cfg.log.eval_decoding == "greedy"
+    greedy = cfg.log.eval_decoding == "greedy"  # the most likely token: top_k = 1
     return producer, Producer(engine, inputs.tokenizer, inputs.eval_dataset, inputs.eval_prompt_ids,
                               columns=other_columns(inputs.eval_dataset, cfg.data.prompt_column),
-                              settings=EpisodeSettings(replace(sampling, top_k=1) if greedy else sampling), **common)
+                              settings=replace(settings, sampling=replace(sampling, top_k=1)) if greedy else settings,
+                              environment=inputs.environment, pool=pool, **common)

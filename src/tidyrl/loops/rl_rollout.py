@@ -178,9 +178,10 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
 
 
 def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts: int, accelerator) -> dict:
-    """The held-out prompts, generated and scored with the current policy through the rollout path:
-    eval/reward_mean (the weighted sum of the raw scores: a `normalize: true` reward is not normalised, as in
-    `tidyrl eval`), eval/reward/<name>, eval/completion_length_mean, eval/truncated_fraction, time/eval_s.
+    """The held-out prompts, generated and scored with the current policy through the rollout path (with an
+    environment: episodes with it, as in training): eval/reward_mean (the weighted sum of the raw scores, plus the
+    environment's reward: a `normalize: true` reward is not normalised, as in `tidyrl eval`), eval/reward/<name>
+    (eval/reward/env with an environment), eval/completion_length_mean, eval/truncated_fraction, time/eval_s.
 
     k completions per prompt (log.eval_decoding greedy: 1, the most likely token each step; sampled:
     rollout.samples_per_prompt), keyed by (seed, EVAL_SLOT, episode) at every evaluation, so two evaluations differ
@@ -192,19 +193,24 @@ def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts
 
     total, rank, world = prompts * k, accelerator.process_index, accelerator.num_processes
     episodes = range(total * rank // world, total * (rank + 1) // world)
-    names = [f.name for f in producer.reward_fns]
+    names = [f.name for f in producer.reward_fns] + (["env"] if producer.environment is not None else [])
     sums = Sums("reward", "length", "truncated", *[f"{n}:sum" for n in names], *[f"{n}:count" for n in names])
     t0 = time.perf_counter()
     engine.sync(policy)  # the weights of this step
     with weights_context:  # a collective under FSDP: every process enters, even with no episode
         made = producer.round(EVAL_SLOT, list(episodes), [e // k for e in episodes])
         engine.release()
-    if made.scored is not None:
-        sums.add(reward=sum(made.scored.total), length=sum(made.completion_lengths),
-                 truncated=made.episodes.truncated.sum())
-        for name, values in made.scored.per_function.items():
+    if len(episodes):
+        # Each episode's reward as in training: the functions' weighted raw scores, plus the environment's (weight 1).
+        env = made.episodes.env_reward
+        reward = sum(made.scored.total) if made.scored is not None else 0.0
+        sums.add(reward=reward + (float(env.double().sum()) if env is not None else 0.0),
+                 length=sum(made.completion_lengths), truncated=made.episodes.truncated.sum())
+        for name, values in (made.scored.per_function.items() if made.scored is not None else ()):
             scored = [v for v in values if v is not None]
             sums.add(**{f"{name}:sum": sum(scored), f"{name}:count": len(scored)})
+        if env is not None:
+            sums.add(**{"env:sum": float(env.double().sum()), "env:count": len(env)})
     totals = sums.reduced(accelerator)
     metrics = {"eval/reward_mean": totals["reward"] / total}
     for name in names:
