@@ -31,7 +31,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -173,9 +173,7 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     # The rollout path of training (tidyrl.rollouts), on the configured engine (rollout.engine).
     engine = make_engine(cfg, policy, device, max(len(p) for p in encoded) + ro.max_new_tokens)
     engine.sync(policy)
-    sampling = SamplingSettings(max_new_tokens=ro.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
-                                batch_size=ro.generation_batch_size, min_new_tokens=ro.min_new_tokens,
-                                temperature=ro.temperature, top_p=ro.top_p, top_k=top_k)
+    sampling = replace(SamplingSettings.of_rollout(ro, eos_ids, pad_id), top_k=top_k)
     table = Columns({cfg.data.prompt_column: prompts, **columns})
     producer = Producer(engine, tokenizer, table, encoded, prompt_column=cfg.data.prompt_column,
                         columns=list(columns), reward_fns=reward_fns, settings=EpisodeSettings(sampling), seed=seed)
@@ -189,8 +187,7 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     lengths = made.completion_lengths
     truncated = made.episodes.truncated
     scored = made.scored
-    completions = tokenizer.batch_decode([made.episodes.completion_ids[i, : lengths[i]].tolist() for i in episodes],
-                                         skip_special_tokens=True)
+    completions = made.completions
 
     total = scored.total
     mean = sum(total) / len(total)

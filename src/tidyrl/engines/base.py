@@ -31,6 +31,14 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = 0
 
+    @classmethod
+    def of_rollout(cls, rollout, eos_ids: Sequence[int], pad_id: int) -> "SamplingSettings":
+        """The settings of the `rollout` config section (max_new_tokens, generation_batch_size, min_new_tokens,
+        temperature, top_p, top_k) with the model's end-of-sequence and padding ids."""
+        return cls(max_new_tokens=rollout.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                   batch_size=rollout.generation_batch_size, min_new_tokens=rollout.min_new_tokens,
+                   temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k)
+
 
 class EngineError(RuntimeError):
     """An engine cannot be built or used as configured; the message names the key or the package."""

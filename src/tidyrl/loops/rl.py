@@ -77,7 +77,8 @@ class RLRun:
         self.state = RunState({f.name: RunningMoments() for f, c in zip(inputs.reward_fns, cfg.rewards) if c.normalize})
         self.stream = PromptStream(len(inputs.dataset), cfg.seed)
         if inputs.critic:
-            self._say(f"critic initialised from {inputs.critic['critic_model']} ({inputs.critic['critic_model_reason']})")
+            critic = inputs.critic
+            self._say(f"critic initialised from {critic['critic_model']} ({critic['critic_model_reason']})")
         if self.resumed is None:
             prepare_output_dir(self.out, cfg.overwrite, self.accelerator)
         torch.manual_seed(cfg.seed)
@@ -152,9 +153,9 @@ class RLRun:
         self._load_models()
         cfg, plan = self.cfg, self.plan
         per_rollout = plan.optimizer_steps_per_rollout
-        step, elapsed, first_reward, unfinished = 0, 0.0, None, None
+        step, elapsed, self.first_reward, unfinished = 0, 0.0, None, None
         if self.resumed is not None:
-            step, elapsed, first_reward, unfinished = restore_run(
+            step, elapsed, self.first_reward, unfinished = restore_run(
                 self.resumed, accelerator=self.accelerator, out=self.out, trainee=self.trainee, state=self.state,
                 plan=plan)
             t = self.trainee
@@ -167,7 +168,7 @@ class RLRun:
         log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
         bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar, initial=step)
         self.start = time.perf_counter() - elapsed
-        self.first_reward, self.env_errors = first_reward, []
+        self.env_errors = []
         row, last_reward = {}, None
         try:
             with StopSignals() as stop:
@@ -177,8 +178,8 @@ class RLRun:
                         unfinished = None
                     else:
                         rollout, stats = self._new_rollout(r, step, log.samples)
-                    first_reward = stats["reward_mean"] if first_reward is None else first_reward
-                    self.first_reward = first_reward
+                    if self.first_reward is None:
+                        self.first_reward = stats["reward_mean"]
                     last_reward = stats["reward_mean"]
                     for j in range(step - r * per_rollout, per_rollout):
                         step += 1
@@ -199,8 +200,7 @@ class RLRun:
                             log.write(row)
                         log.observe(row)  # every step: totals for the end-of-run summary
                         bar.step(stats["reward_mean"], row["episodes"])
-                        self._save_when_due(step, rollout if j < per_rollout - 1 else None, stats, first_reward,
-                                            stop)
+                        self._save_when_due(step, rollout if j < per_rollout - 1 else None, stats, stop)
         finally:  # whatever happens, the bar is closed and every row written so far is on disk
             bar.close()
             log.close()
@@ -209,7 +209,7 @@ class RLRun:
                 self.env_pool.close()
         if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
             raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
-        return self._finish(row, first_reward, last_reward, log)
+        return self._finish(row, last_reward, log)
 
     def _minibatch(self, r: int, j: int):
         """The global episodes of step j (0-based) of rollout r: mini-batch j % M of a fresh shuffle of the R
@@ -230,24 +230,24 @@ class RLRun:
             self.state.best = keep_if_best(self.accelerator, self.cfg, self.out, self.state.best, row,
                                            self.trainee.model, self.tokenizer)
 
-    def _save_when_due(self, step: int, inside, stats: dict, first_reward, stop) -> None:
+    def _save_when_due(self, step: int, inside, stats: dict, stop) -> None:
         """A checkpoint every log.save_every steps, and on a stop signal (then the run ends)."""
         if agree(self.accelerator, stop.requested):
-            self._save(step, inside, stats, first_reward)
+            self._save(step, inside, stats)
             raise TrainingInterrupted(
                 f"stopped by {stop.name} after optimizer step {step} of {self.plan.total_optimizer_steps}; "
                 f"checkpoint saved to {self.out}/checkpoint-{step}. Resume with: tidyrl train CONFIG.yaml "
                 "resume_from=latest")
         every = self.cfg.log.save_every
         if every and step % every == 0 and step < self.plan.total_optimizer_steps:
-            self._save(step, inside, stats, first_reward)
+            self._save(step, inside, stats)
 
-    def _save(self, step: int, inside, stats: dict, first_reward) -> None:
+    def _save(self, step: int, inside, stats: dict) -> None:
         save_run(step, accelerator=self.accelerator, out=self.out, trainee=self.trainee, tokenizer=self.tokenizer,
                  state=self.state, plan=self.plan, cfg=self.cfg, rollout=inside, stats=stats,
-                 elapsed=time.perf_counter() - self.start, first_reward=first_reward)
+                 elapsed=time.perf_counter() - self.start, first_reward=self.first_reward)
 
-    def _finish(self, row: dict, first_reward, last_reward, log) -> TrainResult:
+    def _finish(self, row: dict, last_reward, log) -> TrainResult:
         from tidyrl.metrics import format_summary
 
         critic = self.trainee.critic
@@ -255,11 +255,11 @@ class RLRun:
                                            extra_models={"critic": critic} if critic is not None else None,
                                            merged=self.cfg.lora.save_merged)
         if self.is_main:
-            print(format_summary(self.plan, log.timings, time.perf_counter() - self.start, first_reward, last_reward,
-                                 self.out, final_dir, log.tracker_locations,
+            print(format_summary(self.plan, log.timings, time.perf_counter() - self.start, self.first_reward,
+                                 last_reward, self.out, final_dir, log.tracker_locations,
                                  {k: v for k, v in row.items() if k.startswith("eval/")}, self.state.best,
                                  self.state.group_totals, engine=self.engine.name), flush=True)
-        return TrainResult(self.out, final_dir, self.plan, row, first_reward, last_reward, self.is_main)
+        return TrainResult(self.out, final_dir, self.plan, row, self.first_reward, last_reward, self.is_main)
 
     # ------------------------------------------------------------------ one rollout
     def _new_rollout(self, r: int, step: int, samples_log):
@@ -291,7 +291,7 @@ class RLRun:
         env = self.cfg.environment
         saved = "nothing was trained yet: start the run again once the environment works"
         if step > 0:
-            self._save(step, None, {}, self.first_reward)
+            self._save(step, None, {})
             saved = (f"checkpoint-{step} holds the {step} optimizer steps done; once the environment works, resume "
                      "with: tidyrl train CONFIG.yaml resume_from=latest (the rollout is made again, the same)")
         examples = "; ".join(self.env_errors[:3]) or "(on another process)"
@@ -377,8 +377,9 @@ class RLRun:
             group_prompts = self.inputs.dataset[indices][self.cfg.data.prompt_column]
             if not ro.dynamic_sampling:
                 return made, group_prompts, {}
-            chosen = dynamic_sampling(self.producer, r, indices, episodes, made, prompts_per_rollout=plan.prompts_per_rollout,
-                                      k=k, max_rounds=ro.max_sampling_rounds, on_cap=ro.on_sampling_cap,
+            chosen = dynamic_sampling(self.producer, r, indices, episodes, made,
+                                      prompts_per_rollout=plan.prompts_per_rollout, k=k,
+                                      max_rounds=ro.max_sampling_rounds, on_cap=ro.on_sampling_cap,
                                       gather=self._gather)
         return chosen.made, chosen.group_prompts, chosen.stats
 

@@ -238,9 +238,7 @@ def make_producers(cfg: Config, inputs: RLInputs, engine, eos_ids, pad_id: int, 
     from tidyrl.rollouts.producer import Producer
 
     ro, env = cfg.rollout, cfg.environment
-    sampling = SamplingSettings(max_new_tokens=ro.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
-                                batch_size=ro.generation_batch_size, min_new_tokens=ro.min_new_tokens,
-                                temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k)
+    sampling = SamplingSettings.of_rollout(ro, eos_ids, pad_id)
     settings = EpisodeSettings(sampling)
     if inputs.environment is not None:
         settings = EpisodeSettings(sampling, max_turns=env.max_turns, max_turn_tokens=env.max_turn_tokens or

@@ -203,14 +203,14 @@ def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts
     if len(episodes):
         # Each episode's reward as in training: the functions' weighted raw scores, plus the environment's (weight 1).
         env = made.episodes.env_reward
+        env_sum = float(env.double().sum()) if env is not None else 0.0
         reward = sum(made.scored.total) if made.scored is not None else 0.0
-        sums.add(reward=reward + (float(env.double().sum()) if env is not None else 0.0),
-                 length=sum(made.completion_lengths), truncated=made.episodes.truncated.sum())
+        sums.add(reward=reward + env_sum, length=sum(made.completion_lengths), truncated=made.episodes.truncated.sum())
         for name, values in (made.scored.per_function.items() if made.scored is not None else ()):
             scored = [v for v in values if v is not None]
             sums.add(**{f"{name}:sum": sum(scored), f"{name}:count": len(scored)})
         if env is not None:
-            sums.add(**{"env:sum": float(env.double().sum()), "env:count": len(env)})
+            sums.add(**{"env:sum": env_sum, "env:count": len(env)})
     totals = sums.reduced(accelerator)
     metrics = {"eval/reward_mean": totals["reward"] / total}
     for name in names:

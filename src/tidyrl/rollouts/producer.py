@@ -39,6 +39,9 @@ class Made:
     prompt_ids: list
     """Each episode's prompt tokens."""
     episodes: Episodes
+    completions: Optional[list]
+    """Each episode's completion as text (decoded once, without special tokens): what the rewards read; None
+    for dynamic sampling's chosen groups (gathered from every process's rounds as tensors)."""
     per_fn: dict
     """Reward name -> (B,) raw scores, NaN where a function gave none; the environment's reward as "env"."""
     scored: Optional[RewardResult]
@@ -92,7 +95,8 @@ class Producer:
         multi_turn = self.environment is not None
         extra = {}
         if multi_turn:
-            env_rows = [{c: columns[c][i] for c in columns} | {self.prompt_column: prompts[i]} for i in range(len(keys))]
+            env_rows = [{c: columns[c][i] for c in columns} | {self.prompt_column: prompts[i]}
+                        for i in range(len(keys))]
             extra = dict(
                 environments=build_environments(self.environment, env_rows,
                                                 [sample_seed(self.seed, slot, f"{key}.env") for key in keys],
@@ -119,7 +123,7 @@ class Producer:
                       for name, values in scored.per_function.items()}
         if multi_turn:  # the environment's reward, beside the reward functions' (weight 1)
             per_fn["env"] = episodes.env_reward
-        return Made(prompt_ids, episodes, per_fn, scored, time.perf_counter() - t0)
+        return Made(prompt_ids, episodes, completions, per_fn, scored, time.perf_counter() - t0)
 
     def scores(self, per_fn: dict):
         """The weighted reward of each episode (`rewards.functions.weighted_sum`) from `per_fn`."""
@@ -196,7 +200,7 @@ def dynamic_sampling(producer: Producer, r: int, indices: Sequence[int], episode
     generated = P * len(rounds)
     stats = {"sampling/rounds": len(rounds), "groups/generated": generated, "groups/kept": P - filled,
              "groups/filled": filled, "groups/dropped": generated - P}
-    return Chosen(Made(prompt_ids, selected, per_fn, None, reward_s), prompts, stats)
+    return Chosen(Made(prompt_ids, selected, None, per_fn, None, reward_s), prompts, stats)
 
 
 def _short_prompt(prompt, limit: int = 60) -> str:
