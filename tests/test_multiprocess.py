@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import free_port, gloo_cpu_env
 import yaml
 
@@ -176,3 +177,27 @@ def test_every_algorithm_on_two_processes_matches_one(ppo_yaml, tmp_path, name):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_every_algorithm_on_two_processes_matches_one_over_twelve_rollouts(ppo_yaml, tmp_path, name):
     _one_vs_two(ppo_yaml, tmp_path, name, rollouts=12)
+
+
+@pytest.mark.parametrize("name", ["ppo-plain-gae", "grpo-dynamic"])
+def test_a_lagged_run_on_two_processes_matches_one(ppo_yaml, tmp_path, name):
+    """rollout.lag = 1, 3 rollouts (rollouts 2 and 3 made ahead, by older weights): PPO's rollouts made beside
+    training on a background thread; dynamic sampling's on the learner's thread (its rounds gather counts across
+    processes). The checkpoint at step 6 (inside rollout 2) holds each process's share of rollout 3."""
+    base = yaml.safe_load(ppo_yaml.read_text())
+    algorithm, sections = VARIANTS[name]
+    cfg = _variant(base, algorithm, 3, **sections)
+    cfg["rollout"]["lag"] = 1
+    cfg["log"].update({"save_every": 6, "keep_last": 5})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    one, two = launch(path, tmp_path / "w1", 1), launch(path, tmp_path / "w2", 2)
+    r1, r2 = rows(one), rows(two)
+    assert [(a["step"], a["async/policy_lag"]) for a in r1] == [(b["step"], b["async/policy_lag"]) for b in r2]
+    assert [a["async/policy_lag"] for a in r1[::4]] == [0, 1, 1]
+    samples1, samples2 = ([json.loads(x)["completion"] for x in open(d / "samples.jsonl")] for d in (one, two))
+    assert samples1 == samples2
+    for part in ["model.safetensors"] + (["critic/model.safetensors"] if algorithm == "ppo" else []):
+        assert max_diff(weights(one / "final" / part), weights(two / "final" / part)) < TOL, part
+    held = torch.load(two / "checkpoint-6" / "trainer_state" / "ahead.pt", weights_only=True)
+    assert list(held) == [2] and len(held[2]) == 2  # rollout 3 (index 2), one share per process

@@ -7,6 +7,7 @@ folder (`from_pretrained` loads it as is) plus `trainer_state/`:
     optimizer.pt   the optimizer's state_dict          scheduler.pt  the LR scheduler's
     rng.pt         python, numpy and torch RNG states
     rollout.pt     the unfinished rollout, when the save fell inside one
+    ahead.pt       the rollouts made ahead (rollout.lag), each process's share
     critic_optimizer.pt, critic_scheduler.pt   PPO: the value model's (its weights: critic/, a model folder)
 
 Sampling, the prompt order and the mini-batch shuffles are keyed by (seed,
@@ -130,7 +131,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(output_dir: Path, step: int, *, model, tokenizer, optimizer, scheduler, state: dict,
-                    rollout: Optional[dict], keep_last: int, critic: Optional[tuple] = None) -> Path:
+                    rollout: Optional[dict], keep_last: int, critic: Optional[tuple] = None,
+                    ahead: Optional[dict] = None) -> Path:
     """Write checkpoint-<step> atomically (call on the main process only), then keep only the newest
     `keep_last` checkpoints. A failure leaves no checkpoint-<step> and removes the partial folder.
     `critic` = (model, optimizer, scheduler) of PPO's value model: saved as `critic/`, a model folder of its own."""
@@ -150,6 +152,8 @@ def save_checkpoint(output_dir: Path, step: int, *, model, tokenizer, optimizer,
         torch.save(rng_state(), trainer / "rng.pt")
         if rollout is not None:
             torch.save(rollout, trainer / "rollout.pt")
+        if ahead:
+            torch.save(ahead, trainer / "ahead.pt")
         if critic is not None:
             critic_model, critic_optimizer, critic_scheduler = critic
             critic_model.save_pretrained(tmp / "critic", safe_serialization=True)
@@ -200,7 +204,7 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise _damaged(trainer / "state.json", path, f"{type(err).__name__}: {err}") from None
     loaded = {"state": state, "rollout": None}
-    for name in ("optimizer", "scheduler", "rng", "rollout", "critic_optimizer", "critic_scheduler"):
+    for name in ("optimizer", "scheduler", "rng", "rollout", "ahead", "critic_optimizer", "critic_scheduler"):
         if name in ("optimizer", "scheduler", "rng") or (trainer / f"{name}.pt").exists():
             loaded[name] = _load_pt(trainer / f"{name}.pt", path)
     _check_weight_files(Path(path))

@@ -1,7 +1,8 @@
 """The on-policy RL learner (GRPO, RLOO, PPO, REINFORCE++, CISPO, ...), explicit from top to bottom (DESIGN §3):
 
     for each rollout:
-        episodes through the engine, rewarded        (tidyrl.rollouts: the producer)
+        episodes through the engine, rewarded        (tidyrl.rollouts: the producer; with rollout.lag, made ahead
+                                                      beside training: tidyrl.rollouts.ahead)
         -> old / reference log-probs, values (only when needed) -> advantages       (loops.rl_rollout)
         for each of E passes, for each of M mini-batches:
             micro-batches of m with gradient accumulation -> one optimizer step   (loops.rl_update)
@@ -21,13 +22,14 @@ from pathlib import Path
 from typing import Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
+from tidyrl.checkpoint import CheckpointError
 from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_training, prepare_output_dir,
                                  save_pretrained_atomic, write_run_header)
 from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
 from tidyrl.loops.rl_checkpoint import RunState, restore_run, save_run
 from tidyrl.loops.rl_rollout import (GROUP_COUNTS, estimate_advantages, evaluate_held_out, gather_rollout, normalised,
-                                     rollout_stats, sample_row, score_episodes)
+                                     old_from_sampler, rollout_stats, sample_row, score_episodes)
 from tidyrl.loops.rl_update import Trainee, UpdateSettings, optimizer_step
 from tidyrl.loops.training import (StopSignals, TrainingInterrupted, agree, check_resume, continue_longer,
                                    keep_if_best)
@@ -35,7 +37,8 @@ from tidyrl.models.loading import load_causal_lm, load_critic, load_policy
 from tidyrl.models.lora import adapter_note
 from tidyrl.models.sharding import full_weights
 from tidyrl.plan import epochs_done
-from tidyrl.rollouts.producer import DynamicSamplingError, dynamic_sampling
+from tidyrl.rollouts.ahead import (MadeAhead, RolloutsAhead, behaviour_copy, load_snapshot, weight_snapshot)
+from tidyrl.rollouts.producer import DynamicSamplingError, Produced, dynamic_sampling
 
 __all__ = ["run", "DynamicSamplingError"]
 
@@ -63,6 +66,12 @@ class RLRun:
         # Everything cheap and checkable first: checkpoint, model and tokenizer paths, data, prompt lengths, plan,
         # rewards, output folder. No weights are loaded before all of it has passed.
         self.resume_path, self.resumed = check_resume(cfg, self.out, self.accelerator)
+        shares = {len(m) for m in ((self.resumed or {}).get("ahead") or {}).values()}
+        if shares and shares != {self.world_size}:
+            raise CheckpointError(
+                f"{self.resume_path} holds rollouts made ahead (rollout.lag = {cfg.rollout.lag}) by {shares.pop()} "
+                f"process(es), each its share of the episodes; this run has {self.world_size}. Resume with the "
+                "same number of processes.")
         self.inputs = inputs = check_rl_inputs(cfg, base_dir, self.world_size)
         self.plan, self.tokenizer = inputs.plan, inputs.tokenizer
         self.env_pool = None
@@ -111,6 +120,9 @@ class RLRun:
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.pad_id = pad_token_id(self.tokenizer, self.eos_ids)
         self.trainee = Trainee(*prepare_for_training(self.accelerator, model, cfg.train, self.plan))
+        self.behaviour = None
+        if cfg.rollout.lag > 0:  # the weights that generate, a version behind: a frozen copy the launches load
+            self.behaviour = behaviour_copy(self.accelerator.unwrap_model(self.trainee.model))
         if self.spec.critic:  # its own learning rate and schedule, on the same step count and warmup as the policy
             critic_path = str(self.resume_path / "critic") if self.resume_path else self.inputs.critic["critic_model"]
             critic_train = replace(cfg.train, learning_rate=cfg.critic.learning_rate
@@ -129,10 +141,12 @@ class RLRun:
 
         cfg, ro = self.cfg, self.cfg.rollout
         longest = max(len(p) for p in [*self.inputs.prompt_ids, *(self.inputs.eval_prompt_ids or [])])
-        self.engine = make_engine(cfg, self.accelerator.unwrap_model(self.trainee.model), self.accelerator.device.type,
-                                  longest + ro.max_new_tokens)
-        # Truncated importance sampling (Yao et al. 2025): the engine's default where rollout.tis_cap is unset.
-        self.tis_cap = ro.tis_cap if ro.tis_cap is not None else self.engine.capabilities.default_tis_cap
+        self.engine = make_engine(cfg, self.behaviour or self.accelerator.unwrap_model(self.trainee.model),
+                                  self.accelerator.device.type, longest + ro.max_new_tokens)
+        # Truncated importance sampling (Yao et al. 2025): where rollout.tis_cap is unset, the engine's default, and
+        # with a lag at least 2.0: the weights that sampled are then older than the learner's.
+        default_cap = max(self.engine.capabilities.default_tis_cap, 2.0 if ro.lag else 0.0)
+        self.tis_cap = ro.tis_cap if ro.tis_cap is not None else default_cap
         self.producer, self.eval_producer = make_producers(cfg, self.inputs, self.engine, self.eos_ids, self.pad_id,
                                                            self.env_pool)
         self.update_settings = UpdateSettings(
@@ -153,11 +167,17 @@ class RLRun:
         self._load_models()
         cfg, plan = self.cfg, self.plan
         per_rollout = plan.optimizer_steps_per_rollout
-        step, elapsed, self.first_reward, unfinished = 0, 0.0, None, None
+        step, elapsed, self.first_reward, unfinished, made_ahead = 0, 0.0, None, None, {}
+        # rollout.lag: rollouts made ahead, on a background thread beside the updates (one process, or no collective
+        # in the making: dynamic sampling gathers its counts across processes), else on this thread when taken.
+        self.ahead = RolloutsAhead(cfg.rollout.lag, plan.rollouts, self._make_episodes, self._snapshot,
+                                   background=self.world_size == 1 or not cfg.rollout.dynamic_sampling)
         if self.resumed is not None:
-            step, elapsed, self.first_reward, unfinished = restore_run(
+            step, elapsed, self.first_reward, unfinished, made_ahead = restore_run(
                 self.resumed, accelerator=self.accelerator, out=self.out, trainee=self.trainee, state=self.state,
                 plan=plan)
+            self.ahead.restore({r: MadeAhead(Produced.from_dict(m[self.rank]["value"]), m[self.rank]["version"],
+                                             m[self.rank]["seconds"]) for r, m in made_ahead.items()})
             t = self.trainee
             self._say(continue_longer(cfg, self.resumed, plan, self.out, self.accelerator,
                                       [s for s in (t.scheduler, t.critic_scheduler) if s is not None]))
@@ -205,6 +225,7 @@ class RLRun:
             bar.close()
             log.close()
             log.samples.close()
+            self.ahead.close()
             if self.env_pool is not None:
                 self.env_pool.close()
         if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
@@ -243,9 +264,19 @@ class RLRun:
             self._save(step, inside, stats)
 
     def _save(self, step: int, inside, stats: dict) -> None:
+        # The rollouts made ahead (waited for where still under way): a resume takes them instead of making them.
+        ahead = {r: {"value": m.value.to_dict(), "version": m.version, "seconds": m.seconds}
+                 for r, m in self.ahead.pending().items()}
+        if ahead and self.world_size > 1:  # every process's share, in rank order (the main process writes them)
+            from accelerate.utils import gather_object
+
+            shares = gather_object([ahead])
+            ahead = {r: [share[r] for share in shares] for r in ahead}
+        elif ahead:
+            ahead = {r: [m] for r, m in ahead.items()}
         save_run(step, accelerator=self.accelerator, out=self.out, trainee=self.trainee, tokenizer=self.tokenizer,
                  state=self.state, plan=self.plan, cfg=self.cfg, rollout=inside, stats=stats,
-                 elapsed=time.perf_counter() - self.start, first_reward=self.first_reward)
+                 elapsed=time.perf_counter() - self.start, first_reward=self.first_reward, ahead=ahead)
 
     def _finish(self, row: dict, last_reward, log) -> TrainResult:
         from tidyrl.metrics import format_summary
@@ -312,13 +343,9 @@ class RLRun:
 
         policy = self.accelerator.unwrap_model(self.trainee.model)
         policy.eval()
-        # The engine holds exactly the policy's weights before it samples (the builtin one is the policy: nothing to
-        # copy; vLLM's sync gathers an FSDP-sharded policy one parameter at a time).
-        t_sync = self.engine.sync(policy)
-        t0 = time.perf_counter()
-        made, group_prompts, sampling_stats = self._produce(policy, r)
-        self.engine.release()  # e.g. vLLM on CUDA: its memory goes to scoring and the update until the next sync
-        t_generate = time.perf_counter() - t0 - made.reward_s
+        self.ahead.launch_due(r)  # with rollout.lag = L: rollout r + L, from the weights now (rollouts.ahead)
+        ahead, waited = self.ahead.take(r)
+        made, group_prompts, sampling_stats = ahead.value.made, ahead.value.group_prompts, ahead.value.sampling_stats
         t0 = time.perf_counter()
         local, mismatch = score_episodes(
             made, policy, self.pad_id, self.cfg, self.plan, tis_cap=self.tis_cap, accelerator=self.accelerator,
@@ -337,9 +364,11 @@ class RLRun:
                                         self.algo.overlong_buffer, self.algo.overlong_penalty)
             scores = scores + overlong
         kl_control = self.state.kl_control
+        # The KL in the reward reads the old log-probs: the sampler's (with a lag, of older weights) or the trainer's.
+        old_version = ahead.version if old_from_sampler(self.cfg, self.plan, self.tis_cap) else r
         estimate = estimate_advantages(self.spec, self.algo, rollout, scores, k=self.plan.samples_per_prompt,
                                        beta=kl_control.value if kl_control else self.algo.kl_coef,
-                                       use_reference=self.use_reference, policy_is_reference=(r == 0))
+                                       use_reference=self.use_reference, policy_is_reference=(old_version == 0))
         if kl_control is not None and "rollout_kl" in estimate.stats:  # this rollout used beta_t; next beta_t+1
             kl_control.update(estimate.stats["rollout_kl"], n_steps=self.plan.episodes_per_rollout)
         rollout = replace(rollout, advantages=estimate.advantages, returns=estimate.returns)
@@ -355,14 +384,34 @@ class RLRun:
                       f"run goes on), e.g. {closing[0]}")
         stats.update(mismatch)
         if self.engine.capabilities.needs_weight_sync:
-            stats["time/weight_sync_s"] = t_sync
-        stats.update({"time/generate_s": t_generate, "time/reward_s": made.reward_s, "time/score_s": t_score})
+            stats["time/weight_sync_s"] = ahead.value.sync_s
+        stats.update({"time/generate_s": ahead.value.generate_s, "time/reward_s": made.reward_s,
+                      "time/score_s": t_score})
+        if self.cfg.rollout.lag:  # how far behind the weights that made it, and what the learner waited for it
+            stats.update({"async/policy_lag": r - ahead.version, "time/wait_rollout_s": waited})
         stats.update(sampling_stats)
         k = self.plan.samples_per_prompt
         # One sample of each of the first prompts (then second samples...), by global index: the same on any W.
         shown = sample_episodes(len(rollout) // k, k, self.cfg.log.samples_per_rollout) if self.is_main else []
         samples = [sample_row(self.tokenizer, rollout, e, k, group_prompts[e // k], scores, raw_per_fn) for e in shown]
         return rollout, stats, samples
+
+    def _snapshot(self) -> dict:
+        return weight_snapshot(self.accelerator.unwrap_model(self.trainee.model))
+
+    def _make_episodes(self, r: int, snapshot) -> "Produced":
+        """Rollout r's rewarded episodes, by the behaviour copy loaded with `snapshot` (rollout.lag >= 1) or by the
+        policy itself (lag 0). On the rollouts-ahead thread or this one; the engine is held (`ahead.engine_lock`)."""
+        model = self.accelerator.unwrap_model(self.trainee.model) if snapshot is None else self.behaviour
+        if snapshot is not None:
+            load_snapshot(model, snapshot)
+        # The engine holds exactly these weights before it samples (the builtin one samples the model itself:
+        # nothing to copy; vLLM's sync gathers an FSDP-sharded policy one parameter at a time).
+        t_sync = self.engine.sync(model)
+        t0 = time.perf_counter()
+        made, group_prompts, sampling_stats = self._produce(model, r)
+        self.engine.release()  # e.g. vLLM on CUDA: its memory goes to scoring and the update until the next sync
+        return Produced(made, group_prompts, sampling_stats, t_sync, time.perf_counter() - t0 - made.reward_s)
 
     def _produce(self, policy, r: int):
         """This process's episodes of rollout r, rewarded (with rollout.dynamic_sampling: of the chosen groups).
@@ -388,8 +437,9 @@ class RLRun:
         policy = self.accelerator.unwrap_model(self.trainee.model)
         policy.eval()
         k = 1 if self.cfg.log.eval_decoding == "greedy" else self.cfg.rollout.samples_per_prompt
-        return evaluate_held_out(self.eval_producer, self.engine, policy, self._weights_for_engine(policy), k,
-                                 len(self.inputs.eval_prompt_ids), self.accelerator)
+        with self.ahead.engine_lock:  # with a lag the engine may be making a rollout ahead: it finishes first
+            return evaluate_held_out(self.eval_producer, self.engine, policy, self._weights_for_engine(policy), k,
+                                     len(self.inputs.eval_prompt_ids), self.accelerator)
 
     def _gather(self, tensor):
         """Concatenate a per-process tensor over processes (rank order = global episode order)."""

@@ -23,8 +23,9 @@ class RunState:
 
 
 def save_run(step: int, *, accelerator, out, trainee, tokenizer, state: RunState, plan, cfg, rollout, stats: dict,
-             elapsed: float, first_reward) -> None:
-    """checkpoint-<step> (main process), with the unfinished `rollout` (None at a rollout's end) and its stats."""
+             elapsed: float, first_reward, ahead: Optional[dict] = None) -> None:
+    """checkpoint-<step> (main process), with the unfinished `rollout` (None at a rollout's end) and its stats,
+    and the rollouts made ahead (rollout.lag: rollout index -> this process's making, as plain values)."""
     from tidyrl.checkpoint import save_checkpoint
     from tidyrl.config import config_to_dict
     from tidyrl.models.generation import SAMPLER
@@ -46,7 +47,7 @@ def save_run(step: int, *, accelerator, out, trainee, tokenizer, state: RunState
             unfinished = {"rollout": {f.name: getattr(rollout, f.name) for f in fields(rollout)}, "stats": stats}
         t = trainee
         save_checkpoint(out, step, model=accelerator.unwrap_model(t.model), tokenizer=tokenizer,
-                        optimizer=t.optimizer, scheduler=t.scheduler, state=saved, rollout=unfinished,
+                        optimizer=t.optimizer, scheduler=t.scheduler, state=saved, rollout=unfinished, ahead=ahead,
                         keep_last=cfg.log.keep_last,
                         critic=None if t.critic is None else (accelerator.unwrap_model(t.critic), t.critic_optimizer,
                                                               t.critic_scheduler))
@@ -84,4 +85,5 @@ def restore_run(loaded: dict, *, accelerator, out, trainee, state: RunState, pla
     unfinished = None
     if loaded["rollout"] is not None:
         unfinished = (Rollout(**loaded["rollout"]["rollout"]), loaded["rollout"]["stats"])
-    return step, saved["elapsed_s"], saved.get("first_reward_mean"), unfinished
+    # rollout.lag: the rollouts made ahead, each process's share (int keys: torch.load keeps them)
+    return step, saved["elapsed_s"], saved.get("first_reward_mean"), unfinished, loaded.get("ahead") or {}

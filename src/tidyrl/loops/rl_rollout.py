@@ -46,6 +46,14 @@ def behaviour_correction(policy, local: Rollout, sampled_logprobs, *, tis_cap: f
     return trainer, is_weights, stats
 
 
+def old_from_sampler(cfg, plan, tis_cap: float) -> bool:
+    """Whether the rollout's old log-probs (those the KL in the reward reads) are the sampler's own, else the
+    trainer's recomputed ones (`score_episodes`: behaviour_correction)."""
+    ro = cfg.rollout
+    corrected_apart = tis_cap > 0 and not (ro.behaviour_logprobs == "sampler" and plan.minibatches_per_epoch == 1)
+    return not (corrected_apart or ro.behaviour_logprobs == "trainer")
+
+
 def normalised(per_fn: dict, moments: dict) -> dict:
     """`rewards[i].normalize`: those rewards' scores shifted and scaled by their running moments over the run,
     updated with this (global) rollout's scores first; the others as they are."""

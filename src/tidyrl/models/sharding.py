@@ -52,13 +52,15 @@ def check_supported(kind: str, cfg) -> None:
             "fsdp_version: 2 in the accelerate config (examples/accelerate/fsdp.yaml)."
         )
     if kind == "fsdp2":
-        refused = [key for key, value in (("log.save_every", cfg.log.save_every), ("resume_from", cfg.resume_from))
+        refused = [key for key, value in (("log.save_every", cfg.log.save_every), ("resume_from", cfg.resume_from),
+                                          ("rollout.lag", getattr(getattr(cfg, "rollout", None), "lag", 0)))
                    if value]
         if refused:
             raise ShardingError(
                 f"{' and '.join(refused)} cannot be used under FSDP yet: exact-resume checkpoints need the sharded "
-                "optimizer state gathered, which tidyrl does not do yet. Set log.save_every=0 (the final model is "
-                "saved in full), or run without FSDP (docs/memory.md)."
+                "optimizer state gathered, and rollouts made ahead a whole copy of the weights a version behind, "
+                "which tidyrl does not do yet. Set log.save_every=0 (the final model is saved in full) and "
+                "rollout.lag=0, or run without FSDP (docs/memory.md)."
             )
 
 

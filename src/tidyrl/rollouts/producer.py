@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -52,6 +52,38 @@ class Made:
     @property
     def completion_lengths(self) -> list[int]:
         return self.episodes.completion_mask.sum(1).long().tolist()
+
+    def to_dict(self) -> dict:
+        """Tensors and plain values only (what a checkpoint's `weights_only` load reads back): `from_dict`."""
+        return {"prompt_ids": [list(p) for p in self.prompt_ids],
+                "episodes": {f.name: getattr(self.episodes, f.name) for f in fields(Episodes)},
+                "completions": self.completions, "per_fn": dict(self.per_fn),
+                "scored": None if self.scored is None else asdict(self.scored), "reward_s": self.reward_s}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Made":
+        return cls(d["prompt_ids"], Episodes(**d["episodes"]), d["completions"], d["per_fn"],
+                   None if d["scored"] is None else RewardResult(**d["scored"]), d["reward_s"])
+
+
+@dataclass
+class Produced:
+    """A training rollout's making, as the learner takes it: this process's rewarded episodes, the rollout's P
+    group prompts, dynamic sampling's metrics, and the seconds of the weight sync and the generation."""
+
+    made: Made
+    group_prompts: list
+    sampling_stats: dict
+    sync_s: float
+    generate_s: float
+
+    def to_dict(self) -> dict:
+        return {"made": self.made.to_dict(), "group_prompts": list(self.group_prompts),
+                "sampling_stats": dict(self.sampling_stats), "sync_s": self.sync_s, "generate_s": self.generate_s}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Produced":
+        return cls(Made.from_dict(d["made"]), d["group_prompts"], d["sampling_stats"], d["sync_s"], d["generate_s"])
 
 
 class Columns:

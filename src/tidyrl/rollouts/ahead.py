@@ -1,0 +1,189 @@
+"""Rollouts made ahead at a fixed lag (`rollout.lag`, DESIGN §3): generation beside training, deterministic.
+
+With lag L, rollout r is generated with the weights the learner has at the start of rollout r - L (those after
+rollout r - 1 - L's updates; the starting weights for r <= L), so while the learner trains on rollout r the
+engine already makes rollouts r + 1 .. r + L:
+
+    learner at rollout r:   launch(r + L, snapshot of the weights now)      (r = the first: launch r .. r + L)
+                            take(r)  -> the rollout made ahead, waited for if it is not done yet
+                            score, advantages, E*M optimizer steps
+
+Which weights make which rollout is fixed by the config (`behaviour_version`), never by timing: a launch copies
+the weights it needs (`snapshot`) before the learner moves them, the rollouts are made one at a time in order, and
+sampling is keyed per episode. So the same config makes the same run whether generation runs on a background
+thread beside training (`background=True`) or on the learner's thread when the rollout is taken, whatever the
+speed of either side. A checkpoint holds the rollouts made ahead (`pending`), so a resumed run continues exactly.
+With L = 0 each rollout is made when it is taken, from the live weights: today's on-policy run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+BACKGROUND = True
+"""Make rollouts on a background thread where the run allows it. Tests set it False to show that the thread
+changes no number (the rollouts are then made on the learner's thread when taken)."""
+
+
+def behaviour_version(r: int, lag: int) -> int:
+    """The version of the weights that make rollout r (0-based) at lag `lag`: version v is the learner's weights
+    after v rollouts' updates, so rollout r is made with those after rollout r - 1 - lag's updates."""
+    return max(0, r - lag)
+
+
+def launches_due(r: int, lag: int, total: int, held) -> list[int]:
+    """The rollouts to launch when the learner starts rollout r: every rollout of r .. r + lag (within the run's
+    `total`) that is not already made or under way (`held`). At the run's first rollout that is r .. r + lag (all
+    with the same weights); afterwards r + lag alone."""
+    return [q for q in range(r, min(r + lag, total - 1) + 1) if q not in held]
+
+
+@dataclass
+class MadeAhead:
+    """A rollout made ahead: what `make(r, snapshot)` returned, and the version of the weights that made it."""
+
+    value: Any
+    version: int
+    seconds: float
+    """Wall seconds of its making (weight load, sync, generation, rewards)."""
+
+
+class RolloutsAhead:
+    """Launches and hands over rollouts at a fixed lag (see the module docstring).
+
+    `make(r, snapshot)` makes rollout r from a weight snapshot (None at lag 0: the live weights); `snapshot()`
+    copies the weights a launch needs. `engine_lock` is held while a rollout is made: evaluation takes it too, so
+    the one engine never serves two callers at once."""
+
+    def __init__(self, lag: int, total: int, make: Callable[[int, Optional[dict]], Any],
+                 snapshot: Callable[[], dict], *, background: bool):
+        self.lag, self.total, self._make, self._snapshot = lag, total, make, snapshot
+        self.background = background and lag > 0 and BACKGROUND
+        self.engine_lock = threading.Lock()
+        self._queued: dict[int, tuple[int, Optional[dict]]] = {}  # r -> (version, snapshot): launched, not started
+        self._made: dict[int, MadeAhead] = {}  # r -> made, not taken
+        self._errors: dict[int, BaseException] = {}
+        self._done = threading.Condition()
+        self._order: list[int] = []  # launched rollouts, in order (the worker makes them in this order)
+        self._busy: Optional[int] = None
+        self._closed = False
+        self._worker: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ the learner's side
+    def launch_due(self, r: int) -> None:
+        """At the start of the learner's rollout r: launch what is due (one weight snapshot for all of them)."""
+        held = set(self._made) | set(self._queued) | ({self._busy} if self._busy is not None else set())
+        due = launches_due(r, self.lag, self.total, held)
+        if not due:
+            return
+        weights = self._snapshot() if self.lag > 0 else None
+        with self._done:
+            for q in due:
+                self._queued[q] = (r, weights)  # the learner's weights now: version r
+                self._order.append(q)
+            self._done.notify_all()
+        if self.background and self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="tidyrl-rollouts-ahead", daemon=True)
+            self._worker.start()
+
+    def take(self, r: int) -> tuple[MadeAhead, float]:
+        """Rollout r, made (waited for where it is still under way). Returns (it, seconds the learner waited)."""
+        t0 = time.perf_counter()
+        if not self.background:
+            self._make_next(r)
+        with self._done:
+            while r not in self._made and not self._errors:
+                self._done.wait(timeout=1.0)
+            if r not in self._made:
+                raise next(iter(self._errors.values()))
+            made = self._made.pop(r)
+        return made, time.perf_counter() - t0
+
+    def pending(self) -> dict[int, MadeAhead]:
+        """Every launched rollout not yet taken, made (waited for): what a checkpoint must hold."""
+        if not self.background:
+            for q in list(self._order):
+                self._make_next(q)
+        with self._done:
+            while (self._queued or self._busy is not None) and not self._errors:
+                self._done.wait(timeout=1.0)
+            if self._errors:
+                raise next(iter(self._errors.values()))
+            return dict(sorted(self._made.items()))
+
+    def restore(self, made: dict[int, MadeAhead]) -> None:
+        """A resumed run: the rollouts its checkpoint made ahead."""
+        self._made.update(made)
+
+    def close(self) -> None:
+        with self._done:
+            self._closed = True
+            self._done.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=0.1)
+
+    # ------------------------------------------------------------------ making
+    def _make_next(self, until: int) -> None:
+        """On the learner's thread: make the launched rollouts in order up to `until`."""
+        while self._order and until not in self._made:
+            q = self._order.pop(0)
+            version, weights = self._queued.pop(q)
+            self._made[q] = self._make_one(q, version, weights)
+
+    def _make_one(self, q: int, version: int, weights) -> MadeAhead:
+        t0 = time.perf_counter()
+        with self.engine_lock:
+            value = self._make(q, weights)
+        return MadeAhead(value, version, time.perf_counter() - t0)
+
+    def _work(self) -> None:
+        """The background thread: make each launched rollout in launch order; an error stops it and is raised where
+        the learner takes a rollout (or checkpoints)."""
+        while True:
+            with self._done:
+                while not self._order and not self._closed:
+                    self._done.wait()
+                if self._closed:
+                    return
+                q = self._order.pop(0)
+                version, weights = self._queued.pop(q)
+                self._busy = q
+            try:
+                made = self._make_one(q, version, weights)
+            except BaseException as err:  # noqa: BLE001 -- handed to the learner, raised where it takes q
+                with self._done:
+                    self._errors[q], self._busy = err, None
+                    self._done.notify_all()
+                return
+            with self._done:
+                self._made[q], self._busy = made, None
+                self._done.notify_all()
+
+
+# ---------------------------------------------------------------------- the weights that generate
+def behaviour_copy(policy):
+    """A frozen copy of the policy (eval mode, no gradients) that generates the rollouts made ahead; each launch
+    loads a snapshot into it. Costs one more copy of the model's weights on its device."""
+    import copy
+
+    return copy.deepcopy(policy).eval().requires_grad_(False)
+
+
+def weight_snapshot(policy) -> dict:
+    """The policy's trained parameters now (a clone each; with LoRA only the adapter's): what a launch needs, as
+    the frozen ones never change from the copy's."""
+    return {name: p.detach().clone() for name, p in policy.named_parameters() if p.requires_grad}
+
+
+def load_snapshot(model, snapshot: dict) -> None:
+    """Copy a `weight_snapshot` into `model` (the behaviour copy), in place (an engine's captured graphs stay
+    valid)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in snapshot.items():
+            params[name].copy_(value)
