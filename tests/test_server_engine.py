@@ -290,3 +290,18 @@ def test_a_server_of_another_model_or_too_short_a_context_is_refused(tiny_model_
     assert "hidden_size 48 (the policy's: 32)" in problems[0]
     assert problems[1] == (f"server.urls[2] = {short.url}: serves max_model_len 8, but the longest prompt + "
                            "rollout.max_new_tokens is 13 tokens; restart it with --max-model-len 13 (or more)")
+
+
+def test_a_lora_policy_reaches_the_servers_merged(tiny_model_dir, builtin_run, tmp_path):
+    """With LoRA the servers get the base weights with the adapter folded in, under the base model's names: the
+    second rollout, sampled after the adapter moved, has the policy's log-probs up to rounding (the base weights
+    alone would be far off at this learning rate)."""
+    pytest.importorskip("peft")
+    cfg = config(tiny_model_dir, builtin_run[0], tmp_path / "lora", "vllm-server")
+    cfg["lora"], cfg["train"]["learning_rate"] = {"enabled": True, "r": 4}, 5e-2
+    with FakeVLLMServer(tiny_model_dir) as server:
+        cfg["server"]["urls"] = [server.url]
+        result = tidyrl.train(cfg)
+        assert len(server.reloads) == 2
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert all(r["mismatch/logprob_abs_mean"] < 1e-5 for r in rows)
