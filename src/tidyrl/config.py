@@ -537,6 +537,35 @@ class VLLMConfig:
 
 
 @dataclass
+class ServerConfig:
+    urls: list[str] = field(default_factory=list)
+    """rollout.engine: vllm-server: the vLLM servers (OpenAI-compatible, started with VLLM_SERVER_DEV_MODE=1), one URL per replica, e.g. [http://127.0.0.1:8000]; requests are spread over them, and a completion does not depend on which one served it (docs/engines.md)."""
+    timeout_s: float = 300.0
+    """Seconds one completion request may take before it is retried on the next replica."""
+    retries: int = 2
+    """Attempts on the other replicas (the same one when there is only one) after a request failed, timed out or was answered wrongly; then the run stops with an error naming the servers and the sample key."""
+    weight_sync: str = "folder"
+    """How the policy's weights reach the servers before each rollout: folder (safetensors written into sync_dir, which the servers read; each reloads from it). nccl is not available yet."""
+    sync_dir: Optional[str] = None
+    """The folder the weights are written to for the servers, readable by them at the same path (a shared file system for servers on other hosts); null = <output_dir>/weights-for-servers. Only the newest version is kept."""
+    sync_timeout_s: float = 300.0
+    """Seconds a weight sync (write, every server's reload) may take before the run stops with an error."""
+
+    def check(self, need, cfg: "Config") -> None:
+        for i, url in enumerate(self.urls):
+            need(isinstance(url, str) and url.startswith(("http://", "https://")), f"server.urls[{i}]",
+                 f"must be an http:// or https:// URL, got {url!r}")
+        need(len(set(self.urls)) == len(self.urls), "server.urls", "lists a server twice")
+        need(self.timeout_s > 0, "server.timeout_s", f"must be > 0, got {self.timeout_s}")
+        need(self.retries >= 0, "server.retries", f"must be >= 0, got {self.retries}")
+        need(self.weight_sync in ("folder", "nccl"), "server.weight_sync",
+             f"{self.weight_sync!r} is not folder or nccl")
+        need(self.sync_dir is None or bool(self.sync_dir.strip()), "server.sync_dir",
+             "set a folder, or null for <output_dir>/weights-for-servers")
+        need(self.sync_timeout_s > 0, "server.sync_timeout_s", f"must be > 0, got {self.sync_timeout_s}")
+
+
+@dataclass
 class LoRAConfig:
     enabled: bool = False
     """Train a LoRA adapter (Hu et al. 2021) instead of every weight, through peft (`pip install tidyrl[lora]`).
@@ -620,6 +649,8 @@ class Config:
     """Multi-turn rollouts against an environment (RL stages)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """The vLLM engine (rollout.engine: vllm)."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """vLLM servers in their own processes (rollout.engine: vllm-server)."""
 
 
 # --------------------------------------------------------------------------
@@ -802,6 +833,7 @@ def validate(cfg: Config) -> None:
     _check_top_level(cfg, need)
     cfg.data.check(need, cfg)
     cfg.lora.check(need, cfg)
+    cfg.server.check(need, cfg)
     offline = cfg.algorithm in OFFLINE_ALGORITHMS
     if offline:
         _validate_offline(cfg, need)

@@ -11,8 +11,9 @@ import importlib
 
 from tidyrl.engines.base import Capabilities, EngineError, SamplingSettings
 
-ENGINES = {"builtin": "tidyrl.engines.builtin", "vllm": "tidyrl.engines.vllm"}
-"""rollout.engine -> the module of that engine (imported when used: vLLM's takes seconds)."""
+ENGINES = {"builtin": "tidyrl.engines.builtin", "vllm": "tidyrl.engines.vllm", "vllm-server": "tidyrl.engines.server"}
+"""rollout.engine -> the module of that engine (imported when used: vLLM's takes seconds). vllm-server: vLLM's
+OpenAI-compatible servers in their own processes (the `server` section)."""
 
 
 def engine_module(name: str):
@@ -35,7 +36,7 @@ def make_engine(cfg, policy, device: str, max_model_len: int):
 
 
 def __getattr__(name):  # the engines' own names, from their modules (0.1's tidyrl.models.engines held them all)
-    for module in ("tidyrl.engines.builtin", "tidyrl.engines.vllm"):
+    for module in ("tidyrl.engines.builtin", "tidyrl.engines.vllm", "tidyrl.engines.server"):
         mod = importlib.import_module(module)
         if hasattr(mod, name):
             return getattr(mod, name)

