@@ -139,9 +139,9 @@ class RolloutConfig:
     forward_batch_size: int = 64
     """Sequences scored at once without grad (old and reference log-probs), per process. A memory knob only."""
     engine: str = "builtin"
-    """What generates the completions: builtin (tidyrl's decode loop on the policy) or vllm (an in-process vLLM engine per process, weights synced before each rollout; the `vllm` section tunes it). docs/engines.md."""
+    """What generates the completions: builtin (tidyrl's decode loop on the policy), vllm (an in-process vLLM engine per process, weights synced before each rollout; the `vllm` section tunes it) or vllm-server (vLLM servers in their own processes, on other GPUs or hosts, addressed by the `server` section). docs/engines.md."""
     tis_cap: Optional[float] = None
-    """Truncated importance sampling against the sampler/trainer mismatch (Yao et al. 2025): each token's loss is weighted by min(pi_trainer / pi_sampler, tis_cap) on the sampled token. null = 2.0 with engine vllm or with rollout.lag >= 1, off with builtin; 0 = off."""
+    """Truncated importance sampling against the sampler/trainer mismatch (Yao et al. 2025): each token's loss is weighted by min(pi_trainer / pi_sampler, tis_cap) on the sampled token. null = 2.0 with engine vllm or vllm-server or with rollout.lag >= 1, off with builtin; 0 = off."""
     lag: int = 0
     """L: rollouts made ahead, beside training. Rollout r is generated with the weights after rollout r - 1 - L's updates (the starting weights for r <= L) while the learner trains on earlier ones; fixed by the config, never by timing, so the run is the same whatever the speed of either side. 0 = on-policy (generate, then train). The gap is corrected by the truncated importance weights (rollout.tis_cap). docs/async.md."""
     behaviour_logprobs: str = "sampler"
