@@ -10,7 +10,7 @@ model with `sample_keys=[seed]`, so a request's completion is exactly the builti
 Faults on demand: `die_after=N` (the server goes away at request N+1 of /v1/completions: that connection drops
 unanswered and later ones are refused), `hang_after=N` (completion requests after N sleep `hang_s` first),
 `garbage=K` (the first K completion answers are malformed, `garbage_kind`), `reload_hangs` (reload_weights never
-answers within the test).
+answers within the test; an integer N: after N reloads that worked).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 class FakeVLLMServer:
     def __init__(self, model_dir, *, served_root=None, max_model_len: int = 128, die_after=None, hang_after=None,
-                 hang_s: float = 30.0, garbage: int = 0, garbage_kind: str = "not-json", reload_hangs: bool = False):
+                 hang_s: float = 30.0, garbage: int = 0, garbage_kind: str = "not-json", reload_hangs=False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(model_dir)
@@ -122,7 +122,7 @@ class FakeVLLMServer:
         from safetensors.torch import load_file
 
         path = kwargs["weights_path"]
-        if self.reload_hangs:
+        if self.reload_hangs is True or (self.reload_hangs is not False and len(self.reloads) >= self.reload_hangs):
             self.stopping.wait(self.hang_s)
         state = load_file(os.path.join(path, "model.safetensors"))
         with self.generate_lock:

@@ -45,9 +45,11 @@ RESUMABLE_CHANGES = {
     "train.group_by_length", "train.padding_free",
     "log.progress_bar", "log.save_every", "log.keep_last", "lora.save_merged",
     "environment.max_error_fraction",
+    "server.urls", "server.timeout_s", "server.retries", "server.sync_dir", "server.sync_timeout_s",
 }
-"""Config keys that may differ on resume: memory knobs, saving cadence and the environment's failure threshold
-change speed, memory or when a failing run stops, never the maths. Any other difference (sizes, learning rate, algorithm, data, rewards, ...) is refused."""
+"""Config keys that may differ on resume: memory knobs, saving cadence, the environment's failure threshold and
+where the generation servers are (their replicas sample each request by its key) change speed, memory or when a
+failing run stops, never the maths. Any other difference (sizes, learning rate, algorithm, data, rewards, ...) is refused."""
 
 
 EXTENDABLE = {"train.rollouts", "train.dataset_epochs", "train.max_steps"}
