@@ -205,7 +205,7 @@ def test_the_background_thread_and_the_speed_of_either_side_change_no_number(tmp
     assert [m["async/policy_lag"] for m in inline[0][::4]] == [0, 1, 2, 2]
 
 
-def test_the_lag_changes_the_run_and_only_from_rollout_two(tmp_path):
+def test_the_lag_changes_the_run_and_only_from_rollout_two(tmp_path, capsys):
     """Rollout 1 is the same at any lag (every lag makes it with the starting weights; the lag's default
     importance-weight cap, 2.0, set at lag 0 too); from rollout 2 on a lagged run samples older weights, which the
     importance weights correct: their mismatch is measured per step."""
@@ -214,7 +214,10 @@ def test_the_lag_changes_the_run_and_only_from_rollout_two(tmp_path):
     on_policy.mkdir()
     lagged.mkdir()
     tidyrl.train(grpo(on_policy, lag=0), ["rollout.tis_cap=2.0"])
+    capsys.readouterr()
     tidyrl.train(grpo(lagged, lag=1))
+    summary = capsys.readouterr().out  # the wall time split as the learner spent it; the making apart
+    assert "time: waiting for rollouts" in summary and "made ahead, beside training (rollout.lag): generate" in summary
     a, b = rows(on_policy / "run" / "metrics.jsonl"), rows(lagged / "run" / "metrics.jsonl")
     first = lambda row: {k: v for k, v in row.items() if not k.startswith("async/")}  # noqa: E731
     assert [first(x) for x in a[:4]] == [first(x) for x in b[:4]]

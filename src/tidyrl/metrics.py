@@ -152,6 +152,8 @@ class RunLogger:
             self._rollouts_timed.add(row.get("rollout"))
             for part in ("generate", "reward", "score"):
                 self.timings[part] += row.get(TIME_METRICS[part]) or 0.0
+            if "time/wait_rollout_s" in row:  # rollout.lag: made beside training; the learner's share is its wait
+                self.timings["wait"] = self.timings.get("wait", 0.0) + row["time/wait_rollout_s"]
 
     def write(self, row: dict) -> None:
         """A logged row: to metrics.jsonl, then to every tracker with the samples written since the last one."""
@@ -241,12 +243,18 @@ def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[fl
     steps = timings.get("steps", 0)
     if steps:
         timed = {part: timings.get(part, 0.0) for part in TIME_METRICS}
+        beside = None
+        if "wait" in timings:  # rollout.lag: generation and rewards ran beside training; the learner only waited
+            beside = f"generate {timed.pop('generate'):.1f} s, reward {timed.pop('reward'):.1f} s"
+            timed = {"waiting for rollouts": timings["wait"], **timed}
         session = wall_s if steps == plan.total_optimizer_steps else sum(timed.values())
         timed["other"] = max(session - sum(timed.values()), 0.0)
         total = max(sum(timed.values()), 1e-9)
         split = ", ".join(f"{part} {sec:.1f} s ({100 * sec / total:.0f}%)" for part, sec in timed.items())
         scope = "" if steps == plan.total_optimizer_steps else f" (the {steps} steps run since resuming)"
         lines.append(f"  time{scope}: {split}")
+        if beside:
+            lines.append(f"  made ahead, beside training (rollout.lag): {beside}")
     lines.append(f"  reward_mean: {reward(first_reward)} (first rollout) -> {reward(last_reward)} (last rollout)")
     if groups:  # rollout.dynamic_sampling
         lines.append(f"  groups (dynamic sampling): {groups.get('groups/generated', 0)} generated, "
