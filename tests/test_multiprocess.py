@@ -201,3 +201,53 @@ def test_a_lagged_run_on_two_processes_matches_one(ppo_yaml, tmp_path, name):
         assert max_diff(weights(one / "final" / part), weights(two / "final" / part)) < TOL, part
     held = torch.load(two / "checkpoint-6" / "trainer_state" / "ahead.pt", weights_only=True)
     assert list(held) == [2] and len(held[2]) == 2  # rollout 3 (index 2), one share per process
+
+
+def launch_two_nodes(config, out, *overrides):
+    """The run as two 'nodes' of one process each on this host: two torchrun agents started together, one per
+    node rank, meeting at one master address and port (what `torchrun --nnodes 2` does on two machines; see
+    examples/two-nodes). Every process has LOCAL_RANK 0, so a file written by each node's local main process, or a
+    rank test that reads the local rank, would show here."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               "-m", "tidyrl", "train", str(config), f"output_dir={out}", *overrides],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=gloo_cpu_env())
+             for rank in (0, 1)]
+    try:
+        done = [proc.communicate(timeout=600) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, (_, err)) in enumerate(zip(procs, done)):
+        assert proc.returncode == 0, f"node {rank}: {err[-4000:]}"
+    return out
+
+
+def test_two_nodes_of_one_process_match_one_node_of_two(ppo_yaml, tmp_path):
+    """`torchrun --nnodes 2 --nproc_per_node 1` (two node ranks on localhost) is the `--nproc_per_node 2` run: the
+    same completions, steps and learning rates, the same final weights and checkpoint files, written once."""
+    base = yaml.safe_load(ppo_yaml.read_text())
+    cfg = _variant(base, "grpo", 2)
+    cfg["log"].update({"save_every": 4, "keep_last": 5})
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    one_node = launch(path, tmp_path / "one-node", 2)
+    two_nodes = launch_two_nodes(path, tmp_path / "two-nodes")
+
+    plan1, plan2 = (json.loads((d / "plan.json").read_text()) for d in (one_node, two_nodes))
+    assert plan1["world_size"] == plan2["world_size"] == 2
+    r1, r2 = rows(one_node), rows(two_nodes)
+    assert len(r1) == len(r2) == 8  # written once: the global main process alone appends to metrics.jsonl
+    assert [(a["step"], a["rollout"], a["lr"]) for a in r1] == [(b["step"], b["rollout"], b["lr"]) for b in r2]
+    samples1, samples2 = ([json.loads(x)["completion"] for x in open(d / "samples.jsonl")] for d in (one_node, two_nodes))
+    assert samples1 == samples2 and samples1
+    assert max_diff(weights(one_node / "final" / "model.safetensors"),
+                    weights(two_nodes / "final" / "model.safetensors")) < TOL
+
+    def files(folder):
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+    assert files(two_nodes / "checkpoint-4") == files(one_node / "checkpoint-4")
+    assert not (two_nodes / ".tidyrl.lock").exists()  # the lock, taken by the global main process, given back
