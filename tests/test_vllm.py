@@ -159,6 +159,27 @@ def test_two_processes_with_their_own_engines_sample_what_one_does(vllm_model_di
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
 
 
+def test_a_lagged_run_makes_its_rollouts_ahead_on_the_vllm_engine_as_on_the_learners_thread(
+        vllm_model_dir, words_file, tmp_path, monkeypatch):
+    """rollout.lag = 1 on the in-process vLLM engine: rollout 3 is generated on the background thread (synced to the
+    weights after rollout 1) while the learner trains on rollout 2; the same run, bit for bit, as when every rollout
+    is made on the learner's thread when taken (no thread)."""
+    import tidyrl.rollouts.ahead as ahead
+
+    def run(name, background):
+        monkeypatch.setattr(ahead, "BACKGROUND", background)
+        cfg = vllm_config(vllm_model_dir, words_file, tmp_path / name, rollout={"lag": 1}, train={"rollouts": 3})
+        result = tidyrl.train(cfg)
+        rows = read_jsonl(result.output_dir / "metrics.jsonl")
+        return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows], \
+            (result.output_dir / "samples.jsonl").read_text()
+
+    threaded, inline = run("threaded", True), run("inline", False)
+    assert threaded == inline
+    assert [r["async/policy_lag"] for r in threaded[0][::2]] == [0, 1, 1]
+    assert threaded[0][4]["mismatch/logprob_abs_mean"] > threaded[0][0]["mismatch/logprob_abs_mean"]
+
+
 def test_an_architecture_vllm_cannot_run_on_this_cpu_stops_before_the_model_loads(words_file, tmp_path):
     """Heads of 16 (the default test model's) have no CPU attention kernel in vLLM: the config check says so
     and names the way out, before any engine starts or file is written."""
