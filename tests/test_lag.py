@@ -189,7 +189,7 @@ def test_the_background_thread_and_the_speed_of_either_side_change_no_number(tmp
         monkeypatch.setattr(rl, "optimizer_step", slow_step)
         folder = tmp_path / name
         folder.mkdir()
-        cfg = grpo(folder, lag=2, rollouts=4)
+        cfg = grpo(folder, lag=2, rollouts=4, samples_per_rollout=8)
         tidyrl.train(cfg)
         monkeypatch.setattr(BuiltinEngine, "generate", generate)
         monkeypatch.setattr(rl, "optimizer_step", step)
@@ -197,6 +197,19 @@ def test_the_background_thread_and_the_speed_of_either_side_change_no_number(tmp
         return rows(out / "metrics.jsonl"), (out / "samples.jsonl").read_text(), final_weights(out)
 
     inline = run("inline", False)
+    # GRPO's advantages under the lag, by hand from the logged rewards of every episode (samples.jsonl holds all
+    # 8 of each rollout): A = (r - mean(group)) / (std(group, unbiased) + 1e-4), whatever weights sampled them.
+    groups: dict = {}
+    for line in inline[1].splitlines():
+        row = json.loads(line)
+        groups.setdefault((row["rollout"], row["prompt"]), []).append(row)
+    assert sorted({r for r, _ in groups}) == [1, 2, 3, 4] and all(len(g) == 4 for g in groups.values())
+    for group in groups.values():
+        rewards = [row["reward"] for row in group]
+        mean = sum(rewards) / 4
+        std = (sum((x - mean) ** 2 for x in rewards) / 3) ** 0.5
+        for row in group:
+            assert row["advantage"] == pytest.approx((row["reward"] - mean) / (std + 1e-4), rel=1e-5, abs=1e-6)
     for name, kwargs in (("slow-engine", {"slow_engine": 0.05}), ("slow-learner", {"slow_learner": 0.1})):
         metrics, samples, weights = run(name, True, **kwargs)
         assert metrics == inline[0], name
