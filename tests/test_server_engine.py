@@ -342,3 +342,39 @@ def test_a_lagged_run_on_servers_is_the_lagged_builtin_run_and_a_fault_then_a_re
     assert untimed(read_jsonl(result.output_dir / "metrics.jsonl")) == expected
     final, weights = (load_file(d / "final" / "model.safetensors") for d in (out, reference.output_dir))
     assert all(torch.equal(final[k], weights[k]) for k in weights)
+
+
+def test_two_training_processes_share_the_servers_one_sync_per_rollout_as_one_process_does(tiny_model_dir,
+                                                                                         builtin_run, tmp_path):
+    """W = 2 (torchrun, gloo) with rollout.lag = 1 and an evaluation: each process sends its own share of the
+    requests; each sync is made once, by the first process, after every process's requests of the last rollout
+    were answered (the syncs run on the rollouts-ahead thread, on a group of their own). The same completions as
+    one process, the weights within float rounding of the gradient's summation order."""
+    from conftest import torchrun_train
+    from safetensors.torch import load_file
+
+    prompts = builtin_run[0]
+
+    def cfg(out, url):
+        c = config(tiny_model_dir, prompts, out, "vllm-server", [url], timeout_s=20, sync_timeout_s=20)
+        c["rollout"]["lag"] = 1
+        c["train"]["rollouts"] = 3
+        c["data"]["eval_fraction"] = 0.2
+        c["log"].update({"eval_every": 2, "samples_per_rollout": 8})
+        return c
+
+    with FakeVLLMServer(tiny_model_dir) as one_server:
+        one = tidyrl.train(cfg(tmp_path / "one", one_server.url))
+    with FakeVLLMServer(tiny_model_dir) as two_server:
+        torchrun_train(cfg(tmp_path / "two", two_server.url), tmp_path, world=2)
+    # rollouts 1 and 2 by the starting weights, rollout 3 by those after rollout 1, and 3 evaluations
+    assert len(one_server.reloads) == len(two_server.reloads) == 6
+    assert two_server.completions == one_server.completions
+    rows1, rows2 = (read_jsonl(d / "metrics.jsonl") for d in (one.output_dir, tmp_path / "two"))
+    assert [r["async/policy_lag"] for r in rows2[::2]] == [0, 1, 1]
+    assert [(a["step"], a["lr"]) for a in rows1] == [(b["step"], b["lr"]) for b in rows2]
+    samples1, samples2 = ([r["completion"] for r in read_jsonl(d / "samples.jsonl")]
+                          for d in (one.output_dir, tmp_path / "two"))
+    assert samples1 == samples2
+    w1, w2 = (load_file(d / "final" / "model.safetensors") for d in (one.output_dir, tmp_path / "two"))
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5

@@ -98,6 +98,7 @@ def test_both_scripts_train_against_a_server_on_this_host(tiny_model_dir, prompt
         slurm = subprocess.run(["bash", str(EXAMPLE / "slurm.sbatch")], capture_output=True, text=True, timeout=600,
                                cwd=tmp_path, env=dict(env, SHARED=str(tmp_path / "shared-b"), PORT=port,
                                                       GPUS_PER_NODE="1", SLURM_JOB_NODELIST="node[1-2]",
+                                                      TRAINER_PROCS="2",  # torchrun: 2 processes share the server
                                                       SLURM_JOB_ID="7", SLURM_SUBMIT_DIR=str(ROOT)))
         assert slurm.returncode == 0, slurm.stderr[-4000:]
         reloads = list(server.reloads)
@@ -109,6 +110,7 @@ def test_both_scripts_train_against_a_server_on_this_host(tiny_model_dir, prompt
     # the weights went to the servers through SHARED/weights-for-servers, one version per rollout
     assert [Path(p).parent for p in reloads] == [tmp_path / "shared-a" / "weights-for-servers"] * 2 + \
         [tmp_path / "shared-b" / "weights-for-servers"] * 2
+    # 1 training process (run.sh) and 2 (slurm.sbatch's torchrun): the same samples, one sync per rollout each
     assert read_jsonl(runs[0] / "samples.jsonl") == read_jsonl(runs[1] / "samples.jsonl")
     # slurm.sbatch's server step: the command docs/engines.md gives, in dev mode, on the node's GPU
     started = (tmp_path / "servers.log").read_text().splitlines()

@@ -21,6 +21,7 @@
 #   OUTPUT_DIR      the run's folder                                                    [$SHARED/runs/grpo-server]
 #   WAIT_S          seconds the trainer waits for the servers to load the model         [1800]
 #   PYTHON          the Python with tidyrl (host B) or vllm (host A)                    [python]
+#   TRAINER_PROCS   training processes on host B (torchrun, one per GPU)                [1]
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 
@@ -77,11 +78,15 @@ wait_for_servers() {  # until every server answers GET /v1/models (it does once 
   done
 }
 
-trainer() {  # host B: one training process (vllm-server takes one for now); the weights go through SHARED
+trainer() {  # host B: TRAINER_PROCS training processes; the first syncs the weights through SHARED for all
   SERVER_HOST="${SERVER_HOST:?set SERVER_HOST to host A as host B reaches it}"
   mkdir -p "$SHARED/weights-for-servers"
   wait_for_servers
-  exec "$PYTHON" -m tidyrl train "$CONFIG" model="$MODEL" output_dir="$OUTPUT_DIR" \
+  local launch=("$PYTHON")
+  if [ "${TRAINER_PROCS:-1}" -gt 1 ]; then
+    launch=("$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$TRAINER_PROCS")
+  fi
+  exec "${launch[@]}" -m tidyrl train "$CONFIG" model="$MODEL" output_dir="$OUTPUT_DIR" \
     "server.urls=$(urls)" server.sync_dir="$SHARED/weights-for-servers" "$@"
 }
 

@@ -13,6 +13,11 @@ cache. Those endpoints exist only on a server started with `VLLM_SERVER_DEV_MODE
 
 Every request has a timeout; a failed, timed-out or malformed answer is retried on the next replica up to
 `server.retries` times, then raises `EngineError` naming the server(s), what went wrong and the sample key.
+
+With several training processes each sends its own share of the requests; a sync is one for all: every process
+waits until all have finished generating (a barrier on a gloo group of their own, so a sync made beside training
+on the rollouts-ahead thread never meets the learner's collectives), the first process writes the weights and
+reloads the servers, and all learn the outcome (which replicas are still in service, or the error) from it.
 """
 
 from __future__ import annotations
@@ -132,7 +137,8 @@ class ServerEngine:
                                 default_tis_cap=2.0)
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 300.0, retries: int = 2,
-                 sync_dir: str, sync_timeout_s: float = 300.0, models: Optional[Sequence[str]] = None):
+                 sync_dir: str, sync_timeout_s: float = 300.0, models: Optional[Sequence[str]] = None,
+                 group=None):
         if not urls:
             raise EngineError("server.urls: list at least one vLLM server for rollout.engine: vllm-server")
         self.urls = [u.rstrip("/") for u in urls]
@@ -142,6 +148,7 @@ class ServerEngine:
         self.version = 0
         self.live = list(range(len(self.urls)))  # replicas in service: those that took every weight sync so far
         self._lock = threading.Lock()
+        self.group = group  # several training processes: their own gloo group (see the module docstring)
 
     def _served_model(self, url: str) -> str:
         try:
@@ -221,7 +228,31 @@ class ServerEngine:
 
         A replica that does not finish within server.sync_timeout_s (or fails) holds stale weights: it is taken out
         of service for the rest of the run (with a warning), since a sample from it would not be the policy's.
-        When no replica is left, raises EngineError naming the folder and the servers."""
+        When no replica is left, raises EngineError naming the folder and the servers. With several training
+        processes, every one calls it and the first does the work (the module docstring)."""
+        if self.group is None:
+            return self._sync(policy)
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        dist.barrier(group=self.group)  # every process's requests of the last rollout are answered
+        outcome = [None]
+        if dist.get_rank(self.group) == 0:
+            try:
+                self._sync(policy)
+                outcome = [(self.version, self.live, None)]
+            except EngineError as err:
+                outcome = [(self.version, self.live, str(err))]
+        else:
+            self.version += 1
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(self.group, 0), group=self.group)
+        version, self.live, error = outcome[0]
+        if error is not None:
+            raise EngineError(error if dist.get_rank(self.group) == 0 else f"{error} (reported by the first process)")
+        assert version == self.version, f"vllm-server: weight version {self.version} here, {version} on process 0"
+        return time.perf_counter() - start
+
+    def _sync(self, policy) -> float:
         start = time.perf_counter()
         self.version += 1
         folder = write_weights(policy, self.sync_dir, self.version)
@@ -404,9 +435,9 @@ def build(cfg, policy, device: str, max_model_len: int) -> ServerEngine:
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     except ImportError:
         several = False
-    if several:
-        raise EngineError("rollout.engine: vllm-server with several training processes is not available yet "
-                          "(each would sync the servers); train in one process")
+    group = None
+    if several:  # a group of the training processes for the syncs alone (every process builds its engine here)
+        group = dist.new_group(backend="gloo")
     sync_dir = s.sync_dir or os.path.join(cfg.output_dir, "weights-for-servers")
     return ServerEngine(s.urls, timeout_s=s.timeout_s, retries=s.retries, sync_dir=sync_dir,
-                        sync_timeout_s=s.sync_timeout_s)
+                        sync_timeout_s=s.sync_timeout_s, group=group)

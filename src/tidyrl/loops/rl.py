@@ -437,6 +437,8 @@ class RLRun:
         policy = self.accelerator.unwrap_model(self.trainee.model)
         policy.eval()
         k = 1 if self.cfg.log.eval_decoding == "greedy" else self.cfg.rollout.samples_per_prompt
+        if self.world_size > 1:  # an engine's sync may be a collective (vllm-server): the same order on every process
+            self.ahead.drain()
         with self.ahead.engine_lock:  # with a lag the engine may be making a rollout ahead: it finishes first
             return evaluate_held_out(self.eval_producer, self.engine, policy, self._weights_for_engine(policy), k,
                                      len(self.inputs.eval_prompt_ids), self.accelerator)

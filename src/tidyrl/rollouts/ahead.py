@@ -102,6 +102,12 @@ class RolloutsAhead:
             made = self._made.pop(r)
         return made, time.perf_counter() - t0
 
+    def drain(self) -> None:
+        """Wait until the background thread has made every launched rollout (and is idle until the next launch):
+        before another use of the engine whose order must be the same on every process (a collective in it)."""
+        if self.background:
+            self.pending()
+
     def pending(self) -> dict[int, MadeAhead]:
         """Every launched rollout not yet taken, made (waited for): what a checkpoint must hold."""
         if not self.background:
