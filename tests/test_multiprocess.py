@@ -251,3 +251,27 @@ def test_two_nodes_of_one_process_match_one_node_of_two(ppo_yaml, tmp_path):
 
     assert files(two_nodes / "checkpoint-4") == files(one_node / "checkpoint-4")
     assert not (two_nodes / ".tidyrl.lock").exists()  # the lock, taken by the global main process, given back
+
+
+def test_a_lagged_checkpoint_of_one_process_resumes_on_two(ppo_yaml, tmp_path):
+    """rollout.lag = 1: a checkpoint written by 1 process inside rollout 2 (it holds rollout 3, made ahead, as one
+    share) resumed on 2 processes (each takes its half) = the uninterrupted run on 2 processes."""
+    import shutil
+
+    base = yaml.safe_load(ppo_yaml.read_text())
+    algorithm, sections = VARIANTS["ppo-plain-gae"]
+    cfg = _variant(base, algorithm, 3, **sections)
+    cfg["rollout"]["lag"] = 1
+    cfg["log"].update({"save_every": 6, "keep_last": 5})
+    path = tmp_path / "lagged.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    two = launch(path, tmp_path / "w2", 2)
+    cut = launch(path, tmp_path / "cut", 1)
+    for later in [p for p in cut.glob("checkpoint-*") if p.name != "checkpoint-6"] + [cut / "final"]:
+        shutil.rmtree(later)
+    launch(path, cut, 2, "resume_from=latest")
+    assert [(a["step"], a["lr"]) for a in rows(cut)] == [(b["step"], b["lr"]) for b in rows(two)]
+    samples = [[json.loads(x)["completion"] for x in open(d / "samples.jsonl")] for d in (cut, two)]
+    assert samples[0] == samples[1]
+    for part in ("model.safetensors", "critic/model.safetensors"):
+        assert max_diff(weights(cut / "final" / part), weights(two / "final" / part)) < TOL, part

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
-from tidyrl.checkpoint import CheckpointError
 from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_training, prepare_output_dir,
                                  save_pretrained_atomic, write_run_header)
@@ -66,12 +65,6 @@ class RLRun:
         # Everything cheap and checkable first: checkpoint, model and tokenizer paths, data, prompt lengths, plan,
         # rewards, output folder. No weights are loaded before all of it has passed.
         self.resume_path, self.resumed = check_resume(cfg, self.out, self.accelerator)
-        shares = {len(m) for m in ((self.resumed or {}).get("ahead") or {}).values()}
-        if shares and shares != {self.world_size}:
-            raise CheckpointError(
-                f"{self.resume_path} holds rollouts made ahead (rollout.lag = {cfg.rollout.lag}) by {shares.pop()} "
-                f"process(es), each its share of the episodes; this run has {self.world_size}. Resume with the "
-                "same number of processes.")
         self.inputs = inputs = check_rl_inputs(cfg, base_dir, self.world_size)
         self.plan, self.tokenizer = inputs.plan, inputs.tokenizer
         self.env_pool = None
@@ -176,8 +169,11 @@ class RLRun:
             step, elapsed, self.first_reward, unfinished, made_ahead = restore_run(
                 self.resumed, accelerator=self.accelerator, out=self.out, trainee=self.trainee, state=self.state,
                 plan=plan)
-            self.ahead.restore({r: MadeAhead(Produced.from_dict(m[self.rank]["value"]), m[self.rank]["version"],
-                                             m[self.rank]["seconds"]) for r, m in made_ahead.items()})
+            # each process's share as saved; on another number of processes, the saved shares re-cut
+            self.ahead.restore({r: MadeAhead(Produced.share([Produced.from_dict(m["value"]) for m in shares],
+                                                            self.rank, self.world_size),
+                                             shares[0]["version"], shares[0]["seconds"])
+                                for r, shares in made_ahead.items()})
             t = self.trainee
             self._say(continue_longer(cfg, self.resumed, plan, self.out, self.accelerator,
                                       [s for s in (t.scheduler, t.critic_scheduler) if s is not None]))

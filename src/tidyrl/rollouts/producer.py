@@ -65,6 +65,35 @@ class Made:
         return cls(d["prompt_ids"], Episodes(**d["episodes"]), d["completions"], d["per_fn"],
                    None if d["scored"] is None else RewardResult(**d["scored"]), d["reward_s"])
 
+    @classmethod
+    def joined(cls, parts: Sequence["Made"]) -> "Made":
+        """The episodes of `parts` one after the other (the processes' shares in rank order: the global ones)."""
+        def cat(values):
+            if values[0] is None:
+                return None
+            return torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for part in values for v in part]
+
+        scored = None
+        if parts[0].scored is not None:
+            scored = RewardResult(cat([p.scored.total for p in parts]),
+                                  {n: cat([p.scored.per_function[n] for p in parts]) for n in parts[0].scored.per_function})
+        return cls(cat([p.prompt_ids for p in parts]),
+                   Episodes(**{f.name: cat([getattr(p.episodes, f.name) for p in parts]) for f in fields(Episodes)}),
+                   None if any(p.completions is None for p in parts) else cat([p.completions for p in parts]),
+                   {n: cat([p.per_fn[n] for p in parts]) for n in parts[0].per_fn}, scored,
+                   max(p.reward_s for p in parts))
+
+    def rows(self, start: int, stop: int) -> "Made":
+        """Episodes start .. stop - 1 (one process's share of the global episodes)."""
+        def cut(value):
+            return None if value is None else value[start:stop]
+
+        scored = None if self.scored is None else RewardResult(
+            cut(self.scored.total), {n: cut(v) for n, v in self.scored.per_function.items()})
+        return Made(cut(self.prompt_ids), Episodes(**{f.name: cut(getattr(self.episodes, f.name))
+                                                      for f in fields(Episodes)}),
+                    cut(self.completions), {n: cut(v) for n, v in self.per_fn.items()}, scored, self.reward_s)
+
 
 @dataclass
 class Produced:
@@ -84,6 +113,18 @@ class Produced:
     @classmethod
     def from_dict(cls, d: dict) -> "Produced":
         return cls(Made.from_dict(d["made"]), d["group_prompts"], d["sampling_stats"], d["sync_s"], d["generate_s"])
+
+    @classmethod
+    def share(cls, shares: Sequence["Produced"], rank: int, world: int) -> "Produced":
+        """Process `rank`'s share among `world` processes of a rollout made by len(shares) processes (their shares
+        in rank order): a resume on another number of processes takes the rollouts made ahead this way."""
+        if len(shares) == world:
+            return shares[rank]
+        whole = Made.joined([p.made for p in shares])
+        per = len(whole.prompt_ids) // world
+        first = shares[0]
+        return cls(whole.rows(rank * per, (rank + 1) * per), first.group_prompts, first.sampling_stats,
+                   first.sync_s, first.generate_s)
 
 
 class Columns:
