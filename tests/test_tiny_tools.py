@@ -96,3 +96,44 @@ def test_tidyrl_tiny_bytes_writes_a_model_that_can_write_tool_calls(tmp_path, ca
     assert AutoConfig.from_pretrained(tmp_path / "c").max_position_embeddings == 1024
     assert main(["tiny", str(tmp_path / "rm"), "--reward-model", "--tokenizer", "bytes"]) == 2
     assert "drop --reward-model" in capsys.readouterr().err
+
+
+def test_sft_renders_a_conversations_tools_as_the_rl_stages_render_an_environments(tmp_path):
+    """The `tools` column (data.tools_column) of SFT conversations goes to the chat template's `tools`, as GRPO
+    renders a ToolEnvironment's schemas: a list of schemas, or that list as a JSON string (Arrow unifies the
+    schemas of a column, filling missing keys with None: dropped again)."""
+    from transformers import AutoTokenizer
+
+    from tidyrl.config import load_config
+    from tidyrl.data.offline import load_sft_examples
+    from tidyrl.models.tiny import save_tiny_model
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a * b
+
+    class Both(ToolEnvironment):
+        tools = (multiply, capital)
+
+    model = save_tiny_model(tmp_path / "m", tokenizer="bytes", hidden_size=16, num_layers=1, num_heads=2)
+    tok = AutoTokenizer.from_pretrained(model)
+    schemas = Both.tool_schemas()
+    call = '<tool_call>\n{"name": "capital", "arguments": {"country": "Borduria"}}\n</tool_call>'
+    messages = [{"role": "user", "content": "The capital of Borduria?"}, {"role": "assistant", "content": call},
+                {"role": "tool", "content": '{"name": "capital", "result": "Szohod"}'},
+                {"role": "assistant", "content": "Szohod"}]
+    for tools in (json.dumps(schemas), schemas):
+        data = tmp_path / "sft.jsonl"
+        data.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n")
+        cfg = load_config({"algorithm": "sft", "model": str(model), "data": {"path": str(data)},
+                           "train": {"max_steps": 1, "batch_size": 1}})
+        (seq,), _ = load_sft_examples(cfg, tok, [tok.eos_token_id])
+        text = tok.decode(seq.input_ids, skip_special_tokens=False)
+        assert text == tok.apply_chat_template(messages, tools=schemas, tokenize=False)
+        trained = tok.decode([t for t, m in zip(seq.input_ids, seq.target_mask) if m], skip_special_tokens=False)
+        assert trained == call + "<|im_end|>\n" + "Szohod<|im_end|>\n"  # the assistant turns only
