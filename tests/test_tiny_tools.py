@@ -52,10 +52,12 @@ def test_the_template_renders_tools_calls_and_results_as_qwen25_does(tok):
     assert "<tools>\n" + json.dumps(tools[0]) + "\n</tools>" in prompt
     assert prompt.endswith("<|im_start|>user\nThe capital of Borduria?<|im_end|>\n<|im_start|>assistant\n")
     without = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert without == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + prompt.split("<|im_end|>\n", 1)[1]
+    default_system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    assert without == default_system + prompt.split("<|im_end|>\n", 1)[1]
     # An assistant message with `tool_calls` (the transformers format) renders as Qwen2.5 writes it ...
     call = {"name": "capital", "arguments": {"country": "Borduria"}}
-    structured = messages + [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}]
+    tool_calls = [{"type": "function", "function": call}]
+    structured = messages + [{"role": "assistant", "content": "", "tool_calls": tool_calls}]
     rendered = tok.apply_chat_template(structured, tools=tools, tokenize=False)
     written = "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
     assert rendered == prompt + written + "<|im_end|>\n"

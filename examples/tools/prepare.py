@@ -43,9 +43,9 @@ def main(work: str, sft_rows: int = 3000) -> None:
             question, name, arguments, result = rng.choice(sft_items)
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
             if rng.random() < 0.5:  # call the tool, then copy its result
+                call = json.dumps({"name": name, "arguments": arguments})
                 messages += [
-                    {"role": "assistant", "content": "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments})
-                     + "\n</tool_call>"},
+                    {"role": "assistant", "content": "<tool_call>\n" + call + "\n</tool_call>"},
                     {"role": "tool", "content": json.dumps({"name": name, "result": result})},
                     {"role": "assistant", "content": str(result)}]
             else:  # a guess: the answer to another question of the same kind (rarely right)
@@ -54,8 +54,8 @@ def main(work: str, sft_rows: int = 3000) -> None:
             f.write(json.dumps({"messages": messages}) + "\n")
     with open(work / "tasks.jsonl", "w") as f:
         for question, _, _, result in rl_items:
-            f.write(json.dumps({"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-                                "answer": str(result)}) + "\n")
+            prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            f.write(json.dumps({"prompt": prompt, "answer": str(result)}) + "\n")
 
 
 if __name__ == "__main__":
