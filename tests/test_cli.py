@@ -228,3 +228,26 @@ def test_tidyrl_tiny_writes_model_folders_that_load_and_train(tmp_path, capsys):
                            "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 4},
                            "train": {"rollouts": 1, "micro_batch_size": 4}, "log": {"progress_bar": False}})
     assert result.plan.total_episodes == 4 and (result.final_dir / "model.safetensors").exists()
+
+
+def test_plan_answers_a_wrong_config_without_importing_torch_transformers_or_datasets(tmp_path):
+    """`tidyrl plan` imports the heavy libraries only where its checks need them (the tokenizer, the model config,
+    the data file; about 3 s, docs/concepts.md): a typo or an invalid value is answered before any of them is
+    imported (in 0.1 s)."""
+    import os
+    import subprocess
+    import sys
+
+    configs = {
+        "typo": "algorithm: grpo\nmodel: m\ndata: {path: p.jsonl}\nrollout: {prompts_per_rolout: 8}\n",
+        "invalid": "algorithm: grpo\nmodel: m\ndata: {path: p.jsonl}\ntrain: {rollouts: 2}\n",
+    }
+    for name, text in configs.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.yaml"
+        path.write_text(text)
+        code = ("import sys; from tidyrl.cli import main; rc = main(['plan', sys.argv[1]]); "
+                "print(rc, [m for m in ('torch', 'transformers', 'datasets') if m in sys.modules])")
+        done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ), cwd=tmp_path)
+        assert done.stdout.strip() == "2 []", (name, done.stdout, done.stderr[-2000:])
+        assert "tidyrl: error:" in done.stderr

@@ -5,7 +5,8 @@
     tidyrl demo  [--output-dir DIR] [section.key=value ...]
     tidyrl eval  CONFIG.yaml|MODEL [section.key=value ...] [--model M] [--data D] [--reward SPEC] ...
     tidyrl plot  RUN_DIR [RUN_DIR ...] [--out DIR]
-    tidyrl tiny  OUT_DIR [--reward-model] [--seed S] [--hidden-size H] [--layers L]
+    tidyrl tiny  OUT_DIR [--reward-model] [--tokenizer chars|bytes] [--context N] [--seed S] [--hidden-size H]
+                 [--layers L]
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     ti.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     ti.add_argument("--hidden-size", type=int, default=None, help="hidden size (default 64; 32 for a reward model)")
     ti.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    ti.add_argument("--tokenizer", choices=("chars", "bytes"), default="chars",
+                    help="chars (default): 59 symbols, a 256-token context, the demo's model; bytes: a byte-level "
+                    "BPE (every byte, a few hundred merges) with a Qwen2.5-style chat template that renders tools "
+                    "and <tool_call> JSON, a 512-token context: a model that can write tool calls")
+    ti.add_argument("--context", type=int, default=None,
+                    help="context length, max_position_embeddings (default 256 with chars, 512 with bytes)")
 
     e = sub.add_parser(
         "eval", help="generate with one model and score it with the rewards (compare before/after training)",
@@ -212,14 +219,20 @@ def _tiny(args) -> None:
         raise ConfigError([f"{out} already exists and is not an empty folder; choose a new OUT_DIR "
                            "(tidyrl tiny never writes over files)"])
     size = {"hidden_size": args.hidden_size} if args.hidden_size else {}
+    if args.reward_model and (args.tokenizer != "chars" or args.context):
+        raise ConfigError(["--tokenizer and --context shape a policy; the tiny reward model has its own character "
+                           "tokenizer: drop them, or drop --reward-model"])
     if args.reward_model:
         save_tiny_reward_model(out, seed=args.seed, num_layers=args.layers, **size)
         print(f"tidyrl: a tiny reward model is in {out}/ (AutoModelForSequenceClassification, its own tokenizer "
               f"and chat template); use it as  rewards: [{{model: {out}}}]")
     else:
-        save_tiny_model(out, seed=args.seed, num_layers=args.layers, **size)
-        print(f"tidyrl: a tiny model is in {out}/ (AutoModelForCausalLM, a character tokenizer with a chat "
-              f"template, random weights); use it as  model: {out}")
+        save_tiny_model(out, seed=args.seed, num_layers=args.layers, tokenizer=args.tokenizer,
+                        max_position_embeddings=args.context, **size)
+        kind = ("a byte-level BPE tokenizer with a tool-calling chat template" if args.tokenizer == "bytes" else
+                "a character tokenizer with a chat template")
+        print(f"tidyrl: a tiny model is in {out}/ (AutoModelForCausalLM, {kind}, random weights); use it as  "
+              f"model: {out}")
 
 
 def _eval(args) -> None:

@@ -46,6 +46,10 @@ class DataConfig:
     """sft: column holding the completion (a string, or assistant messages) that follows `prompt_column`."""
     messages_column: str = "messages"
     """sft: column holding a whole conversation (a list of chat messages); used when the data has no completion column."""
+    tools_column: str = "tools"
+    """sft: column holding the tools offered in a conversation (a list of JSON schemas, as
+    `ToolEnvironment.tool_schemas()` gives, or that list as a JSON string), rendered by the chat template's `tools`
+    as the RL stages render an environment's tools; used when the data has this column."""
     chosen_column: str = "chosen"
     """reward, dpo: column holding the preferred completion (a string, or assistant messages)."""
     rejected_column: str = "rejected"

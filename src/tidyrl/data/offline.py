@@ -22,6 +22,7 @@ Every row is checked before any model is loaded; problems raise
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -76,7 +77,9 @@ def load_sft_examples(cfg, tokenizer, eos_ids: list[int], pack: bool = True
         conversations = table[d.messages_column]
         for i, messages in enumerate(conversations):
             _check_conversation(messages, i, d.messages_column, d.path)
-        pieces = [_conversation_segments(_clean(m), 0, tokenizer, i) for i, m in enumerate(conversations)]
+        tools = [_tools(t, i, d.tools_column, d.path) for i, t in enumerate(table[d.tools_column])] \
+            if d.tools_column in columns else [None] * len(conversations)
+        pieces = [_conversation_segments(_clean(m), 0, tokenizer, i, tools[i]) for i, m in enumerate(conversations)]
     else:
         raise DataError(
             f"data.path = {d.path!r} has neither a completion column (data.completion_column = "
@@ -390,11 +393,38 @@ def _clean(messages: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
-def _render(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str:
+def _tools(value: Any, row: int, column: str, path: str) -> Optional[list]:
+    """A row's tool schemas: a list of dicts, or a JSON string of one (Arrow unifies the schemas of a column into
+    one struct type, filling the keys a schema lacks with None: those are dropped again)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise DataError(f"data.path = {path!r}, row {row} (0-based): the tools (data.tools_column = {column!r}) "
+                            f"are a string but not JSON ({err.msg}); write the list of tool schemas") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"data.path = {path!r}, row {row} (0-based): the tools (data.tools_column = {column!r}) hold "
+                        f"{_short(value)}; write a list of JSON schemas (ToolEnvironment.tool_schemas()) or that "
+                        "list as a JSON string")
+    return [_without_none(t) for t in value] or None
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
+
+
+def _render(messages: list[dict], tokenizer, add_generation_prompt: bool, tools: Optional[list] = None) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError("the data holds chat messages, but the tokenizer has no chat_template to render them. "
                         "Use string prompts and completions, or a tokenizer (model / tokenizer) with a chat template.")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **({"tools": tools} if tools else {}))
 
 
 def _completion_segments(prompt, completion, tokenizer) -> tuple[list[tuple[str, bool]], bool]:
@@ -408,8 +438,8 @@ def _completion_segments(prompt, completion, tokenizer) -> tuple[list[tuple[str,
     return _conversation_segments(prompt + _clean(completion), len(prompt), tokenizer, None)
 
 
-def _conversation_segments(messages: list[dict], first: int, tokenizer, row: Optional[int]
-                           ) -> tuple[list[tuple[str, bool]], bool]:
+def _conversation_segments(messages: list[dict], first: int, tokenizer, row: Optional[int],
+                           tools: Optional[list] = None) -> tuple[list[tuple[str, bool]], bool]:
     """Split the rendered conversation into (text, trainable) pieces: each assistant message at index >= `first`
     is trainable: the text its turn adds after the generation prompt, i.e.
     render(messages[:i+1]) minus render(messages[:i], add_generation_prompt=True). Messages after the last
@@ -418,8 +448,8 @@ def _conversation_segments(messages: list[dict], first: int, tokenizer, row: Opt
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i < first:
             continue
-        before = _render(messages[:i], tokenizer, add_generation_prompt=True)
-        through = _render(messages[: i + 1], tokenizer, add_generation_prompt=False)
+        before = _render(messages[:i], tokenizer, add_generation_prompt=True, tools=tools)
+        through = _render(messages[: i + 1], tokenizer, add_generation_prompt=False, tools=tools)
         if not (before.startswith(done) and through.startswith(before)):
             where = "" if row is None else f"row {row} (0-based): "
             raise DataError(

@@ -86,13 +86,13 @@ def load_tokenizer(path: str, key: str = "tokenizer"):
 def load_model_config(path: str, key: str = "model"):
     """The model's config (no weights): checks early that `model` names a local folder or a hub id. For a LoRA
     adapter folder (a LoRA run's final/ or checkpoint-N/), its base model's config."""
-    from transformers import AutoConfig
-
     from tidyrl.models.lora import adapter_base, is_adapter_folder
 
     if is_adapter_folder(path):
         return load_model_config(adapter_base(path), key)
-    check_model_source(path, key)
+    check_model_source(path, key)  # before transformers is imported: a wrong path is answered at once
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
