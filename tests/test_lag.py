@@ -283,3 +283,12 @@ def test_the_lag_is_refused_under_fsdp():
     cfg = SimpleNamespace(log=SimpleNamespace(save_every=0), resume_from=None, rollout=SimpleNamespace(lag=1))
     with pytest.raises(ShardingError, match=r"rollout\.lag cannot be used under FSDP yet.*rollout\.lag=0"):
         check_supported("fsdp2", cfg)
+
+
+def test_a_rollout_past_the_plan_is_made_when_asked_and_one_never_launched_is_an_error_not_a_hang():
+    ahead = RolloutsAhead(1, 2, lambda r, snapshot: r, dict, background=True)
+    ahead.launch_due(2)  # past the run's 2 rollouts (e.g. a test asking for one more): made, no look-ahead
+    assert ahead.take(2)[0].value == 2
+    with pytest.raises(RuntimeError, match="rollout 5 was never launched"):
+        ahead.take(4)
+    ahead.close()

@@ -38,7 +38,7 @@ def launches_due(r: int, lag: int, total: int, held) -> list[int]:
     """The rollouts to launch when the learner starts rollout r: every rollout of r .. r + lag (within the run's
     `total`) that is not already made or under way (`held`). At the run's first rollout that is r .. r + lag (all
     with the same weights); afterwards r + lag alone."""
-    return [q for q in range(r, min(r + lag, total - 1) + 1) if q not in held]
+    return [q for q in range(r, max(r, min(r + lag, total - 1)) + 1) if q not in held]
 
 
 @dataclass
@@ -95,6 +95,8 @@ class RolloutsAhead:
         if not self.background:
             self._make_next(r)
         with self._done:
+            if r not in self._made and r not in self._queued and self._busy != r and not self._errors:
+                raise RuntimeError(f"rollout {r + 1} was never launched (launch_due first)")
             while r not in self._made and not self._errors:
                 self._done.wait(timeout=1.0)
             if r not in self._made:
