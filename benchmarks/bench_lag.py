@@ -70,8 +70,8 @@ def start_server(python: str, model: Path, device: str, core: str, log: Path) ->
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--enforce-eager"]
-    if device == "cpu":
-        cmd = ["taskset", "-c", core, *cmd]
+    if device == "cpu":  # its own core; prompts prefilled whole (seeded requests, docs/engines.md)
+        cmd = ["taskset", "-c", core, *cmd, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300

