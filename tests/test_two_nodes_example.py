@@ -66,7 +66,7 @@ def stand_ins(folder: Path) -> Path:
     scripts = {
         "python": f"""#!/usr/bin/env bash
 case "$*" in *vllm.entrypoints.openai.api_server*)
-  echo "VLLM_SERVER_DEV_MODE=$VLLM_SERVER_DEV_MODE CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*" >> "{folder}/servers.log"
+  echo "VLLM_SERVER_DEV_MODE=$VLLM_SERVER_DEV_MODE VLLM_BATCH_INVARIANT=$VLLM_BATCH_INVARIANT CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES $*" >> "{folder}/servers.log"
   exit 0;;
 esac
 exec {sys.executable} "$@"
@@ -114,6 +114,7 @@ def test_both_scripts_train_against_a_server_on_this_host(tiny_model_dir, prompt
     assert read_jsonl(runs[0] / "samples.jsonl") == read_jsonl(runs[1] / "samples.jsonl")
     # slurm.sbatch's server step: the command docs/engines.md gives, in dev mode, on the node's GPU
     started = (tmp_path / "servers.log").read_text().splitlines()
-    assert started == [f"VLLM_SERVER_DEV_MODE=1 CUDA_VISIBLE_DEVICES=0 -m vllm.entrypoints.openai.api_server --model "
+    assert started == [f"VLLM_SERVER_DEV_MODE=1 VLLM_BATCH_INVARIANT=1 CUDA_VISIBLE_DEVICES=0 "
+                       f"-m vllm.entrypoints.openai.api_server --model "
                        f"{tiny_model_dir} --host 0.0.0.0 --port {port} --dtype bfloat16 --max-model-len 2048 "
                        "--tensor-parallel-size 1"]

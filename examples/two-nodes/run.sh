@@ -15,6 +15,7 @@
 #   GPUS_PER_SERVER GPUs of each server: > 1 = vLLM's tensor parallelism               [1]
 #                   (8 GPUs: NUM_SERVERS=8 GPUS_PER_SERVER=1, or NUM_SERVERS=1 GPUS_PER_SERVER=8, or 4 x 2, ...)
 #   BIND            the address the servers listen on                                   [0.0.0.0]
+#   BATCH_INVARIANT 1: the servers run vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT; CUDA)    [1]
 #   DTYPE, MAX_MODEL_LEN  the servers' --dtype and --max-model-len (grpo-server.yaml's model_dtype and
 #                   data.max_prompt_length + rollout.max_new_tokens)                   [bfloat16, 2048]
 #   CONFIG          the trainer's config                                                [grpo-server.yaml here]
@@ -47,7 +48,10 @@ servers() {  # host A: NUM_SERVERS vLLM servers, each on its own GPUS_PER_SERVER
     gpus="$(seq -s, "$first" $((first + GPUS_PER_SERVER - 1)))"
     # VLLM_SERVER_DEV_MODE=1 adds /collective_rpc and /reset_prefix_cache, through which the trainer reloads the
     # weights before each rollout. Anyone who reaches the port can replace the weights: keep it on a private network.
-    CUDA_VISIBLE_DEVICES="$gpus" VLLM_SERVER_DEV_MODE=1 "$PYTHON" -m vllm.entrypoints.openai.api_server \
+    # VLLM_BATCH_INVARIANT=1 (BATCH_INVARIANT=0 turns it off): vLLM's batch-invariant kernels, so a completion does
+    # not depend on what else the server batched with it (docs/async.md), at some speed.
+    CUDA_VISIBLE_DEVICES="$gpus" VLLM_SERVER_DEV_MODE=1 VLLM_BATCH_INVARIANT="${BATCH_INVARIANT:-1}" \
+      "$PYTHON" -m vllm.entrypoints.openai.api_server \
       --model "$MODEL" --host "$BIND" --port $((PORT + i)) --dtype "$DTYPE" --max-model-len "$MAX_MODEL_LEN" \
       --tensor-parallel-size "$GPUS_PER_SERVER" &
     PIDS+=("$!")

