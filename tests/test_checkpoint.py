@@ -357,3 +357,27 @@ def test_a_checkpoint_is_on_disk_before_the_rename_publishes_it(tmp_path, tiny_m
     written = {str(tmp / p.relative_to(tmp_path / "checkpoint-3")) for p in (tmp_path / "checkpoint-3").rglob("*")}
     assert len(written) > 5 and written | {str(tmp)} <= synced
     assert ("fsync", str(tmp_path)) in events[published:]
+
+
+def test_sigkill_of_a_lagged_run_then_resume_matches_the_uninterrupted_run(tmp_path, tiny_model_dir, prompt_file):
+    """rollout.lag = 1, killed (SIGKILL) after checkpoint-6, inside rollout 2, while rollout 3 is being made ahead
+    by the weights after rollout 1: the checkpoint holds rollout 3 as made, and the resumed run is the
+    uninterrupted one, bit for bit."""
+    reference = write_config(tmp_path, tiny_model_dir, prompt_file, "reference-lag")
+    lagged = ["rollout.lag=1"]
+    done = subprocess.run(tidyrl_cmd(reference, *lagged), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    config = write_config(tmp_path, tiny_model_dir, prompt_file, "killed-lag")
+    out = tmp_path / "killed-lag"
+    proc = kill_after_checkpoint(tidyrl_cmd(config, *lagged, "log.save_every=6"), out, 6)
+    assert proc.returncode == -signal.SIGKILL and not (out / "final").exists()
+    held = torch.load(out / "checkpoint-6" / "trainer_state" / "ahead.pt", weights_only=True)
+    assert list(held) == [2]  # rollout 3 (index 2), made ahead
+    resumed = subprocess.run(tidyrl_cmd(config, *lagged, "log.save_every=6", "resume_from=latest"),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    ref = tmp_path / "reference-lag"
+    assert rows(out / "metrics.jsonl", TIMING + ("time/wait_rollout_s",)) == \
+        rows(ref / "metrics.jsonl", TIMING + ("time/wait_rollout_s",))
+    assert rows(out / "samples.jsonl") == rows(ref / "samples.jsonl")
+    assert weights(out / "final") == weights(ref / "final")
