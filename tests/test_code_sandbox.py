@@ -332,3 +332,29 @@ def test_tidyrl_eval_refuses_before_it_generates_where_code_cannot_be_sandboxed(
     with pytest.raises(SandboxUnavailable, match=r"rewards\[0\] \(code_tests\).*allow_unsandboxed: true"):
         evaluate(model=str(tiny_model_dir), data=str(prompt_file),
                  rewards=["tidyrl.rewards.verifiable:code_tests"], output_dir=tmp_path / "eval", quiet=True)
+
+
+@needs_sandbox
+def test_a_python_installed_under_tmp_is_seen_over_the_sandboxs_fresh_tmp(tmp_path):
+    """A venv under /tmp (pytest's tmp_path is there): the sandbox's /tmp is a fresh tmpfs, which would hide that
+    Python; its folders are bound again over it, read-only, and the scratch stays writable and empty of the host's."""
+    import venv
+
+    if not str(tmp_path).startswith("/tmp/"):
+        pytest.skip(f"tmp_path is not under /tmp here ({tmp_path})")
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, symlinks=True).create(env_dir)
+    probe = ("import subprocess, sys\nfrom tidyrl.rewards.sandbox import command, problem\n"
+             "assert problem() is None, problem()\n"
+             "code = ('import os\\nopen(\"note\", \"w\").write(\"ok\")\\n'\n"
+             "        'assert not os.path.exists(\"/work\")\\n'\n"
+             "        'try:\\n    open(sys.prefix + \"/pwned\", \"w\")\\n    raise SystemExit(\"wrote\")\\n'\n"
+             "        'except OSError:\\n    pass\\n'\n"
+             "        'import sys\\nprint(\"sandboxed\", sys.prefix)')\n"
+             "done = subprocess.run(command([sys.executable, '-I', '-c', 'import sys\\n' + code]), capture_output=True,"
+             " text=True)\nprint(done.stdout, done.stderr)\nassert done.returncode == 0\n")
+    src = Path(sandbox.__file__).resolve().parents[2]
+    done = subprocess.run([str(env_dir / "bin" / "python"), "-c", probe], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(src)}, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"sandboxed {env_dir}" in done.stdout

@@ -76,7 +76,11 @@ def command(argv: list[str], tmp_bytes: int = 64 * 2**20) -> list[str]:
     working directory a fresh tmpfs /tmp of `tmp_bytes`. Check `problem()` first."""
     bwrap = shutil.which("bwrap")
     inner = ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",  # /dev/shm would be an unbounded tmpfs
-             "--size", str(int(tmp_bytes)), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+             "--size", str(int(tmp_bytes)), "--tmpfs", "/tmp"]
+    for path in _python_dirs():  # a Python installed under /tmp (a venv there): bound again over the fresh /tmp
+        if path.startswith("/tmp/"):
+            inner += ["--ro-bind", path, path]
+    inner += ["--chdir", "/tmp"]
     if os.geteuid() != 0:  # unprivileged already: one bwrap, which makes its user namespace itself
         return [bwrap, *_NAMESPACES, *_view(), *inner, *argv]
     # root: build the view as root (it can read a Python under /root), drop to nobody, sandbox from there. The
