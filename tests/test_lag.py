@@ -216,6 +216,8 @@ def test_the_background_thread_and_the_speed_of_either_side_change_no_number(tmp
         assert samples == inline[1], name
         assert same_weights(weights, inline[2]), name
     assert [m["async/policy_lag"] for m in inline[0][::4]] == [0, 1, 2, 2]
+    plan = json.loads((tmp_path / "inline" / "run" / "plan.json").read_text())
+    assert plan["lag"] == 2 and plan["rollouts"] == 4 and plan["total_optimizer_steps"] == 16  # counts: as lag 0
 
 
 def test_the_lag_changes_the_run_and_only_from_rollout_two(tmp_path, capsys):

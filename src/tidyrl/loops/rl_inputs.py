@@ -73,10 +73,11 @@ class RLInputs:
 
 
 def plan_extras(cfg, critic_choice: Optional[dict], eval_prompt_ids) -> dict:
-    """What plan.json (and `tidyrl plan`) say beside the plan's counts: the engine that generates, PPO's critic
-    and why, the held-out prompts."""
-    return {"engine": cfg.rollout.engine, **(critic_choice or {}),
-            **({"eval_prompts": len(eval_prompt_ids)} if eval_prompt_ids else {})}
+    """What plan.json (and `tidyrl plan`) say beside the plan's counts: the engine that generates, the lag of the
+    rollouts made ahead (rollout.lag: the counts are the same at any lag), PPO's critic and why, the held-out
+    prompts."""
+    return {"engine": cfg.rollout.engine, **({"lag": cfg.rollout.lag} if cfg.rollout.lag else {}),
+            **(critic_choice or {}), **({"eval_prompts": len(eval_prompt_ids)} if eval_prompt_ids else {})}
 
 
 def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RLInputs:
