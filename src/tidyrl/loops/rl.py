@@ -26,7 +26,7 @@ from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_training, prepare_output_dir,
                                  save_pretrained_atomic, write_run_header)
 from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
-from tidyrl.loops.rl_checkpoint import RunState, restore_run, save_run
+from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
 from tidyrl.loops.rl_rollout import (GROUP_COUNTS, estimate_advantages, evaluate_held_out, gather_rollout, normalised,
                                      old_from_sampler, rollout_stats, sample_row, score_episodes)
 from tidyrl.loops.rl_update import Trainee, UpdateSettings, optimizer_step
@@ -36,7 +36,7 @@ from tidyrl.models.loading import load_causal_lm, load_critic, load_policy
 from tidyrl.models.lora import adapter_note
 from tidyrl.models.sharding import full_weights
 from tidyrl.plan import epochs_done
-from tidyrl.rollouts.ahead import (MadeAhead, RolloutsAhead, behaviour_copy, load_snapshot, weight_snapshot)
+from tidyrl.rollouts.ahead import RolloutsAhead, behaviour_copy, load_snapshot, weight_snapshot
 from tidyrl.rollouts.producer import DynamicSamplingError, Produced, dynamic_sampling
 
 __all__ = ["run", "DynamicSamplingError"]
@@ -169,11 +169,7 @@ class RLRun:
             step, elapsed, self.first_reward, unfinished, made_ahead = restore_run(
                 self.resumed, accelerator=self.accelerator, out=self.out, trainee=self.trainee, state=self.state,
                 plan=plan)
-            # each process's share as saved; on another number of processes, the saved shares re-cut
-            self.ahead.restore({r: MadeAhead(Produced.share([Produced.from_dict(m["value"]) for m in shares],
-                                                            self.rank, self.world_size),
-                                             shares[0]["version"], shares[0]["seconds"])
-                                for r, shares in made_ahead.items()})
+            self.ahead.restore(rollouts_made_ahead(made_ahead, self.rank, self.world_size))
             t = self.trainee
             self._say(continue_longer(cfg, self.resumed, plan, self.out, self.accelerator,
                                       [s for s in (t.scheduler, t.critic_scheduler) if s is not None]))
@@ -261,15 +257,7 @@ class RLRun:
 
     def _save(self, step: int, inside, stats: dict) -> None:
         # The rollouts made ahead (waited for where still under way): a resume takes them instead of making them.
-        ahead = {r: {"value": m.value.to_dict(), "version": m.version, "seconds": m.seconds}
-                 for r, m in self.ahead.pending().items()}
-        if ahead and self.world_size > 1:  # every process's share, in rank order (the main process writes them)
-            from accelerate.utils import gather_object
-
-            shares = gather_object([ahead])
-            ahead = {r: [share[r] for share in shares] for r in ahead}
-        elif ahead:
-            ahead = {r: [m] for r, m in ahead.items()}
+        ahead = saved_made_ahead(self.ahead.pending(), self.world_size)
         save_run(step, accelerator=self.accelerator, out=self.out, trainee=self.trainee, tokenizer=self.tokenizer,
                  state=self.state, plan=self.plan, cfg=self.cfg, rollout=inside, stats=stats,
                  elapsed=time.perf_counter() - self.start, first_reward=self.first_reward, ahead=ahead)

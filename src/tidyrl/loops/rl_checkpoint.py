@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from tidyrl.models.sharding import ShardingError, sharding_kind
+from tidyrl.rollouts.ahead import MadeAhead
+from tidyrl.rollouts.producer import Produced
 from tidyrl.rollouts.record import Rollout
 
 
@@ -87,3 +89,24 @@ def restore_run(loaded: dict, *, accelerator, out, trainee, state: RunState, pla
         unfinished = (Rollout(**loaded["rollout"]["rollout"]), loaded["rollout"]["stats"])
     # rollout.lag: the rollouts made ahead, each process's share (int keys: torch.load keeps them)
     return step, saved["elapsed_s"], saved.get("first_reward_mean"), unfinished, loaded.get("ahead") or {}
+
+
+def saved_made_ahead(pending: dict, world_size: int) -> dict:
+    """rollout.lag: the rollouts made ahead (`RolloutsAhead.pending()`) as a checkpoint holds them: rollout index
+    -> every process's share in rank order, as plain values (a collective with several processes: all call it)."""
+    mine = {r: {"value": m.value.to_dict(), "version": m.version, "seconds": m.seconds} for r, m in pending.items()}
+    if not mine:
+        return {}
+    if world_size == 1:
+        return {r: [m] for r, m in mine.items()}
+    from accelerate.utils import gather_object
+
+    shares = gather_object([mine])
+    return {r: [share[r] for share in shares] for r in mine}
+
+
+def rollouts_made_ahead(saved: dict, rank: int, world_size: int) -> dict:
+    """`saved_made_ahead` read back for process `rank` of `world_size`: its share of each rollout; saved by another
+    number of processes, the shares are joined and cut again (`Produced.share`)."""
+    return {r: MadeAhead(Produced.share([Produced.from_dict(m["value"]) for m in shares], rank, world_size),
+                         shares[0]["version"], shares[0]["seconds"]) for r, shares in saved.items()}
