@@ -198,6 +198,19 @@ def test_a_lagged_run_makes_its_rollouts_ahead_on_the_vllm_engine_as_on_the_lear
     assert threaded[0][4]["mismatch/logprob_abs_mean"] > threaded[0][0]["mismatch/logprob_abs_mean"]
 
 
+def test_with_a_temperature_the_samplers_log_probs_are_the_trainers_so_a_lag_can_use_them(vllm_model_dir,
+                                                                                            words_file, tmp_path):
+    """rollout.temperature 0.7: vLLM started with logprobs_mode processed_logprobs returns each sampled token's
+    log-prob at 0.7, as the trainer computes it (raw ones, at temperature 1, would differ by ~0.1 and more), so
+    the sampler's log-probs serve as the behaviour policy's, which rollout.lag needs."""
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", rollout={"temperature": 0.7, "lag": 1},
+                      train={"rollouts": 3, "learning_rate": 1e-4})
+    result = tidyrl.train(cfg)
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert rows[0]["mismatch/logprob_abs_mean"] < 1e-4  # rollout 1: the learner is the sampler
+    assert [r["async/policy_lag"] for r in rows[::2]] == [0, 1, 1]
+
+
 def test_an_architecture_vllm_cannot_run_on_this_cpu_stops_before_the_model_loads(words_file, tmp_path):
     """Heads of 16 (the default test model's) have no CPU attention kernel in vLLM: the config check says so
     and names the way out, before any engine starts or file is written."""

@@ -34,7 +34,8 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, *, dtype: str, seed: int, max_model_len: int, kv_cache_gb: float,
-                 gpu_memory_utilization: float, enforce_eager: bool, device: str, sleep: bool = True):
+                 gpu_memory_utilization: float, enforce_eager: bool, device: str, sleep: bool = True,
+                 tempered_logprobs: bool = False):
         problem = vllm_problem()
         if problem:
             raise EngineError(problem)
@@ -48,6 +49,8 @@ class VLLMEngine:
         threads = torch.get_num_threads()  # vLLM replaces torch.set_num_threads with a no-op on CPU
         kwargs = dict(model=model_path, dtype=("auto" if dtype == "auto" else dtype), seed=seed,
                       max_model_len=max_model_len, enforce_eager=enforce_eager, enable_prefix_caching=False)
+        if tempered_logprobs:  # the sampled tokens' log-probs at the sampling temperature, as the trainer's
+            kwargs["logprobs_mode"] = "processed_logprobs"
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
@@ -198,11 +201,12 @@ def config_problems(cfg) -> list[str]:
         problems.append(missing)
     if v.kv_cache_gb <= 0:
         problems.append(f"vllm.kv_cache_gb: must be > 0, got {v.kv_cache_gb}")
-    # vLLM returns raw log-probs (temperature 1, before top-k/top-p): as the behaviour policy they would not be
-    # the sampling distribution's, so the trainer's must be used.
-    if not (ro.behaviour_logprobs == "trainer" or (ro.temperature == 1.0 and ro.top_k == 0 and ro.top_p == 1.0)):
-        problems.append("rollout.behaviour_logprobs: with rollout.engine=vllm and temperature/top_k/top_p set, the "
-                        "sampler's log-probs are vLLM's raw ones (temperature 1, unfiltered); set "
+    # With a temperature the engine asks vLLM for the log-probs after it (`logprobs_mode: processed_logprobs`), the
+    # trainer's; after top-k/top-p they would be renormalised over the kept tokens, which the trainer's are not:
+    # then the trainer's must be used.
+    if not (ro.behaviour_logprobs == "trainer" or (ro.top_k == 0 and ro.top_p == 1.0)):
+        problems.append("rollout.behaviour_logprobs: with rollout.engine=vllm and top_k/top_p set, the sampler's "
+                        "log-probs are renormalised over the kept tokens, unlike the policy's; set "
                         "rollout.behaviour_logprobs=trainer to recompute them with the policy")
     if not 0 < v.gpu_memory_utilization < 1:
         problems.append(f"vllm.gpu_memory_utilization: must be in (0, 1), got {v.gpu_memory_utilization}")
@@ -221,4 +225,5 @@ def build(cfg, policy, device: str, max_model_len: int) -> VLLMEngine:
     v = cfg.vllm
     return VLLMEngine(cfg.model, dtype=cfg.model_dtype, seed=cfg.seed, max_model_len=v.max_model_len or max_model_len,
                       kv_cache_gb=v.kv_cache_gb, gpu_memory_utilization=v.gpu_memory_utilization,
-                      enforce_eager=v.enforce_eager, device=device, sleep=v.sleep)
+                      enforce_eager=v.enforce_eager, device=device, sleep=v.sleep,
+                      tempered_logprobs=cfg.rollout.temperature != 1.0)
