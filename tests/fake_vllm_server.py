@@ -26,7 +26,8 @@ import torch
 
 class FakeVLLMServer:
     def __init__(self, model_dir, *, served_root=None, max_model_len: int = 128, die_after=None, hang_after=None,
-                 hang_s: float = 30.0, garbage: int = 0, garbage_kind: str = "not-json", reload_hangs=False):
+                 hang_s: float = 30.0, garbage: int = 0, garbage_kind: str = "not-json", reload_hangs=False,
+                 logprobs_mode: str = "raw_logprobs"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(model_dir)
@@ -36,6 +37,9 @@ class FakeVLLMServer:
         self.max_model_len = max_model_len
         self.die_after, self.hang_after, self.hang_s = die_after, hang_after, hang_s
         self.garbage, self.garbage_kind, self.reload_hangs = garbage, garbage_kind, reload_hangs
+        # vLLM's --logprobs-mode: processed log-probs are after the sampling processors, so with top_k = 1 the kept
+        # token's is 0; the stand-in gives its generate()'s (those at the temperature) otherwise, raw or not.
+        self.logprobs_mode = logprobs_mode
         self.completions = 0  # completion requests received
         self.reloads: list[str] = []  # the weights_path of each reload
         self.prefix_resets = 0
@@ -100,6 +104,8 @@ class FakeVLLMServer:
                 temperature=body["temperature"], top_p=body["top_p"], top_k=top_k, return_logprobs=True)
         n = int(mask[0].sum())
         tokens, lps = ids[0, :n].tolist(), logprobs[0, :n].tolist()
+        if self.logprobs_mode == "processed_logprobs" and top_k == 1:
+            lps = [0.0] * n
         stopped = bool(n) and tokens[-1] in body["stop_token_ids"]
         texts = [self.tokenizer.decode([t]) for t in tokens]
         offsets = [sum(len(t) for t in texts[:i]) for i in range(n)]

@@ -378,3 +378,28 @@ def test_two_training_processes_share_the_servers_one_sync_per_rollout_as_one_pr
     assert samples1 == samples2
     w1, w2 = (load_file(d / "final" / "model.safetensors") for d in (one.output_dir, tmp_path / "two"))
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
+
+
+def test_a_temperature_needs_servers_that_return_log_probs_at_it(tiny_model_dir, prompt_file, tmp_path):
+    """rollout.temperature 0.7 with the sampler's log-probs (rollout.lag needs them): a server started without
+    --logprobs-mode processed_logprobs returns raw ones (temperature 1) and is refused before the run, naming the
+    flag; one started with it is probed (a top_k = 1 sample's log-prob is exactly 0) and trains."""
+    def cfg(out, urls):
+        c = config(tiny_model_dir, prompt_file, out, "vllm-server", urls)
+        c["rollout"].update(temperature=0.7, lag=1)
+        c["train"]["rollouts"] = 2
+        return c
+
+    with FakeVLLMServer(tiny_model_dir) as raw, FakeVLLMServer(tiny_model_dir, logprobs_mode="processed_logprobs") \
+            as processed:
+        problems = refused(cfg(tmp_path / "raw", [processed.url, raw.url]))
+        assert problems == [f"server.urls[1] = {raw.url}: returns raw log-probs (at temperature 1), but "
+                            "rollout.temperature = 0.7 with rollout.behaviour_logprobs: sampler needs them at the "
+                            "sampling temperature: restart it with --logprobs-mode processed_logprobs, or set "
+                            "rollout.behaviour_logprobs=trainer"]
+        result = tidyrl.train(cfg(tmp_path / "processed", [processed.url]))
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert rows[0]["mismatch/logprob_abs_mean"] < 1e-5 and [r["async/policy_lag"] for r in rows[::2]] == [0, 1]
+    with pytest.raises(ConfigError, match=r"rollout.behaviour_logprobs: with rollout.engine=vllm-server and top_k"):
+        tidyrl.train({**cfg(tmp_path / "topk", ["http://127.0.0.1:1"]),
+                      "rollout": {**cfg(tmp_path / "x", [])["rollout"], "top_k": 5}})

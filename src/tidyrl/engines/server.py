@@ -351,11 +351,22 @@ def config_problems(cfg) -> list[str]:
                         "server.urls: [http://127.0.0.1:8000] (docs/engines.md says how to start one)")
     if s.weight_sync == "nccl":
         problems.append("server.weight_sync: nccl is not available yet: use folder")
-    if not (ro.behaviour_logprobs == "trainer" or (ro.temperature == 1.0 and ro.top_k == 0 and ro.top_p == 1.0)):
-        problems.append("rollout.behaviour_logprobs: with rollout.engine=vllm-server and temperature/top_k/top_p "
-                        "set, the sampler's log-probs are vLLM's raw ones (temperature 1, unfiltered); set "
-                        "rollout.behaviour_logprobs=trainer to recompute them with the policy")
+    # A temperature needs the servers' log-probs at it (checked on each server before the run: `input_problems`);
+    # after top-k/top-p they would be renormalised over the kept tokens, unlike the trainer's.
+    if not (ro.behaviour_logprobs == "trainer" or (ro.top_k == 0 and ro.top_p == 1.0)):
+        problems.append("rollout.behaviour_logprobs: with rollout.engine=vllm-server and top_k/top_p set, the "
+                        "sampler's log-probs are not the policy's (vLLM's raw ones, or renormalised over the kept "
+                        "tokens); set rollout.behaviour_logprobs=trainer to recompute them with the policy")
     return problems
+
+
+def returns_processed_logprobs(url: str, model: str, prompt: Sequence[int]) -> bool:
+    """Whether a server returns log-probs after its sampling processors (`--logprobs-mode processed_logprobs`):
+    the one token kept by top_k = 1 then has log-prob 0 exactly; a raw log-prob (temperature 1, all tokens) is
+    below 0 (one probe request)."""
+    settings = SamplingSettings(max_new_tokens=1, eos_ids=[], pad_id=0, top_k=1)
+    answer = _request(url, "/v1/completions", completion_request(model, prompt, 0, settings), PROBE_TIMEOUT_S)
+    return float(answer["choices"][0]["logprobs"]["token_logprobs"][0]) == 0.0
 
 
 def _config_json(path: str) -> Optional[dict]:
@@ -425,6 +436,19 @@ def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int
             if list(ids) != probe:
                 problems.append(f"{key}: serves {root} with another tokenizer than the policy's ({cfg.tokenizer or cfg.model}):"
                                 f" {PROBE_TEXT!r} is {ids[:12]} there, {probe[:12]} here")
+                continue
+        ro = cfg.rollout
+        if ro.behaviour_logprobs == "sampler" and ro.temperature != 1.0:
+            try:
+                processed = returns_processed_logprobs(url, name, probe or [0])
+            except (ServerAnswerError, KeyError, IndexError, TypeError, ValueError) as err:
+                problems.append(f"{key}: a probe completion failed ({err}); is it a vLLM server?")
+                continue
+            if not processed:
+                problems.append(f"{key}: returns raw log-probs (at temperature 1), but rollout.temperature = "
+                                f"{ro.temperature} with rollout.behaviour_logprobs: sampler needs them at the sampling "
+                                "temperature: restart it with --logprobs-mode processed_logprobs, or set "
+                                "rollout.behaviour_logprobs=trainer")
     return problems
 
 
