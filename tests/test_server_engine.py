@@ -403,3 +403,26 @@ def test_a_temperature_needs_servers_that_return_log_probs_at_it(tiny_model_dir,
     with pytest.raises(ConfigError, match=r"rollout.behaviour_logprobs: with rollout.engine=vllm-server and top_k"):
         tidyrl.train({**cfg(tmp_path / "topk", ["http://127.0.0.1:1"]),
                       "rollout": {**cfg(tmp_path / "x", [])["rollout"], "top_k": 5}})
+
+
+def test_tidyrl_eval_on_servers_keeps_the_policy_on_the_host(tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """`tidyrl eval` with an engine that holds its own copy (here vllm-server; vllm likewise) hands the weights
+    over from the host: the policy never goes to the GPU, where it would be a second copy beside the engine's.
+    (A GPU is pretended: any move of the policy to it would fail on this machine.)"""
+    from tidyrl.evaluate import evaluate
+
+    moved = []
+    original = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        moved.append(str(args[0]) if args else str(kwargs.get("device")))
+        return original(self, *args, **kwargs)
+
+    with FakeVLLMServer(tiny_model_dir) as server:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.nn.Module, "to", to)
+        result = evaluate(config(tiny_model_dir, prompt_file, tmp_path / "run", "vllm-server", [server.url]),
+                          num_prompts=2, samples_per_prompt=2, output_dir=tmp_path / "eval", quiet=True)
+        assert len(server.reloads) == 1 and server.completions == 4  # the weights synced once, then 4 samples
+    assert not any("cuda" in m for m in moved), moved
+    assert result.summary["n"] == 4

@@ -166,12 +166,15 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
         columns = {c: [values[i] for i in kept] for c, values in columns.items()}
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    policy = load_causal_lm(cfg.model, cfg.model_dtype)
-    policy.to(device).eval()
+    policy = load_causal_lm(cfg.model, cfg.model_dtype).eval()  # on the host until an engine samples from it
     eos_ids = eos_token_ids(policy, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
     # The rollout path of training (tidyrl.rollouts), on the configured engine (rollout.engine).
     engine = make_engine(cfg, policy, device, max(len(p) for p in encoded) + ro.max_new_tokens)
+    if engine.capabilities.samples_trained_weights:  # the builtin engine decodes with the policy itself
+        policy.to(device)
+    # An engine with its own copy (vLLM, servers) gets the weights from the host copy: the GPU holds one copy, the
+    # engine's, not a second one for a model that only hands its weights over.
     engine.sync(policy)
     sampling = replace(SamplingSettings.of_rollout(ro, eos_ids, pad_id), top_k=top_k)
     table = Columns({cfg.data.prompt_column: prompts, **columns})
