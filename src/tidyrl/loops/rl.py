@@ -134,8 +134,8 @@ class RLRun:
 
         cfg, ro = self.cfg, self.cfg.rollout
         longest = max(len(p) for p in [*self.inputs.prompt_ids, *(self.inputs.eval_prompt_ids or [])])
-        self.engine = make_engine(cfg, self.behaviour or self.accelerator.unwrap_model(self.trainee.model),
-                                  self.accelerator.device.type, longest + ro.max_new_tokens)
+        generating = self.accelerator.unwrap_model(self.trainee.model) if self.behaviour is None else self.behaviour
+        self.engine = make_engine(cfg, generating, self.accelerator.device.type, longest + ro.max_new_tokens)
         # Truncated importance sampling (Yao et al. 2025): where rollout.tis_cap is unset, the engine's default, and
         # with a lag at least 2.0: the weights that sampled are then older than the learner's.
         default_cap = max(self.engine.capabilities.default_tis_cap, 2.0 if ro.lag else 0.0)

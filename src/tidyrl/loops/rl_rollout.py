@@ -47,11 +47,10 @@ def behaviour_correction(policy, local: Rollout, sampled_logprobs, *, tis_cap: f
 
 
 def old_from_sampler(cfg, plan, tis_cap: float) -> bool:
-    """Whether the rollout's old log-probs (those the KL in the reward reads) are the sampler's own, else the
-    trainer's recomputed ones (`score_episodes`: behaviour_correction)."""
-    ro = cfg.rollout
-    corrected_apart = tis_cap > 0 and not (ro.behaviour_logprobs == "sampler" and plan.minibatches_per_epoch == 1)
-    return not (corrected_apart or ro.behaviour_logprobs == "trainer")
+    """Whether the rollout's old log-probs (those the KL in the reward reads) are the sampler's own: with
+    rollout.behaviour_logprobs=sampler, uncorrected or corrected inside the update (one mini-batch per epoch); else
+    `score_episodes` recomputes them with the trainer (behaviour_correction)."""
+    return cfg.rollout.behaviour_logprobs == "sampler" and (tis_cap == 0 or plan.minibatches_per_epoch == 1)
 
 
 def normalised(per_fn: dict, moments: dict) -> dict:
@@ -164,12 +163,13 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
     # weights (no second forward pass; equal up to rounding).
     old = ep.logprobs if plan.optimizer_steps_per_rollout > 1 or (use_reference and kl_in_reward) else None
     is_weights, sampler, mismatch = None, None, {}
-    if tis_cap > 0 and ro.behaviour_logprobs == "sampler" and plan.minibatches_per_epoch == 1:
-        # The rollout's first optimizer step covers all of it (one mini-batch per epoch), and the policy that takes
-        # it IS the trainer at sampling time: the importance weights come from that step's own forward
-        # (loops.rl_update), which also records the trainer's log-probs for the later epochs. No extra pass.
-        sampler = ep.logprobs
-    elif tis_cap > 0 or ro.behaviour_logprobs == "trainer":
+    if old_from_sampler(cfg, plan, tis_cap):
+        if tis_cap > 0:
+            # The rollout's first optimizer step covers all of it (one mini-batch per epoch), and the policy that
+            # takes it IS the trainer at sampling time: the importance weights come from that step's own forward
+            # (loops.rl_update), which also records the trainer's log-probs for the later epochs. No extra pass.
+            sampler = ep.logprobs
+    else:
         old, is_weights, mismatch = behaviour_correction(
             policy, tokens, ep.logprobs, tis_cap=tis_cap, behaviour=ro.behaviour_logprobs, temperature=ro.temperature,
             chunk_size=ro.forward_batch_size, fast_path=cfg.model_fast_paths, accelerator=accelerator)

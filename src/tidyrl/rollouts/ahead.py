@@ -47,8 +47,6 @@ class MadeAhead:
 
     value: Any
     version: int
-    seconds: float
-    """Wall seconds of its making (weight load, sync, generation, rewards)."""
 
 
 class RolloutsAhead:
@@ -63,11 +61,11 @@ class RolloutsAhead:
         self.lag, self.total, self._make, self._snapshot = lag, total, make, snapshot
         self.background = background and lag > 0 and BACKGROUND
         self.engine_lock = threading.Lock()
-        self._queued: dict[int, tuple[int, Optional[dict]]] = {}  # r -> (version, snapshot): launched, not started
+        # r -> (version, snapshot): launched, not started, in launch order (the order they are made in)
+        self._queued: dict[int, tuple[int, Optional[dict]]] = {}
         self._made: dict[int, MadeAhead] = {}  # r -> made, not taken
         self._errors: dict[int, BaseException] = {}
         self._done = threading.Condition()
-        self._order: list[int] = []  # launched rollouts, in order (the worker makes them in this order)
         self._busy: Optional[int] = None
         self._closed = False
         self._worker: Optional[threading.Thread] = None
@@ -83,7 +81,6 @@ class RolloutsAhead:
         with self._done:
             for q in due:
                 self._queued[q] = (r, weights)  # the learner's weights now: version r
-                self._order.append(q)
             self._done.notify_all()
         if self.background and self._worker is None:
             self._worker = threading.Thread(target=self._work, name="tidyrl-rollouts-ahead", daemon=True)
@@ -113,8 +110,7 @@ class RolloutsAhead:
     def pending(self) -> dict[int, MadeAhead]:
         """Every launched rollout not yet taken, made (waited for): what a checkpoint must hold."""
         if not self.background:
-            for q in list(self._order):
-                self._make_next(q)
+            self._make_next(None)
         with self._done:
             while (self._queued or self._busy is not None) and not self._errors:
                 self._done.wait(timeout=1.0)
@@ -134,30 +130,30 @@ class RolloutsAhead:
             self._worker.join(timeout=0.1)
 
     # ------------------------------------------------------------------ making
-    def _make_next(self, until: int) -> None:
-        """On the learner's thread: make the launched rollouts in order up to `until`."""
-        while self._order and until not in self._made:
-            q = self._order.pop(0)
-            version, weights = self._queued.pop(q)
+    def _make_next(self, until: Optional[int]) -> None:
+        """On the learner's thread: make the launched rollouts in order until `until` is made (None: all)."""
+        while self._queued and (until is None or until not in self._made):
+            q, version, weights = self._first_queued()
             self._made[q] = self._make_one(q, version, weights)
 
+    def _first_queued(self) -> tuple[int, int, Optional[dict]]:
+        q = next(iter(self._queued))
+        return (q, *self._queued.pop(q))
+
     def _make_one(self, q: int, version: int, weights) -> MadeAhead:
-        t0 = time.perf_counter()
         with self.engine_lock:
-            value = self._make(q, weights)
-        return MadeAhead(value, version, time.perf_counter() - t0)
+            return MadeAhead(self._make(q, weights), version)
 
     def _work(self) -> None:
         """The background thread: make each launched rollout in launch order; an error stops it and is raised where
         the learner takes a rollout (or checkpoints)."""
         while True:
             with self._done:
-                while not self._order and not self._closed:
+                while not self._queued and not self._closed:
                     self._done.wait()
                 if self._closed:
                     return
-                q = self._order.pop(0)
-                version, weights = self._queued.pop(q)
+                q, version, weights = self._first_queued()
                 self._busy = q
             try:
                 made = self._make_one(q, version, weights)
