@@ -301,13 +301,9 @@ class ServerEngine:
 
 def policy_weights(policy) -> dict:
     """The policy's full weights under Hugging Face names, as contiguous CPU tensors (LoRA: merged)."""
-    from tidyrl.engines.vllm import _merged_state_dict
-    from tidyrl.models.lora import unwrap_peft
-    from tidyrl.models.sharding import full_parameters
+    from tidyrl.engines.vllm import policy_parameters
 
-    peft = unwrap_peft(policy)
-    state = _merged_state_dict(peft) if peft is not None else policy.state_dict()
-    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in full_parameters(state)}
+    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in policy_parameters(policy)}
 
 
 def write_weights(policy, sync_dir: str, version: int) -> str:

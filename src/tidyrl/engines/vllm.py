@@ -69,17 +69,8 @@ class VLLMEngine:
 
     def sync(self, policy) -> float:
         """Copy the policy's current weights into the engine; returns the seconds it took."""
-        from tidyrl.models.lora import unwrap_peft
-        from tidyrl.models.sharding import full_parameters
-
         start = time.perf_counter()
-        peft = unwrap_peft(policy)
-        if peft is not None:  # LoRA: the base weights with the adapter folded in, under the base model's names
-            state = _merged_state_dict(peft)
-        else:
-            state = policy.state_dict()
-        # Under FSDP2 each parameter is gathered as vLLM reaches it, never the whole model at once.
-        weights = full_parameters(state)
+        weights = policy_parameters(policy)
         if self.asleep:  # the weights' memory first, filled with the policy's, then the cache's (lower peak)
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -175,6 +166,17 @@ def vllm_model_problem(model_config, on_cpu: bool) -> Optional[str]:
 
         sizes = CPUAttentionBackend.get_supported_head_sizes()
     return architecture_problem(model_config, on_cpu, set(ModelRegistry.get_supported_archs()), sizes)
+
+
+def policy_parameters(policy):
+    """The policy's weights as an engine loads them: (name, tensor) under the base model's Hugging Face names, LoRA
+    folded in (`_merged_state_dict`); under FSDP2 each parameter gathered as it is reached, never the whole model
+    at once (`full_parameters`)."""
+    from tidyrl.models.lora import unwrap_peft
+    from tidyrl.models.sharding import full_parameters
+
+    peft = unwrap_peft(policy)
+    return full_parameters(_merged_state_dict(peft) if peft is not None else policy.state_dict())
 
 
 def _merged_state_dict(peft_model) -> dict:
