@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tidyrl.data.errors import DataError
-from tidyrl.data.prompts import _prompt_problem, _short, load_table
+from tidyrl.data.prompts import _prompt_problem, _short, load_table, render_chat
 
 
 @dataclass
@@ -423,8 +423,7 @@ def _render(messages: list[dict], tokenizer, add_generation_prompt: bool, tools:
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError("the data holds chat messages, but the tokenizer has no chat_template to render them. "
                         "Use string prompts and completions, or a tokenizer (model / tokenizer) with a chat template.")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **({"tools": tools} if tools else {}))
+    return render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
 
 def _completion_segments(prompt, completion, tokenizer) -> tuple[list[tuple[str, bool]], bool]:

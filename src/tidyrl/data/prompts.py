@@ -300,8 +300,13 @@ def render_prompt(prompt: str | list[dict], tokenizer, tools: Optional[list] = N
             "to render them. Use plain-string prompts, or a tokenizer (model / tokenizer) that has a chat template."
         )
     messages = [{key: value for key, value in message.items() if value is not None} for message in prompt]
-    # `tools`: the JSON schemas of a tool environment's functions, rendered by the template's own tool section.
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+    return render_chat(tokenizer, messages, add_generation_prompt=True, tools=tools)
+
+
+def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool, tools: Optional[list] = None) -> str:
+    """`messages` through the tokenizer's chat template, as text. `tools`: the JSON schemas of tool functions (a
+    tool environment's, or an SFT row's), rendered by the template's own tool section."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **({"tools": tools} if tools else {}))
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from tidyrl.data.prompts import render_chat
 from tidyrl.engines.base import SamplingSettings
 from tidyrl.environments.base import EnvironmentError_, EnvironmentPool, check_reply
 
@@ -48,19 +49,14 @@ class Conversation:
     """What `close()` raised, recorded (never raised into the run)."""
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools=None) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **({"tools": tools} if tools else {}))
-
-
 def environment_message_ids(tokenizer, messages: list[dict], turn_text: str, generated_text: str, message: dict,
                             tools=None) -> list[int]:
     """The tokens an environment message adds after the model's turn: the chat template's text for
     `messages` (ending with the model's turn, `turn_text`) plus `message` plus the next generation prompt,
     minus the text already there, less what the model itself generated after its content (`generated_text`,
     e.g. its end-of-turn token). Encoded alone, without special tokens: nothing before it is re-tokenised."""
-    before = _render(tokenizer, messages, False, tools)
-    after = _render(tokenizer, messages + [message], True, tools)
+    before = render_chat(tokenizer, messages, add_generation_prompt=False, tools=tools)
+    after = render_chat(tokenizer, messages + [message], add_generation_prompt=True, tools=tools)
     if not after.startswith(before):
         raise EnvironmentError_(
             "the chat template does not render a conversation as the prefix of the longer one (it rewrites earlier "
