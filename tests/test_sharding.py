@@ -34,7 +34,8 @@ def test_fsdp2_generation_gathers_once_and_matches_the_unsharded_model(tiny_mode
 
 
 def cfg(save_every=0, resume_from=None):
-    return SimpleNamespace(log=SimpleNamespace(save_every=save_every), resume_from=resume_from)
+    return SimpleNamespace(log=SimpleNamespace(save_every=save_every), resume_from=resume_from,
+                           rollout=SimpleNamespace(lag=0))
 
 
 def test_unsupported_sharding_is_refused_with_what_to_use():

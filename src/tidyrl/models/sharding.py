@@ -53,7 +53,7 @@ def check_supported(kind: str, cfg) -> None:
         )
     if kind == "fsdp2":
         refused = [key for key, value in (("log.save_every", cfg.log.save_every), ("resume_from", cfg.resume_from),
-                                          ("rollout.lag", getattr(getattr(cfg, "rollout", None), "lag", 0)))
+                                          ("rollout.lag", cfg.rollout.lag))
                    if value]
         if refused:
             raise ShardingError(
