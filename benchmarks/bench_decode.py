@@ -2,6 +2,8 @@
 
     python benchmarks/bench_decode.py --workload tiny --repeats 5
     python benchmarks/bench_decode.py --workload small --lora 8     # a LoRA adapter on every projection (peft)
+    python benchmarks/bench_decode.py --workload qwen0.5b --device cuda --dtype bfloat16 --repeats 3 --profile 16
+                                # on a GPU; --profile N: one profiled generate of N tokens, its top kernels
 
 Prints the seconds per `generate` call (all P*k sequences at once, every completion max_new_tokens long,
 as in bench_vs_trl.py) and per decoding step for both paths, and checks that they produce the same
@@ -24,8 +26,8 @@ from tidyrl.models.generation import generate, sample_seed  # noqa: E402
 
 
 def main() -> None:
-    args, w, tok, model = in_process_setup(__doc__, default_repeats=5, extra_args=lambda parser: parser.add_argument(
-        "--lora", type=int, default=0, metavar="RANK", help="wrap the model in a peft LoRA adapter of this rank"))
+    args, w, tok, model = in_process_setup(__doc__, default_repeats=5, extra_args=_arguments)
+    model.to(device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     if args.lora:
         model = with_lora(model, args.lora)
     model.eval()
@@ -54,6 +56,40 @@ def main() -> None:
         print(f"  {'lean step' if lean else 'HF forward':10s}  {med:.4f} s per generate, {1000 * med / T:.2f} ms per step")
     print(f"  speed-up {statistics.median(times[False]) / statistics.median(times[True]):.2f}x; "
           f"same completions: {same}; max |log-prob difference| {lp_diff:.2e}")
+    if args.profile:
+        profile(model, prompts, dict(kw, max_new_tokens=args.profile, min_new_tokens=args.profile), args.device)
+
+
+def _arguments(parser) -> None:
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="wrap the model in a peft LoRA adapter "
+                        "of this rank")
+    parser.add_argument("--device", default="cpu", help="where the model generates (cpu, cuda)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="the weights' dtype")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                        help="then profile one lean generate of TOKENS new tokens: wall and device time, top kernels")
+
+
+def profile(model, prompts, kw: dict, device: str) -> None:
+    """One profiled lean `generate` (after an unprofiled one of the same length, so that graphs are captured)."""
+    import torch.profiler as tp
+
+    cuda = torch.device(device).type == "cuda"
+    generate(model, prompts, fast_path=True, **kw)
+    activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if cuda else [])
+    with tp.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        generate(model, prompts, fast_path=True, **kw)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0 and (not cuda or e.device_type.name == "CUDA")]
+    total = sum(getattr(e, attr) for e in events)
+    print(f"  profile: {kw['max_new_tokens']} tokens, wall {1e3 * wall:.1f} ms, device {total / 1e3:.1f} ms in "
+          f"{sum(e.count for e in events)} kernels ({1e3 * wall / kw['max_new_tokens']:.2f} ms per step)")
+    for e in sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:15]:
+        print(f"      {getattr(e, attr) / max(total, 1e-9):6.1%} {getattr(e, attr) / 1e3:8.2f} ms {e.count:6d} x  "
+              f"{e.key[:110]}")
 
 
 def with_lora(model, rank: int):

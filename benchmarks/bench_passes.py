@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -53,7 +54,7 @@ from tidyrl.models.generation import left_pad  # noqa: E402
 from tidyrl.models.ops import gather_logprobs_and_entropy  # noqa: E402
 from tidyrl.rollouts.record import Rollout  # noqa: E402
 
-PASSES = ("lean", "shared", "onepass", "trl")
+PASSES = ("lean", "shared", "onepass", "onepass-rows", "trl")
 
 
 def build_model(w: dict, device: str, dtype: torch.dtype):
@@ -181,6 +182,12 @@ def layout(name: str, device):
 
 def run_pass(name: str, model, batch: Rollout, with_entropy: bool):
     """(log-probs (B, Tc), entropy or None) of `batch` by pass `name`."""
+    if name == "onepass-rows":  # the one-pass forward with the row-by-row log-probs, not the fused kernels
+        os.environ["TIDYRL_FUSED_LOGPROBS"] = "0"
+        try:
+            return run_pass("onepass", model, batch, with_entropy)
+        finally:
+            del os.environ["TIDYRL_FUSED_LOGPROBS"]
     if name in ("lean", "shared", "onepass"):
         with layout(name, model.lm_head.weight.device):
             return tidy_forward.completion_logprobs(model, *batch.sequences, 1.0, with_entropy=with_entropy)

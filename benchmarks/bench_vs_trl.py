@@ -92,7 +92,10 @@ FORCED_LAYOUTS = {"tidyrl-lean": ("lean",), "tidyrl-hf-forward": ("shared",), "t
 unchanged: `tidyrl-lean` its own Llama pass, `tidyrl-hf-forward` the model's own forward with shared prompts (two
 passes), `tidyrl-onepass` the model's forward over whole rows with logits_to_keep (TRL's layout). Plain `tidyrl`
 runs what the device's entry of LAYOUTS says."""
-LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, "trl")
+ROW_BY_ROW = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}}
+"""`tidyrl-rows`: the shipped config with the row-by-row float32 log-probs instead of the fused kernels that CUDA
+takes (models.fused_logprobs), to measure what they gain."""
+LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *ROW_BY_ROW, "trl")
 LEARNING_RATE = 1e-5
 WORDS = ("apple pear fig kiwi lime plum date lemon mango peach grape melon cherry olive berry guava papaya "
          "quince lychee banana orange apricot").split()
@@ -468,7 +471,7 @@ def run_child(library: str, spec: dict, threads: int) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", **ROW_BY_ROW.get(library, {}))
     cmd = [sys.executable, __file__, "--child", library, "--spec", str(spec_path), "--threads", str(threads)]
     log = open(Path(spec["out"]) / "child.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -705,7 +708,7 @@ def main(argv=None) -> None:
     parser.add_argument("--libraries", default="tidyrl,trl",
                         help="comma-separated subset of tidyrl, tidyrl-vllm (rollout.engine: vllm), tidyrl-lean, "
                              "tidyrl-hf-forward, tidyrl-onepass (one layout of the training forward forced: "
-                             "FORCED_LAYOUTS) and trl")
+                             "FORCED_LAYOUTS), tidyrl-rows (log-probs row by row, not fused) and trl")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the children train (cuda: accelerate's GPU; the GEMM peak is then not measured)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -807,8 +810,8 @@ def main(argv=None) -> None:
                 if args.profile:
                     print_profile(name, lib, Path(spec["out"]))
         labels = {lib: lib for lib in LIBRARIES} | {"trl": "TRL"}
-        print_table(name, w, facts, {labels[lib]: median_of(runs) for lib, runs in per_lib.items()}, peak,
-                    args.repeats)
+        shown = sorted(per_lib, key=lambda lib: lib == "trl")  # TRL's column last, whichever ran first
+        print_table(name, w, facts, {labels[lib]: median_of(per_lib[lib]) for lib in shown}, peak, args.repeats)
         if set(per_lib) == {"tidyrl", "trl"}:  # each tidyrl run against the TRL run after it: the machine's drift
             pairs = [a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(per_lib["tidyrl"], per_lib["trl"])]
             print("   per pair (tidyrl/TRL episodes/s): " + ", ".join(f"{p:.2f}x" for p in pairs))

@@ -6,12 +6,15 @@
 #                                           (tiny shapes, one test file instead of the suite)
 #
 # Each part runs under its own time limit, cut to one overall deadline, so that one hang does not eat the rest:
-#   - in the background, on cores of their own: the CUDA tests (pytest -m cuda), then the rest of the suite with the
-#     GPU visible (pytest -n, pytest-xdist; the suite's runs pin themselves to the CPU, tests/conftest.py);
+#   - first, alone on the GPU: the CUDA tests (pytest -m cuda); then in the background, on cores of their own, the
+#     rest of the suite with the GPU visible (pytest -n, pytest-xdist; its runs pin themselves to the CPU,
+#     tests/conftest.py);
 #   - in the foreground, most wanted first: bench_passes.py on qwen0.5b (each layout of the training forward and
 #     TRL's, scoring chunk and update micro-batch, on new shapes too, with a profile); bench_vs_trl.py on qwen0.5b and
-#     qwen1.5b, tidyrl beside TRL (LIBS=tidyrl,tidyrl-lean,trl adds the lean pass); one --profile rollout of tidyrl
-#     on qwen0.5b (split by phase); bench_passes.py on qwen1.5b.
+#     qwen1.5b, tidyrl beside TRL (LIBS=trl,tidyrl,tidyrl-lean adds the lean pass; TRL first, so that a cut part
+#     still has it); one --profile rollout of tidyrl on qwen0.5b (split by phase); bench_passes.py on qwen1.5b;
+#     bench_decode.py on qwen0.5b (lean decode vs the model's forward, one profiled generate); bench_lag.py
+#     (rollout.lag 0 vs 1 with the in-process engine; issue 25).
 # Prints one summary at the end (the tables) and leaves every log in OUT_DIR/logs.tgz (the profiles' tables too).
 # TRL is taken where it is importable (pip install trl==1.16.0; without it the benchmarks run tidyrl alone).
 # PARTS, LIBS, LIBS15, SET05, SET15, PASSES_ARGS, TEST_PATHS, BUDGET choose what a call runs (see below).
@@ -65,9 +68,9 @@ part() {
   echo "cores $NCPU: benchmarks on '${BENCH_CORES:-all}', tests on '${TEST_CORES:-all}' with $WORKERS workers"
 } 2>&1 | tee -a "$SUMMARY"
 
-PARTS=${PARTS:-"tests passes05 vs05 vs15 profile passes15"}  # which parts run (all by default)
+PARTS=${PARTS:-"tests passes05 vs05 vs15 profile passes15 decode lag"}  # which parts run (all by default)
 has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
-LIBS=${LIBS:-tidyrl,trl}                           # bench_vs_trl's --libraries (e.g. tidyrl,tidyrl-lean,trl)
+LIBS=${LIBS:-trl,tidyrl}                           # bench_vs_trl's --libraries (e.g. tidyrl,tidyrl-lean,trl)
 TEST_PATHS=${TEST_PATHS:-}                         # the suite's paths (default: all of tests/)
 
 # ---- the tests, in the background on their own cores
@@ -77,8 +80,10 @@ PTIMEOUT=""
 $PY -c "import pytest_timeout" 2>/dev/null && PTIMEOUT="--timeout 240"
 TESTS=""
 if has tests; then
+  # the CUDA tests first, alone on the GPU (they would share it with the benchmarks' timings), then the rest of the
+  # suite in the background, on the CPU (its runs pin themselves there) and cores of its own
+  part cuda-tests ${CUDA_TESTS_LIMIT:-150} "$TEST_CORES" $PY -m pytest -q -m cuda tests/test_cuda.py -rfEs -p no:cacheprovider
   (
-    part cuda-tests 150 "$TEST_CORES" $PY -m pytest -q -m cuda tests/test_cuda.py -rfEs -p no:cacheprovider
     part suite 600 "$TEST_CORES" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY -m pytest -q $XDIST $PTIMEOUT \
       -m "not slow and not cuda" -rfEs -p no:cacheprovider ${SUITE_PATHS:-$TEST_PATHS}
   ) &
@@ -93,14 +98,23 @@ else  # the logic on a CPU: the tiny workload twice, with KL on
   PSET="--set kl_coef=0.04,warmup=1"
 fi
 PASSES_ARGS=${PASSES_ARGS:-"--repeats 3 --widths 3 --profile"}
-has passes05 && part passes-$W05 90 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W05 \
-  $PASSES_ARGS
+DECODE_ARGS=${DECODE_ARGS:-"--dtype bfloat16 --repeats 2 --profile 16"}
+# the shipped default end to end beside TRL (and what LIBS adds), most wanted first
 has vs05 && part vs-trl-$W05 ${VS05_LIMIT:-170} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
   --workload $W05 --libraries $LIBS --repeats 1 $SET05 --keep "$WORK/vs05"
 rm -rf "$WORK"/vs05/*/model
+# each layout of the training forward and TRL's pass, in one process, with a profile
+has passes05 && part passes-$W05 ${PASSES_LIMIT:-90} "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE \
+  --workload $W05 $PASSES_ARGS
 has vs15 && part vs-trl-$W15-b ${VS15_LIMIT:-150} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
   --workload $W15 --libraries ${LIBS15:-$LIBS} --repeats 1 $SET15 --keep "$WORK/vs15"
 rm -rf "$WORK"/vs15/*/model
+# where generation's time goes: the lean decode step against the model's forward, one profiled generate
+has decode && part decode-$W05 ${DECODE_LIMIT:-60} "$BENCH_CORES" $PY benchmarks/bench_decode.py --workload $W05 \
+  --device $DEVICE $DECODE_ARGS
+# generation beside training (issue 25): lag 0 vs 1, the in-process engine, on the GPU
+has lag && part lag ${LAG_LIMIT:-90} "$BENCH_CORES" $PY benchmarks/bench_lag.py --device $DEVICE \
+  --hidden ${LAG_HIDDEN:-1024} --layers ${LAG_LAYERS:-8} --lags ${LAGS:-0,1} --rollouts ${LAG_ROLLOUTS:-6}
 has profile && part profile-$W05 60 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
   --libraries ${PROFILE_LIBS:-tidyrl} --repeats 1 --profile $PSET --keep "$WORK/prof"
 rm -rf "$WORK"/prof/*/model
@@ -120,6 +134,11 @@ has passeslong && part passes-long-$W05 60 "$BENCH_CORES" $PY benchmarks/bench_p
     [ -f "$f" ] || continue
     echo "--- $(basename "$f" .log)"
     grep -E "^(== |-- |pass |lean |shared |onepass |trl )|^  profile |^ +[0-9.]+% " "$f" | cut -c1-220
+  done
+  for f in "$LOGS"/decode-*.log "$LOGS"/lag.log; do
+    [ -f "$f" ] || continue
+    echo "--- $(basename "$f" .log)"
+    grep -vE "Warning|warn\(|USDT|^\s*$" "$f" | tail -24 | cut -c1-160
   done
   for f in "$LOGS"/vs-trl-*.log "$LOGS"/profile-*.log; do
     [ -f "$f" ] || continue

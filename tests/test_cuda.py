@@ -197,3 +197,60 @@ def test_the_update_and_scoring_never_wait_for_the_gpu_inside_their_loops(tiny_m
     })
     assert checked["steps"] == result.plan.total_optimizer_steps == 4
     assert checked["scoring"] == 2 * 3  # the reference pass of each rollout, in chunks of 4 of its 12 episodes
+
+
+def test_on_cuda_log_probs_and_their_gradient_take_the_fused_kernels_with_the_row_by_row_numbers(monkeypatch):
+    """bf16 logits on CUDA go through the Triton kernels (models.fused_logprobs: one pass over the vocabulary);
+    log-probs, entropies and the gradient equal the row-by-row float32 path's up to float32 rounding, at Qwen's
+    vocabulary size, on a strided view, with a masked vocabulary."""
+    from tidyrl.models import fused_logprobs, ops
+
+    assert fused_logprobs._kernels() is not None, "Triton did not import: the CUDA path would be the slow one"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, T, V = 4, 33, 151936
+    logits = (3 * torch.randn(B, T + 1, V, generator=g, device="cuda")).bfloat16()
+    logits[1, 2, 1000:90000] = float("-inf")
+    view = logits[:, :-1]
+    ids = torch.randint(0, V, (B, T), generator=g, device="cuda")
+    weights = torch.randn(B, T, generator=g, device="cuda")
+    used = []
+    real = fused_logprobs.logprobs_and_entropy
+    monkeypatch.setattr(fused_logprobs, "logprobs_and_entropy", lambda *a: used.append(1) or real(*a))
+    mine = view.detach().requires_grad_(True)
+    logprobs, entropy = ops.gather_logprobs_and_entropy(mine, ids)
+    (logprobs * weights).sum().backward()
+    monkeypatch.setenv("TIDYRL_FUSED_LOGPROBS", "0")
+    ref = view.detach().requires_grad_(True)
+    want, want_entropy = ops.gather_logprobs_and_entropy(ref, ids)
+    (want * weights).sum().backward()
+    assert used == [1]
+    torch.testing.assert_close(logprobs, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(entropy, want_entropy, atol=5e-5, rtol=0)
+    ulp = torch.finfo(torch.bfloat16).eps * ref.grad.float().abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+    assert mine.grad.dtype == torch.bfloat16 and ((mine.grad.float() - ref.grad.float()).abs() <= ulp).all()
+
+
+def test_a_lagged_grpo_run_on_cuda_generates_beside_training_with_exact_counts(tiny_model_dir, prompt_file, tmp_path):
+    """rollout.lag 1 on CUDA: the engine generates on a background thread (its CUDA graph captured there each
+    rollout) while the learner trains; every rollout arrives, with the lag the config fixes."""
+    from tidyrl.rollouts import ahead
+
+    assert ahead.BACKGROUND
+    env_cpu = os.environ.pop("ACCELERATE_USE_CPU", None)
+    try:
+        result = tidyrl.train({
+            "algorithm": "grpo", "model": str(tiny_model_dir), "output_dir": str(tmp_path / "run"), "seed": 0,
+            "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+            "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 6, "lag": 1},
+            "train": {"rollouts": 4, "epochs_per_rollout": 1, "micro_batch_size": 4},
+            "log": {"progress_bar": False},
+        })
+    finally:
+        if env_cpu is not None:
+            os.environ["ACCELERATE_USE_CPU"] = env_cpu
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == result.plan.total_optimizer_steps
+    first = {}
+    for row in rows:
+        first.setdefault(row["rollout"], row)
+    assert [first[r]["async/policy_lag"] for r in sorted(first)] == [0, 1, 1, 1]

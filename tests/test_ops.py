@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import torch
 from conftest import recorded_outputs
@@ -111,3 +114,80 @@ def test_low_precision_logprobs_keep_no_float32_vocabulary_tensor_for_backward()
                           ) as full_size:
         logprobs.sum().backward()
     assert leaf.grad.shape == (B, T, V) and len(full_size) == 1, full_size  # one gradient tensor, not one per row
+
+
+def _interpreted_fused_kernels(monkeypatch):
+    """tidyrl.models.fused_logprobs's Triton kernels run by Triton's interpreter on CPU tensors (where Triton is
+    installed: CUDA builds of torch bring it; tests/test_cuda.py runs them compiled on a GPU). Triton reads
+    TRITON_INTERPRET when it is imported: None where it was imported before (the caller reruns in a new process)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (it comes with CUDA builds of torch)")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from tidyrl.models import fused_logprobs
+
+    fused_logprobs._kernels.cache_clear()
+    monkeypatch.setattr(fused_logprobs, "BLOCK", 16)  # several blocks per row at this test's vocabulary
+    return fused_logprobs
+
+
+def test_fused_logprobs_entropy_and_gradient_are_the_float32_maths_of_the_row_by_row_path(monkeypatch):
+    """One pass over the vocabulary with running sums (online softmax) gives the row-by-row float32 results up to
+    float32 rounding: log-probs, entropies (with -inf logits in a row, and a whole first block masked), and the
+    gradient, cast to the logits' dtype, within one unit in its last place; on a (B, T) view with strides."""
+    import warnings
+
+    fused = _interpreted_fused_kernels(monkeypatch)
+    if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
+        test = f"{__file__}::test_fused_logprobs_entropy_and_gradient_are_the_float32_maths_of_the_row_by_row_path"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                              env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+        assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+        return
+    try:
+        logits, ids = _random(B=3, T=6, V=53, seed=3)
+        weights = torch.randn(3, 5, generator=torch.Generator().manual_seed(4))
+        weights[1, 2:] = 0
+        for dtype in (torch.bfloat16, torch.float16):
+            low = logits.to(dtype)
+            low[0, 1, :20] = float("-inf")  # a masked vocabulary, the first block all -inf
+            low[2, 3, 7] = float("-inf")
+            view = low[:, :-1]  # the one-pass forward's logits drop a column: not contiguous in (B, T)
+            mine, ref = view.detach().requires_grad_(True), view.detach().requires_grad_(True)
+            with warnings.catch_warnings():  # the interpreter evaluates both sides of tl.where
+                warnings.simplefilter("ignore", RuntimeWarning)
+                logprobs, entropy = fused.logprobs_and_entropy(mine, ids[:, :-1], True)
+                (logprobs * weights).sum().backward()
+                only, none = fused.logprobs_and_entropy(view, ids[:, :-1], False)
+            want = _autograd_rows(ref, ids[:, :-1])
+            (want * weights).sum().backward()
+            assert logprobs.dtype == entropy.dtype == torch.float32 and none is None
+            torch.testing.assert_close(logprobs, want, atol=2e-6, rtol=0)
+            torch.testing.assert_close(only, want.detach(), atol=2e-6, rtol=0)
+            torch.testing.assert_close(entropy, entropy_from_logits(view), atol=1e-5, rtol=0)  # (lse - sum p l)
+            assert torch.isfinite(entropy).all() and not entropy.requires_grad
+            assert mine.grad.dtype == dtype and mine.grad.shape == view.shape
+            ulp = torch.finfo(dtype).eps * ref.grad.float().abs().clamp(min=torch.finfo(dtype).tiny)
+            assert ((mine.grad.float() - ref.grad.float()).abs() <= ulp).all()
+            assert torch.equal(mine.grad[1, 2:], torch.zeros_like(mine.grad[1, 2:]))  # zero weight, zero gradient
+            assert mine.grad[0, 1, :20].eq(0).all()  # where p = 0
+    finally:
+        fused._kernels.cache_clear()
+
+
+def test_the_fused_kernels_serve_only_low_precision_cuda_logits(monkeypatch):
+    from tidyrl.models import fused_logprobs
+
+    cpu = torch.zeros(2, 3, 5, dtype=torch.bfloat16)
+    assert not fused_logprobs.wanted(cpu) and not fused_logprobs.wanted(cpu.float())
+    monkeypatch.setattr(fused_logprobs, "_kernels", lambda: object())
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert fused_logprobs.wanted(cpu) and not fused_logprobs.wanted(cpu.float())
+    assert not fused_logprobs.wanted(cpu[0])  # (only [B, T, V])
+    monkeypatch.setenv("TIDYRL_FUSED_LOGPROBS", "0")
+    assert not fused_logprobs.wanted(cpu)

@@ -426,7 +426,9 @@ class StaticDecode:
             first = self.step(self.tokens, self.bias, self.positions, self.layers)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: with rollout.lag the engine generates on a background thread while the learner trains on
+        # its own; in the default "global" mode the learner's allocations during the capture would be refused.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.logits = self.step(self.tokens, self.bias, self.positions, self.layers)
         return first
 

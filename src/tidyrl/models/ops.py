@@ -6,7 +6,8 @@ pass. They compute in float32 whatever the logits' dtype, because
 log-probabilities are differenced (ratios, KL) and bf16 keeps only ~3
 significant digits. Low-precision logits are upcast one sequence at a time,
 so the float32 copy never exceeds [T, V], and none is kept for the backward
-pass (`_LowPrecisionLogprobs`).
+pass (`_LowPrecisionLogprobs`). On CUDA, Triton kernels do the same float32 maths
+in one pass over the vocabulary (`tidyrl.models.fused_logprobs`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from tidyrl.models import fused_logprobs
 
 
 def _per_row_float32(fn: Callable[..., Tensor], logits_BTV: Tensor, *rest_B: Tensor) -> Tensor:
@@ -112,6 +115,8 @@ def gather_logprobs_and_entropy(logits_BTV: Tensor, ids_BT: Tensor, with_entropy
             return logprobs, None
         with torch.no_grad():
             return logprobs, _per_row_float32(_entropy, logits_BTV)
+    if fused_logprobs.wanted(logits_BTV):  # CUDA: one pass over the vocabulary (Triton), float32 maths too
+        return fused_logprobs.logprobs_and_entropy(logits_BTV, ids_BT, with_entropy)
     if with_entropy:
         return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, True)
     return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, False), None
