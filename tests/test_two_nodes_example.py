@@ -86,9 +86,11 @@ exec "$@"
 @bash
 def test_both_scripts_train_against_a_server_on_this_host(tiny_model_dir, prompt_file, tmp_path):
     config, bin_dir = tiny_config(tmp_path, prompt_file), stand_ins(tmp_path)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="",
-               OMP_NUM_THREADS="1", MODEL=str(tiny_model_dir), CONFIG=str(config), SERVER_HOST="127.0.0.1",
-               NUM_SERVERS="1", WAIT_S="30", PYTHON="python")
+    # (the caller's PYTHONPATH kept after src: a GPU image's packages may come from there)
+    paths = [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=os.pathsep.join(paths),
+               CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MODEL=str(tiny_model_dir), CONFIG=str(config),
+               SERVER_HOST="127.0.0.1", NUM_SERVERS="1", WAIT_S="30", PYTHON="python")
     with FakeVLLMServer(tiny_model_dir) as server:
         port = server.url.rsplit(":", 1)[1]
         by_hand = subprocess.run(["bash", str(EXAMPLE / "run.sh"), "trainer"], capture_output=True, text=True,
