@@ -54,7 +54,7 @@ from tidyrl.models.generation import left_pad  # noqa: E402
 from tidyrl.models.ops import gather_logprobs_and_entropy  # noqa: E402
 from tidyrl.rollouts.record import Rollout  # noqa: E402
 
-PASSES = ("lean", "shared", "onepass", "onepass-rows", "trl")
+PASSES = ("lean", "shared", "onepass", "onepass-rows", "onepass-exact", "trl")
 
 
 def build_model(w: dict, device: str, dtype: torch.dtype):
@@ -188,6 +188,14 @@ def run_pass(name: str, model, batch: Rollout, with_entropy: bool):
             return run_pass("onepass", model, batch, with_entropy)
         finally:
             del os.environ["TIDYRL_FUSED_LOGPROBS"]
+    if name == "onepass-exact":  # the one-pass forward on rows of their own width (no WIDTH_MULTIPLE padding)
+        kind = model.lm_head.weight.device.type
+        multiple = tidy_forward.WIDTH_MULTIPLE.pop(kind, None)
+        try:
+            return run_pass("onepass", model, batch, with_entropy)
+        finally:
+            if multiple is not None:
+                tidy_forward.WIDTH_MULTIPLE[kind] = multiple
     if name in ("lean", "shared", "onepass"):
         with layout(name, model.lm_head.weight.device):
             return tidy_forward.completion_logprobs(model, *batch.sequences, 1.0, with_entropy=with_entropy)

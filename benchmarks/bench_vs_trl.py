@@ -95,7 +95,10 @@ runs what the device's entry of LAYOUTS says."""
 ROW_BY_ROW = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}}
 """`tidyrl-rows`: the shipped config with the row-by-row float32 log-probs instead of the fused kernels that CUDA
 takes (models.fused_logprobs), to measure what they gain."""
-LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *ROW_BY_ROW, "trl")
+EXACT_WIDTHS = ("tidyrl-exact-widths",)
+"""`tidyrl-exact-widths`: the shipped config with each forward's rows at their own width, not left-padded to a multiple
+of 16 as on CUDA (models.forward.WIDTH_MULTIPLE), to measure what recurring shapes gain."""
+LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *ROW_BY_ROW, *EXACT_WIDTHS, "trl")
 LEARNING_RATE = 1e-5
 WORDS = ("apple pear fig kiwi lime plum date lemon mango peach grape melon cherry olive berry guava papaya "
          "quince lychee banana orange apricot").split()
@@ -146,10 +149,16 @@ def child_tidyrl(spec: dict) -> dict:
     if spec.get("layouts"):  # one layout forced (FORCED_LAYOUTS), on every device type the run may use
         for kind in ("cpu", "cuda"):
             forward.LAYOUTS[kind] = tuple(spec["layouts"])
+    if spec.get("exact_widths"):  # EXACT_WIDTHS
+        forward.WIDTH_MULTIPLE.clear()
     # The update's clock stops after the optimizer step is queued, not run: synchronised here, so that the step's
     # kernels are billed to the update, not to the next rollout's generation (generation and scoring end with host
     # reads, which wait for the device anyway).
     rl_update.apply_update = synchronised(rl_update.apply_update)
+    peaks = PhasePeaks()  # (outside the profiler's wrappers: its phases' clocks stay as they were)
+    producer.Producer.round = peaks.phase("generate", producer.Producer.round)
+    rl_rollout.score_logprobs = peaks.phase("score", rl_rollout.score_logprobs)
+    rl.optimizer_step = peaks.phase("update", rl.optimizer_step)
     profiler = Profiler(spec)
     if profiler.on:
         rl.RLRun.make_rollout = profiler.starting_at_measured(rl.RLRun.make_rollout)
@@ -172,7 +181,7 @@ def child_tidyrl(spec: dict) -> dict:
                              "update_s": sum(s["time/update_s"] for s in steps),
                              "completion_tokens": steps[0]["completion_length_mean"] * w["prompts"] * w["k"]})
         previous_end = end
-    return {"rollouts": rollouts_out, **gpu_memory()}
+    return {"rollouts": rollouts_out, **gpu_memory(peaks)}
 
 
 # What the profile counts as a host synchronisation: the host waits for the device (CUDA runtime calls) or reads a
@@ -371,13 +380,48 @@ def print_profile(name: str, lib: str, folder: Path) -> None:
     print(f"    (full tables: {folder / 'profile.txt'})", flush=True)
 
 
-def gpu_memory() -> dict:
-    """The child's peak GPU memory (torch's allocator), where it ran on CUDA."""
+def gpu_memory(phase_peaks: "PhasePeaks | None" = None) -> dict:
+    """The child's peak GPU memory (torch's allocator), where it ran on CUDA; with `phase_peaks`, each phase's too."""
     import torch
 
     if not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU"):
         return {}
-    return {"peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20}
+    if phase_peaks is None:
+        return {"peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20}
+    return {"peak_gpu_mib": phase_peaks.overall() / 2**20,
+            "peak_gpu_by_phase": {k: v / 2**20 for k, v in phase_peaks.peaks.items()}}
+
+
+class PhasePeaks:
+    """The peak GPU memory (torch's allocator) inside each wrapped phase, over the whole run: which phase sets the
+    run's peak. The allocator's peak is reset as a phase starts, so the run's peak is kept here as well."""
+
+    def __init__(self):
+        import torch
+
+        self.torch, self.peaks, self.before = torch, {}, 0
+
+    def on(self) -> bool:
+        return self.torch.cuda.is_available() and self.torch.cuda.is_initialized()
+
+    def overall(self) -> int:
+        return max(self.before, self.torch.cuda.max_memory_allocated(), *self.peaks.values())
+
+    def phase(self, name: str, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            if not self.on():
+                return fn(*a, **kw)
+            self.before = max(self.before, self.torch.cuda.max_memory_allocated())
+            self.torch.cuda.reset_peak_memory_stats()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.peaks[name] = max(self.peaks.get(name, 0), self.torch.cuda.max_memory_allocated())
+
+        return wrapper
 
 
 def child_trl(spec: dict) -> dict:
@@ -438,6 +482,10 @@ def child_trl(spec: dict) -> dict:
             step_ends.append(time.perf_counter())
 
     trainer.add_callback(StepClock())
+    peaks = PhasePeaks()  # (outside the profiler's wrappers: its phases' clocks stay as they were)
+    producer.Producer.round = peaks.phase("generate", producer.Producer.round)
+    rl_rollout.score_logprobs = peaks.phase("score", rl_rollout.score_logprobs)
+    rl.optimizer_step = peaks.phase("update", rl.optimizer_step)
     profiler = Profiler(spec)
     if profiler.on:  # training_step is called R/m times per optimizer step, its first generating the rollout
         trainer.training_step = profiler.starting_at_measured(trainer.training_step,
@@ -643,6 +691,7 @@ def summarise(result: dict, w: dict, warmup: int, flops: dict[str, float]) -> di
            for phase in ("generate", "score", "update")},
         "peak_rss_mib": result["peak_rss_mib"],
         **({"peak_gpu_mib": result["peak_gpu_mib"]} if "peak_gpu_mib" in result else {}),
+        **{f"peak_gpu_{phase}_mib": mib for phase, mib in result.get("peak_gpu_by_phase", {}).items()},
     }
 
 
@@ -708,7 +757,8 @@ def main(argv=None) -> None:
     parser.add_argument("--libraries", default="tidyrl,trl",
                         help="comma-separated subset of tidyrl, tidyrl-vllm (rollout.engine: vllm), tidyrl-lean, "
                              "tidyrl-hf-forward, tidyrl-onepass (one layout of the training forward forced: "
-                             "FORCED_LAYOUTS), tidyrl-rows (log-probs row by row, not fused) and trl")
+                             "FORCED_LAYOUTS), tidyrl-rows (log-probs row by row, not fused), tidyrl-exact-widths (rows not "
+                             "padded to a multiple of 16 on CUDA) and trl")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the children train (cuda: accelerate's GPU; the GEMM peak is then not measured)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -795,7 +845,8 @@ def main(argv=None) -> None:
                 spec = {"workload": w, "model": model_dir, "prompts": prompts, "seed": args.seed + rep,
                         "warmup": warmup, "rollouts": rollouts, "out": str(folder / f"{lib}-{rep}"),
                         "engine": ENGINES.get(lib, "builtin"), "device": args.device, "dtype": dtype,
-                        "profile": args.profile, "layouts": FORCED_LAYOUTS.get(lib)}
+                        "profile": args.profile, "layouts": FORCED_LAYOUTS.get(lib),
+                        "exact_widths": lib in EXACT_WIDTHS}
                 t0, load = time.perf_counter(), os.getloadavg()[0]
                 result = run_child(lib, spec, args.threads)
                 figures = summarise(result, w, warmup, flops)
@@ -804,6 +855,8 @@ def main(argv=None) -> None:
                       f"{figures['s_per_step']:.3f} s/step (generate {figures['generate_s']:.3f}, score "
                       f"{figures['score_s']:.3f}, update {figures['update_s']:.3f} s"
                       + (f", peak GPU {figures['peak_gpu_mib']:.0f} MiB" if "peak_gpu_mib" in figures else "")
+                      + "".join(f" ({phase} {figures[f'peak_gpu_{phase}_mib']:.0f})" for phase in PHASES
+                                if f"peak_gpu_{phase}_mib" in figures)
                       + f"), peak RSS {figures['peak_rss_mib']:.0f} MiB "
                       f"({time.perf_counter() - t0:.0f} s with loading; load average {load:.2f} -> "
                       f"{os.getloadavg()[0]:.2f})", flush=True)

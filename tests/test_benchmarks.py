@@ -122,7 +122,7 @@ def test_bench_vs_trl_profiles_one_measured_rollout_by_phase(tmp_path):
 
 def test_bench_passes_times_every_layout_of_the_training_forward_and_they_agree():
     out = run("bench_passes.py", "--workload", "tiny", "--repeats", "1")
-    for name in ("lean", "shared", "onepass", "onepass-rows", "trl"):
+    for name in ("lean", "shared", "onepass", "onepass-rows", "onepass-exact", "trl"):
         row = re.search(rf"^{name}\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+\S+\s+([0-9.e+-]+)$", out,
                         re.MULTILINE)
         assert row, out

@@ -155,3 +155,40 @@ def test_padding_free_is_refused_for_a_model_that_mixes_examples(tmp_path):
     # Left to choose (null), a plain CPU model runs padded: grouped by length, nothing refused.
     result = tidyrl.train(sft_config(model_dir, data, tmp_path / "auto"))
     assert read_jsonl(result.output_dir / "metrics.jsonl")[0]["padding_fraction"] > 0
+
+
+@pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
+def test_rows_padded_to_a_width_multiple_give_the_same_log_probs_values_and_gradients(build, monkeypatch):
+    """models.forward.WIDTH_MULTIPLE (CUDA: 16, so that shapes recur) left-pads [prompt, completion] rows with masked
+    columns: the log-probs, entropies, critic values and gradients are the unpadded rows' (float32 rounding), the
+    forward sees the padded width, and the result keeps the completions' width."""
+    from tidyrl.models import forward
+
+    prompts = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10], [0, 5, 6, 7]])
+    pmask = (prompts != 0).long()
+    completions = torch.tensor([[11, 12, 2, 0, 0], [13, 14, 15, 16, 17], [18, 19, 20, 21, 0]])
+    cmask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]).float()
+    monkeypatch.setitem(forward.LAYOUTS, "cpu", ("onepass",))
+    model = build()
+    results = {}
+    for multiple in (1, 16):
+        monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", multiple)
+        widths = []
+        real = model.forward
+        monkeypatch.setattr(model, "forward", lambda *a, **kw: widths.append(kw["input_ids"].shape[1]) or real(*a, **kw))
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = forward.completion_logprobs(model, prompts, pmask, completions, cmask, 1.0,
+                                                        with_entropy=True)
+        (logprobs * cmask).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        with torch.no_grad():  # (the policy stands in for a critic: its first logit as the value)
+            values = forward.completion_values(model, prompts, pmask, completions, cmask)
+        monkeypatch.setattr(model, "forward", real)
+        results[multiple] = (logprobs.detach(), entropy, grads, widths, values)
+    (lp1, h1, g1, w1, v1), (lp16, h16, g16, w16, v16) = results[1], results[16]
+    assert w1 == [9, 9] and w16 == [16, 16] and lp16.shape == lp1.shape == v16.shape == completions.shape
+    torch.testing.assert_close(v16 * cmask, v1 * cmask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp16 * cmask, lp1 * cmask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h16 * cmask, h1 * cmask, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g16, g1):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -28,9 +28,21 @@ from tidyrl.models.ops import gather_logprobs_and_entropy
 from tidyrl.models.sharding import is_sharded
 
 
+# Devices where the rows [prompt, completion] of a forward are left-padded up to a multiple of this many columns.
+# On CUDA a shape seen for the first time costs far more than the same shape again (cuDNN's attention plans,
+# cuBLAS's heuristics, new allocator blocks): on an H200, qwen0.5b, 8-21 ms more per scoring chunk or update
+# micro-batch of the model's forward (docs/benchmarks.md, "new / again"), and a rollout's chunks have as many widths
+# as their longest prompts and completions. Padding the width to a multiple of 16 makes shapes recur, for at most
+# 15 masked columns a row (the positions and every real column's maths unchanged). Elsewhere rows keep their width.
+WIDTH_MULTIPLE: dict[str, int] = {"cuda": 16}
+
+
 def model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict:
     """Prompt and completion side by side, with the attention mask (see `model_mask`) and positions of the left
-    padding."""
+    padding; on WIDTH_MULTIPLE's devices left-padded to a multiple of its width."""
+    multiple = WIDTH_MULTIPLE.get(model_device(model).type, 1)
+    if extra := -(prompt_ids.shape[1] + completion_ids.shape[1]) % multiple:
+        prompt_ids, prompt_mask = F.pad(prompt_ids, (extra, 0)), F.pad(prompt_mask, (extra, 0))
     input_ids, attn, positions = _rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     return {"input_ids": input_ids, "attention_mask": model_mask(model, attn, input_ids.shape[1]),
             "position_ids": positions}
