@@ -192,3 +192,28 @@ def test_rows_padded_to_a_width_multiple_give_the_same_log_probs_values_and_grad
     torch.testing.assert_close(h16 * cmask, h1 * cmask, atol=1e-5, rtol=1e-5)
     for a, b in zip(g16, g1):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed rows"])
+def test_offline_batches_padded_to_a_width_multiple_give_the_same_log_probs(packed, monkeypatch):
+    """pad_batch rounds the width up to models.forward.WIDTH_MULTIPLE's multiple for the device (CUDA: 16, so that
+    shapes recur); the targets' log-probs and mask are the unpadded batch's."""
+    from tidyrl.models import forward
+
+    model = llama()
+    seqs = sequences(torch.Generator().manual_seed(3), [7, 3, 12, 5])
+    if packed:  # two examples per row, positions restarting
+        seqs = [TokenizedSequence(a.input_ids + b.input_ids, a.target_mask + b.target_mask,
+                                  list(range(len(a.input_ids))) + list(range(len(b.input_ids))))
+                for a, b in (seqs[:2], seqs[2:])]
+    with torch.no_grad():
+        plain = pad_batch(seqs, 0, "cpu")
+        monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", 16)
+        padded = pad_batch(seqs, 0, "cpu")
+        want, want_mask = target_logprobs(model, plain)
+        got, got_mask = target_logprobs(model, padded)
+    longest = max(len(s.input_ids) for s in seqs)
+    assert plain["input_ids"].shape[1] == longest and padded["input_ids"].shape[1] == -(-longest // 16) * 16
+    n = want.shape[1]
+    assert torch.equal(got_mask[:, :n], want_mask) and not got_mask[:, n:].any()
+    torch.testing.assert_close(got[:, :n] * want_mask, want * want_mask, atol=1e-5, rtol=1e-5)

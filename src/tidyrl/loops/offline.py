@@ -59,7 +59,8 @@ def micro_batches(batch: Sequence[int], plan: OfflinePlan, rank: int, length=Non
 
 
 def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat: bool = False) -> dict:
-    """Right-padded (B, T) tensors: input_ids, target_mask (float), and either attention_mask (plain rows) or
+    """Right-padded (B, T) tensors (T: the longest sequence, on CUDA rounded up to a multiple of
+    models.forward.WIDTH_MULTIPLE): input_ids, target_mask (float), and either attention_mask (plain rows) or
     position_ids (packed rows: positions restart at each example; with no attention_mask, transformers builds a
     block-diagonal causal mask from them, so packed examples never see each other).
 
@@ -74,7 +75,12 @@ def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat:
                 "position_ids": torch.tensor([positions], device=device),
                 "target_mask": torch.tensor([targets], dtype=torch.float32, device=device),
                 "lengths": [len(s.input_ids) for s in sequences]}
-    width = max(len(s.input_ids) for s in sequences)
+    from tidyrl.models.forward import WIDTH_MULTIPLE
+
+    # On CUDA the width is rounded up to a multiple (models.forward.WIDTH_MULTIPLE), so that shapes recur: a width
+    # the attention kernel has not seen costs it a new plan (~0.5-1 s on an H200), and every batch has its own.
+    multiple = WIDTH_MULTIPLE.get(torch.device(device).type, 1)
+    width = -(-max(len(s.input_ids) for s in sequences) // multiple) * multiple
     B = len(sequences)
     ids = torch.full((B, width), pad_id, dtype=torch.long)
     targets = torch.zeros((B, width), dtype=torch.float32)
