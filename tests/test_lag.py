@@ -277,14 +277,23 @@ def test_the_lag_is_refused_where_it_cannot_be_corrected(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
-def test_the_lag_is_refused_under_fsdp():
+def test_under_fsdp_the_lag_takes_vllm_servers_and_is_refused_with_an_in_process_engine():
+    """The weights a version behind are the servers' under FSDP2 (tests/test_server_engine.py syncs a sharded policy
+    at a launch); an in-process engine would need a whole copy on every process."""
     from types import SimpleNamespace
 
     from tidyrl.models.sharding import ShardingError, check_supported
 
-    cfg = SimpleNamespace(log=SimpleNamespace(save_every=0), resume_from=None, rollout=SimpleNamespace(lag=1))
-    with pytest.raises(ShardingError, match=r"rollout\.lag cannot be used under FSDP yet.*rollout\.lag=0"):
-        check_supported("fsdp2", cfg)
+    def cfg(engine, lag=1):
+        return SimpleNamespace(log=SimpleNamespace(save_every=0), resume_from=None,
+                               rollout=SimpleNamespace(lag=lag, engine=engine))
+
+    for engine in ("builtin", "vllm"):
+        with pytest.raises(ShardingError, match=rf"rollout\.lag=1 under FSDP needs rollout\.engine: vllm-server.*"
+                                                rf"in-process engine \({engine}\).*rollout\.lag=0"):
+            check_supported("fsdp2", cfg(engine))
+        check_supported("fsdp2", cfg(engine, lag=0))
+    check_supported("fsdp2", cfg("vllm-server"))
 
 
 def test_a_rollout_past_the_plan_is_made_when_asked_and_one_never_launched_is_an_error_not_a_hang():

@@ -426,3 +426,37 @@ def test_tidyrl_eval_on_servers_keeps_the_policy_on_the_host(tiny_model_dir, pro
         assert len(server.reloads) == 1 and server.completions == 4  # the weights synced once, then 4 samples
     assert not any("cuda" in m for m in moved), moved
     assert result.summary["n"] == 4
+
+
+def test_an_fsdp2_sharded_policy_reaches_the_servers_at_lag_0_and_as_a_lag_s_snapshot(tiny_model_dir, tmp_path):
+    """Two gloo processes with a `fully_shard` policy: at lag 0 every process walks the parameters (each one's
+    all-gather is a collective) and the first writes them; with a lag the snapshot of a launch is gathered on the
+    learner's thread into the first process alone, and synced later from another thread (no collective there but the
+    engine's own group). The server then holds each version's full weights; the policy stays sharded."""
+    import subprocess
+    import sys
+
+    from conftest import gloo_cpu_env
+    from safetensors.torch import load_file
+
+    child = Path(__file__).with_name("fsdp_server_child.py")
+    report = tmp_path / "report"
+    with FakeVLLMServer(tiny_model_dir) as server:
+        held = []
+        real = server.reload_weights
+        server.reload_weights = lambda kwargs: (real(kwargs), held.append(
+            {k: v.clone() for k, v in server.model.state_dict().items()}))[0]
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(free_port()), str(child), str(tiny_model_dir), server.url,
+                               str(tmp_path / "sync"), str(report)],
+                              env=gloo_cpu_env(), capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-4000:]
+    reports = [json.loads(Path(f"{report}.{rank}").read_text()) for rank in (0, 1)]
+    assert all(r["errors"] == [] and r["joined"] and r["version"] == 2 and r["still_sharded"] for r in reports)
+    assert reports[0]["snapshot_tensors"] > 0 and reports[1]["snapshot_tensors"] == 0  # kept by the first alone
+    assert len(held) == 2
+    for version, name in enumerate(("first", "second")):
+        want = load_file(f"{report}.{name}.safetensors")
+        for key, tensor in want.items():
+            assert torch.equal(held[version][key], tensor), (name, key)
+    assert not torch.equal(held[0]["model.norm.weight"], held[1]["model.norm.weight"])

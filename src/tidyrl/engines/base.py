@@ -72,3 +72,23 @@ class Engine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], sample_keys: Sequence[int], settings: "SamplingSettings"): ...
 
     def release(self) -> None: ...
+
+
+class FullWeights(dict):
+    """A policy's full weights as an engine loads them (`engines.vllm.policy_parameters`: names, tensors) on the CPU, at
+    one moment: what an engine with its own copy of the weights syncs from in place of the model (rollout.lag under
+    FSDP2, where the weights of a launch are gathered on the learner's thread and synced later from another). Only
+    the process that writes them for the servers keeps them; the others hold an empty one (`gathered_weights`)."""
+
+
+def gathered_weights(policy, keep: bool) -> FullWeights:
+    """The policy's weights now, as CPU tensors (`policy_parameters`), kept where `keep` (else an empty FullWeights).
+    Under FSDP2 each parameter's all-gather is a collective: every process calls this at the same point, and only
+    the keeper holds the whole model (one parameter at a time on the others)."""
+    from tidyrl.engines.vllm import policy_parameters
+
+    weights = FullWeights()
+    for name, tensor in policy_parameters(policy):
+        if keep:
+            weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    return weights

@@ -233,9 +233,16 @@ class ServerEngine:
         processes, every one calls it and the first does the work (the module docstring)."""
         if self.group is None:
             return self._sync(policy)
+        import torch
         import torch.distributed as dist
 
+        from tidyrl.engines.base import gathered_weights
+        from tidyrl.models.sharding import is_sharded
+
         start = time.perf_counter()
+        if isinstance(policy, torch.nn.Module) and is_sharded(policy):
+            # FSDP2: each parameter's all-gather is a collective of every process; all walk them, the first keeps them
+            policy = gathered_weights(policy, keep=dist.get_rank(self.group) == 0)
         dist.barrier(group=self.group)  # every process's requests of the last rollout are answered
         outcome = [None]
         if dist.get_rank(self.group) == 0:
@@ -301,8 +308,11 @@ class ServerEngine:
 
 def policy_weights(policy) -> dict:
     """The policy's full weights under Hugging Face names, as contiguous CPU tensors (LoRA: merged)."""
+    from tidyrl.engines.base import FullWeights
     from tidyrl.engines.vllm import policy_parameters
 
+    if isinstance(policy, FullWeights):  # already CPU copies
+        return dict(policy)
     return {name: tensor.detach().to("cpu").contiguous() for name, tensor in policy_parameters(policy)}
 
 

@@ -171,10 +171,13 @@ def vllm_model_problem(model_config, on_cpu: bool) -> Optional[str]:
 def policy_parameters(policy):
     """The policy's weights as an engine loads them: (name, tensor) under the base model's Hugging Face names, LoRA
     folded in (`_merged_state_dict`); under FSDP2 each parameter gathered as it is reached, never the whole model
-    at once (`full_parameters`)."""
+    at once (`full_parameters`). A `FullWeights` gives its own."""
+    from tidyrl.engines.base import FullWeights
     from tidyrl.models.lora import unwrap_peft
     from tidyrl.models.sharding import full_parameters
 
+    if isinstance(policy, FullWeights):
+        return iter(policy.items())
     peft = unwrap_peft(policy)
     return full_parameters(_merged_state_dict(peft) if peft is not None else policy.state_dict())
 

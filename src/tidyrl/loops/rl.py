@@ -23,6 +23,7 @@ from typing import Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, algorithm_section
+from tidyrl.engines.base import FullWeights
 from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_training, prepare_output_dir,
                                  save_pretrained_atomic, write_run_header)
 from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
@@ -34,7 +35,7 @@ from tidyrl.loops.training import (StopSignals, TrainingInterrupted, agree, chec
                                    keep_if_best)
 from tidyrl.models.loading import load_causal_lm, load_critic, load_policy
 from tidyrl.models.lora import adapter_note
-from tidyrl.models.sharding import full_weights
+from tidyrl.models.sharding import full_weights, is_sharded
 from tidyrl.plan import epochs_done
 from tidyrl.rollouts.ahead import RolloutsAhead, behaviour_copy, load_snapshot, weight_snapshot
 from tidyrl.rollouts.producer import DynamicSamplingError, Produced, dynamic_sampling
@@ -114,8 +115,11 @@ class RLRun:
         self.pad_id = pad_token_id(self.tokenizer, self.eos_ids)
         self.trainee = Trainee(*prepare_for_training(self.accelerator, model, cfg.train, self.plan))
         self.behaviour = None
-        if cfg.rollout.lag > 0:  # the weights that generate, a version behind: a frozen copy the launches load
-            self.behaviour = behaviour_copy(self.accelerator.unwrap_model(self.trainee.model))
+        policy = self.accelerator.unwrap_model(self.trainee.model)
+        if cfg.rollout.lag > 0 and not is_sharded(policy):
+            # the weights that generate, a version behind: a frozen copy the launches load (under FSDP2 none: the
+            # servers hold that version, synced from the snapshot gathered at its launch)
+            self.behaviour = behaviour_copy(policy)
         if self.spec.critic:  # its own learning rate and schedule, on the same step count and warmup as the policy
             critic_path = str(self.resume_path / "critic") if self.resume_path else self.inputs.critic["critic_model"]
             critic_train = replace(cfg.train, learning_rate=cfg.critic.learning_rate
@@ -386,8 +390,12 @@ class RLRun:
     def _make_episodes(self, r: int, snapshot) -> "Produced":
         """Rollout r's rewarded episodes, by the behaviour copy loaded with `snapshot` (rollout.lag >= 1) or by the
         policy itself (lag 0). On the rollouts-ahead thread or this one; the engine is held (`ahead.engine_lock`)."""
-        model = self.accelerator.unwrap_model(self.trainee.model) if snapshot is None else self.behaviour
-        if snapshot is not None:
+        if snapshot is None:
+            model = self.accelerator.unwrap_model(self.trainee.model)
+        elif isinstance(snapshot, FullWeights):  # FSDP2 with servers: the engine syncs from the gathered weights
+            model = snapshot
+        else:
+            model = self.behaviour
             load_snapshot(model, snapshot)
         # The engine holds exactly these weights before it samples (the builtin one samples the model itself:
         # nothing to copy; vLLM's sync gathers an FSDP-sharded policy one parameter at a time).

@@ -13,7 +13,8 @@ FSDP1 (its forward cannot run inside `summon_full_params`, so generation would g
 (its engine steps the optimizer inside `backward` and rescales the loss by its own accumulation count, which
 bypasses tidyrl's loss normalisation, the NaN check before each update and the once-per-step LR schedule).
 Checkpoints for exact resume under FSDP would need the sharded optimizer state gathered; until they do,
-`log.save_every` and `resume_from` are refused under FSDP (the final model is saved in full).
+`log.save_every` and `resume_from` are refused under FSDP (the final model is saved in full). `rollout.lag` under
+FSDP takes `rollout.engine: vllm-server` (the servers hold the weights a version behind; no copy on the trainers).
 """
 
 from __future__ import annotations
@@ -52,15 +53,20 @@ def check_supported(kind: str, cfg) -> None:
             "fsdp_version: 2 in the accelerate config (examples/accelerate/fsdp.yaml)."
         )
     if kind == "fsdp2":
-        refused = [key for key, value in (("log.save_every", cfg.log.save_every), ("resume_from", cfg.resume_from),
-                                          ("rollout.lag", cfg.rollout.lag))
+        refused = [key for key, value in (("log.save_every", cfg.log.save_every), ("resume_from", cfg.resume_from))
                    if value]
         if refused:
             raise ShardingError(
                 f"{' and '.join(refused)} cannot be used under FSDP yet: exact-resume checkpoints need the sharded "
-                "optimizer state gathered, and rollouts made ahead a whole copy of the weights a version behind, "
-                "which tidyrl does not do yet. Set log.save_every=0 (the final model is saved in full) and "
-                "rollout.lag=0, or run without FSDP (docs/memory.md)."
+                "optimizer state gathered, which tidyrl does not do yet. Set log.save_every=0 (the final model is "
+                "saved in full), or run without FSDP (docs/memory.md)."
+            )
+        if cfg.rollout.lag and cfg.rollout.engine != "vllm-server":
+            raise ShardingError(
+                f"rollout.lag={cfg.rollout.lag} under FSDP needs rollout.engine: vllm-server: the weights a version "
+                "behind are the servers' (gathered once per launch into the first process, which syncs them); an "
+                f"in-process engine ({cfg.rollout.engine}) would need a whole copy of the weights on every process. "
+                "Start vLLM servers (docs/async.md) or set rollout.lag=0."
             )
 
 
