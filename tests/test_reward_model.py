@@ -44,6 +44,21 @@ def test_scores_do_not_depend_on_forward_batch_size_and_pool_the_last_token(rm_d
         assert score == pytest.approx(alone(rm, ids), abs=1e-5)
 
 
+def test_chunks_padded_to_a_width_multiple_score_the_same(rm_dir, monkeypatch):
+    """On CUDA (models.forward.WIDTH_MULTIPLE) a chunk is left-padded to a multiple of 16 columns: same scores."""
+    from tidyrl.models import forward
+
+    rm = RewardModel(str(rm_dir), batch_size=3).load()
+    want = rm(prompts=PROMPTS, completions=COMPLETIONS)
+    widths = []
+    real = rm.model.forward
+    monkeypatch.setattr(rm.model, "forward", lambda *a, **kw: widths.append(kw["input_ids"].shape[1]) or real(*a, **kw))
+    monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", 16)
+    got = rm(prompts=PROMPTS, completions=COMPLETIONS)
+    assert widths and all(w % 16 == 0 for w in widths)
+    assert got == pytest.approx(want, abs=1e-5)
+
+
 def test_an_input_longer_than_the_maximum_keeps_the_end_of_the_completion(rm_dir):
     rm = RewardModel(str(rm_dir), max_length=10).load()
     long_prompt = "q" * 40 + ":"

@@ -100,8 +100,9 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
 #   memory-efficient attention kernel put first); the shared-prompt passes took
 #   1.8-2.0x its time. At these sizes the GPU waits on the host's launches, and the model's forward, with fewer and
 #   larger kernels, wins over the FLOPs that running each prompt once saves. Measured with short prompts (the k
-#   samples' repeated prompt tokens ~5 % of a micro-batch's); long shared prompts may favour the lean pass there too
-#   (`bench_passes.py --prompt-width`: not yet measured).
+#   samples' repeated prompt tokens ~5 % of a micro-batch's). With 512-token prompts shared by 8 samples the lean
+#   pass was 1.5-1.6x faster there, at less than half the memory (`bench_passes.py --prompt-width 512`): choosing it
+#   per batch by the share of repeated prompt tokens, with its widths padded as WIDTH_MULTIPLE does, is not done yet.
 # `model_fast_paths: false` removes "lean" wherever it is listed, and nothing else.
 DEFAULT_LAYOUTS = ("lean", "shared", "onepass")
 LAYOUTS: dict[str, tuple[str, ...]] = {"cuda": ("onepass",)}

@@ -11,7 +11,9 @@ Scoring runs without grad in chunks of `rollout.forward_batch_size`. Chunks are
 left-padded, so every sequence ends at the last column; the padding filler is a
 token id that does not occur in the chunk, so the classifier's "last token that
 is not padding" pooling always lands on the last real token, whatever pad/EOS
-conventions the checkpoint has.
+conventions the checkpoint has. On CUDA a chunk's width is padded up to a multiple
+(`models.forward.WIDTH_MULTIPLE`), so that widths recur (a new one costs the
+attention kernel a new plan).
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ class RewardModel:
 
     def __call__(self, prompts: list, completions: list[str], **_) -> list[float]:
         import torch
+        import torch.nn.functional as F
 
+        from tidyrl.models.forward import WIDTH_MULTIPLE
         from tidyrl.models.generation import left_pad
 
         self.load()
@@ -116,6 +120,8 @@ class RewardModel:
                 present = {t for seq in chunk for t in seq}
                 filler = next(i for i in range(len(present) + 1) if i not in present)
                 ids, mask = left_pad(chunk, filler)
+                if extra := -ids.shape[1] % WIDTH_MULTIPLE.get(device.type, 1):  # CUDA: widths that recur
+                    ids, mask = F.pad(ids, (extra, 0), value=filler), F.pad(mask, (extra, 0))
                 positions = (mask.cumsum(-1) - 1).clamp(min=0)
                 self.model.config.pad_token_id = filler  # pooling: the last token that is not `filler`
                 logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
