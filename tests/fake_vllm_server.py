@@ -106,6 +106,9 @@ class FakeVLLMServer:
         tokens, lps = ids[0, :n].tolist(), logprobs[0, :n].tolist()
         if self.logprobs_mode == "processed_logprobs" and top_k == 1:
             lps = [0.0] * n
+        elif self.logprobs_mode == "processed_logprobs" and (top_k > 1 or body["top_p"] < 1.0):
+            # renormalised over the kept tokens: above the policy's (the stand-in shifts them; not the policy's)
+            lps = [min(0.0, lp + 0.25) for lp in lps]
         stopped = bool(n) and tokens[-1] in body["stop_token_ids"]
         texts = [self.tokenizer.decode([t]) for t in tokens]
         offsets = [sum(len(t) for t in texts[:i]) for i in range(n)]

@@ -284,9 +284,9 @@ def test_under_fsdp_the_lag_takes_vllm_servers_and_is_refused_with_an_in_process
 
     from tidyrl.models.sharding import ShardingError, check_supported
 
-    def cfg(engine, lag=1):
+    def cfg(engine, lag=1, top_k=0):
         return SimpleNamespace(log=SimpleNamespace(save_every=0), resume_from=None,
-                               rollout=SimpleNamespace(lag=lag, engine=engine))
+                               rollout=SimpleNamespace(lag=lag, engine=engine, top_k=top_k, top_p=1.0))
 
     for engine in ("builtin", "vllm"):
         with pytest.raises(ShardingError, match=rf"rollout\.lag=1 under FSDP needs rollout\.engine: vllm-server.*"
@@ -294,6 +294,8 @@ def test_under_fsdp_the_lag_takes_vllm_servers_and_is_refused_with_an_in_process
             check_supported("fsdp2", cfg(engine))
         check_supported("fsdp2", cfg(engine, lag=0))
     check_supported("fsdp2", cfg("vllm-server"))
+    with pytest.raises(ShardingError, match=r"rollout\.lag=1 with top_k/top_p cannot be used under FSDP yet"):
+        check_supported("fsdp2", cfg("vllm-server", top_k=5))
 
 
 def test_a_rollout_past_the_plan_is_made_when_asked_and_one_never_launched_is_an_error_not_a_hang():

@@ -402,7 +402,39 @@ def test_a_temperature_needs_servers_that_return_log_probs_at_it(tiny_model_dir,
     assert rows[0]["mismatch/logprob_abs_mean"] < 1e-5 and [r["async/policy_lag"] for r in rows[::2]] == [0, 1]
     with pytest.raises(ConfigError, match=r"rollout.behaviour_logprobs: with rollout.engine=vllm-server and top_k"):
         tidyrl.train({**cfg(tmp_path / "topk", ["http://127.0.0.1:1"]),
-                      "rollout": {**cfg(tmp_path / "x", [])["rollout"], "top_k": 5}})
+                      "rollout": {**cfg(tmp_path / "x", [])["rollout"], "top_k": 5, "lag": 0}})
+
+
+def test_with_a_lag_top_k_on_servers_takes_the_behaviour_log_probs_from_the_frozen_copy(tiny_model_dir, builtin_run,
+                                                                                       tmp_path):
+    """top_k with rollout.lag: the servers' log-probs are renormalised over the kept tokens (the stand-in's are
+    shifted: not the policy's), so the frozen copy that generated the rollout recomputes them, unfiltered at the
+    temperature, as the builtin engine returns them: the run is the lagged builtin run (the same completions and
+    rewards; log-probs from a scoring pass instead of the decode step: equal to float32 rounding)."""
+    from safetensors.torch import load_file
+
+    prompts = builtin_run[0]
+
+    def lagged(out, engine, urls=()):
+        cfg = config(tiny_model_dir, prompts, out, engine, urls)
+        cfg["rollout"].update(lag=1, generation_batch_size=1, top_k=5, temperature=0.8)
+        cfg["train"]["rollouts"] = 3
+        return cfg
+
+    reference = tidyrl.train(lagged(tmp_path / "builtin", "builtin"))
+    with FakeVLLMServer(tiny_model_dir, logprobs_mode="processed_logprobs") as server:
+        result = tidyrl.train(lagged(tmp_path / "server", "vllm-server", [server.url]))
+    want, got = (untimed(read_jsonl(r.output_dir / "metrics.jsonl")) for r in (reference, result))
+    samples = [read_jsonl(r.output_dir / "samples.jsonl") for r in (reference, result)]
+    assert [s["completion"] for s in samples[0]] == [s["completion"] for s in samples[1]]
+    assert [r["reward_mean"] for r in got] == [r["reward_mean"] for r in want]
+    assert [r["async/policy_lag"] for r in got[::2]] == [0, 1, 1]
+    for g, w in zip(got, want):
+        for key in ("loss", "mismatch/logprob_abs_mean", "kl", "grad_norm"):
+            if w.get(key) is not None:
+                assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+    final, weights = (load_file(r.final_dir / "model.safetensors") for r in (result, reference))
+    assert all(torch.allclose(final[k], weights[k], atol=1e-5) for k in weights)
 
 
 def test_tidyrl_eval_on_servers_keeps_the_policy_on_the_host(tiny_model_dir, prompt_file, tmp_path, monkeypatch):

@@ -198,6 +198,18 @@ def test_a_lagged_run_makes_its_rollouts_ahead_on_the_vllm_engine_as_on_the_lear
     assert threaded[0][4]["mismatch/logprob_abs_mean"] > threaded[0][0]["mismatch/logprob_abs_mean"]
 
 
+def test_top_k_with_a_lag_takes_the_behaviour_log_probs_from_the_frozen_copy(vllm_model_dir, words_file, tmp_path):
+    """top_k 5 at temperature 0.8 with rollout.lag 1: vLLM's processed log-probs are renormalised over the 5 kept
+    tokens; the frozen copy that generated each rollout recomputes them (unfiltered, at the temperature), so the
+    first rollout, made with the learner's own weights, shows no mismatch beyond rounding (renormalised ones would
+    be above the policy's by the dropped mass's log)."""
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", rollout={"lag": 1, "top_k": 5, "temperature": 0.8},
+                      train={"rollouts": 2})
+    rows = read_jsonl(tidyrl.train(cfg).output_dir / "metrics.jsonl")
+    assert [r["async/policy_lag"] for r in rows[::2]] == [0, 1]
+    assert rows[0]["mismatch/logprob_abs_mean"] < 1e-5
+
+
 def test_with_a_temperature_the_samplers_log_probs_are_the_trainers_so_a_lag_can_use_them(vllm_model_dir,
                                                                                             words_file, tmp_path):
     """rollout.temperature 0.7: vLLM started with logprobs_mode processed_logprobs returns each sampled token's

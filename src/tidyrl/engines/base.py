@@ -75,7 +75,7 @@ class Engine(Protocol):
 
 
 class FullWeights(dict):
-    """A policy's full weights as an engine loads them (`engines.vllm.policy_parameters`: names, tensors) on the CPU, at
+    """A policy's full weights as an engine loads them (`policy_parameters`: names, tensors) on the CPU, at
     one moment: what an engine with its own copy of the weights syncs from in place of the model (rollout.lag under
     FSDP2, where the weights of a launch are gathered on the learner's thread and synced later from another). Only
     the process that writes them for the servers keeps them; the others hold an empty one (`gathered_weights`)."""
@@ -85,10 +85,37 @@ def gathered_weights(policy, keep: bool) -> FullWeights:
     """The policy's weights now, as CPU tensors (`policy_parameters`), kept where `keep` (else an empty FullWeights).
     Under FSDP2 each parameter's all-gather is a collective: every process calls this at the same point, and only
     the keeper holds the whole model (one parameter at a time on the others)."""
-    from tidyrl.engines.vllm import policy_parameters
-
     weights = FullWeights()
     for name, tensor in policy_parameters(policy):
         if keep:
             weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
     return weights
+
+
+def policy_parameters(policy):
+    """The policy's weights as an engine loads them: (name, tensor) under the base model's Hugging Face names, LoRA
+    folded in (`_merged_state_dict`); under FSDP2 each parameter gathered as it is reached, never the whole model
+    at once (`full_parameters`). A `FullWeights` gives its own."""
+    from tidyrl.models.lora import unwrap_peft
+    from tidyrl.models.sharding import full_parameters
+
+    if isinstance(policy, FullWeights):
+        return iter(policy.items())
+    peft = unwrap_peft(policy)
+    return full_parameters(_merged_state_dict(peft) if peft is not None else policy.state_dict())
+
+
+def _merged_state_dict(peft_model) -> dict:
+    """The base model's state dict with the LoRA adapter folded in (W + B A * scale), under the base's names,
+    without changing the training model (peft merges in place, so: merge, copy, unmerge)."""
+    peft_model.merge_adapter()
+    try:
+        base = peft_model.get_base_model()
+        state = {}
+        for name, tensor in base.state_dict().items():
+            if "lora_" in name:
+                continue
+            state[name.replace(".base_layer", "")] = tensor.detach().clone()
+        return state
+    finally:
+        peft_model.unmerge_adapter()

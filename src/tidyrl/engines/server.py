@@ -308,8 +308,7 @@ class ServerEngine:
 
 def policy_weights(policy) -> dict:
     """The policy's full weights under Hugging Face names, as contiguous CPU tensors (LoRA: merged)."""
-    from tidyrl.engines.base import FullWeights
-    from tidyrl.engines.vllm import policy_parameters
+    from tidyrl.engines.base import FullWeights, policy_parameters
 
     if isinstance(policy, FullWeights):  # already CPU copies
         return dict(policy)
@@ -358,8 +357,9 @@ def config_problems(cfg) -> list[str]:
     if s.weight_sync == "nccl":
         problems.append("server.weight_sync: nccl is not available yet: use folder")
     # A temperature needs the servers' log-probs at it (checked on each server before the run: `input_problems`);
-    # after top-k/top-p they would be renormalised over the kept tokens, unlike the trainer's.
-    if not (ro.behaviour_logprobs == "trainer" or (ro.top_k == 0 and ro.top_p == 1.0)):
+    # after top-k/top-p they would be renormalised over the kept tokens, unlike the trainer's (with rollout.lag the
+    # frozen copy that generated them recomputes them).
+    if not (ro.behaviour_logprobs == "trainer" or ro.lag > 0 or (ro.top_k == 0 and ro.top_p == 1.0)):
         problems.append("rollout.behaviour_logprobs: with rollout.engine=vllm-server and top_k/top_p set, the "
                         "sampler's log-probs are not the policy's (vLLM's raw ones, or renormalised over the kept "
                         "tokens); set rollout.behaviour_logprobs=trainer to recompute them with the policy")

@@ -9,7 +9,7 @@ import os
 import time
 from typing import Optional, Sequence
 
-from tidyrl.engines.base import Capabilities, EngineError, SamplingSettings
+from tidyrl.engines.base import Capabilities, EngineError, SamplingSettings, policy_parameters
 
 
 def vllm_problem() -> Optional[str]:
@@ -168,36 +168,6 @@ def vllm_model_problem(model_config, on_cpu: bool) -> Optional[str]:
     return architecture_problem(model_config, on_cpu, set(ModelRegistry.get_supported_archs()), sizes)
 
 
-def policy_parameters(policy):
-    """The policy's weights as an engine loads them: (name, tensor) under the base model's Hugging Face names, LoRA
-    folded in (`_merged_state_dict`); under FSDP2 each parameter gathered as it is reached, never the whole model
-    at once (`full_parameters`). A `FullWeights` gives its own."""
-    from tidyrl.engines.base import FullWeights
-    from tidyrl.models.lora import unwrap_peft
-    from tidyrl.models.sharding import full_parameters
-
-    if isinstance(policy, FullWeights):
-        return iter(policy.items())
-    peft = unwrap_peft(policy)
-    return full_parameters(_merged_state_dict(peft) if peft is not None else policy.state_dict())
-
-
-def _merged_state_dict(peft_model) -> dict:
-    """The base model's state dict with the LoRA adapter folded in (W + B A * scale), under the base's names,
-    without changing the training model (peft merges in place, so: merge, copy, unmerge)."""
-    peft_model.merge_adapter()
-    try:
-        base = peft_model.get_base_model()
-        state = {}
-        for name, tensor in base.state_dict().items():
-            if "lora_" in name:
-                continue
-            state[name.replace(".base_layer", "")] = tensor.detach().clone()
-        return state
-    finally:
-        peft_model.unmerge_adapter()
-
-
 def config_problems(cfg) -> list[str]:
     """`rollout.engine: vllm`'s checks of the config's values (`key: problem` lines), before anything loads."""
     problems, ro, v = [], cfg.rollout, cfg.vllm
@@ -208,8 +178,8 @@ def config_problems(cfg) -> list[str]:
         problems.append(f"vllm.kv_cache_gb: must be > 0, got {v.kv_cache_gb}")
     # With a temperature the engine asks vLLM for the log-probs after it (`logprobs_mode: processed_logprobs`), the
     # trainer's; after top-k/top-p they would be renormalised over the kept tokens, which the trainer's are not:
-    # then the trainer's must be used.
-    if not (ro.behaviour_logprobs == "trainer" or (ro.top_k == 0 and ro.top_p == 1.0)):
+    # then the trainer's must be used (with rollout.lag the frozen copy that generated them recomputes them).
+    if not (ro.behaviour_logprobs == "trainer" or ro.lag > 0 or (ro.top_k == 0 and ro.top_p == 1.0)):
         problems.append("rollout.behaviour_logprobs: with rollout.engine=vllm and top_k/top_p set, the sampler's "
                         "log-probs are renormalised over the kept tokens, unlike the policy's; set "
                         "rollout.behaviour_logprobs=trainer to recompute them with the policy")

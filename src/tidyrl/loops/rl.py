@@ -28,8 +28,9 @@ from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_trai
                                  save_pretrained_atomic, write_run_header)
 from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
 from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
-from tidyrl.loops.rl_rollout import (GROUP_COUNTS, estimate_advantages, evaluate_held_out, gather_rollout, normalised,
-                                     old_from_sampler, rollout_stats, sample_row, score_episodes)
+from tidyrl.loops.rl_rollout import (GROUP_COUNTS, estimate_advantages, evaluate_held_out, filtered_sampling,
+                                     gather_rollout, normalised, old_from_sampler, rollout_stats, sample_row,
+                                     score_episodes, with_behaviour_logprobs)
 from tidyrl.loops.rl_update import Trainee, UpdateSettings, optimizer_step
 from tidyrl.loops.training import (StopSignals, TrainingInterrupted, agree, check_resume, continue_longer,
                                    keep_if_best)
@@ -403,7 +404,16 @@ class RLRun:
         t0 = time.perf_counter()
         made, group_prompts, sampling_stats = self._produce(model, r)
         self.engine.release()  # e.g. vLLM on CUDA: its memory goes to scoring and the update until the next sync
+        if snapshot is not None and self._rescore_behaviour():  # (the frozen copy: not under FSDP, refused there)
+            ro = self.cfg.rollout
+            made = with_behaviour_logprobs(made, model, self.pad_id, ro.temperature, ro.forward_batch_size,
+                                           self.cfg.model_fast_paths)
         return Produced(made, group_prompts, sampling_stats, t_sync, time.perf_counter() - t0 - made.reward_s)
+
+    def _rescore_behaviour(self) -> bool:
+        """rollout.lag with top_k/top_p on an engine with its own weights: its log-probs are renormalised over the
+        kept tokens, so the behaviour log-probs are recomputed by the frozen copy (`with_behaviour_logprobs`)."""
+        return filtered_sampling(self.cfg.rollout) and not self.engine.capabilities.samples_trained_weights
 
     def _produce(self, policy, r: int):
         """This process's episodes of rollout r, rewarded (with rollout.dynamic_sampling: of the chosen groups).

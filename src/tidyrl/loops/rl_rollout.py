@@ -46,6 +46,29 @@ def behaviour_correction(policy, local: Rollout, sampled_logprobs, *, tis_cap: f
     return trainer, is_weights, stats
 
 
+def filtered_sampling(rollout_cfg) -> bool:
+    """top_k or top_p set: an engine with its own copy of the weights (vLLM) returns log-probs after them,
+    renormalised over the kept tokens, which are not the policy's."""
+    return rollout_cfg.top_k > 0 or rollout_cfg.top_p < 1.0
+
+
+def with_behaviour_logprobs(made, behaviour, pad_id: int, temperature: float, chunk_size: int, fast_path: bool):
+    """`made` with its episodes' behaviour log-probs recomputed by `behaviour` (the frozen copy at the version that
+    generated them): rollout.lag with top_k/top_p on an engine whose own log-probs are renormalised over the kept
+    tokens (`filtered_sampling`). They are then the policy's at that version and temperature, unfiltered, as the
+    builtin engine returns them, which the truncated importance weights of the lag divide by. 0 where the engine
+    wrote none (padding, an environment's tokens)."""
+    from tidyrl.models.generation import left_pad
+
+    ep = made.episodes
+    p_ids, p_mask = left_pad(made.prompt_ids, pad_id)
+    tokens = Rollout(p_ids, p_mask, ep.completion_ids, ep.completion_mask, ep.truncated)
+    logprobs = score_logprobs(behaviour, tokens, temperature, chunk_size, fast_path=fast_path)
+    if ep.action_mask is not None:
+        logprobs = logprobs * ep.action_mask.to(logprobs.dtype)
+    return replace(made, episodes=replace(ep, logprobs=logprobs.to(ep.logprobs.dtype)))
+
+
 def old_from_sampler(cfg, plan, tis_cap: float) -> bool:
     """Whether the rollout's old log-probs (those the KL in the reward reads) are the sampler's own: with
     rollout.behaviour_logprobs=sampler, uncorrected or corrected inside the update (one mini-batch per epoch); else
