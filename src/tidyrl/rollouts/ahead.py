@@ -180,7 +180,7 @@ def weight_snapshot(policy) -> dict:
     """The policy's trained parameters now (a clone each; with LoRA only the adapter's): what a launch needs, as
     the frozen ones never change from the copy's. An FSDP2-sharded policy has no behaviour copy (it would need the
     whole weights on every process): its snapshot is the full weights, gathered (a collective: every process takes
-    it at the same launch) into the first process, which makes the servers' syncs (`engines.vllm.FullWeights`)."""
+    it at the same launch) into the first process, which makes the servers' syncs (`engines.base.FullWeights`)."""
     from tidyrl.models.sharding import is_sharded
 
     if is_sharded(policy):
