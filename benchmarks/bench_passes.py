@@ -171,6 +171,7 @@ def layout(name: str, device):
     kind = torch.device(device).type
     had, before = kind in tidy_forward.LAYOUTS, tidy_forward.LAYOUTS.get(kind)
     tidy_forward.LAYOUTS[kind] = (name,)
+    share = tidy_forward.LEAN_FROM_SHARE.pop(kind, None)  # (no lean pass put first for long repeated prompts)
     try:
         yield
     finally:
@@ -178,6 +179,8 @@ def layout(name: str, device):
             tidy_forward.LAYOUTS[kind] = before
         else:
             del tidy_forward.LAYOUTS[kind]
+        if share is not None:
+            tidy_forward.LEAN_FROM_SHARE[kind] = share
 
 
 def run_pass(name: str, model, batch: Rollout, with_entropy: bool):

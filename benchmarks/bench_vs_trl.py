@@ -149,6 +149,7 @@ def child_tidyrl(spec: dict) -> dict:
     if spec.get("layouts"):  # one layout forced (FORCED_LAYOUTS), on every device type the run may use
         for kind in ("cpu", "cuda"):
             forward.LAYOUTS[kind] = tuple(spec["layouts"])
+        forward.LEAN_FROM_SHARE.clear()  # (no lean pass put first for long repeated prompts either)
     if spec.get("exact_widths"):  # EXACT_WIDTHS
         forward.WIDTH_MULTIPLE.clear()
     # The update's clock stops after the optimizer step is queued, not run: synchronised here, so that the step's

@@ -217,3 +217,47 @@ def test_offline_batches_padded_to_a_width_multiple_give_the_same_log_probs(pack
     n = want.shape[1]
     assert torch.equal(got_mask[:, :n], want_mask) and not got_mask[:, n:].any()
     torch.testing.assert_close(got[:, :n] * want_mask, want * want_mask, atol=1e-5, rtol=1e-5)
+
+
+def test_a_batch_repeating_long_prompts_takes_the_lean_pass_where_the_device_lists_only_the_model_s_forward(
+        monkeypatch):
+    """models.forward.LEAN_FROM_SHARE (CUDA: 25 %): a batch whose repeated prompt tokens are that share of its columns
+    takes the lean pass first (each prompt run once), its widths padded to WIDTH_MULTIPLE; a batch of short prompts
+    keeps the model's forward. The same log-probs and gradients either way (float32 rounding)."""
+    from tidyrl.models import forward
+
+    monkeypatch.setitem(forward.LAYOUTS, "cpu", ("onepass",))
+    monkeypatch.setitem(forward.LEAN_FROM_SHARE, "cpu", 0.25)
+    monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", 16)
+    model = llama()
+    long_prompt = [0, 0] + list(range(5, 25))  # 20 real tokens, shared by 4 samples
+    prompts = torch.tensor([long_prompt] * 4 + [[0] * 18 + [7, 8, 9, 10]] * 4)
+    pmask = (prompts != 0).long()
+    completions = torch.tensor([[11, 12, 2, 0, 0], [13, 14, 15, 16, 17], [18, 19, 20, 21, 0], [22, 23, 0, 0, 0]] * 2)
+    cmask = (completions != 0).float()
+    share = forward.repeated_prompt_share(prompts, pmask, completions)
+    assert share == pytest.approx((3 * 20 + 3 * 4) / (8 * (22 + 5)))  # 33 %
+    assert forward.repeated_prompt_share(prompts[::4], pmask[::4], completions[::4]) == 0  # every prompt distinct
+    lean_calls = []
+    real = forward.logits_if_lean
+    monkeypatch.setattr(forward, "logits_if_lean", lambda *a: lean_calls.append([t.shape for t in a[1:]]) or real(*a))
+
+    def run(fast_path):
+        model.zero_grad(set_to_none=True)
+        logprobs, _ = forward.completion_logprobs(model, prompts, pmask, completions, cmask, 1.0,
+                                                  fast_path=fast_path)
+        (logprobs * cmask).sum().backward()
+        return logprobs.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (lean, lean_grads), (plain, plain_grads) = run(True), run(False)  # fast_path False: the model's forward only
+    assert lean_calls == [[(8, 32), (8, 32), (8, 16), (8, 16)]]  # prompts 22 -> 32 wide, completions 5 -> 16
+    assert lean.shape == plain.shape == completions.shape
+    torch.testing.assert_close(lean * cmask, plain * cmask, atol=1e-5, rtol=1e-5)
+    for a, b in zip(lean_grads, plain_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    lean_calls.clear()
+    short = prompts[:, -6:]  # 6 and 4 real tokens before 20-token completions: 14 % repeated
+    wide = torch.cat([completions, torch.randint(3, 40, (8, 15), generator=torch.Generator().manual_seed(0))], 1)
+    assert forward.repeated_prompt_share(short, (short != 0).long(), wide) == pytest.approx(30 / (8 * 26))
+    forward.completion_logprobs(model, short, (short != 0).long(), wide, torch.ones(wide.shape), 1.0)
+    assert lean_calls == []

@@ -101,8 +101,8 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
 #   1.8-2.0x its time. At these sizes the GPU waits on the host's launches, and the model's forward, with fewer and
 #   larger kernels, wins over the FLOPs that running each prompt once saves. Measured with short prompts (the k
 #   samples' repeated prompt tokens ~5 % of a micro-batch's). With 512-token prompts shared by 8 samples the lean
-#   pass was 1.5-1.6x faster there, at less than half the memory (`bench_passes.py --prompt-width 512`): choosing it
-#   per batch by the share of repeated prompt tokens, with its widths padded as WIDTH_MULTIPLE does, is not done yet.
+#   pass was 1.5-1.6x faster there, at less than half the memory (`bench_passes.py --prompt-width 512`): a batch
+#   that repeats that many prompt tokens takes it first (LEAN_FROM_SHARE).
 # `model_fast_paths: false` removes "lean" wherever it is listed, and nothing else.
 DEFAULT_LAYOUTS = ("lean", "shared", "onepass")
 LAYOUTS: dict[str, tuple[str, ...]] = {"cuda": ("onepass",)}
@@ -111,6 +111,45 @@ LAYOUTS: dict[str, tuple[str, ...]] = {"cuda": ("onepass",)}
 def layouts_for(device: torch.device | str) -> tuple[str, ...]:
     """The layouts `completion_logits` tries on `device`, in order (see LAYOUTS)."""
     return LAYOUTS.get(torch.device(device).type, DEFAULT_LAYOUTS)
+
+
+# Devices where a batch whose rows repeat long prompts takes the lean pass first although LAYOUTS does not list it,
+# from this share of the rows' columns that are repeated prompt tokens on (the columns running each prompt once
+# saves). On an H200 (qwen0.5b, 16 rows = 2 prompts x 8 samples, 256-token completions, bench_passes.py): at a 5 %
+# share (17-token prompts) the lean pass took 1.10-1.12x the one-pass forward's time per scoring chunk and update
+# micro-batch; at 58 % (512-token prompts) 0.63-0.66x it, with less than half its memory. Linear between the two the
+# ratio crosses 1 near 18 %; 25 % keeps a margin (`bench_passes.py --prompt-width N` measures other points).
+LEAN_FROM_SHARE: dict[str, float] = {"cuda": 0.25}
+
+
+def repeated_prompt_share(prompt_ids, prompt_mask, completion_ids) -> float:
+    """The share of a batch's columns, B x (Lp + Tc), that are prompt tokens of rows repeating an earlier row's
+    prompt (the k samples of a group): what running each distinct prompt once saves."""
+    unique, counts = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_counts=True)
+    repeated = ((counts - 1) * unique[:, prompt_ids.shape[1]:].sum(1)).sum()
+    return float(repeated) / max(prompt_ids.numel() + completion_ids.numel(), 1)
+
+
+def _layouts_for_batch(device: torch.device, prompt_ids, prompt_mask, completion_ids, fast_path: bool
+                       ) -> tuple[str, ...]:
+    """The device's layouts, with the lean pass first where the batch repeats enough prompt tokens (LEAN_FROM_SHARE)."""
+    layouts = layouts_for(device)
+    threshold = LEAN_FROM_SHARE.get(device.type)
+    if fast_path and threshold is not None and "lean" not in layouts and \
+            repeated_prompt_share(prompt_ids, prompt_mask, completion_ids) >= threshold:
+        return ("lean", *layouts)
+    return layouts
+
+
+def _padded_widths(device: torch.device, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """On WIDTH_MULTIPLE's devices, prompts left-padded and completions right-padded to its multiple (the lean
+    pass's two widths; masked columns: the same maths, widths that recur)."""
+    multiple = WIDTH_MULTIPLE.get(device.type, 1)
+    if extra := -prompt_ids.shape[1] % multiple:
+        prompt_ids, prompt_mask = F.pad(prompt_ids, (extra, 0)), F.pad(prompt_mask, (extra, 0))
+    if extra := -completion_ids.shape[1] % multiple:
+        completion_ids, completion_mask = F.pad(completion_ids, (0, extra)), F.pad(completion_mask, (0, extra))
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -127,12 +166,14 @@ def _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, comp
     passes, whose concatenation would copy the largest tensor of the pass; `completion_logprobs` reads each),
     possibly one column wider than the completions (the one-pass forward's last position, which predicts nothing:
     slicing it off would cost the backward pass a zero-filled copy of the whole logits)."""
-    tc = completion_ids.shape[1]
-    for layout in layouts_for(model_device(model)):  # the device's order (LAYOUTS); the one-pass forward last
+    tc, device = completion_ids.shape[1], model_device(model)
+    # the device's order (LAYOUTS; the lean pass first for long repeated prompts); the one-pass forward last
+    for layout in _layouts_for_batch(device, prompt_ids, prompt_mask, completion_ids, fast_path):
         if layout == "lean" and fast_path:
-            lean = logits_if_lean(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            lean = logits_if_lean(model, *_padded_widths(device, prompt_ids, prompt_mask, completion_ids,
+                                                         completion_mask))
             if lean is not None:
-                return [lean]
+                return [lean]  # (possibly wider than tc: the padding's columns are read with token 0 and dropped)
         elif layout == "shared" and tc > 1:
             shared = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
             if shared is not None:
