@@ -121,8 +121,13 @@ rm -rf "$WORK"/prof/*/model
 has passes15 && part passes-$W15 60 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W15 \
   --repeats 3
 # not by default: where long shared prompts make running each prompt once pay (PARTS="... passeslong")
-has passeslong && part passes-long-$W05 60 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE \
-  --workload $W05 --repeats 3 --passes lean,onepass,trl --prompt-width ${PROMPT_WIDTH:-512}
+# (PROMPT_WIDTHS="64 128 256 512": where the lean pass starts to win, models.forward.LEAN_FROM_SHARE's threshold)
+if has passeslong; then
+  for width in ${PROMPT_WIDTHS:-512}; do
+    part passes-long-$W05-$width 60 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE \
+      --workload $W05 --repeats 3 --passes lean,onepass,trl --prompt-width $width
+  done
+fi
 
 [ -n "$TESTS" ] && wait $TESTS  # (its parts end by the deadline: their limits are cut to it)
 
