@@ -95,6 +95,13 @@ def _kernels():
     return forward_kernel, backward_kernel, triton.cdiv
 
 
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: the logits' own (a model on another GPU than the current one)."""
+    import contextlib
+
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class FusedLogprobs(torch.autograd.Function):
     """(log-probs, entropy or None) of [B, T, V] low-precision logits; float32 [B, T] results; entropy without
     grad. Saves only the logits (already kept by the forward's graph), the ids and the [B, T] logsumexp."""
@@ -109,8 +116,9 @@ class FusedLogprobs(torch.autograd.Function):
         lse = torch.empty((B, T), dtype=torch.float32, device=logits_BTV.device)
         logp, ent = torch.empty_like(lse), torch.empty_like(lse) if with_entropy else lse
         if B * T:
-            forward_kernel[(B * T,)](logits_BTV, ids, lse, logp, ent, T, V, logits_BTV.stride(0),
-                                     logits_BTV.stride(1), WITH_ENTROPY=with_entropy, BLOCK=BLOCK, num_warps=8)
+            with _on(logits_BTV.device):
+                forward_kernel[(B * T,)](logits_BTV, ids, lse, logp, ent, T, V, logits_BTV.stride(0),
+                                         logits_BTV.stride(1), WITH_ENTROPY=with_entropy, BLOCK=BLOCK, num_warps=8)
         ctx.save_for_backward(logits_BTV, ids, lse)
         if with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -124,9 +132,10 @@ class FusedLogprobs(torch.autograd.Function):
         B, T, V = logits_BTV.shape
         grad_logits = torch.empty((B, T, V), dtype=logits_BTV.dtype, device=logits_BTV.device)
         if B * T:
-            backward_kernel[(B * T, cdiv(V, BLOCK))](logits_BTV, ids, lse, grad_BT.float().contiguous(),
-                                                     grad_logits, T, V, logits_BTV.stride(0),
-                                                     logits_BTV.stride(1), BLOCK=BLOCK, num_warps=8)
+            with _on(logits_BTV.device):
+                backward_kernel[(B * T, cdiv(V, BLOCK))](logits_BTV, ids, lse, grad_BT.float().contiguous(),
+                                                         grad_logits, T, V, logits_BTV.stride(0),
+                                                         logits_BTV.stride(1), BLOCK=BLOCK, num_warps=8)
         return grad_logits, None, None
 
 
