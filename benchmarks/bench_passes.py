@@ -113,7 +113,7 @@ def widths_table(args, w, tok, model, device) -> None:
     print(f"\n-- new shapes: {args.widths} new prompt widths per pass and attention order; cold = first call on a new "
           f"width, warm = the same again (ms, medians); attention 'torch' = torch's kernel order (Hopper: cuDNN "
           f"first), 'efficient' = the memory-efficient kernel first")
-    print(f"{'pass':10}{'attention':>10}{'score cold':>12}{'score warm':>12}{'update cold':>13}{'update warm':>13}")
+    print(f"{'pass':14}{'attention':>10}{'score cold':>12}{'score warm':>12}{'update cold':>13}{'update warm':>13}")
     next_width = 20
     gen = torch.Generator().manual_seed(2)
     weights = torch.randn(len(micro_batch(w, tok)), w["max_new_tokens"], generator=gen).to(device)
@@ -132,7 +132,7 @@ def widths_table(args, w, tok, model, device) -> None:
             model.zero_grad(set_to_none=True)
             med = {f"{k}_{p}": 1e3 * statistics.median(d[p]) for k, d in (("cold", cold), ("warm", warm))
                    for p in ("score", "update")}
-            print(f"{name:10}{order:>10}{med['cold_score']:12.1f}{med['warm_score']:12.1f}{med['cold_update']:13.1f}"
+            print(f"{name:14}{order:>10}{med['cold_score']:12.1f}{med['warm_score']:12.1f}{med['cold_update']:13.1f}"
                   f"{med['warm_update']:13.1f}", flush=True)
 
 
@@ -409,12 +409,12 @@ def measure(args, w) -> None:
     print(f"\n== {args.workload} on {device} ({torch.cuda.get_device_name() if cuda else 'CPU'}), {dtype}: micro-batch "
           f"of {len(batch)} rows x {w['max_new_tokens']} tokens, prompts {batch.prompt_ids.shape[1]} wide; "
           f"median of {args.repeats}; x rollout = x {per_rollout} ==")
-    print(f"{'pass':10}{'score ms':>10}{'x rollout s':>13}{'update ms':>11}{'x rollout s':>13}"
+    print(f"{'pass':14}{'score ms':>10}{'x rollout s':>13}{'update ms':>11}{'x rollout s':>13}"
           f"{'update peak MiB':>17}{'max |dlogp|':>13}")
     for name in args.passes:
         s, u = (statistics.median(times[name][p]) for p in ("score", "update"))
         diff = (logprobs[name] - ref).abs().max().item()
-        print(f"{name:10}{1e3 * s:10.1f}{s * per_rollout:13.3f}{1e3 * u:11.1f}{u * per_rollout:13.3f}"
+        print(f"{name:14}{1e3 * s:10.1f}{s * per_rollout:13.3f}{1e3 * u:11.1f}{u * per_rollout:13.3f}"
               f"{peak.get(name, float('nan')):17.0f}{diff:13.2e}", flush=True)
     if args.widths:
         widths_table(args, w, tok, model, device)

@@ -138,7 +138,7 @@ fi
   for f in "$LOGS"/passes-*.log; do
     [ -f "$f" ] || continue
     echo "--- $(basename "$f" .log)"
-    grep -E "^(== |-- |pass |lean |shared |onepass |trl )|^  profile |^ +[0-9.]+% " "$f" | cut -c1-220
+    grep -E "^(== |-- |pass |lean |shared |onepass[ -]|trl )|^  profile |^ +[0-9.]+% " "$f" | cut -c1-220
   done
   for f in "$LOGS"/decode-*.log "$LOGS"/lag.log; do
     [ -f "$f" ] || continue
