@@ -19,6 +19,7 @@ from fake_vllm_server import FakeVLLMServer
 import tidyrl
 from tidyrl.config import ConfigError, load_config
 from tidyrl.engines import EngineError, SamplingSettings
+from tidyrl.engines.base import FullWeights
 
 TIMING = ("time_s", "time/")
 
@@ -492,3 +493,36 @@ def test_an_fsdp2_sharded_policy_reaches_the_servers_at_lag_0_and_as_a_lag_s_sna
         for key, tensor in want.items():
             assert torch.equal(held[version][key], tensor), (name, key)
     assert not torch.equal(held[0]["model.norm.weight"], held[1]["model.norm.weight"])
+
+
+def test_the_fsdp_path_of_a_lagged_run_is_the_lagged_run(tiny_model_dir, builtin_run, tmp_path, monkeypatch):
+    """The learner's FSDP2 path with rollout.lag, forced on one process (the policy taken as sharded): no frozen copy
+    is made, each launch's full weights are gathered (`engines.base.FullWeights`) and the servers synced from them.
+    The run is the lagged run of the frozen-copy path bit for bit. (tests/fsdp_server_child.py runs the gathering on
+    a real fully_shard policy in 2 processes.)"""
+    import tidyrl.loops.rl as rl
+    import tidyrl.models.sharding as sharding
+    from tidyrl.rollouts import ahead
+
+    prompts = builtin_run[0]
+
+    def lagged(out, url):
+        cfg = config(tiny_model_dir, prompts, out, "vllm-server", [url])
+        cfg["rollout"].update(lag=1, generation_batch_size=1)
+        cfg["train"]["rollouts"] = 3
+        return cfg
+
+    with FakeVLLMServer(tiny_model_dir) as server:
+        copy_path = tidyrl.train(lagged(tmp_path / "copy", server.url))
+    copies = []
+    monkeypatch.setattr(rl, "behaviour_copy", lambda policy: copies.append(1) or ahead.behaviour_copy(policy))
+    monkeypatch.setattr(rl, "is_sharded", lambda model: True)
+    monkeypatch.setattr(sharding, "is_sharded", lambda model: isinstance(model, torch.nn.Module))
+    snapshots = []
+    real_snapshot = ahead.weight_snapshot
+    monkeypatch.setattr(rl, "weight_snapshot", lambda policy: snapshots.append(real_snapshot(policy)) or snapshots[-1])
+    with FakeVLLMServer(tiny_model_dir) as server:
+        gathered_path = tidyrl.train(lagged(tmp_path / "gathered", server.url))
+    assert copies == [] and snapshots and all(isinstance(s, FullWeights) and len(s) > 0 for s in snapshots)
+    assert untimed(read_jsonl(gathered_path.output_dir / "metrics.jsonl")) == \
+        untimed(read_jsonl(copy_path.output_dir / "metrics.jsonl"))

@@ -188,7 +188,7 @@ def weight_snapshot(policy) -> dict:
 
         from tidyrl.engines.base import gathered_weights
 
-        return gathered_weights(policy, keep=dist.get_rank() == 0)
+        return gathered_weights(policy, keep=not dist.is_initialized() or dist.get_rank() == 0)
     return {name: p.detach().clone() for name, p in policy.named_parameters() if p.requires_grad}
 
 
