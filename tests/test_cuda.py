@@ -214,8 +214,8 @@ def test_on_cuda_log_probs_and_their_gradient_take_the_fused_kernels_with_the_ro
     ids = torch.randint(0, V, (B, T), generator=g, device="cuda")
     weights = torch.randn(B, T, generator=g, device="cuda")
     used = []
-    real = fused_logprobs.logprobs_and_entropy
-    monkeypatch.setattr(fused_logprobs, "logprobs_and_entropy", lambda *a: used.append(1) or real(*a))
+    real = fused_logprobs.logprob_stats
+    monkeypatch.setattr(fused_logprobs, "logprob_stats", lambda *a: used.append(1) or real(*a))
     mine = view.detach().requires_grad_(True)
     logprobs, entropy = ops.gather_logprobs_and_entropy(mine, ids)
     (logprobs * weights).sum().backward()

@@ -149,6 +149,9 @@ def test_fused_logprobs_entropy_and_gradient_are_the_float32_maths_of_the_row_by
                               env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
         assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
         return
+    from tidyrl.models.ops import gather_logprobs_and_entropy
+
+    monkeypatch.setattr(fused, "wanted", lambda logits: True)  # (CPU tensors: the interpreter runs the kernels)
     try:
         logits, ids = _random(B=3, T=6, V=53, seed=3)
         weights = torch.randn(3, 5, generator=torch.Generator().manual_seed(4))
@@ -161,9 +164,9 @@ def test_fused_logprobs_entropy_and_gradient_are_the_float32_maths_of_the_row_by
             mine, ref = view.detach().requires_grad_(True), view.detach().requires_grad_(True)
             with warnings.catch_warnings():  # the interpreter evaluates both sides of tl.where
                 warnings.simplefilter("ignore", RuntimeWarning)
-                logprobs, entropy = fused.logprobs_and_entropy(mine, ids[:, :-1], True)
+                logprobs, entropy = gather_logprobs_and_entropy(mine, ids[:, :-1], True)
                 (logprobs * weights).sum().backward()
-                only, none = fused.logprobs_and_entropy(view, ids[:, :-1], False)
+                only, none = gather_logprobs_and_entropy(view, ids[:, :-1], False)
             want = _autograd_rows(ref, ids[:, :-1])
             (want * weights).sum().backward()
             assert logprobs.dtype == entropy.dtype == torch.float32 and none is None

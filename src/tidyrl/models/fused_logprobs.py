@@ -13,14 +13,16 @@ tokens over a 151 936-token vocabulary on Qwen2.5-0.5B's shape; TRL, which stays
 All arithmetic is float32, as in `ops`; the results differ from the row-by-row path by float32 rounding only
 (summation order; tests/test_cuda.py and, in Triton's interpreter, tests/test_ops.py).
 
-Used by `ops.gather_logprobs_and_entropy` for bf16/fp16 logits on CUDA where Triton is importable (it comes with
-CUDA builds of torch). `TIDYRL_FUSED_LOGPROBS=0` in the environment turns it off (the row-by-row path then runs).
+Used by `ops._LowPrecisionLogprobs` (its forward and backward) for bf16/fp16 logits on CUDA where Triton is
+importable (it comes with CUDA builds of torch). `TIDYRL_FUSED_LOGPROBS=0` in the environment turns it off (the
+row-by-row path then runs).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -102,45 +104,38 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-class FusedLogprobs(torch.autograd.Function):
-    """(log-probs, entropy or None) of [B, T, V] low-precision logits; float32 [B, T] results; entropy without
-    grad. Saves only the logits (already kept by the forward's graph), the ids and the [B, T] logsumexp."""
-
-    @staticmethod
-    def forward(ctx, logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool):
-        forward_kernel, _, _ = _kernels()
-        if logits_BTV.stride(-1) != 1:
-            logits_BTV = logits_BTV.contiguous()
-        B, T, V = logits_BTV.shape
-        ids = ids_BT.to(device=logits_BTV.device, dtype=torch.int64).contiguous()
-        lse = torch.empty((B, T), dtype=torch.float32, device=logits_BTV.device)
-        logp, ent = torch.empty_like(lse), torch.empty_like(lse) if with_entropy else lse
-        if B * T:
-            with _on(logits_BTV.device):
-                forward_kernel[(B * T,)](logits_BTV, ids, lse, logp, ent, T, V, logits_BTV.stride(0),
-                                         logits_BTV.stride(1), WITH_ENTROPY=with_entropy, BLOCK=BLOCK, num_warps=8)
-        ctx.save_for_backward(logits_BTV, ids, lse)
-        if with_entropy:
-            ctx.mark_non_differentiable(ent)
-            return logp, ent
-        return logp
-
-    @staticmethod
-    def backward(ctx, grad_BT: Tensor, *_):
-        _, backward_kernel, cdiv = _kernels()
-        logits_BTV, ids, lse = ctx.saved_tensors
-        B, T, V = logits_BTV.shape
-        grad_logits = torch.empty((B, T, V), dtype=logits_BTV.dtype, device=logits_BTV.device)
-        if B * T:
-            with _on(logits_BTV.device):
-                backward_kernel[(B * T, cdiv(V, BLOCK))](logits_BTV, ids, lse, grad_BT.float().contiguous(),
-                                                         grad_logits, T, V, logits_BTV.stride(0),
-                                                         logits_BTV.stride(1), BLOCK=BLOCK, num_warps=8)
-        return grad_logits, None, None
+def prepared(logits_BTV: Tensor, ids_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """The logits with the vocabulary contiguous (the kernels' layout; any B and T strides) and the ids as
+    contiguous int64 on their device."""
+    if logits_BTV.stride(-1) != 1:
+        logits_BTV = logits_BTV.contiguous()
+    return logits_BTV, ids_BT.to(device=logits_BTV.device, dtype=torch.int64).contiguous()
 
 
-def logprobs_and_entropy(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool):
-    """(log-probs [B, T], entropy [B, T] or None), float32, by the fused kernels."""
-    if with_entropy:
-        return FusedLogprobs.apply(logits_BTV, ids_BT, True)
-    return FusedLogprobs.apply(logits_BTV, ids_BT, False), None
+def logprob_stats(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool
+                  ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(logsumexp, log-probs, entropy or None), float32 [B, T], of `prepared` logits and ids: the forward kernel."""
+    forward_kernel, _, _ = _kernels()
+    B, T, V = logits_BTV.shape
+    lse = torch.empty((B, T), dtype=torch.float32, device=logits_BTV.device)
+    logp, ent = torch.empty_like(lse), torch.empty_like(lse) if with_entropy else None
+    if B * T:
+        with _on(logits_BTV.device):
+            forward_kernel[(B * T,)](logits_BTV, ids_BT, lse, logp, lse if ent is None else ent, T, V,
+                                     logits_BTV.stride(0), logits_BTV.stride(1), WITH_ENTROPY=with_entropy,
+                                     BLOCK=BLOCK, num_warps=8)
+    return lse, logp, ent
+
+
+def logits_grad(logits_BTV: Tensor, ids_BT: Tensor, lse: Tensor, grad_BT: Tensor) -> Tensor:
+    """The gradient of the log-probs' loss with respect to the (`prepared`) logits, in their dtype: the backward
+    kernel."""
+    _, backward_kernel, cdiv = _kernels()
+    B, T, V = logits_BTV.shape
+    grad_logits = torch.empty((B, T, V), dtype=logits_BTV.dtype, device=logits_BTV.device)
+    if B * T:
+        with _on(logits_BTV.device):
+            backward_kernel[(B * T, cdiv(V, BLOCK))](logits_BTV, ids_BT, lse, grad_BT.float().contiguous(),
+                                                     grad_logits, T, V, logits_BTV.stride(0), logits_BTV.stride(1),
+                                                     BLOCK=BLOCK, num_warps=8)
+    return grad_logits

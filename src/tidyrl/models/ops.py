@@ -55,21 +55,18 @@ class _LowPrecisionLogprobs(torch.autograd.Function):
       filled in, and B of them are summed: B^2 T V of memory traffic. Here the gradient rows are written into
       one tensor.
     The arithmetic is autograd's own (logsumexp's and gather's backward formulas, in the same order), so the
-    log-probs and the gradient are bit-identical to it (tests/test_ops.py).
+    log-probs and the gradient are bit-identical to it (tests/test_ops.py). On CUDA (`fused_logprobs.wanted`) both
+    sides run as Triton kernels instead, the same float32 maths in one pass over the vocabulary each.
     """
 
     @staticmethod
     def forward(ctx, logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool):
-        shape = logits_BTV.shape[:-1]
-        logprobs = torch.empty(shape, dtype=torch.float32, device=logits_BTV.device)
-        lse = torch.empty_like(logprobs)
-        entropy = torch.empty_like(logprobs) if with_entropy else None
-        for i in range(shape[0]):
-            row = logits_BTV[i].float()
-            lse[i] = torch.logsumexp(row, dim=-1)
-            logprobs[i] = row.gather(-1, ids_BT[i].unsqueeze(-1)).squeeze(-1) - lse[i]
-            if with_entropy:
-                entropy[i] = _entropy(row, lse[i])
+        ctx.fused = fused_logprobs.wanted(logits_BTV)
+        if ctx.fused:  # CUDA: the same float32 maths in one pass over the vocabulary (Triton kernels)
+            logits_BTV, ids_BT = fused_logprobs.prepared(logits_BTV, ids_BT)
+            lse, logprobs, entropy = fused_logprobs.logprob_stats(logits_BTV, ids_BT, with_entropy)
+        else:
+            lse, logprobs, entropy = _row_stats(logits_BTV, ids_BT, with_entropy)
         ctx.save_for_backward(logits_BTV, ids_BT, lse)
         if with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -79,6 +76,8 @@ class _LowPrecisionLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_BT: Tensor, *_):
         logits_BTV, ids_BT, lse = ctx.saved_tensors
+        if ctx.fused:
+            return fused_logprobs.logits_grad(logits_BTV, ids_BT, lse, grad_BT), None, None
         grad_logits = torch.empty_like(logits_BTV)
         for i in range(grad_BT.shape[0]):
             # d/dl [l_id - logsumexp(l)] = onehot(id) - softmax(l): logsumexp's backward, then gather's
@@ -86,6 +85,21 @@ class _LowPrecisionLogprobs(torch.autograd.Function):
             row.scatter_add_(-1, ids_BT[i].unsqueeze(-1), grad_BT[i].unsqueeze(-1))
             grad_logits[i] = row  # (cast back to the logits' dtype)
         return grad_logits, None, None
+
+
+def _row_stats(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(logsumexp, log-probs, entropy or None), float32 [B, T], each row of low-precision logits upcast once."""
+    shape = logits_BTV.shape[:-1]
+    logprobs = torch.empty(shape, dtype=torch.float32, device=logits_BTV.device)
+    lse = torch.empty_like(logprobs)
+    entropy = torch.empty_like(logprobs) if with_entropy else None
+    for i in range(shape[0]):
+        row = logits_BTV[i].float()
+        lse[i] = torch.logsumexp(row, dim=-1)
+        logprobs[i] = row.gather(-1, ids_BT[i].unsqueeze(-1)).squeeze(-1) - lse[i]
+        if with_entropy:
+            entropy[i] = _entropy(row, lse[i])
+    return lse, logprobs, entropy
 
 
 def gather_logprobs(logits_BTV: Tensor, ids_BT: Tensor) -> Tensor:
@@ -115,8 +129,6 @@ def gather_logprobs_and_entropy(logits_BTV: Tensor, ids_BT: Tensor, with_entropy
             return logprobs, None
         with torch.no_grad():
             return logprobs, _per_row_float32(_entropy, logits_BTV)
-    if fused_logprobs.wanted(logits_BTV):  # CUDA: one pass over the vocabulary (Triton), float32 maths too
-        return fused_logprobs.logprobs_and_entropy(logits_BTV, ids_BT, with_entropy)
     if with_entropy:
         return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, True)
     return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, False), None
