@@ -75,12 +75,12 @@ def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat:
                 "position_ids": torch.tensor([positions], device=device),
                 "target_mask": torch.tensor([targets], dtype=torch.float32, device=device),
                 "lengths": [len(s.input_ids) for s in sequences]}
-    from tidyrl.models.forward import WIDTH_MULTIPLE
+    from tidyrl.models.forward import width_padding
 
     # On CUDA the width is rounded up to a multiple (models.forward.WIDTH_MULTIPLE), so that shapes recur: a width
     # the attention kernel has not seen costs it a new plan (~0.5-1 s on an H200), and every batch has its own.
-    multiple = WIDTH_MULTIPLE.get(torch.device(device).type, 1)
-    width = -(-max(len(s.input_ids) for s in sequences) // multiple) * multiple
+    longest = max(len(s.input_ids) for s in sequences)
+    width = longest + width_padding(longest, device)
     B = len(sequences)
     ids = torch.full((B, width), pad_id, dtype=torch.long)
     targets = torch.zeros((B, width), dtype=torch.float32)

@@ -37,11 +37,15 @@ from tidyrl.models.sharding import is_sharded
 WIDTH_MULTIPLE: dict[str, int] = {"cuda": 16}
 
 
+def width_padding(width: int, device) -> int:
+    """The columns that pad `width` up to WIDTH_MULTIPLE's multiple on `device` (0 where it has none)."""
+    return -width % WIDTH_MULTIPLE.get(torch.device(device).type, 1)
+
+
 def model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict:
     """Prompt and completion side by side, with the attention mask (see `model_mask`) and positions of the left
     padding; on WIDTH_MULTIPLE's devices left-padded to a multiple of its width."""
-    multiple = WIDTH_MULTIPLE.get(model_device(model).type, 1)
-    if extra := -(prompt_ids.shape[1] + completion_ids.shape[1]) % multiple:
+    if extra := width_padding(prompt_ids.shape[1] + completion_ids.shape[1], model_device(model)):
         prompt_ids, prompt_mask = F.pad(prompt_ids, (extra, 0)), F.pad(prompt_mask, (extra, 0))
     input_ids, attn, positions = _rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     return {"input_ids": input_ids, "attention_mask": model_mask(model, attn, input_ids.shape[1]),
@@ -144,10 +148,9 @@ def _layouts_for_batch(device: torch.device, prompt_ids, prompt_mask, completion
 def _padded_widths(device: torch.device, prompt_ids, prompt_mask, completion_ids, completion_mask):
     """On WIDTH_MULTIPLE's devices, prompts left-padded and completions right-padded to its multiple (the lean
     pass's two widths; masked columns: the same maths, widths that recur)."""
-    multiple = WIDTH_MULTIPLE.get(device.type, 1)
-    if extra := -prompt_ids.shape[1] % multiple:
+    if extra := width_padding(prompt_ids.shape[1], device):
         prompt_ids, prompt_mask = F.pad(prompt_ids, (extra, 0)), F.pad(prompt_mask, (extra, 0))
-    if extra := -completion_ids.shape[1] % multiple:
+    if extra := width_padding(completion_ids.shape[1], device):
         completion_ids, completion_mask = F.pad(completion_ids, (0, extra)), F.pad(completion_mask, (0, extra))
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 

@@ -107,7 +107,7 @@ class RewardModel:
         import torch
         import torch.nn.functional as F
 
-        from tidyrl.models.forward import WIDTH_MULTIPLE
+        from tidyrl.models.forward import width_padding
         from tidyrl.models.generation import left_pad
 
         self.load()
@@ -120,7 +120,7 @@ class RewardModel:
                 present = {t for seq in chunk for t in seq}
                 filler = next(i for i in range(len(present) + 1) if i not in present)
                 ids, mask = left_pad(chunk, filler)
-                if extra := -ids.shape[1] % WIDTH_MULTIPLE.get(device.type, 1):  # CUDA: widths that recur
+                if extra := width_padding(ids.shape[1], device):  # CUDA: widths that recur
                     ids, mask = F.pad(ids, (extra, 0), value=filler), F.pad(mask, (extra, 0))
                 positions = (mask.cumsum(-1) - 1).clamp(min=0)
                 self.model.config.pad_token_id = filler  # pooling: the last token that is not `filler`
