@@ -46,6 +46,15 @@ def behaviour_correction(policy, local: Rollout, sampled_logprobs, *, tis_cap: f
     return trainer, is_weights, stats
 
 
+def episode_tokens(made, pad_id: int) -> Rollout:
+    """A process's episodes (`made`) as the tensors a forward takes: prompts left-padded, completions and masks."""
+    from tidyrl.models.generation import left_pad
+
+    ep = made.episodes
+    p_ids, p_mask = left_pad(made.prompt_ids, pad_id)
+    return Rollout(p_ids, p_mask, ep.completion_ids, ep.completion_mask, ep.truncated, action_mask=ep.action_mask)
+
+
 def filtered_sampling(rollout_cfg) -> bool:
     """top_k or top_p set: an engine with its own copy of the weights (vLLM) returns log-probs after them,
     renormalised over the kept tokens, which are not the policy's."""
@@ -58,12 +67,8 @@ def with_behaviour_logprobs(made, behaviour, pad_id: int, temperature: float, ch
     tokens (`filtered_sampling`). They are then the policy's at that version and temperature, unfiltered, as the
     builtin engine returns them, which the truncated importance weights of the lag divide by. 0 where the engine
     wrote none (padding, an environment's tokens)."""
-    from tidyrl.models.generation import left_pad
-
     ep = made.episodes
-    p_ids, p_mask = left_pad(made.prompt_ids, pad_id)
-    tokens = Rollout(p_ids, p_mask, ep.completion_ids, ep.completion_mask, ep.truncated)
-    logprobs = score_logprobs(behaviour, tokens, temperature, chunk_size, fast_path=fast_path)
+    logprobs = score_logprobs(behaviour, episode_tokens(made, pad_id), temperature, chunk_size, fast_path=fast_path)
     if ep.action_mask is not None:
         logprobs = logprobs * ep.action_mask.to(logprobs.dtype)
     return replace(made, episodes=replace(ep, logprobs=logprobs.to(ep.logprobs.dtype)))
@@ -173,14 +178,12 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
     was not the trainer, the importance weights; with a KL term (`use_reference`) the reference's log-probs
     (`reference`: the frozen model, or None with LoRA: the policy with its adapter off); the critic's values
     (`critic`, or None). Returns (the local Rollout, the mismatch metrics)."""
-    from tidyrl.models.generation import left_pad
     from tidyrl.models.lora import reference_of
     from tidyrl.rollouts.scoring import score_values
 
     ro = cfg.rollout
     ep = made.episodes
-    p_ids, p_mask = left_pad(made.prompt_ids, pad_id)
-    tokens = Rollout(p_ids, p_mask, ep.completion_ids, ep.completion_mask, ep.truncated, action_mask=ep.action_mask)
+    tokens = episode_tokens(made, pad_id)
     # Old log-probs differ from the current ones only after the rollout's first optimizer step, so they are kept
     # only when E*M > 1, or when the KL penalty sits in the reward. The sampling pass computed them with the same
     # weights (no second forward pass; equal up to rounding).
