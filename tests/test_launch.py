@@ -40,3 +40,30 @@ def test_make_accelerator_checks_before_forming_the_process_group(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
     make_accelerator()
     assert built == [{"cpu": True}]
+
+
+def test_a_launched_process_destroys_its_process_group_before_the_interpreter_ends(tmp_path):
+    """Left to interpreter finalization, gloo's worker threads free tensors under a dying interpreter and a run
+    that trained correctly can die with SIGABRT ("terminate called without an active exception": CI saw it
+    once, torch 2.11). atexit handlers run last-registered first: one registered before the accelerator
+    exists runs after tidyrl's and sees the group already destroyed, on every process."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, gloo_cpu_env
+
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import atexit, os\n"
+        "import torch.distributed as dist\n"
+        "seen = os.path.join(os.path.dirname(__file__), 'alive-at-exit-' + os.environ['RANK'])\n"
+        "atexit.register(lambda: open(seen, 'w').write(str(dist.is_initialized())))\n"
+        "from tidyrl.loops.common import make_accelerator\n"
+        "accelerator = make_accelerator()\n"
+        "assert accelerator.num_processes == 2 and dist.is_initialized()\n"
+    )
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(script)], env=gloo_cpu_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [(tmp_path / f"alive-at-exit-{rank}").read_text() for rank in (0, 1)] == ["False", "False"]

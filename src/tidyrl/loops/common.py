@@ -4,6 +4,7 @@ parts."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -68,6 +69,23 @@ def cuda_in_use() -> bool:
     return torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
 
 
+@functools.lru_cache(maxsize=None)  # registered once per process, however many runs it makes
+def _destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, while it is still whole. Left alive, gloo's
+    worker threads still hold tensors at interpreter finalization; freeing them then takes the GIL of a dying
+    interpreter and a process that trained correctly dies with SIGABRT ("terminate called without an active
+    exception": once in CI, torch 2.11, gloo; pytorch/pytorch#190489). Only local teardown: no collective."""
+    import atexit
+
+    import torch.distributed as dist
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+
+
 def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     """The one Accelerator of a run. Under torchrun / accelerate launch on a machine without CUDA,
     accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
@@ -84,6 +102,8 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     if launched and not on_cpu:
         check_processes_fit_devices(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     accelerator = Accelerator(cpu=launched and on_cpu, **kwargs)
+    if launched:
+        _destroy_process_group_at_exit()
     if launched and accelerator.num_processes == 1:
         raise RuntimeError(
             f"launched with WORLD_SIZE={os.environ['WORLD_SIZE']} but accelerate formed no process group; "
