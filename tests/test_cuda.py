@@ -37,8 +37,9 @@ def test_keyed_generation_on_cuda_repeats_and_the_lean_step_samples_the_same_tok
 
 
 def test_cuda_graph_decoding_draws_what_the_growing_cache_draws():
-    """On CUDA the lean step runs with fixed shapes, one captured graph replayed per token (the default there):
-    the same tokens as the step with a growing cache, log-probs equal to rounding."""
+    """On CUDA the lean step runs with fixed shapes, one captured graph replayed per token (the default there),
+    the draw of the next token inside it: the same tokens as the step with a growing cache, log-probs equal to
+    rounding."""
     from tidyrl.models import generation
     from tidyrl.models.generation import generate
 
@@ -47,12 +48,12 @@ def test_cuda_graph_decoding_draws_what_the_growing_cache_draws():
     kwargs = dict(sample_keys=list(range(12)), max_new_tokens=24, eos_ids=[2], pad_id=0, batch_size=12,
                   return_logprobs=True)
     built = []
-    real = generation.StaticDecode
-    generation.StaticDecode = lambda *a, **k: built.append(real(*a, **k)) or built[-1]
+    real = generation.Replayed
+    generation.Replayed = lambda *a, **k: built.append(real(*a, **k)) or built[-1]
     try:
         graphed = generate(model, prompts, **kwargs)
     finally:
-        generation.StaticDecode = real
+        generation.Replayed = real
     growing = generate(model, prompts, static_cache=False, **kwargs)
     assert len(built) == 1 and built[0].use_graph and built[0].graph is not None
     assert torch.equal(graphed[0].cpu(), growing[0].cpu()) and torch.equal(graphed[1].cpu(), growing[1].cpu())

@@ -113,15 +113,15 @@ def test_fixed_shape_decoding_draws_the_same_completions(name, monkeypatch):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]] * 4
     common = dict(sample_keys=[sample_seed(5, 2, i) for i in range(12)], max_new_tokens=16, eos_ids=[2, 3],
                   pad_id=0, return_logprobs=True, batch_size=12)
-    built, steps = [], []
-    real = generation.StaticDecode
+    built, steps = [], []  # the fixed-shape units of each call, and how many ran
+    real = generation.Replayed
 
     class Counted(real):
-        def __call__(self, *a, **kw):
+        def __call__(self):
             steps[-1] += 1
-            return super().__call__(*a, **kw)
+            return super().__call__()
 
-    monkeypatch.setattr(generation, "StaticDecode", lambda *a, **k: built.append(Counted(*a, **k)) or built[-1])
+    monkeypatch.setattr(generation, "Replayed", lambda *a, **k: built.append(Counted(*a, **k)) or built[-1])
     ended = []
     # The last setting makes half the vocabulary EOS: every row ends within a few tokens, the fixed-shape loop
     # decodes padding until it asks whether all have (every _END_CHECK_EVERY tokens: one host read per 8), then stops.
@@ -135,10 +135,47 @@ def test_fixed_shape_decoding_draws_the_same_completions(name, monkeypatch):
         for a, b in zip(fixed[:3], growing[:3]):
             assert torch.equal(a, b)
         torch.testing.assert_close(fixed[3], growing[3], atol=1e-5, rtol=0)
-    assert len(built) == 4 and not built[0].use_graph  # built once per call; no graph off CUDA
+    assert len(built) == 4 and not any(r.use_graph for r in built)  # built once per call; no graph off CUDA
     assert any(ended)  # some rows ended early and stayed in the batch (decoding padding) until the others did
     assert int(fixed[1].sum(1).max()) < generation._END_CHECK_EVERY  # every row ended before the first check,
-    assert steps[-1] == generation._END_CHECK_EVERY - 1  # where the loop stopped (steps after the first token)
+    assert steps[-1] == generation._END_CHECK_EVERY - 1  # where the loop stopped (units after the first token)
+
+
+# Ops that read a device value on the host or size their output by the data: a CUDA graph cannot capture them.
+_HOST_READS = {"_local_scalar_dense", "nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+               "masked_select", "isin", "item"}
+
+
+def test_a_fixed_shape_token_reads_no_host_value(monkeypatch):
+    """What a CUDA graph captures per token (the decoding step and the draw of the next token, with EOS banned
+    and top-k/top-p filtering) calls no op that reads a device value on the host or sizes its output by the data
+    (every aten op it dispatches is recorded): `torch.isin`, for one, sorts through torch.unique once the tokens
+    outnumber the ids, and an `.item()` or a boolean index would stop the capture on a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    called: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                 for i in (args[1] if len(args) > 1 else ()) if i is not None)
+            called.append("boolean index" if bool_index else name)
+            return func(*args, **(kwargs or {}))
+
+    real = generation.Replayed
+
+    class Recorded(real):
+        def __call__(self):
+            with Record():
+                return super().__call__()
+
+    monkeypatch.setattr(generation, "Replayed", Recorded)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [14]] * 4
+    generate(MODELS["qwen2"](), prompts, sample_keys=list(range(12)), max_new_tokens=6, eos_ids=[2, 3], pad_id=0,
+             batch_size=12, static_cache=True, min_new_tokens=2, top_k=6, top_p=0.9)
+    assert {"baddbmm", "searchsorted", "index_copy_", "topk", "sort"} <= set(called)  # the whole unit was seen
+    assert not _HOST_READS & set(called) and "boolean index" not in called
 
 
 def test_generation_uses_the_weights_as_they_are_now():

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from tidyrl.models.llama_decode import StaticDecode, attention_bias, decode_step_for
+from tidyrl.models.llama_decode import Replayed, StaticDecode, attention_bias, decode_step_for
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -240,67 +240,57 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         # (B, 1, 1, L) directly, which it uses as is, instead of having it rebuilt from the 2D one every step.
         attn = attn.bool()[:, None, None, :]
     next_pos = u_pos[inv, -1:] + 1  # (B, 1)
-    static = None  # fixed shapes (and a CUDA graph on a GPU): no launch per kernel per token
-    if step_fn is not None and (static_cache if static_cache is not None else device.type == "cuda"):
-        # A graph only where the step's rope is a table lookup: position-dependent ropes (dynamic scaling) branch
-        # on the sequence length on the host, which a captured graph cannot replay.
-        static = StaticDecode(step_fn, cache.layers, attn, Lp,
-                              use_graph=device.type == "cuda" and step_fn.rope_table is not None)
-
-    ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros((B, max_new_tokens), device=device)
-    at: slice | torch.Tensor = slice(None)  # the chunk rows still in the batch (all, until the first drop)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    done = 0  # rows that have ended but are still in the batch
-    vocab, steps = logits.shape[-1], 0
     # Each sequence's uniforms for every step, from its own generator in one call (a function of its key and
     # max_new_tokens only: chunking never changes a draw).
     uniforms = torch.stack([torch.rand(max_new_tokens, generator=g, device=device, dtype=torch.float64)
                             for g in generators])  # (B, T)
-    filtering = bool(top_k and top_k < vocab) or top_p < 1.0
-    cache_arg = cache_argument(model)
-    for step in range(max_new_tokens):
-        scaled = logits.float() / temperature if temperature != 1.0 else logits.float()  # (b, V)
-        z = scaled
-        if step < min_new_tokens:  # EOS banned until min_new_tokens: no mass to draw
-            z = scaled.clone()
-            z[:, eos] = float("-inf")
-        if filtering:
-            z = filter_logits(z, top_k, top_p)
-        token = sample_from_logits(z, uniforms[:, step])
-        # log softmax(scaled)[token]: the unfiltered policy, as in training.
-        chosen = torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
-        if done or static is not None:  # rows that ended earlier emit padding, masked out
-            token = torch.where(finished, torch.full_like(token, pad_id), token)
-            chosen = chosen.masked_fill(finished, 0.0)
-        ids[at, step] = token
-        logprobs[at, step] = chosen
-        finished = finished | (token == eos_ids[0] if len(eos_ids) == 1 else torch.isin(token, eos))
-        steps = step + 1
-        if step == max_new_tokens - 1:
-            break
-        # Whether every row has ended is a host read of device data: a wait for the device. With fixed shapes
-        # (finished rows stay in the batch anyway, decoding padding) it is asked every _END_CHECK_EVERY tokens only.
-        if static is None or (step + 1) % _END_CHECK_EVERY == 0:
+    vocab = logits.shape[-1]
+    eos_column = torch.zeros((1, vocab), dtype=torch.bool, device=device).index_fill_(1, eos, True)
+    draw = functools.partial(draw_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    if step_fn is not None and (static_cache if static_cache is not None else device.type == "cuda"):
+        # Fixed shapes (and a CUDA graph on a GPU): no launch per kernel per token, no host value per token.
+        # A graph only where the step's rope is a table lookup: position-dependent ropes (dynamic scaling) branch
+        # on the sequence length on the host, which a captured graph cannot replay.
+        ids, logprobs, steps = _decode_fixed(
+            StaticDecode(step_fn, cache.layers, attn, Lp), logits, next_pos, uniforms, draw, eos_column,
+            min_new_tokens=min_new_tokens, pad_id=pad_id, eos=eos,
+            use_graph=device.type == "cuda" and step_fn.rope_table is not None)
+    else:
+        ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((B, max_new_tokens), device=device)
+        at: slice | torch.Tensor = slice(None)  # the chunk rows still in the batch (all, until the first drop)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        done = 0  # rows that have ended but are still in the batch
+        steps = 0
+        cache_arg = cache_argument(model)
+        for step in range(max_new_tokens):
+            token, chosen = draw(logits, uniforms[:, step], banned=eos_column if step < min_new_tokens else None)
+            if done:  # rows that ended earlier emit padding, masked out
+                token = torch.where(finished, torch.full_like(token, pad_id), token)
+                chosen = chosen.masked_fill(finished, 0.0)
+            ids[at, step] = token
+            logprobs[at, step] = chosen
+            finished = finished | (token == eos_ids[0] if len(eos_ids) == 1 else torch.isin(token, eos))
+            steps = step + 1
+            if step == max_new_tokens - 1:
+                break
             done = int(finished.sum())
             if done == len(finished):
                 break
-        if lean and static is None and 4 * done >= len(finished):  # drop the finished rows (a copy of the cache)
-            keep = (~finished).nonzero().squeeze(1)
-            at = keep if isinstance(at, slice) else at[keep]
-            token, attn, next_pos, finished = token[keep], attn[keep], next_pos[keep], finished[keep]
-            uniforms = uniforms[keep]
-            cache.batch_select_indices(keep)
-            done = 0
-        if static is not None:
-            logits = static(token, next_pos, Lp + step)
-        elif step_fn is not None:
-            logits = step_fn(token, attn[..., : Lp + step + 1], next_pos, cache.layers)
-        else:
-            out = model(input_ids=token[:, None], attention_mask=attn[..., : Lp + step + 1], position_ids=next_pos,
-                        **{cache_arg: cache}, use_cache=True)
-            logits = out.logits[:, -1, :]
-        next_pos = next_pos + 1
+            if lean and 4 * done >= len(finished):  # drop the finished rows (a copy of the cache)
+                keep = (~finished).nonzero().squeeze(1)
+                at = keep if isinstance(at, slice) else at[keep]
+                token, attn, next_pos, finished = token[keep], attn[keep], next_pos[keep], finished[keep]
+                uniforms = uniforms[keep]
+                cache.batch_select_indices(keep)
+                done = 0
+            if step_fn is not None:
+                logits = step_fn(token, attn[..., : Lp + step + 1], next_pos, cache.layers)
+            else:
+                out = model(input_ids=token[:, None], attention_mask=attn[..., : Lp + step + 1],
+                            position_ids=next_pos, **{cache_arg: cache}, use_cache=True)
+                logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
     ids = ids[:, :steps]
     # A position is part of the completion up to and including the first EOS: where no EOS came before it (rows
     # emit padding after theirs, or left the batch with padding in place, whatever pad_id is).
@@ -309,7 +299,63 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     return ids, alive, logprobs[:, :steps]
 
 
-# With fixed shapes, tokens decoded between two checks of whether every row has ended (see _generate_chunk).
+def draw_tokens(logits_BV: torch.Tensor, uniforms_B: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
+                banned: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from the logits at `temperature`, `banned` tokens (a boolean mask broadcast over the
+    rows: EOS before min_new_tokens) and top-k/top-p filtered out, drawn with the row's uniform
+    (`sample_from_logits`); and its log-prob under the unfiltered policy at that temperature, log
+    softmax(logits / temperature)[token], as training computes it. Fixed shapes, no host value: a captured
+    graph replays it."""
+    scaled = logits_BV.float() / temperature if temperature != 1.0 else logits_BV.float()  # (B, V)
+    z = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
+    if bool(top_k and top_k < z.shape[-1]) or top_p < 1.0:
+        z = filter_logits(z, top_k, top_p)
+    token = sample_from_logits(z, uniforms_B)
+    return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+
+
+def _decode_fixed(static: StaticDecode, logits: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor, draw,
+                  eos_column: torch.Tensor, *, min_new_tokens: int, pad_id: int, eos: torch.Tensor,
+                  use_graph: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`_generate_chunk`'s decoding with fixed shapes: (ids, log-probs, steps taken). One unit per token, the step
+    that decodes the last token and the draw of the next, with every index a device tensor (the draw's step `t`,
+    the cache's write position, the rows' positions), so that on CUDA the whole unit is one captured graph
+    replayed per token (`Replayed`): no kernel launched from Python and no host value read per token, but
+    whether every row has ended, asked every _END_CHECK_EVERY tokens. Finished rows stay in the batch and draw
+    padding (masked out). The same draws as the growing cache's loop (tests/test_llama_decode.py)."""
+    B, T = uniforms.shape
+    device = logits.device
+    ids = torch.full((B, T), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((B, T), device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    t = torch.zeros(1, dtype=torch.long, device=device)  # the step whose token is drawn next
+
+    def draw_at_t(step_logits: torch.Tensor) -> None:
+        banned = eos_column & (t < min_new_tokens) if min_new_tokens else None  # EOS banned: no mass to draw
+        token, chosen = draw(step_logits, uniforms.index_select(1, t).squeeze(1), banned=banned)
+        token = torch.where(finished, pad_id, token)  # rows that ended earlier emit padding, masked out
+        ids.index_copy_(1, t, token[:, None])
+        logprobs.index_copy_(1, t, chosen.masked_fill(finished, 0.0)[:, None])
+        # (== against each EOS id, not torch.isin: for more tokens than ids isin sorts through torch.unique, which
+        # reads a size on the host and cannot be captured)
+        finished.logical_or_((token[:, None] == eos).any(-1))
+        static.tokens.copy_(token)
+        t.add_(1)
+
+    def unit() -> None:  # decode the last token drawn, draw the next
+        draw_at_t(static())
+
+    draw_at_t(logits)  # the first token, from the prompts' logits
+    static.positions.copy_(positions)
+    replay = Replayed(unit, use_graph)
+    steps = 1
+    while steps < T and (steps % _END_CHECK_EVERY or not bool(finished.all())):
+        replay()
+        steps += 1
+    return ids, logprobs, steps
+
+
+# With fixed shapes, tokens decoded between two checks of whether every row has ended (see _decode_fixed).
 _END_CHECK_EVERY = 8
 
 

@@ -383,53 +383,64 @@ class LlamaDecodeStep:
 class StaticDecode:
     """`LlamaDecodeStep` with every shape fixed for a whole generation: B rows (finished rows keep decoding
     padding instead of leaving the batch), the key/value cache at its full capacity C, attention over all C
-    positions with the ones not written yet masked (-inf), the write position a device tensor. Fixed shapes
-    let a CUDA graph capture one step and replay it for every token, instead of launching each of its ~100
-    kernels from Python (`use_graph`; CUDA only). Without the graph (CPU, tests) it is the same computation
-    eagerly: masked positions hold zeros and get probability 0, so a step's logits are the growing-cache step's
-    up to summation order (tests/test_llama_decode.py: the same tokens).
+    positions with the ones not written yet masked (-inf), and every index it advances (the write position, the
+    rows' positions) a device tensor. Calling it decodes `tokens` and advances them in place, with no host value
+    in between: a whole token (this step and the draw after it, see `generation`) is one unit a CUDA graph can
+    capture once and replay for every token (`Replayed`). Eagerly (CPU, tests) it is the same computation:
+    masked positions hold zeros and get probability 0, so a step's logits are the growing-cache step's up to
+    summation order (tests/test_llama_decode.py: the same tokens).
 
     `cache_layers` are the prefilled `_BufferedLayer`s (capacity C, `filled` positions written), `bias` the
-    (B, 1, 1, C) additive mask of the prompts' padding; both are taken over and written in place."""
+    (B, 1, 1, C) additive mask of the prompts' padding; both are taken over and written in place. Before the
+    first call, set `tokens` and `positions` (B, 1) to the first token to decode and its positions."""
 
-    def __init__(self, step: LlamaDecodeStep, cache_layers, bias: torch.Tensor, filled: int, use_graph: bool):
-        self.step, self.bias, self.use_graph = step, bias, use_graph
+    def __init__(self, step: LlamaDecodeStep, cache_layers, bias: torch.Tensor, filled: int):
+        self.step, self.bias = step, bias
         self.bias[..., filled:] = float("-inf")  # nothing after the prompts is written yet
         device, B = bias.device, bias.shape[0]
-        self.at = torch.zeros(1, dtype=torch.long, device=device)  # where this step writes its key and value
+        self.at = torch.full((1,), filled, dtype=torch.long, device=device)  # where the next key/value goes
         self.layers = [_StaticLayer(layer, filled, self.at) for layer in cache_layers]
         self.tokens = torch.zeros(B, dtype=torch.long, device=device)
         self.positions = torch.zeros((B, 1), dtype=torch.long, device=device)
-        self.graph, self.logits = None, None
 
-    def __call__(self, tokens_B: torch.Tensor, positions_B1: torch.Tensor, write_at: int) -> torch.Tensor:
-        """The logits (B, V) after `tokens_B` at `positions_B1`, their keys and values written at cache position
-        `write_at`, which every row may attend from now on. With the graph, the returned tensor is overwritten
-        by the next call."""
-        self.tokens.copy_(tokens_B)
-        self.positions.copy_(positions_B1)
-        self.at.fill_(write_at)
-        self.bias[..., write_at] = 0.0
+    def __call__(self) -> torch.Tensor:
+        """The logits (B, V) after `tokens` at `positions`, their keys and values written at cache position `at`,
+        which every row may attend from now on; then `at` and `positions` move on by one."""
+        self.bias.index_fill_(-1, self.at, 0.0)
+        logits = self.step(self.tokens, self.bias, self.positions, self.layers)
+        self.at.add_(1)
+        self.positions.add_(1)
+        return logits
+
+
+class Replayed:
+    """`fn()` (no arguments: it reads and writes device tensors in place) as a CUDA graph: the first call runs it
+    once for real on a side stream (a warm-up, whose effects are that call's) and then captures it, which
+    records its kernels without running them; each later call replays them all in one launch, instead of
+    launching each of a decoding step's ~1 000 kernels from Python. Its return value is the captured output,
+    overwritten by the next call. With `use_graph` False (CPU, and rope types a graph cannot replay) `fn` is
+    simply called."""
+
+    def __init__(self, fn: Callable[[], object], use_graph: bool):
+        self.fn, self.use_graph = fn, use_graph
+        self.graph, self.output = None, None
+
+    def __call__(self):
         if not self.use_graph:
-            return self.step(self.tokens, self.bias, self.positions, self.layers)
-        if self.graph is None:
-            return self._capture()
-        self.graph.replay()
-        return self.logits
-
-    def _capture(self) -> torch.Tensor:
-        # A warm-up run on a side stream (its result is this step's: writing the same key/value twice is
-        # harmless), then the capture, which records kernels without running them.
+            return self.fn()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.output
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            first = self.step(self.tokens, self.bias, self.positions, self.layers)
+            first = self.fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: with rollout.lag the engine generates on a background thread while the learner trains on
         # its own; in the default "global" mode the learner's allocations during the capture would be refused.
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.logits = self.step(self.tokens, self.bias, self.positions, self.layers)
+            self.output = self.fn()
         return first
 
 
