@@ -1,4 +1,5 @@
-"""Time tidyrl's generation on the benchmark workloads' models, with the lean Llama decode step on and off.
+"""Time tidyrl's generation on the benchmark workloads' models: the lean Llama decode step (and on CUDA in bf16, the
+same step without its fused kernels: `lean-unfused`) against the model's own forward.
 
     python benchmarks/bench_decode.py --workload tiny --repeats 5
     python benchmarks/bench_decode.py --workload small --lora 8     # a LoRA adapter on every projection (peft)
@@ -6,12 +7,14 @@
                                 # on a GPU; --profile N: one profiled generate of N tokens, its top kernels
 
 Prints the seconds per `generate` call (all P*k sequences at once, every completion max_new_tokens long,
-as in bench_vs_trl.py) and per decoding step for both paths, and checks that they produce the same
-completions. Alternates the two paths so that machine drift hits both alike; medians of --repeats.
+as in bench_vs_trl.py) and per decoding step for each path, and whether they produce the HF forward's
+completions (in bf16 a rounding flip changes a row). Alternates the paths so that machine drift hits all alike;
+medians of --repeats.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -22,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 
+from tidyrl.models import fused_decode, llama_decode  # noqa: E402
 from tidyrl.models.generation import generate, sample_seed  # noqa: E402
 
 
@@ -37,27 +41,41 @@ def main() -> None:
     kw = dict(sample_keys=[sample_seed(0, 0, i) for i in range(len(prompts))], max_new_tokens=T,
               min_new_tokens=T, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, batch_size=len(prompts),
               return_logprobs=True)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    outputs = {}
-    for lean in (True, False):  # warm-up
-        outputs[lean] = generate(model, prompts, fast_path=lean, **kw)
+    # lean: the shipped step (on CUDA in bf16, with tidyrl.models.fused_decode's kernels); lean-unfused: the same
+    # step without them (where they would serve); hf: the model's own forward.
+    fused = fused_decode.wanted(torch.device(args.device), next(model.parameters()).dtype, model.config.head_dim
+                                if getattr(model.config, "head_dim", None) else
+                                model.config.hidden_size // model.config.num_attention_heads)
+    paths = ["lean"] + (["lean-unfused"] if fused else []) + ["hf"]
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    outputs = {path: run(model, prompts, path, kw) for path in paths}  # warm-up
     for _ in range(args.repeats):
-        for lean in (True, False):
+        for path in paths:
             start = time.perf_counter()
-            generate(model, prompts, fast_path=lean, **kw)
-            times[lean].append(time.perf_counter() - start)
-    same = torch.equal(outputs[True][0], outputs[False][0])
-    lp_diff = (outputs[True][3] - outputs[False][3]).abs().max().item()
+            run(model, prompts, path, kw)
+            times[path].append(time.perf_counter() - start)
     lora = f", LoRA rank {args.lora}" if args.lora else ""
     print(f"{args.workload}{lora}: {len(prompts)} sequences x {T} tokens, {args.threads} threads, median of "
           f"{args.repeats}")
-    for lean in (True, False):
-        med = statistics.median(times[lean])
-        print(f"  {'lean step' if lean else 'HF forward':10s}  {med:.4f} s per generate, {1000 * med / T:.2f} ms per step")
-    print(f"  speed-up {statistics.median(times[False]) / statistics.median(times[True]):.2f}x; "
-          f"same completions: {same}; max |log-prob difference| {lp_diff:.2e}")
+    for path in paths:
+        med = statistics.median(times[path])
+        same = torch.equal(outputs[path][0], outputs["hf"][0])
+        lp_diff = (outputs[path][3] - outputs["hf"][3]).abs().max().item()
+        print(f"  {path:12s}  {med:.4f} s per generate, {1000 * med / T:.2f} ms per step, "
+              f"{statistics.median(times['hf']) / med:.2f}x the HF forward; same completions as it: {same}, "
+              f"max |log-prob difference| {lp_diff:.2e}")
     if args.profile:
         profile(model, prompts, dict(kw, max_new_tokens=args.profile, min_new_tokens=args.profile), args.device)
+
+
+def run(model, prompts, path: str, kw: dict):
+    """One `generate` on `path`. Switching the fused kernels on or off rebuilds the model's decode step (they are
+    chosen when it is built; no weight copies for models past COPY_MAX_BYTES, so this costs milliseconds)."""
+    on = "0" if path == "lean-unfused" else "1"
+    if os.environ.get("TIDYRL_FUSED_DECODE", "1") != on:
+        os.environ["TIDYRL_FUSED_DECODE"] = on
+        llama_decode._STEPS.pop(model, None)
+    return generate(model, prompts, fast_path=path != "hf", **kw)
 
 
 def _arguments(parser) -> None:

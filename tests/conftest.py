@@ -252,6 +252,33 @@ LLAMA_LAYOUTS = {name: (lambda build=build: with_random_norms_and_biases(build()
 
 
 
+def interpreted_triton(monkeypatch, module: str):
+    """tidyrl.models.<module>, its Triton kernels run by Triton's interpreter on CPU tensors (where Triton is
+    installed: CUDA builds of torch bring it; tests/test_cuda.py runs them compiled on a GPU). Triton reads
+    TRITON_INTERPRET when it is imported: None where it was imported before, and the caller reruns itself in a
+    process of its own (`rerun_interpreted`)."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (it comes with CUDA builds of torch)")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels = importlib.import_module(f"tidyrl.models.{module}")
+    kernels._kernels.cache_clear()  # (the caller clears it again after the test: the interpreted kernels go)
+    return kernels
+
+
+def rerun_interpreted(test: str) -> None:
+    """Run one test (a pytest node id) in a new process with TRITON_INTERPRET=1 and assert that it passed."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+
+
 @contextlib.contextmanager
 def recorded_outputs(keep):
     """Every op dispatched inside the block whose tensor output `keep(func, out)` accepts, appended to the yielded

@@ -60,6 +60,30 @@ def test_cuda_graph_decoding_draws_what_the_growing_cache_draws():
     torch.testing.assert_close(graphed[3], growing[3], atol=1e-5, rtol=0)
 
 
+def test_bf16_decoding_runs_fused_kernels_in_the_graph_and_agrees_with_the_unfused_step():
+    """A bf16 Llama-layout model decodes with tidyrl.models.fused_decode's compiled Triton kernels and the
+    memory-efficient attention, inside the captured graph: one step's logits and cache equal the unfused step's
+    to bf16 rounding (as in Triton's interpreter on CPU), and a whole graphed generation draws what the growing
+    cache's unfused loop draws, but for rare rounding flips."""
+    from test_llama_decode import fused_and_plain_steps_agree
+
+    from tidyrl.models import fused_decode
+    from tidyrl.models.generation import generate
+
+    model = llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512).to(
+        "cuda", torch.bfloat16)
+    assert fused_decode.wanted(torch.device("cuda"), torch.bfloat16, 64)
+    fused_and_plain_steps_agree(model, "cuda", copied=True)  # (a small model: the step works on its copies)
+    prompts = [[1, 5, 7, 9], [1, 6], [1, 8, 8, 3, 2, 4]] * 8
+    kwargs = dict(sample_keys=list(range(24)), max_new_tokens=40, eos_ids=[2], pad_id=0, batch_size=24,
+                  return_logprobs=True)
+    graphed = generate(model, prompts, **kwargs)
+    growing = generate(model, prompts, static_cache=False, **kwargs)
+    same = (graphed[0] == growing[0]).all(-1)
+    assert same.float().mean() >= 0.75, same  # a bf16 rounding flip changes the rest of its row
+    torch.testing.assert_close(graphed[3][same], growing[3][same], atol=0.05, rtol=0)
+
+
 def test_a_grpo_run_on_cuda_trains_on_the_gpu_with_exact_counts(tiny_model_dir, prompt_file, tmp_path):
     env_cpu = os.environ.pop("ACCELERATE_USE_CPU", None)
     try:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import LLAMA_LAYOUTS as MODELS
 from conftest import VOCAB as V
+from conftest import interpreted_triton, rerun_interpreted
 from conftest import llama as _llama
 
 from tidyrl.models import generation, llama_decode
@@ -108,7 +109,10 @@ def test_fixed_shape_decoding_draws_the_same_completions(name, monkeypatch):
     """The fixed-shape step (what a CUDA graph replays on a GPU; eager here) attends over the whole cache with
     the unwritten positions masked and keeps finished rows in the batch: the same tokens as the growing cache,
     log-probs equal to rounding. Its write index and mask live on the device, so one captured step serves
-    every token."""
+    every token. Its cache is padded to a multiple of 16 positions as on CUDA (never written, masked)."""
+    from tidyrl.models import forward
+
+    monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", 16)
     model = MODELS[name]()
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]] * 4
     common = dict(sample_keys=[sample_seed(5, 2, i) for i in range(12)], max_new_tokens=16, eos_ids=[2, 3],
@@ -176,6 +180,63 @@ def test_a_fixed_shape_token_reads_no_host_value(monkeypatch):
              batch_size=12, static_cache=True, min_new_tokens=2, top_k=6, top_p=0.9)
     assert {"baddbmm", "searchsorted", "index_copy_", "topk", "sort"} <= set(called)  # the whole unit was seen
     assert not _HOST_READS & set(called) and "boolean index" not in called
+
+
+def fused_and_plain_steps_agree(model, device, copied: bool = False) -> None:
+    """Four fixed-shape bf16 steps of `model` from the same prefilled cache, with the fused kernels and without:
+    logits within a few bf16 units of each other, the same argmax nearly everywhere, the cache written alike
+    (values exactly, keys after rope to rounding), nothing written past the steps' positions."""
+    step = LlamaDecodeStep(model, 64)
+    assert step.fused and step.copied == copied
+    ids, mask = (t.to(device) for t in left_pad([[5, 6, 7], [8, 9, 10, 11, 12], [14]], 0))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    Lp, C = ids.shape[1], 16
+    empty = torch.empty((3, step.n_kv, 0, step.head_dim), dtype=torch.bfloat16, device=device)
+    prefilled = [_BufferedLayer(empty, empty, C) for _ in step.layers]
+    step.prefill(ids, mask, positions, prefilled)
+    attn = torch.ones((3, C), dtype=torch.long, device=device)
+    attn[:, :Lp] = mask
+    runs = []
+    for on in (True, False):
+        step.fused = on
+        layers = [_BufferedLayer(l._k[:, :, :Lp].clone(), l._v[:, :, :Lp].clone(), C) for l in prefilled]
+        static = llama_decode.StaticDecode(step, layers, attention_bias(attn, torch.bfloat16), Lp)
+        static.positions.copy_(positions[:, -1:] + 1)
+        logits = []
+        for tokens in ([3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 15]):
+            static.tokens.copy_(torch.tensor(tokens))
+            logits.append(static().float())
+        runs.append((torch.stack(logits), [(l.keys.float(), l.values.float()) for l in static.layers]))
+    (fused_logits, fused_cache), (plain_logits, plain_cache) = runs
+    assert (fused_logits - plain_logits).abs().max() <= 0.03 * plain_logits.abs().max()  # a few bf16 units
+    assert (fused_logits.argmax(-1) == plain_logits.argmax(-1)).float().mean() >= 0.9
+    for (k1, v1), (k2, v2) in zip(fused_cache, plain_cache):
+        assert torch.equal(v1[:, :, :Lp], v2[:, :, :Lp]) and torch.equal(k1[:, :, Lp + 4:], k2[:, :, Lp + 4:])
+        assert (k1 - k2).abs().max() <= 0.05 * k2.abs().max() and (v1 - v2).abs().max() <= 0.05 * v2.abs().max()
+
+
+def test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding(monkeypatch):
+    """bf16 fixed-shape steps with tidyrl.models.fused_decode (each residual add fused with its RMSNorm, rope with
+    the cache writes, the attention one SDPA call; Triton's interpreter here, compiled in tests/test_cuda.py) give
+    the unfused step's logits and cache up to bf16 rounding, over several tokens, with q/k/v biases (qwen2) and
+    grouped heads, on the model's own weights and on the small-model copies."""
+    fused = interpreted_triton(monkeypatch, "fused_decode")
+    if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
+        return rerun_interpreted(f"{__file__}::test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding")
+    calls = []
+    for name in ("add_rms_norm", "rope_and_cache", "attention"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    monkeypatch.setattr(fused, "wanted", lambda device, dtype, head_dim: dtype == torch.bfloat16)
+    try:
+        for name, copy_max in (("llama-gqa", 0), ("qwen2", 0), ("qwen2", llama_decode.COPY_MAX_BYTES)):
+            monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", copy_max)
+            fused_and_plain_steps_agree(MODELS[name]().to(torch.bfloat16), "cpu", copied=bool(copy_max))
+        per_step = 2 * 2 + 1  # two layers: two norms each, and the final norm
+        assert calls.count("add_rms_norm") == 3 * 4 * per_step and calls.count("rope_and_cache") == 3 * 4 * 2
+        assert calls.count("attention") == 3 * 4 * 2
+    finally:
+        fused._kernels.cache_clear()
 
 
 def test_generation_uses_the_weights_as_they_are_now():

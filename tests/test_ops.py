@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import torch
-from conftest import recorded_outputs
+from conftest import interpreted_triton, recorded_outputs, rerun_interpreted
 
 from tidyrl.models.ops import entropy_from_logits, gather_logprobs
 
@@ -116,39 +113,16 @@ def test_low_precision_logprobs_keep_no_float32_vocabulary_tensor_for_backward()
     assert leaf.grad.shape == (B, T, V) and len(full_size) == 1, full_size  # one gradient tensor, not one per row
 
 
-def _interpreted_fused_kernels(monkeypatch):
-    """tidyrl.models.fused_logprobs's Triton kernels run by Triton's interpreter on CPU tensors (where Triton is
-    installed: CUDA builds of torch bring it; tests/test_cuda.py runs them compiled on a GPU). Triton reads
-    TRITON_INTERPRET when it is imported: None where it was imported before (the caller reruns in a new process)."""
-    import importlib.util
-
-    import pytest
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed (it comes with CUDA builds of torch)")
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        return None
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from tidyrl.models import fused_logprobs
-
-    fused_logprobs._kernels.cache_clear()
-    monkeypatch.setattr(fused_logprobs, "BLOCK", 16)  # several blocks per row at this test's vocabulary
-    return fused_logprobs
-
-
 def test_fused_logprobs_entropy_and_gradient_are_the_float32_maths_of_the_row_by_row_path(monkeypatch):
     """One pass over the vocabulary with running sums (online softmax) gives the row-by-row float32 results up to
     float32 rounding: log-probs, entropies (with -inf logits in a row, and a whole first block masked), and the
     gradient, cast to the logits' dtype, within one unit in its last place; on a (B, T) view with strides."""
     import warnings
 
-    fused = _interpreted_fused_kernels(monkeypatch)
+    fused = interpreted_triton(monkeypatch, "fused_logprobs")
     if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
-        test = f"{__file__}::test_fused_logprobs_entropy_and_gradient_are_the_float32_maths_of_the_row_by_row_path"
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-                              env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
-        assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
-        return
+        return rerun_interpreted(f"{__file__}::test_fused_logprobs_entropy_and_gradient_are_the_float32_maths_of_the_row_by_row_path")
+    monkeypatch.setattr(fused, "BLOCK", 16)  # several blocks per row at this test's vocabulary
     from tidyrl.models.ops import gather_logprobs_and_entropy
 
     monkeypatch.setattr(fused, "wanted", lambda logits: True)  # (CPU tensors: the interpreter runs the kernels)

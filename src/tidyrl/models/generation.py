@@ -230,8 +230,14 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         out = model(input_ids=u_ids, attention_mask=u_attn, position_ids=u_pos, use_cache=True, logits_to_keep=1)
         u_logits, prefill_cache = out.logits[:, -1, :], returned_cache(out)
     logits = u_logits[inv]  # (B, V)
-    cache = _buffered_cache(prefill_cache, inv, Lp + max_new_tokens) if lean else prefill_cache
-    attn = torch.ones((B, Lp + max_new_tokens), dtype=u_attn.dtype, device=device)
+    fixed = step_fn is not None and (static_cache if static_cache is not None else device.type == "cuda")
+    capacity = Lp + max_new_tokens
+    if fixed:  # (on CUDA a multiple of 16 positions, those past the last token never written: masked throughout)
+        from tidyrl.models.forward import width_padding  # (it imports this module)
+
+        capacity += width_padding(capacity, device)
+    cache = _buffered_cache(prefill_cache, inv, capacity) if lean else prefill_cache
+    attn = torch.ones((B, capacity), dtype=u_attn.dtype, device=device)
     attn[:, :Lp] = u_attn[inv]
     if step_fn is not None:
         attn = attention_bias(attn, logits.dtype)
@@ -247,7 +253,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     vocab = logits.shape[-1]
     eos_column = torch.zeros((1, vocab), dtype=torch.bool, device=device).index_fill_(1, eos, True)
     draw = functools.partial(draw_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    if step_fn is not None and (static_cache if static_cache is not None else device.type == "cuda"):
+    if fixed:
         # Fixed shapes (and a CUDA graph on a GPU): no launch per kernel per token, no host value per token.
         # A graph only where the step's rope is a table lookup: position-dependent ropes (dynamic scaling) branch
         # on the sequence length on the host, which a captured graph cannot replay.

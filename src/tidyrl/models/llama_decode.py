@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidyrl.models import fused_decode
 from tidyrl.models.sharding import is_sharded
 
 # Architectures whose decoder layer is exactly Llama's (checked module by module in `supports` as well).
@@ -238,6 +239,11 @@ class LlamaDecodeStep:
             c.bias is None and c.weight.dtype == torch.float32 for c in self.copies) and all(
             t.dtype == torch.float32
             for t in (self.embed, self.norm, *(n for l in self.layers for n in (l.input_norm, l.post_norm))))
+        # Fixed-shape steps in bf16/fp16 on CUDA: a few fused kernels per layer (tidyrl.models.fused_decode), where
+        # every norm weight is in the activations' dtype (as LlamaRMSNorm's product then is).
+        self.fused = fused_decode.wanted(self.embed.device, self.embed.dtype, self.head_dim) and all(
+            t.dtype == self.embed.dtype
+            for t in (self.norm, *(n for l in self.layers for n in (l.input_norm, l.post_norm))))
         self.extend(max_positions)
 
     def matches(self, model) -> bool:
@@ -274,6 +280,8 @@ class LlamaDecodeStep:
 
     def __call__(self, tokens_B: torch.Tensor, bias_B11L: torch.Tensor, positions_B1: torch.Tensor,
                  cache_layers) -> torch.Tensor:
+        if self.fused and isinstance(cache_layers[0], _StaticLayer):
+            return self._fused_step(tokens_B, bias_B11L, positions_B1, cache_layers)
         if not self.plain_fp32:
             return self._general_step(tokens_B, bias_B11L, positions_B1, cache_layers)
         # `_general_step`'s maths (see its comments) for float32 copies without biases, as plain tensor ops.
@@ -318,6 +326,37 @@ class LlamaDecodeStep:
             probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
             x = self._rest_of_layer(layer, x, torch.bmm(probs, values.reshape(B * Hkv, L, D)).view(B, -1))
         return self._logits(x)  # (B, V)
+
+    def _fused_step(self, tokens_B: torch.Tensor, bias_B11L: torch.Tensor, positions_B1: torch.Tensor,
+                    cache_layers: list["_StaticLayer"]) -> torch.Tensor:
+        """`_general_step`'s maths in fewer kernels (tidyrl.models.fused_decode) for fixed-shape cache layers: each
+        residual add fused with the RMSNorm after it, rope with the cache writes, the attention one SDPA call."""
+        B, D, Hkv, R = tokens_B.shape[0], self.head_dim, self.n_kv, self.n_rep
+        H, C = Hkv * R, bias_B11L.shape[-1]
+        x = F.embedding(tokens_B, self.embed)  # (B, hidden)
+        cos, sin = self._rope_factors(x, positions_B1)
+        bias = bias_B11L.expand(B, Hkv, R, C).reshape(B * Hkv, 1, R, C)  # each group's R heads: its R queries
+        delta = None  # the MLP output of the layer before, added to x with the next norm
+        for layer, kv in zip(self.layers, cache_layers):
+            x, h = fused_decode.add_rms_norm(x, delta, layer.input_norm, layer.input_eps)
+            if self.copied:
+                qkv = layer.qkv(h)
+                q, k, v = qkv[:, : H * D], qkv[:, H * D: (H + Hkv) * D], qkv[:, (H + Hkv) * D:]
+            else:
+                q, k, v = (proj(h) for proj in layer.qkv)
+            q = fused_decode.rope_and_cache(q, k, v, cos, sin, kv.keys, kv.values, kv.at)
+            o = fused_decode.attention(q.view(B * Hkv, 1, R, D), kv.keys.view(B * Hkv, 1, C, D),
+                                       kv.values.view(B * Hkv, 1, C, D), bias, self.scale).reshape(B, H * D)
+            x, h = fused_decode.add_rms_norm(x, layer.o(o) if self.copied else layer.o[0](o), layer.post_norm,
+                                             layer.post_eps)
+            if self.copied:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                delta = layer.down(layer.act_fn(gate) * up)
+            else:
+                gate, up = layer.gate_up
+                delta = layer.down[0](layer.act_fn(gate(h)) * up(h))
+        _, x = fused_decode.add_rms_norm(x, delta, self.norm, self.norm_eps)
+        return self.head(x) if self.copied else self.head[0](x)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache_layers) -> torch.Tensor:
         """The logits (U, V) after the last position of left-padded prompts `ids` (U, Lp), with their 0/1 `mask`
