@@ -135,3 +135,21 @@ def test_bench_passes_traces_each_layout_op_by_op_on_the_meta_device():
         for phase in ("score ", "update"):
             assert re.search(rf"^  {name}\s+{phase}:\s+[0-9]+ ops; matmul GFLOP float32 [0-9.]+", out, re.MULTILINE), out
     assert "vocabulary-sized" in out and "host reads" in out
+
+
+def test_count_decode_ops_counts_a_captured_token_and_the_fused_kernels_cut_it():
+    """A fixed-shape token of a 24-layer Qwen2 shape: ~42 ops per layer unfused (RMSNorm alone 8, twice); with the
+    fused kernels (where Triton is installed, in its interpreter) under 16, sampling included."""
+    import importlib.util
+    import os
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, str(BENCH / "count_decode_ops.py")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = {kind: int(n) for kind, n in re.findall(r"^(unfused|fused): (\d+) ops per token", done.stdout, re.M)}
+    assert 40 * 24 <= counts["unfused"] <= 46 * 24, done.stdout
+    if importlib.util.find_spec("triton") is not None:
+        assert counts["fused"] <= 16 * 24 and "triton rope_and_cache 24" in done.stdout, done.stdout
+    else:
+        assert "fused" not in counts and "needs Triton" in done.stdout
