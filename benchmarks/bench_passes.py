@@ -49,6 +49,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_vs_trl import WORKLOADS, prompt_texts, set_workload, parse_overrides  # noqa: E402
 
+from tidyrl.models import devices as tidy_devices  # noqa: E402
 from tidyrl.models import forward as tidy_forward  # noqa: E402
 from tidyrl.models.generation import left_pad  # noqa: E402
 from tidyrl.models.ops import gather_logprobs_and_entropy  # noqa: E402
@@ -193,12 +194,12 @@ def run_pass(name: str, model, batch: Rollout, with_entropy: bool):
             del os.environ["TIDYRL_FUSED_LOGPROBS"]
     if name == "onepass-exact":  # the one-pass forward on rows of their own width (no WIDTH_MULTIPLE padding)
         kind = model.lm_head.weight.device.type
-        multiple = tidy_forward.WIDTH_MULTIPLE.pop(kind, None)
+        multiple = tidy_devices.WIDTH_MULTIPLE.pop(kind, None)
         try:
             return run_pass("onepass", model, batch, with_entropy)
         finally:
             if multiple is not None:
-                tidy_forward.WIDTH_MULTIPLE[kind] = multiple
+                tidy_devices.WIDTH_MULTIPLE[kind] = multiple
     if name in ("lean", "shared", "onepass"):
         with layout(name, model.lm_head.weight.device):
             return tidy_forward.completion_logprobs(model, *batch.sequences, 1.0, with_entropy=with_entropy)

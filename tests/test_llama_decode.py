@@ -110,9 +110,9 @@ def test_fixed_shape_decoding_draws_the_same_completions(name, monkeypatch):
     the unwritten positions masked and keeps finished rows in the batch: the same tokens as the growing cache,
     log-probs equal to rounding. Its write index and mask live on the device, so one captured step serves
     every token. Its cache is padded to a multiple of 16 positions as on CUDA (never written, masked)."""
-    from tidyrl.models import forward
+    from tidyrl.models import devices
 
-    monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", 16)
+    monkeypatch.setitem(devices.WIDTH_MULTIPLE, "cpu", 16)
     model = MODELS[name]()
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]] * 4
     common = dict(sample_keys=[sample_seed(5, 2, i) for i in range(12)], max_new_tokens=16, eos_ids=[2, 3],

@@ -159,10 +159,10 @@ def test_padding_free_is_refused_for_a_model_that_mixes_examples(tmp_path):
 
 @pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
 def test_rows_padded_to_a_width_multiple_give_the_same_log_probs_values_and_gradients(build, monkeypatch):
-    """models.forward.WIDTH_MULTIPLE (CUDA: 16, so that shapes recur) left-pads [prompt, completion] rows with masked
+    """models.devices.WIDTH_MULTIPLE (CUDA: 16, so that shapes recur) left-pads [prompt, completion] rows with masked
     columns: the log-probs, entropies, critic values and gradients are the unpadded rows' (float32 rounding), the
     forward sees the padded width, and the result keeps the completions' width."""
-    from tidyrl.models import forward
+    from tidyrl.models import devices, forward
 
     prompts = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10], [0, 5, 6, 7]])
     pmask = (prompts != 0).long()
@@ -172,7 +172,7 @@ def test_rows_padded_to_a_width_multiple_give_the_same_log_probs_values_and_grad
     model = build()
     results = {}
     for multiple in (1, 16):
-        monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", multiple)
+        monkeypatch.setitem(devices.WIDTH_MULTIPLE, "cpu", multiple)
         widths = []
         real = model.forward
         monkeypatch.setattr(model, "forward", lambda *a, **kw: widths.append(kw["input_ids"].shape[1]) or real(*a, **kw))
@@ -196,9 +196,9 @@ def test_rows_padded_to_a_width_multiple_give_the_same_log_probs_values_and_grad
 
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed rows"])
 def test_offline_batches_padded_to_a_width_multiple_give_the_same_log_probs(packed, monkeypatch):
-    """pad_batch rounds the width up to models.forward.WIDTH_MULTIPLE's multiple for the device (CUDA: 16, so that
+    """pad_batch rounds the width up to models.devices.WIDTH_MULTIPLE's multiple for the device (CUDA: 16, so that
     shapes recur); the targets' log-probs and mask are the unpadded batch's."""
-    from tidyrl.models import forward
+    from tidyrl.models import devices, forward
 
     model = llama()
     seqs = sequences(torch.Generator().manual_seed(3), [7, 3, 12, 5])
@@ -208,7 +208,7 @@ def test_offline_batches_padded_to_a_width_multiple_give_the_same_log_probs(pack
                 for a, b in (seqs[:2], seqs[2:])]
     with torch.no_grad():
         plain = pad_batch(seqs, 0, "cpu")
-        monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", 16)
+        monkeypatch.setitem(devices.WIDTH_MULTIPLE, "cpu", 16)
         padded = pad_batch(seqs, 0, "cpu")
         want, want_mask = target_logprobs(model, plain)
         got, got_mask = target_logprobs(model, padded)
@@ -224,11 +224,11 @@ def test_a_batch_repeating_long_prompts_takes_the_lean_pass_where_the_device_lis
     """models.forward.LEAN_FROM_SHARE (CUDA: 25 %): a batch whose repeated prompt tokens are that share of its columns
     takes the lean pass first (each prompt run once), its widths padded to WIDTH_MULTIPLE; a batch of short prompts
     keeps the model's forward. The same log-probs and gradients either way (float32 rounding)."""
-    from tidyrl.models import forward
+    from tidyrl.models import devices, forward
 
     monkeypatch.setitem(forward.LAYOUTS, "cpu", ("onepass",))
     monkeypatch.setitem(forward.LEAN_FROM_SHARE, "cpu", 0.25)
-    monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", 16)
+    monkeypatch.setitem(devices.WIDTH_MULTIPLE, "cpu", 16)
     model = llama()
     long_prompt = [0, 0] + list(range(5, 25))  # 20 real tokens, shared by 4 samples
     prompts = torch.tensor([long_prompt] * 4 + [[0] * 18 + [7, 8, 9, 10]] * 4)

@@ -45,15 +45,15 @@ def test_scores_do_not_depend_on_forward_batch_size_and_pool_the_last_token(rm_d
 
 
 def test_chunks_padded_to_a_width_multiple_score_the_same(rm_dir, monkeypatch):
-    """On CUDA (models.forward.WIDTH_MULTIPLE) a chunk is left-padded to a multiple of 16 columns: same scores."""
-    from tidyrl.models import forward
+    """On CUDA (models.devices.WIDTH_MULTIPLE) a chunk is left-padded to a multiple of 16 columns: same scores."""
+    from tidyrl.models import devices
 
     rm = RewardModel(str(rm_dir), batch_size=3).load()
     want = rm(prompts=PROMPTS, completions=COMPLETIONS)
     widths = []
     real = rm.model.forward
     monkeypatch.setattr(rm.model, "forward", lambda *a, **kw: widths.append(kw["input_ids"].shape[1]) or real(*a, **kw))
-    monkeypatch.setitem(forward.WIDTH_MULTIPLE, "cpu", 16)
+    monkeypatch.setitem(devices.WIDTH_MULTIPLE, "cpu", 16)
     got = rm(prompts=PROMPTS, completions=COMPLETIONS)
     assert widths and all(w % 16 == 0 for w in widths)
     assert got == pytest.approx(want, abs=1e-5)

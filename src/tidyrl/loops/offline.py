@@ -60,7 +60,7 @@ def micro_batches(batch: Sequence[int], plan: OfflinePlan, rank: int, length=Non
 
 def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat: bool = False) -> dict:
     """Right-padded (B, T) tensors (T: the longest sequence, on CUDA rounded up to a multiple of
-    models.forward.WIDTH_MULTIPLE): input_ids, target_mask (float), and either attention_mask (plain rows) or
+    models.devices.WIDTH_MULTIPLE): input_ids, target_mask (float), and either attention_mask (plain rows) or
     position_ids (packed rows: positions restart at each example; with no attention_mask, transformers builds a
     block-diagonal causal mask from them, so packed examples never see each other).
 
@@ -77,7 +77,7 @@ def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat:
                 "lengths": [len(s.input_ids) for s in sequences]}
     from tidyrl.models.forward import width_padding
 
-    # On CUDA the width is rounded up to a multiple (models.forward.WIDTH_MULTIPLE), so that shapes recur: a width
+    # On CUDA the width is rounded up to a multiple (models.devices.WIDTH_MULTIPLE), so that shapes recur: a width
     # the attention kernel has not seen costs it a new plan (~0.5-1 s on an H200), and every batch has its own.
     longest = max(len(s.input_ids) for s in sequences)
     width = longest + width_padding(longest, device)

@@ -34,3 +34,18 @@ def phase_done(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# Devices where the rows [prompt, completion] of a forward are left-padded up to a multiple of this many columns.
+# On CUDA a shape seen for the first time costs far more than the same shape again (cuDNN's attention plans,
+# cuBLAS's heuristics, new allocator blocks): on an H200, qwen0.5b, 8-21 ms more per scoring chunk or update
+# micro-batch of the model's forward (docs/benchmarks.md, "new / again"), and a rollout's chunks have as many widths
+# as their longest prompts and completions. Padding the width to a multiple of 16 makes shapes recur, for at most
+# 15 masked columns a row (the positions and every real column's maths unchanged). Elsewhere rows keep their width.
+# (Generation's fixed-shape cache is rounded up the same way: SDPA's memory-efficient kernel wants its bias aligned.)
+WIDTH_MULTIPLE: dict[str, int] = {"cuda": 16}
+
+
+def width_padding(width: int, device) -> int:
+    """The columns that pad `width` up to WIDTH_MULTIPLE's multiple on `device` (0 where it has none)."""
+    return -width % WIDTH_MULTIPLE.get(torch.device(device).type, 1)

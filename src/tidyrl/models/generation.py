@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from tidyrl.models.devices import width_padding
 from tidyrl.models.llama_decode import Replayed, StaticDecode, attention_bias, decode_step_for
 
 
@@ -204,7 +205,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     once they are a quarter of it (not with fixed shapes, `static_cache`, where they decode padding)."""
     device = model_device(model)
     B = len(prompts)
-    eos = torch.as_tensor(list(eos_ids), device=device)
+    eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=device)
     generators = [torch.Generator(device=device).manual_seed(k) for k in keys]
     lean = _plain_kv_cache(model)
     if lean:  # prefill each distinct prompt once
@@ -233,8 +234,6 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     fixed = step_fn is not None and (static_cache if static_cache is not None else device.type == "cuda")
     capacity = Lp + max_new_tokens
     if fixed:  # (on CUDA a multiple of 16 positions, those past the last token never written: masked throughout)
-        from tidyrl.models.forward import width_padding  # (it imports this module)
-
         capacity += width_padding(capacity, device)
     cache = _buffered_cache(prefill_cache, inv, capacity) if lean else prefill_cache
     attn = torch.ones((B, capacity), dtype=u_attn.dtype, device=device)

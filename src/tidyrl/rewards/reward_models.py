@@ -12,7 +12,7 @@ left-padded, so every sequence ends at the last column; the padding filler is a
 token id that does not occur in the chunk, so the classifier's "last token that
 is not padding" pooling always lands on the last real token, whatever pad/EOS
 conventions the checkpoint has. On CUDA a chunk's width is padded up to a multiple
-(`models.forward.WIDTH_MULTIPLE`), so that widths recur (a new one costs the
+(`models.devices.WIDTH_MULTIPLE`), so that widths recur (a new one costs the
 attention kernel a new plan).
 """
 
