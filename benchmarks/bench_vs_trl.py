@@ -97,7 +97,7 @@ ROW_BY_ROW = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}}
 takes (models.fused_logprobs), to measure what they gain."""
 EXACT_WIDTHS = ("tidyrl-exact-widths",)
 """`tidyrl-exact-widths`: the shipped config with each forward's rows at their own width, not left-padded to a multiple
-of 16 as on CUDA (models.forward.WIDTH_MULTIPLE), to measure what recurring shapes gain."""
+of 16 as on CUDA (models.devices.WIDTH_MULTIPLE), to measure what recurring shapes gain."""
 LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *ROW_BY_ROW, *EXACT_WIDTHS, "trl")
 LEARNING_RATE = 1e-5
 WORDS = ("apple pear fig kiwi lime plum date lemon mango peach grape melon cherry olive berry guava papaya "
@@ -143,7 +143,7 @@ def child_tidyrl(spec: dict) -> dict:
         cfg["rollout"]["engine"] = "vllm"
         cfg["vllm"] = {"kv_cache_gb": 2}
     from tidyrl.loops import rl, rl_rollout, rl_update
-    from tidyrl.models import forward
+    from tidyrl.models import devices, forward
     from tidyrl.rollouts import producer
 
     if spec.get("layouts"):  # one layout forced (FORCED_LAYOUTS), on every device type the run may use
@@ -151,7 +151,7 @@ def child_tidyrl(spec: dict) -> dict:
             forward.LAYOUTS[kind] = tuple(spec["layouts"])
         forward.LEAN_FROM_SHARE.clear()  # (no lean pass put first for long repeated prompts either)
     if spec.get("exact_widths"):  # EXACT_WIDTHS
-        forward.WIDTH_MULTIPLE.clear()
+        devices.WIDTH_MULTIPLE.clear()
     # The update's clock stops after the optimizer step is queued, not run: synchronised here, so that the step's
     # kernels are billed to the update, not to the next rollout's generation (generation and scoring end with host
     # reads, which wait for the device anyway).
@@ -483,10 +483,16 @@ def child_trl(spec: dict) -> dict:
             step_ends.append(time.perf_counter())
 
     trainer.add_callback(StepClock())
-    peaks = PhasePeaks()  # (outside the profiler's wrappers: its phases' clocks stay as they were)
-    producer.Producer.round = peaks.phase("generate", producer.Producer.round)
-    rl_rollout.score_logprobs = peaks.phase("score", rl_rollout.score_logprobs)
-    rl.optimizer_step = peaks.phase("update", rl.optimizer_step)
+    # TRL's own phases (outside the profiler's wrappers: its phases' clocks stay as they were): generation, the
+    # no-grad log-prob passes (old and reference policy), the update's loss and backward.
+    peaks = PhasePeaks()
+    trainer._generate = peaks.phase("generate", trainer._generate)
+    logps = trainer._get_per_token_logps_and_entropies
+    scored = peaks.phase("score", logps)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **kw: (logps if torch.is_grad_enabled()
+                                                                   else scored)(*a, **kw)
+    trainer.compute_loss = peaks.phase("update", trainer.compute_loss)
+    trainer.accelerator.backward = peaks.phase("update", trainer.accelerator.backward)
     profiler = Profiler(spec)
     if profiler.on:  # training_step is called R/m times per optimizer step, its first generating the rollout
         trainer.training_step = profiler.starting_at_measured(trainer.training_step,
@@ -510,7 +516,7 @@ def child_trl(spec: dict) -> dict:
         rollouts_out.append({"wall_s": wall, "steps": E, "generate_s": gen, "reward_s": rew,
                              "score_s": whole - gen - rew, "update_s": wall - whole,
                              "completion_tokens": tokens[r]})
-    return {"rollouts": rollouts_out, **gpu_memory()}
+    return {"rollouts": rollouts_out, **gpu_memory(peaks)}
 
 
 def run_child(library: str, spec: dict, threads: int) -> dict:
