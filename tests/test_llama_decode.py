@@ -239,6 +239,37 @@ def test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding(monkeypa
         fused._kernels.cache_clear()
 
 
+def test_a_capture_that_fails_leaves_the_unit_running_eagerly_with_a_warning(monkeypatch):
+    """Where the CUDA graph's capture refuses an op, the generation goes on launching the same unit kernel by kernel
+    (with a warning naming the failure) instead of failing the run: the warm-up's effects are the first call's, a
+    capture records without running, so no token is lost or repeated. (torch.cuda's graph pieces faked: no GPU.)"""
+    import contextlib
+
+    class Graph:
+        def replay(self):
+            raise AssertionError("a failed capture is never replayed")
+
+    @contextlib.contextmanager
+    def refusing_capture(graph, capture_error_mode):
+        assert capture_error_mode == "thread_local"
+        yield
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    for name, fake in {"Stream": Stream, "stream": lambda s: contextlib.nullcontext(), "current_stream": Stream,
+                       "CUDAGraph": Graph, "graph": refusing_capture}.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    calls = []
+    replay = llama_decode.Replayed(lambda: calls.append(len(calls)) or len(calls), use_graph=True)
+    with pytest.warns(RuntimeWarning, match="without a CUDA graph.*operation not permitted"):
+        assert replay() == 1  # the warm-up's result; the capture ran fn again (recording) and failed
+    assert not replay.use_graph and replay.graph is None
+    assert replay() == 3 and replay() == 4  # eager from here on, one call of fn per call
+
+
 def test_generation_uses_the_weights_as_they_are_now():
     """The copies of small models are made per generation: after the parameters change (an optimizer step),
     the next generation decodes with the new weights."""

@@ -24,6 +24,7 @@ What makes it fast, none of which changes a draw or the maths (docs/benchmarks.m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -256,10 +257,12 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         # Fixed shapes (and a CUDA graph on a GPU): no launch per kernel per token, no host value per token.
         # A graph only where the step's rope is a table lookup: position-dependent ropes (dynamic scaling) branch
         # on the sequence length on the host, which a captured graph cannot replay.
-        ids, logprobs, steps = _decode_fixed(
-            StaticDecode(step_fn, cache.layers, attn, Lp), logits, next_pos, uniforms, draw, eos_column,
-            min_new_tokens=min_new_tokens, pad_id=pad_id, eos=eos,
-            use_graph=device.type == "cuda" and step_fn.rope_table is not None)
+        # (the model's device made current: a graph, its stream and Triton's kernels are on the current device)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            ids, logprobs, steps = _decode_fixed(
+                StaticDecode(step_fn, cache.layers, attn, Lp), logits, next_pos, uniforms, draw, eos_column,
+                min_new_tokens=min_new_tokens, pad_id=pad_id, eos=eos,
+                use_graph=device.type == "cuda" and step_fn.rope_table is not None)
     else:
         ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((B, max_new_tokens), device=device)

@@ -34,6 +34,7 @@ W x + b + s B A x with the one active adapter, as peft's forward computes it (Hu
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Callable, NamedTuple, Optional
 
@@ -458,7 +459,7 @@ class Replayed:
     records its kernels without running them; each later call replays them all in one launch, instead of
     launching each of a decoding step's ~1 000 kernels from Python. Its return value is the captured output,
     overwritten by the next call. With `use_graph` False (CPU, and rope types a graph cannot replay) `fn` is
-    simply called."""
+    simply called; so it is, with a warning, after a capture that failed."""
 
     def __init__(self, fn: Callable[[], object], use_graph: bool):
         self.fn, self.use_graph = fn, use_graph
@@ -476,11 +477,16 @@ class Replayed:
             first = self.fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        # thread_local: with rollout.lag the engine generates on a background thread while the learner trains on
-        # its own; in the default "global" mode the learner's allocations during the capture would be refused.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.output = self.fn()
-        return first
+        try:
+            # thread_local: with rollout.lag the engine generates on a background thread while the learner trains
+            # on its own; in the default "global" mode the learner's allocations during the capture would be refused.
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.output = self.fn()
+        except RuntimeError as err:  # an op the capture refuses: the same unit, launched kernel by kernel
+            warnings.warn(f"tidyrl: decoding runs without a CUDA graph (slower), its capture failed: {err}. "
+                          "Please report it with the model's type.", RuntimeWarning, stacklevel=2)
+            self.graph, self.output, self.use_graph = None, None, False
+        return first  # (a capture records without running: the warm-up's effects are this call's, either way)
 
 
 class _StaticLayer:
