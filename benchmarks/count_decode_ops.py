@@ -7,8 +7,8 @@ step's time is mostly their count (docs/benchmarks.md, issue 26).
     TRITON_INTERPRET=1 python benchmarks/count_decode_ops.py       # both, the fused kernels in Triton's interpreter
 
 Every aten op dispatched inside the unit is counted but views and allocations (no kernel), and each fused
-kernel as one; the interpreter's own tensor moves (`set_`, `copy_` around a Triton call) are not the GPU's and are
-left out, so the fused count's copies are the unit's own (one: the drawn tokens into the step's input).
+kernel as one; what runs inside a fused call (the interpreter's own tensor moves, a wrapper's allocations) is
+not the GPU's and is left out.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def count(fused: bool) -> Counter:
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
-            if name not in NO_KERNEL and not (fused and name == "copy_" and self.inside_triton):
+            if name not in NO_KERNEL and not (fused and self.inside_triton):
                 units[-1][name] += 1
             return func(*args, **(kwargs or {}))
 
@@ -48,7 +48,8 @@ def count(fused: bool) -> Counter:
 
     def kernel(name, real):
         def call(*args, **kwargs):
-            units[-1][f"triton {name}"] += 1
+            if units:  # (the first token's draw runs before any unit)
+                units[-1][f"triton {name}"] += 1
             record.inside_triton = True
             try:
                 return real(*args, **kwargs)
@@ -56,11 +57,14 @@ def count(fused: bool) -> Counter:
                 record.inside_triton = False
         return call
 
-    saved = generation.Replayed, fused_decode.wanted, fused_decode.add_rms_norm, fused_decode.rope_and_cache
+    saved = (generation.Replayed, fused_decode.wanted, fused_decode.draw_wanted, fused_decode.add_rms_norm,
+             fused_decode.rope_and_cache, fused_decode.draw)
     generation.Replayed = Counted
     fused_decode.wanted = lambda device, dtype, head_dim: fused
-    fused_decode.add_rms_norm = kernel("add_rms_norm", saved[2])
-    fused_decode.rope_and_cache = kernel("rope_and_cache", saved[3])
+    fused_decode.draw_wanted = lambda logits: fused
+    fused_decode.add_rms_norm = kernel("add_rms_norm", saved[3])
+    fused_decode.rope_and_cache = kernel("rope_and_cache", saved[4])
+    fused_decode.draw = kernel("draw", saved[5])
     try:
         llama_decode._STEPS.clear()
         torch.manual_seed(0)
@@ -70,7 +74,8 @@ def count(fused: bool) -> Counter:
         generation.generate(model, [[5, 6, 7]] * 4, sample_keys=[1, 2, 3, 4], max_new_tokens=3, eos_ids=[2],
                             pad_id=0, batch_size=4, static_cache=True)
     finally:
-        generation.Replayed, fused_decode.wanted, fused_decode.add_rms_norm, fused_decode.rope_and_cache = saved
+        (generation.Replayed, fused_decode.wanted, fused_decode.draw_wanted, fused_decode.add_rms_norm,
+         fused_decode.rope_and_cache, fused_decode.draw) = saved
         llama_decode._STEPS.clear()
     return units[-1]
 

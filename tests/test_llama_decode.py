@@ -239,6 +239,44 @@ def test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding(monkeypa
         fused._kernels.cache_clear()
 
 
+def test_the_fused_draw_is_the_unfused_draw(monkeypatch):
+    """tidyrl.models.fused_decode.draw (one Triton kernel per row; its interpreter here) draws the tokens
+    generation.draw_tokens draws from the same logits and uniforms, and gives their log-probs to float32 rounding:
+    at temperatures 1 and 0.7, with EOS banned and not (the step against min_new_tokens, on the device), logits in
+    bf16 and float32 with some at -inf, uniforms at 0 and just under 1, over blocks of 16 tokens with a partial last
+    one (the sampler's two levels)."""
+    fused = interpreted_triton(monkeypatch, "fused_decode")
+    if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
+        return rerun_interpreted(f"{__file__}::test_the_fused_draw_is_the_unfused_draw")
+    monkeypatch.setattr(generation, "_SAMPLING_BLOCK", 16)
+    g = torch.Generator().manual_seed(7)
+    B, V, T = 12, 53, 4
+    eos = torch.tensor([2, 3])
+    eos_column = torch.zeros((1, V), dtype=torch.bool).index_fill_(1, eos, True)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = (2.5 * torch.randn(B, V, generator=g)).to(dtype)
+            logits[0, 20:40] = float("-inf")
+            logits[1, :16] = float("-inf")  # a whole first block without mass
+            uniforms = torch.rand(B, T, generator=g, dtype=torch.float64)
+            uniforms[2, :] = 0.0
+            uniforms[3, :] = 1.0 - 2.0 ** -52
+            for temperature in (1.0, 0.7):
+                for step, ban_until in ((0, 2), (3, 2)):  # banned, then past min_new_tokens
+                    t = torch.tensor([step])
+                    token, logp = fused.draw(logits, uniforms, t, temperature=temperature, eos=eos,
+                                             ban_until=ban_until, block=16)
+                    want, want_logp = generation.draw_tokens(
+                        logits, uniforms[:, step], temperature=temperature, top_k=0, top_p=1.0,
+                        banned=eos_column if step < ban_until else None)
+                    assert token.dtype == torch.int64 and torch.equal(token, want), (dtype, temperature, step)
+                    torch.testing.assert_close(logp, want_logp, atol=2e-6, rtol=0)
+                    if step < ban_until:
+                        assert not torch.isin(token, eos).any()
+    finally:
+        fused._kernels.cache_clear()
+
+
 def test_a_capture_that_fails_leaves_the_unit_running_eagerly_with_a_warning(monkeypatch):
     """Where the CUDA graph's capture refuses an op, the generation goes on launching the same unit kernel by kernel
     (with a warning naming the failure) instead of failing the run: the warm-up's effects are the first call's, a

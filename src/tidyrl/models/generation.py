@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from tidyrl.models import fused_decode
 from tidyrl.models.devices import width_padding
 from tidyrl.models.llama_decode import Replayed, StaticDecode, attention_bias, decode_step_for
 
@@ -253,16 +254,24 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     vocab = logits.shape[-1]
     eos_column = torch.zeros((1, vocab), dtype=torch.bool, device=device).index_fill_(1, eos, True)
     draw = functools.partial(draw_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    filtering = bool(top_k and top_k < vocab) or top_p < 1.0
     if fixed:
         # Fixed shapes (and a CUDA graph on a GPU): no launch per kernel per token, no host value per token.
         # A graph only where the step's rope is a table lookup: position-dependent ropes (dynamic scaling) branch
         # on the sequence length on the host, which a captured graph cannot replay.
         # (the model's device made current: a graph, its stream and Triton's kernels are on the current device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            if not filtering and fused_decode.draw_wanted(logits):  # one kernel per row (models/fused_decode.py)
+                def draw_at(step_logits, t):
+                    return fused_decode.draw(step_logits, uniforms, t, temperature=temperature, eos=eos,
+                                             ban_until=min_new_tokens, block=_SAMPLING_BLOCK)
+            else:
+                def draw_at(step_logits, t):
+                    banned = eos_column & (t < min_new_tokens) if min_new_tokens else None  # EOS: no mass to draw
+                    return draw(step_logits, uniforms.index_select(1, t).squeeze(1), banned=banned)
             ids, logprobs, steps = _decode_fixed(
-                StaticDecode(step_fn, cache.layers, attn, Lp), logits, next_pos, uniforms, draw, eos_column,
-                min_new_tokens=min_new_tokens, pad_id=pad_id, eos=eos,
-                use_graph=device.type == "cuda" and step_fn.rope_table is not None)
+                StaticDecode(step_fn, cache.layers, attn, Lp), logits, next_pos, draw_at, max_new_tokens,
+                pad_id=pad_id, eos=eos, use_graph=device.type == "cuda" and step_fn.rope_table is not None)
     else:
         ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((B, max_new_tokens), device=device)
@@ -322,16 +331,16 @@ def draw_tokens(logits_BV: torch.Tensor, uniforms_B: torch.Tensor, *, temperatur
     return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
 
 
-def _decode_fixed(static: StaticDecode, logits: torch.Tensor, positions: torch.Tensor, uniforms: torch.Tensor, draw,
-                  eos_column: torch.Tensor, *, min_new_tokens: int, pad_id: int, eos: torch.Tensor,
-                  use_graph: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _decode_fixed(static: StaticDecode, logits: torch.Tensor, positions: torch.Tensor, draw_at, T: int, *, pad_id: int,
+                  eos: torch.Tensor, use_graph: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """`_generate_chunk`'s decoding with fixed shapes: (ids, log-probs, steps taken). One unit per token, the step
-    that decodes the last token and the draw of the next, with every index a device tensor (the draw's step `t`,
-    the cache's write position, the rows' positions), so that on CUDA the whole unit is one captured graph
-    replayed per token (`Replayed`): no kernel launched from Python and no host value read per token, but
-    whether every row has ended, asked every _END_CHECK_EVERY tokens. Finished rows stay in the batch and draw
-    padding (masked out). The same draws as the growing cache's loop (tests/test_llama_decode.py)."""
-    B, T = uniforms.shape
+    that decodes the last token and the draw of the next (`draw_at(logits, t)`: (tokens, log-probs) of step t),
+    with every index a device tensor (the draw's step `t`, the cache's write position, the rows' positions), so
+    that on CUDA the whole unit is one captured graph replayed per token (`Replayed`): no kernel launched from
+    Python and no host value read per token, but whether every row has ended, asked every _END_CHECK_EVERY tokens.
+    Finished rows stay in the batch and draw padding (masked out). The same draws as the growing cache's loop
+    (tests/test_llama_decode.py)."""
+    B = logits.shape[0]
     device = logits.device
     ids = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((B, T), device=device)
@@ -339,8 +348,7 @@ def _decode_fixed(static: StaticDecode, logits: torch.Tensor, positions: torch.T
     t = torch.zeros(1, dtype=torch.long, device=device)  # the step whose token is drawn next
 
     def draw_at_t(step_logits: torch.Tensor) -> None:
-        banned = eos_column & (t < min_new_tokens) if min_new_tokens else None  # EOS banned: no mass to draw
-        token, chosen = draw(step_logits, uniforms.index_select(1, t).squeeze(1), banned=banned)
+        token, chosen = draw_at(step_logits, t)
         token = torch.where(finished, pad_id, token)  # rows that ended earlier emit padding, masked out
         ids.index_copy_(1, t, token[:, None])
         logprobs.index_copy_(1, t, chosen.masked_fill(finished, 0.0)[:, None])
