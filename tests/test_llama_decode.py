@@ -277,6 +277,41 @@ def test_the_fused_draw_is_the_unfused_draw(monkeypatch):
         fused._kernels.cache_clear()
 
 
+def test_fused_kernels_that_fail_on_a_device_give_way_to_the_unfused_ops(monkeypatch):
+    """A fused kernel that cannot compile or run on some GPU does not fail the generation: the chunk is decoded
+    again with the unfused ops from the prompts' cache (the same completions as without the kernels), a warning
+    says why, and the kernels stay off for the process. An error with the kernels off is raised as it is."""
+    from tidyrl.models import fused_decode
+
+    model = MODELS["qwen2"]().to(torch.bfloat16)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [14]] * 4
+    kwargs = dict(sample_keys=list(range(12)), max_new_tokens=10, eos_ids=[2, 3], pad_id=0, batch_size=12,
+                  return_logprobs=True, static_cache=True, min_new_tokens=2)
+    plain = generate(model, prompts, **kwargs)
+    monkeypatch.setattr(fused_decode, "_failure", None)
+    monkeypatch.setattr(fused_decode, "_kernels", lambda: object())  # "importable"; the step asks on the CPU:
+    monkeypatch.setattr(fused_decode, "wanted", lambda device, dtype, head_dim: fused_decode._enabled())
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("PTX compile failed for sm_75")
+
+    monkeypatch.setattr(fused_decode, "add_rms_norm", broken)
+    llama_decode._STEPS.pop(model, None)
+    with pytest.warns(RuntimeWarning, match="fused decoding kernels failed.*PTX compile failed for sm_75"):
+        again = generate(model, prompts, **kwargs)
+    assert calls == [1] and fused_decode._failure and not fused_decode._enabled()
+    for a, b in zip(again, plain):
+        assert torch.equal(a, b)
+    llama_decode._STEPS.pop(model, None)
+    assert not llama_decode.decode_step_for(model, 32).fused  # off for the process
+
+    monkeypatch.setattr(llama_decode.StaticDecode, "__call__", lambda self: broken())
+    with pytest.raises(RuntimeError, match="sm_75"):  # the unfused ops' own error
+        generate(model, prompts, **kwargs)
+
+
 def test_a_capture_that_fails_leaves_the_unit_running_eagerly_with_a_warning(monkeypatch):
     """Where the CUDA graph's capture refuses an op, the generation goes on launching the same unit kernel by kernel
     (with a warning naming the failure) instead of failing the run: the warm-up's effects are the first call's, a

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -33,12 +35,27 @@ from torch import Tensor
 
 def wanted(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a step on `device` in `dtype` uses these kernels: bf16/fp16 on CUDA, a power-of-two head
-    dimension (a Triton block), Triton importable, not turned off by TIDYRL_FUSED_DECODE=0."""
+    dimension (a Triton block), Triton importable, not turned off by TIDYRL_FUSED_DECODE=0 or by a failure."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim & (head_dim - 1):
         return False
-    if os.environ.get("TIDYRL_FUSED_DECODE", "1") == "0":
-        return False
-    return _kernels() is not None
+    return _enabled()
+
+
+def _enabled() -> bool:
+    return os.environ.get("TIDYRL_FUSED_DECODE", "1") != "0" and _failure is None and _kernels() is not None
+
+
+_failure: Optional[str] = None  # why the kernels were given up in this process (`give_up`), or None
+
+
+def give_up(err: BaseException) -> None:
+    """Turn the kernels off for the rest of this process after `err` (a kernel that does not compile or run on
+    this GPU), with a warning: generation goes on with the unfused ops (`generation._generate_chunk`)."""
+    global _failure
+    _failure = f"{type(err).__name__}: {err}"
+    warnings.warn(f"tidyrl: the fused decoding kernels failed on this device ({_failure}); generation continues "
+                  "without them (slower). Please report it with the GPU and torch/triton versions; "
+                  "TIDYRL_FUSED_DECODE=0 silences this.", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,9 +229,9 @@ def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: Ten
 
 
 def draw_wanted(logits: Tensor) -> bool:
-    """Whether `draw` serves these logits: on CUDA, Triton importable, not turned off by TIDYRL_FUSED_DECODE=0
-    (any float dtype: the kernel reads them in float32)."""
-    return logits.is_cuda and os.environ.get("TIDYRL_FUSED_DECODE", "1") != "0" and _kernels() is not None
+    """Whether `draw` serves these logits: on CUDA, Triton importable, not turned off by TIDYRL_FUSED_DECODE=0 or
+    by a failure (any float dtype: the kernel reads them in float32)."""
+    return logits.is_cuda and _enabled()
 
 
 def draw(logits: Tensor, uniforms: Tensor, t: Tensor, *, temperature: float, eos: Tensor, ban_until: int,

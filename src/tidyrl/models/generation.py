@@ -261,17 +261,31 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         # on the sequence length on the host, which a captured graph cannot replay.
         # (the model's device made current: a graph, its stream and Triton's kernels are on the current device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            if not filtering and fused_decode.draw_wanted(logits):  # one kernel per row (models/fused_decode.py)
+            fused_draw = not filtering and fused_decode.draw_wanted(logits)  # one kernel per row (fused_decode)
+
+            def decode():
                 def draw_at(step_logits, t):
-                    return fused_decode.draw(step_logits, uniforms, t, temperature=temperature, eos=eos,
-                                             ban_until=min_new_tokens, block=_SAMPLING_BLOCK)
-            else:
-                def draw_at(step_logits, t):
+                    if fused_draw:
+                        return fused_decode.draw(step_logits, uniforms, t, temperature=temperature, eos=eos,
+                                                 ban_until=min_new_tokens, block=_SAMPLING_BLOCK)
                     banned = eos_column & (t < min_new_tokens) if min_new_tokens else None  # EOS: no mass to draw
                     return draw(step_logits, uniforms.index_select(1, t).squeeze(1), banned=banned)
-            ids, logprobs, steps = _decode_fixed(
-                StaticDecode(step_fn, cache.layers, attn, Lp), logits, next_pos, draw_at, max_new_tokens,
-                pad_id=pad_id, eos=eos, use_graph=device.type == "cuda" and step_fn.rope_table is not None)
+
+                return _decode_fixed(StaticDecode(step_fn, cache.layers, attn, Lp), logits, next_pos, draw_at,
+                                     max_new_tokens, pad_id=pad_id, eos=eos,
+                                     use_graph=device.type == "cuda" and step_fn.rope_table is not None)
+
+            try:
+                ids, logprobs, steps = decode()
+            except Exception as err:  # noqa: BLE001 - only where our fused kernels ran: the same decoding without
+                if not (fused_draw or step_fn.fused):
+                    raise
+                # A kernel that cannot compile or run on this GPU must not fail the run: the same decoding with the
+                # unfused ops (StaticDecode starts the cache and mask again from the prompts), the kernels off for
+                # this process, and a warning that says why. An error of the unfused ops is raised as it is.
+                fused_decode.give_up(err)
+                fused_draw, step_fn.fused = False, False
+                ids, logprobs, steps = decode()
     else:
         ids = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((B, max_new_tokens), device=device)
