@@ -280,7 +280,8 @@ def test_the_fused_draw_is_the_unfused_draw(monkeypatch):
 def test_fused_kernels_that_fail_on_a_device_give_way_to_the_unfused_ops(monkeypatch):
     """A fused kernel that cannot compile or run on some GPU does not fail the generation: the chunk is decoded
     again with the unfused ops from the prompts' cache (the same completions as without the kernels), a warning
-    says why, and the kernels stay off for the process. An error with the kernels off is raised as it is."""
+    says why, and the kernels stay off for the process. An error with the kernels off is raised as it is, and so is
+    running out of memory (the unfused ops need more)."""
     from tidyrl.models import fused_decode
 
     model = MODELS["qwen2"]().to(torch.bfloat16)
@@ -298,6 +299,7 @@ def test_fused_kernels_that_fail_on_a_device_give_way_to_the_unfused_ops(monkeyp
         raise RuntimeError("PTX compile failed for sm_75")
 
     monkeypatch.setattr(fused_decode, "add_rms_norm", broken)
+    real_call = llama_decode.StaticDecode.__call__
     llama_decode._STEPS.pop(model, None)
     with pytest.warns(RuntimeWarning, match="fused decoding kernels failed.*PTX compile failed for sm_75"):
         again = generate(model, prompts, **kwargs)
@@ -310,6 +312,18 @@ def test_fused_kernels_that_fail_on_a_device_give_way_to_the_unfused_ops(monkeyp
     monkeypatch.setattr(llama_decode.StaticDecode, "__call__", lambda self: broken())
     with pytest.raises(RuntimeError, match="sm_75"):  # the unfused ops' own error
         generate(model, prompts, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "_failure", None)  # with the kernels on, running out of memory is raised
+    def out_of_memory(*args, **kwargs):
+        calls.append(2)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(fused_decode, "add_rms_norm", out_of_memory)
+    monkeypatch.setattr(llama_decode.StaticDecode, "__call__", real_call)
+    llama_decode._STEPS.pop(model, None)
+    with pytest.raises(torch.OutOfMemoryError):
+        generate(model, prompts, **kwargs)
+    assert calls[-1] == 2 and fused_decode._failure is None  # not retried, the kernels not given up
 
 
 def test_a_capture_that_fails_leaves_the_unit_running_eagerly_with_a_warning(monkeypatch):

@@ -278,8 +278,8 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
             try:
                 ids, logprobs, steps = decode()
             except Exception as err:  # noqa: BLE001 - only where our fused kernels ran: the same decoding without
-                if not (fused_draw or step_fn.fused):
-                    raise
+                if not (fused_draw or step_fn.fused) or isinstance(err, torch.OutOfMemoryError):
+                    raise  # (out of memory: the unfused ops need more, not less)
                 # A kernel that cannot compile or run on this GPU must not fail the run: the same decoding with the
                 # unfused ops (StaticDecode starts the cache and mask again from the prompts), the kernels off for
                 # this process, and a warning that says why. An error of the unfused ops is raised as it is.
