@@ -277,6 +277,36 @@ def test_the_fused_draw_is_the_unfused_draw(monkeypatch):
         fused._kernels.cache_clear()
 
 
+def test_a_fixed_shape_generation_with_the_fused_draw_draws_what_the_unfused_one_draws(monkeypatch):
+    """The fused draw inside the fixed-shape loop (the device-side step t, the uniforms' columns, EOS banned until
+    min_new_tokens, temperature), in Triton's interpreter: the same completions as the unfused draw on a float32
+    model, log-probs to float32 rounding; and a bf16 model with every fused kernel generates whole completions."""
+    fused = interpreted_triton(monkeypatch, "fused_decode")
+    if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
+        return rerun_interpreted(
+            f"{__file__}::test_a_fixed_shape_generation_with_the_fused_draw_draws_what_the_unfused_one_draws")
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [14]] * 4
+    kwargs = dict(sample_keys=list(range(12)), max_new_tokens=12, eos_ids=[2, 3], pad_id=0, batch_size=12,
+                  return_logprobs=True, static_cache=True, min_new_tokens=3, temperature=0.8)
+    try:
+        model = MODELS["llama-gqa"]()
+        plain = generate(model, prompts, **kwargs)
+        monkeypatch.setattr(fused, "draw_wanted", lambda logits: True)
+        drawn = generate(model, prompts, **kwargs)
+        for a, b in zip(drawn[:3], plain[:3]):
+            assert torch.equal(a, b)
+        torch.testing.assert_close(drawn[3], plain[3], atol=2e-6, rtol=0)
+        assert (drawn[1].sum(1) >= 3).all()  # no EOS before min_new_tokens
+
+        monkeypatch.setattr(fused, "wanted", lambda device, dtype, head_dim: dtype == torch.bfloat16)
+        low = MODELS["qwen2"]().to(torch.bfloat16)
+        ids, mask, _, logprobs = generate(low, prompts, **kwargs)
+        assert llama_decode._STEPS[low].fused and ids.shape == (12, 12)
+        assert (mask.sum(1) >= 3).all() and torch.isfinite(logprobs).all() and (logprobs[mask > 0] < 0).all()
+    finally:
+        fused._kernels.cache_clear()
+
+
 def test_fused_kernels_that_fail_on_a_device_give_way_to_the_unfused_ops(monkeypatch):
     """A fused kernel that cannot compile or run on some GPU does not fail the generation: the chunk is decoded
     again with the unfused ops from the prompts' cache (the same completions as without the kernels), a warning
