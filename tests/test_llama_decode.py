@@ -273,6 +273,12 @@ def test_the_fused_draw_is_the_unfused_draw(monkeypatch):
                     torch.testing.assert_close(logp, want_logp, atol=2e-6, rtol=0)
                     if step < ban_until:
                         assert not torch.isin(token, eos).any()
+            none = torch.empty(0, dtype=torch.long)  # no EOS ids at all: nothing banned
+            token, logp = fused.draw(logits, uniforms, torch.tensor([0]), temperature=1.0, eos=none, ban_until=2,
+                                     block=16)
+            want, want_logp = generation.draw_tokens(logits, uniforms[:, 0], temperature=1.0, top_k=0, top_p=1.0)
+            assert torch.equal(token, want)
+            torch.testing.assert_close(logp, want_logp, atol=2e-6, rtol=0)
     finally:
         fused._kernels.cache_clear()
 

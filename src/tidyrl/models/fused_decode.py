@@ -241,7 +241,7 @@ def draw(logits: Tensor, uniforms: Tensor, t: Tensor, *, temperature: float, eos
     uniform uniforms[:, t] (float64), the softmax's block sums and running sums as `generation.sample_from_logits`
     takes them (blocks of `block` tokens in float32, accumulated in float64; the block's tokens summed in float64),
     and its log-prob under the unbanned softmax. The same draws as the unfused ops up to float rounding at a
-    boundary (summation order). Two passes over the vocabulary per row (~30 kernels unfused: softmax, block sums,
+    boundary (summation order). Two passes over the vocabulary per row (~35 kernels unfused: softmax, block sums,
     cumsums, searches, log-softmax), no host value: a captured graph replays it. (tokens int64, log-probs
     float32), each (B,)."""
     *_, kernel = _kernels()
@@ -251,9 +251,10 @@ def draw(logits: Tensor, uniforms: Tensor, t: Tensor, *, temperature: float, eos
     token = torch.empty(B, dtype=torch.int64, device=logits.device)
     logp = torch.empty(B, dtype=torch.float32, device=logits.device)
     assert logits.stride(-1) == 1 and uniforms.stride(-1) == 1 and uniforms.dtype == torch.float64
-    kernel[(B,)](logits, logits.stride(0), uniforms, uniforms.stride(0), t, eos, ban_until, float(temperature), sums,
-                 token, logp, V=V, NBLOCKS=blocks, N_EOS=eos.numel(), SCALED=temperature != 1.0, BLOCK=block,
-                 num_warps=4)
+    # (no EOS ids: any int64 tensor stands in, never read; an empty CUDA tensor's null pointer Triton refuses)
+    kernel[(B,)](logits, logits.stride(0), uniforms, uniforms.stride(0), t, eos if eos.numel() else token, ban_until,
+                 float(temperature), sums, token, logp, V=V, NBLOCKS=blocks, N_EOS=eos.numel(),
+                 SCALED=temperature != 1.0, BLOCK=block, num_warps=4)
     return token, logp
 
 
