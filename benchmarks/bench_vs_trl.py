@@ -390,17 +390,20 @@ def gpu_memory(phase_peaks: "PhasePeaks | None" = None) -> dict:
     if phase_peaks is None:
         return {"peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20}
     return {"peak_gpu_mib": phase_peaks.overall() / 2**20,
-            "peak_gpu_by_phase": {k: v / 2**20 for k, v in phase_peaks.peaks.items()}}
+            "peak_gpu_by_phase": {k: v / 2**20 for k, v in phase_peaks.peaks.items()},
+            "held_gpu_by_phase": {k: v / 2**20 for k, v in phase_peaks.held.items()}}
 
 
 class PhasePeaks:
     """The peak GPU memory (torch's allocator) inside each wrapped phase, over the whole run: which phase sets the
-    run's peak. The allocator's peak is reset as a phase starts, so the run's peak is kept here as well."""
+    run's peak. The allocator's peak is reset as a phase starts, so the run's peak is kept here as well. Also what
+    is held as each phase starts (its largest over the run): the state that lives across phases (weights,
+    optimizer, reference model, engine), apart from what the phase itself allocates on top of it."""
 
     def __init__(self):
         import torch
 
-        self.torch, self.peaks, self.before = torch, {}, 0
+        self.torch, self.peaks, self.held, self.before = torch, {}, {}, 0
 
     def on(self) -> bool:
         return self.torch.cuda.is_available() and self.torch.cuda.is_initialized()
@@ -415,12 +418,14 @@ class PhasePeaks:
         def wrapper(*a, **kw):
             if not self.on():
                 return fn(*a, **kw)
-            self.before = max(self.before, self.torch.cuda.max_memory_allocated())
-            self.torch.cuda.reset_peak_memory_stats()
+            cuda = self.torch.cuda
+            self.before = max(self.before, cuda.max_memory_allocated())
+            self.held[name] = max(self.held.get(name, 0), cuda.memory_allocated())
+            cuda.reset_peak_memory_stats()
             try:
                 return fn(*a, **kw)
             finally:
-                self.peaks[name] = max(self.peaks.get(name, 0), self.torch.cuda.max_memory_allocated())
+                self.peaks[name] = max(self.peaks.get(name, 0), cuda.max_memory_allocated())
 
         return wrapper
 
@@ -699,6 +704,7 @@ def summarise(result: dict, w: dict, warmup: int, flops: dict[str, float]) -> di
         "peak_rss_mib": result["peak_rss_mib"],
         **({"peak_gpu_mib": result["peak_gpu_mib"]} if "peak_gpu_mib" in result else {}),
         **{f"peak_gpu_{phase}_mib": mib for phase, mib in result.get("peak_gpu_by_phase", {}).items()},
+        **{f"held_gpu_{phase}_mib": mib for phase, mib in result.get("held_gpu_by_phase", {}).items()},
     }
 
 
@@ -728,9 +734,16 @@ def print_table(name: str, w: dict, facts: dict, figures: dict[str, dict], peak:
         ("rollout: total s", "rollout_s", "{:.3f}", False),
         ("peak RSS MiB", "peak_rss_mib", "{:.0f}", False),
         ("peak GPU MiB", "peak_gpu_mib", "{:.0f}", False),
+        *((f"  {phase}: held / peak MiB", (f"held_gpu_{phase}_mib", f"peak_gpu_{phase}_mib"), None, False)
+          for phase in PHASES),
         ("nominal GFLOP/s", "flops_per_s", "{:.2f}", True),
     ]
     for label, key, fmt, higher_better in rows:
+        if isinstance(key, tuple):  # a phase's memory: held as it starts / its peak (CUDA runs only)
+            if all(k in figures[c] for c in cols for k in key):
+                print(f"{label:28}" + "".join(f"{'{:.0f} / {:.0f}'.format(*(figures[c][k] for k in key)):>{width}}"
+                                              for c in cols))
+            continue
         if any(key not in figures[c] for c in cols):  # peak GPU memory: CUDA runs only
             continue
         values = [figures[c][key] for c in cols]
@@ -862,7 +875,8 @@ def main(argv=None) -> None:
                       f"{figures['s_per_step']:.3f} s/step (generate {figures['generate_s']:.3f}, score "
                       f"{figures['score_s']:.3f}, update {figures['update_s']:.3f} s"
                       + (f", peak GPU {figures['peak_gpu_mib']:.0f} MiB" if "peak_gpu_mib" in figures else "")
-                      + "".join(f" ({phase} {figures[f'peak_gpu_{phase}_mib']:.0f})" for phase in PHASES
+                      + "".join(f" ({phase} {figures[f'peak_gpu_{phase}_mib']:.0f}, held at its start "
+                                f"{figures[f'held_gpu_{phase}_mib']:.0f})" for phase in PHASES
                                 if f"peak_gpu_{phase}_mib" in figures)
                       + f"), peak RSS {figures['peak_rss_mib']:.0f} MiB "
                       f"({time.perf_counter() - t0:.0f} s with loading; load average {load:.2f} -> "

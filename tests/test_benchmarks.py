@@ -153,3 +153,51 @@ def test_count_decode_ops_counts_a_captured_token_and_the_fused_kernels_cut_it()
         assert counts["fused"] <= 16 * 24 and "triton rope_and_cache 24" in done.stdout, done.stdout
     else:
         assert "fused" not in counts and "needs Triton" in done.stdout
+
+
+def test_phase_peaks_keep_what_each_phase_holds_and_reaches_and_the_table_shows_both(capsys):
+    """On CUDA each phase of a benchmarked run records the memory held as it starts (the state living across
+    phases) and its own peak, so that a run's peak is traced to a phase and to held state or transients. torch's
+    allocator counters faked here (no GPU); the table prints `held / peak` per phase for each library."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(BENCH))
+    import bench_vs_trl as bench
+
+    mem = {"now": 1000, "peak": 1000}
+
+    def allocate(n):
+        mem["now"] += n
+        mem["peak"] = max(mem["peak"], mem["now"])
+
+    cuda = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                           memory_allocated=lambda: mem["now"], max_memory_allocated=lambda: mem["peak"],
+                           reset_peak_memory_stats=lambda: mem.update(peak=mem["now"]))
+    peaks = bench.PhasePeaks()
+    peaks.torch = SimpleNamespace(cuda=cuda)
+
+    def generate():  # a transient 400 on top of what is held
+        allocate(400)
+        allocate(-400)
+
+    def update():  # keeps 100 (say, gradients) and a transient 900
+        allocate(1000)
+        allocate(-900)
+
+    generate, update = peaks.phase("generate", generate), peaks.phase("update", update)
+    for _ in range(2):
+        generate()
+        update()
+    assert peaks.held == {"generate": 1100, "update": 1100} and peaks.peaks == {"generate": 1500, "update": 2100}
+    assert peaks.overall() == 2100
+
+    base = {"episodes_per_s": 1.0, "tokens_per_s": 1.0, "s_per_step": 1.0, "generate_s": 1.0, "reward_s": 0.1,
+            "score_s": 1.0, "update_s": 1.0, "rollout_s": 1.0, "peak_rss_mib": 1.0, "flops_per_s": 1.0,
+            "generate_flops_per_s": 1.0, "score_flops_per_s": 1.0, "update_flops_per_s": 1.0, "peak_gpu_mib": 2100}
+    mine = {**base, "held_gpu_update_mib": 1100, "peak_gpu_update_mib": 2100}
+    theirs = {**base, "held_gpu_update_mib": 900, "peak_gpu_update_mib": 1800}
+    w = dict(hidden=8, layers=1, heads=1, prompts=1, k=1, max_new_tokens=1, epochs=1, kl_coef=0.0, micro_batch=1)
+    bench.print_table("x", w, {"params": 1e6, "vocab": 10}, {"tidyrl": mine, "TRL": theirs}, 1.0, 1)
+    out = capsys.readouterr().out
+    assert re.search(r"update: held / peak MiB\s+1100 / 2100\s+900 / 1800", out), out
+    assert "generate: held / peak" not in out  # (not recorded for either: no row)
