@@ -25,7 +25,8 @@ from triton.compiler import ASTSource
 
 from tidyrl.models import fused_decode, fused_logprobs
 
-norm, rope, _, draw = fused_decode._kernels()
+decode = fused_decode._kernels()
+norm, rope, draw = decode.add_rms_norm_kernel, decode.rope_and_cache_kernel, decode.draw_kernel
 forward, backward, _ = fused_logprobs._kernels()
 for cc in (75, 80, 90):
     for dt in ("bf16", "fp16"):

@@ -18,6 +18,7 @@ inverse transform, the same sums in the same precisions).
 The results equal the unfused step's up to rounding (summation order, rsqrt): tests/test_cuda.py compiled on a
 GPU, tests/test_llama_decode.py in Triton's interpreter on CPU where Triton is installed.
 
+The kernels themselves are in `tidyrl.models.decode_kernels`; this module decides when they serve and launches them.
 Used by `LlamaDecodeStep` for fixed-shape steps on CUDA where Triton imports, with every norm weight in the
 activations' dtype. `TIDYRL_FUSED_DECODE=0` in the environment turns it off (the unfused step then runs).
 """
@@ -60,155 +61,29 @@ def give_up(err: BaseException) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """The Triton kernels, compiled on first use; None where Triton cannot be imported."""
+    """The Triton kernels (tidyrl.models.decode_kernels), decorated on first use; None where Triton cannot be
+    imported. Imported again after `cache_clear` (the tests switch Triton's interpreter on and off)."""
     try:
-        import triton
-        import triton.language as tl
+        import triton  # noqa: F401
     except Exception:  # noqa: BLE001 - no Triton (CPU builds of torch): the unfused step serves
         return None
+    import importlib
+    import sys
 
-    @triton.jit
-    def add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, eps, N: tl.constexpr,
-                            HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        inside = offs < N
-        x = tl.load(x_ptr + row * N + offs, mask=inside, other=0.0)
-        if HAS_DELTA:  # x + delta as torch adds two bf16 tensors: in float32, one rounding
-            x = (x.to(tl.float32) + tl.load(delta_ptr + row * N + offs, mask=inside, other=0.0).to(tl.float32)
-                 ).to(sum_ptr.dtype.element_ty)
-            tl.store(sum_ptr + row * N + offs, x, mask=inside)
-        v = x.to(tl.float32)
-        normed = (v / tl.sqrt(tl.sum(v * v, axis=0) / N + eps)).to(out_ptr.dtype.element_ty)
-        w = tl.load(weight_ptr + offs, mask=inside, other=0.0)
-        tl.store(out_ptr + row * N + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=inside)
-
-    @triton.jit
-    def rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, at_ptr, q_out_ptr,
-                              C, q_row, k_row, v_row, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        offs = tl.arange(0, D)
-        partner = (offs + D // 2) % D  # roll(x, D/2)[i] = x[(i + D/2) mod D]
-        cos = tl.load(cos_ptr + b * D + offs).to(tl.float32)
-        sin = tl.load(sin_ptr + b * D + offs).to(tl.float32)  # signed: (-sin1, sin2)
-        if head < H:
-            src = q_ptr + b * q_row + head * D
-        else:
-            src = k_ptr + b * k_row + (head - H) * D
-        x = tl.load(src + offs)
-        kind = x.dtype
-        first = (x.to(tl.float32) * cos).to(kind)  # x * cos, rounded as torch's product
-        out = (first.to(tl.float32) + tl.load(src + partner).to(tl.float32) * sin).to(kind)  # addcmul: one rounding
-        if head < H:
-            tl.store(q_out_ptr + (b * H + head) * D + offs, out)
-        else:
-            g = head - H
-            slot = ((b * HKV + g) * C + tl.load(at_ptr)) * D
-            tl.store(keys_ptr + slot + offs, out)
-            tl.store(values_ptr + slot + offs, tl.load(v_ptr + b * v_row + g * D + offs))
-
-    @triton.jit
-    def draw_kernel(logits_ptr, row_stride, u_ptr, u_row_stride, t_ptr, eos_ptr, ban_until, temperature, sums_ptr,
-                    token_ptr, logp_ptr, V: tl.constexpr, NBLOCKS: tl.constexpr, N_EOS: tl.constexpr,
-                    SCALED: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * row_stride
-        lanes = tl.arange(0, BLOCK)
-        t = tl.load(t_ptr)
-        banned = t < ban_until
-        # 1. Online max and sum of exp (Milakov & Gimelshein 2018) of the scaled logits x (the log-prob's
-        #    normaliser) and of z, x with EOS at -inf while banned (what the token is drawn from).
-        mx = tl.full([BLOCK], float("-inf"), tl.float32)
-        sx = tl.zeros([BLOCK], tl.float32)
-        mz = tl.full([BLOCK], float("-inf"), tl.float32)
-        sz = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            offs = start + lanes
-            x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            if SCALED:
-                x = x / temperature
-            hit = offs < 0
-            for i in range(N_EOS):
-                hit = hit | (offs == tl.load(eos_ptr + i))
-            z = tl.where(hit & banned, float("-inf"), x)
-            new = tl.maximum(mx, x)
-            sx = sx * tl.where(new == float("-inf"), 1.0, tl.exp(mx - new)) + tl.where(x == float("-inf"), 0.0,
-                                                                                       tl.exp(x - new))
-            mx = new
-            new = tl.maximum(mz, z)
-            sz = sz * tl.where(new == float("-inf"), 1.0, tl.exp(mz - new)) + tl.where(z == float("-inf"), 0.0,
-                                                                                       tl.exp(z - new))
-            mz = new
-        top_x = tl.max(mx, axis=0)
-        sum_x = tl.sum(sx * tl.where(mx == float("-inf"), 0.0, tl.exp(mx - top_x)), axis=0)
-        top_z = tl.max(mz, axis=0)
-        sum_z = tl.sum(sz * tl.where(mz == float("-inf"), 0.0, tl.exp(mz - top_z)), axis=0)
-        # 2. softmax(z) summed per block of BLOCK tokens in float32, the blocks accumulated in float64.
-        total = tl.zeros([], tl.float64)
-        for b in range(0, NBLOCKS):
-            offs = b * BLOCK + lanes
-            x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            if SCALED:
-                x = x / temperature
-            hit = offs < 0
-            for i in range(N_EOS):
-                hit = hit | (offs == tl.load(eos_ptr + i))
-            z = tl.where(hit & banned, float("-inf"), x)
-            block_sum = tl.sum(tl.where(z == float("-inf"), 0.0, tl.exp(z - top_z) / sum_z), axis=0)
-            tl.store(sums_ptr + row * NBLOCKS + b, block_sum)
-            total += block_sum.to(tl.float64)
-        # 3. The first block whose cumulative sum exceeds u * total (the last where none does).
-        target = tl.load(u_ptr + row * u_row_stride + t) * total
-        cdf = tl.zeros([], tl.float64)
-        chosen_block = tl.zeros([], tl.int32) + NBLOCKS - 1
-        before = tl.zeros([], tl.float64)
-        last_before = tl.zeros([], tl.float64)
-        found = tl.zeros([], tl.int32)
-        for b in range(0, NBLOCKS):
-            nxt = cdf + tl.load(sums_ptr + row * NBLOCKS + b).to(tl.float64)
-            first = (found == 0) & (nxt > target)
-            chosen_block = tl.where(first, b, chosen_block)
-            before = tl.where(first, cdf, before)
-            found = tl.where(first, 1, found)
-            last_before = cdf
-            cdf = nxt
-        before = tl.where(found == 1, before, last_before)
-        # 4. Within it, the first token whose float64 running sum exceeds the rest of the target, kept under the
-        #    block's own total (its sum in another order): the number of running sums <= the rest.
-        offs = chosen_block * BLOCK + lanes
-        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        if SCALED:
-            x = x / temperature
-        hit = offs < 0
-        for i in range(N_EOS):
-            hit = hit | (offs == tl.load(eos_ptr + i))
-        z = tl.where(hit & banned, float("-inf"), x)
-        inner = tl.cumsum(tl.where(z == float("-inf"), 0.0, tl.exp(z - top_z) / sum_z).to(tl.float64), axis=0)
-        last = tl.max(inner, axis=0)
-        below_last = tl.where(last > 0, (last.to(tl.int64, bitcast=True) - 1).to(tl.float64, bitcast=True), 0.0)
-        rest = tl.minimum(target - before, below_last)
-        token = tl.minimum(chosen_block * BLOCK + tl.sum((inner <= rest).to(tl.int32), axis=0), V - 1)
-        # log softmax(x)[token], x unbanned: (x - max) - log(sum exp(x - max)), as torch's log_softmax.
-        x_token = tl.load(base + token).to(tl.float32)
-        if SCALED:
-            x_token = x_token / temperature
-        tl.store(token_ptr + row, token.to(tl.int64))
-        tl.store(logp_ptr + row, (x_token - top_x) - tl.log(sum_x))
-
-    return add_rms_norm_kernel, rope_and_cache_kernel, triton.next_power_of_2, draw_kernel
+    name = "tidyrl.models.decode_kernels"
+    return importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
 
 
 def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(x + delta, rms_norm(x + delta)) for rows x (n, N) in one kernel; with `delta` None, (x, rms_norm(x)).
     rms_norm as `llama_decode.rms_norm`: w * (v / sqrt(mean(v^2) + eps)).to(dtype), v = the rows in float32."""
-    kernel, _, next_power_of_2, _ = _kernels()
+    kernels = _kernels()
     n, N = x.shape
     total = x if delta is None else torch.empty_like(x)
     out = torch.empty_like(x)
-    kernel[(n,)](x, x if delta is None else delta, weight, total, out, eps, N=N, HAS_DELTA=delta is not None,
-                 BLOCK=next_power_of_2(N), num_warps=4)
+    kernels.add_rms_norm_kernel[(n,)](x, x if delta is None else delta, weight, total, out, eps, N=N,
+                                      HAS_DELTA=delta is not None, BLOCK=kernels.triton.next_power_of_2(N),
+                                      num_warps=4)
     return total, out
 
 
@@ -218,13 +93,13 @@ def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: Ten
     `keys`/`values` (B, Hkv, C, D, contiguous) at position `at` (a one-element device tensor). q (B, H*D), k and v
     (B, Hkv*D): rows of any stride, each row's heads contiguous (slices of one qkv product serve); cos and signed
     sin (B, 1, D) contiguous (`LlamaDecodeStep._rope_factors`)."""
-    _, kernel, _, _ = _kernels()
     B, Hkv, C, D = keys.shape
     H = q.shape[1] // D
     assert all(t.stride(-1) == 1 for t in (q, k, v)) and keys.is_contiguous() and values.is_contiguous()
     q_out = q.new_empty((B, H, D))
-    kernel[(B, H + Hkv)](q, k, v, cos, sin_signed, keys, values, at, q_out, C, q.stride(0), k.stride(0), v.stride(0),
-                         H=H, HKV=Hkv, D=D, num_warps=1)
+    _kernels().rope_and_cache_kernel[(B, H + Hkv)](q, k, v, cos, sin_signed, keys, values, at, q_out, C,
+                                                   q.stride(0), k.stride(0), v.stride(0), H=H, HKV=Hkv, D=D,
+                                                   num_warps=1)
     return q_out
 
 
@@ -244,7 +119,6 @@ def draw(logits: Tensor, uniforms: Tensor, t: Tensor, *, temperature: float, eos
     boundary (summation order). Two passes over the vocabulary per row (~35 kernels unfused: softmax, block sums,
     cumsums, searches, log-softmax), no host value: a captured graph replays it. (tokens int64, log-probs
     float32), each (B,)."""
-    *_, kernel = _kernels()
     B, V = logits.shape
     blocks = -(-V // block)
     sums = torch.empty((B, blocks), dtype=torch.float32, device=logits.device)
@@ -252,9 +126,10 @@ def draw(logits: Tensor, uniforms: Tensor, t: Tensor, *, temperature: float, eos
     logp = torch.empty(B, dtype=torch.float32, device=logits.device)
     assert logits.stride(-1) == 1 and uniforms.stride(-1) == 1 and uniforms.dtype == torch.float64
     # (no EOS ids: any int64 tensor stands in, never read; an empty CUDA tensor's null pointer Triton refuses)
-    kernel[(B,)](logits, logits.stride(0), uniforms, uniforms.stride(0), t, eos if eos.numel() else token, ban_until,
-                 float(temperature), sums, token, logp, V=V, NBLOCKS=blocks, N_EOS=eos.numel(),
-                 SCALED=temperature != 1.0, BLOCK=block, num_warps=4)
+    _kernels().draw_kernel[(B,)](logits, logits.stride(0), uniforms, uniforms.stride(0), t,
+                                 eos if eos.numel() else token, ban_until, float(temperature), sums, token, logp, V=V,
+                                 NBLOCKS=blocks, N_EOS=eos.numel(), SCALED=temperature != 1.0, BLOCK=block,
+                                 num_warps=4)
     return token, logp
 
 
