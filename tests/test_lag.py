@@ -282,11 +282,12 @@ def test_under_fsdp_the_lag_takes_vllm_servers_and_is_refused_with_an_in_process
     at a launch); an in-process engine would need a whole copy on every process."""
     from types import SimpleNamespace
 
+    from tidyrl.config import RolloutConfig
     from tidyrl.models.sharding import ShardingError, check_supported
 
     def cfg(engine, lag=1, top_k=0):
         return SimpleNamespace(log=SimpleNamespace(save_every=0), resume_from=None,
-                               rollout=SimpleNamespace(lag=lag, engine=engine, top_k=top_k, top_p=1.0))
+                               rollout=RolloutConfig(lag=lag, engine=engine, top_k=top_k, top_p=1.0))
 
     for engine in ("builtin", "vllm"):
         with pytest.raises(ShardingError, match=rf"rollout\.lag=1 under FSDP needs rollout\.engine: vllm-server.*"

@@ -157,6 +157,12 @@ class RolloutConfig:
     on_sampling_cap: str = "fill"
     """dynamic_sampling, when the rounds run out with fewer informative groups than prompts_per_rollout: fill (complete the rollout with dropped groups, first generated first; they carry no advantage) or error (stop, with the counts)."""
 
+    @property
+    def filtered_sampling(self) -> bool:
+        """top_k or top_p set: an engine with its own copy of the weights (vLLM) returns log-probs after them,
+        renormalised over the kept tokens, which are not the policy's."""
+        return self.top_k > 0 or self.top_p < 1.0
+
     def check(self, need, cfg: "Config") -> None:
         for name in ("prompts_per_rollout", "generation_batch_size", "forward_batch_size"):
             need(getattr(self, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(self, name)}")

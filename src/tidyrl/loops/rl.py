@@ -28,7 +28,7 @@ from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_trai
                                  save_pretrained_atomic, write_run_header)
 from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
 from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
-from tidyrl.loops.rl_rollout import (GROUP_COUNTS, estimate_advantages, evaluate_held_out, filtered_sampling,
+from tidyrl.loops.rl_rollout import (GROUP_COUNTS, estimate_advantages, evaluate_held_out,
                                      gather_rollout, normalised, old_from_sampler, rollout_stats, sample_row,
                                      score_episodes, with_behaviour_logprobs)
 from tidyrl.loops.rl_update import Trainee, UpdateSettings, optimizer_step
@@ -413,7 +413,7 @@ class RLRun:
     def _rescore_behaviour(self) -> bool:
         """rollout.lag with top_k/top_p on an engine with its own weights: its log-probs are renormalised over the
         kept tokens, so the behaviour log-probs are recomputed by the frozen copy (`with_behaviour_logprobs`)."""
-        return filtered_sampling(self.cfg.rollout) and not self.engine.capabilities.samples_trained_weights
+        return self.cfg.rollout.filtered_sampling and not self.engine.capabilities.samples_trained_weights
 
     def _produce(self, policy, r: int):
         """This process's episodes of rollout r, rewarded (with rollout.dynamic_sampling: of the chosen groups).

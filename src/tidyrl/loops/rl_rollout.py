@@ -55,16 +55,10 @@ def episode_tokens(made, pad_id: int) -> Rollout:
     return Rollout(p_ids, p_mask, ep.completion_ids, ep.completion_mask, ep.truncated, action_mask=ep.action_mask)
 
 
-def filtered_sampling(rollout_cfg) -> bool:
-    """top_k or top_p set: an engine with its own copy of the weights (vLLM) returns log-probs after them,
-    renormalised over the kept tokens, which are not the policy's."""
-    return rollout_cfg.top_k > 0 or rollout_cfg.top_p < 1.0
-
-
 def with_behaviour_logprobs(made, behaviour, pad_id: int, temperature: float, chunk_size: int, fast_path: bool):
     """`made` with its episodes' behaviour log-probs recomputed by `behaviour` (the frozen copy at the version that
     generated them): rollout.lag with top_k/top_p on an engine whose own log-probs are renormalised over the kept
-    tokens (`filtered_sampling`). They are then the policy's at that version and temperature, unfiltered, as the
+    tokens (`RolloutConfig.filtered_sampling`). They are then the policy's at that version and temperature, unfiltered, as the
     builtin engine returns them, which the truncated importance weights of the lag divide by. 0 where the engine
     wrote none (padding, an environment's tokens)."""
     ep = made.episodes

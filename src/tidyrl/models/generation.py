@@ -128,6 +128,11 @@ def sample_from_logits(logits_BV: torch.Tensor, uniforms_B: torch.Tensor) -> tor
 _SAMPLING_BLOCK = 1024
 
 
+def filters(top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether top-k/top-p remove anything from a vocabulary of `vocab` tokens (`filter_logits`)."""
+    return bool(top_k and top_k < vocab) or top_p < 1.0
+
+
 def filter_logits(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Top-k then nucleus (Holtzman et al. 2020) filtering: removed tokens get -inf. Always keeps one token."""
     if top_k and top_k < logits_BV.shape[-1]:
@@ -254,7 +259,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     vocab = logits.shape[-1]
     eos_column = torch.zeros((1, vocab), dtype=torch.bool, device=device).index_fill_(1, eos, True)
     draw = functools.partial(draw_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    filtering = bool(top_k and top_k < vocab) or top_p < 1.0
+    filtering = filters(top_k, top_p, vocab)
     if fixed:
         # Fixed shapes (and a CUDA graph on a GPU): no launch per kernel per token, no host value per token.
         # A graph only where the step's rope is a table lookup: position-dependent ropes (dynamic scaling) branch
@@ -339,7 +344,7 @@ def draw_tokens(logits_BV: torch.Tensor, uniforms_B: torch.Tensor, *, temperatur
     graph replays it."""
     scaled = logits_BV.float() / temperature if temperature != 1.0 else logits_BV.float()  # (B, V)
     z = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
-    if bool(top_k and top_k < z.shape[-1]) or top_p < 1.0:
+    if filters(top_k, top_p, z.shape[-1]):
         z = filter_logits(z, top_k, top_p)
     token = sample_from_logits(z, uniforms_B)
     return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)

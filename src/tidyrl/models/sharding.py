@@ -61,7 +61,7 @@ def check_supported(kind: str, cfg) -> None:
                 "optimizer state gathered, which tidyrl does not do yet. Set log.save_every=0 (the final model is "
                 "saved in full), or run without FSDP (docs/memory.md)."
             )
-        if cfg.rollout.lag and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):
+        if cfg.rollout.lag and cfg.rollout.filtered_sampling:
             raise ShardingError(
                 f"rollout.lag={cfg.rollout.lag} with top_k/top_p cannot be used under FSDP yet: the servers' log-probs "
                 "are renormalised over the kept tokens, and the copy of the weights that would recompute them is "
