@@ -359,7 +359,7 @@ def config_problems(cfg) -> list[str]:
     # A temperature needs the servers' log-probs at it (checked on each server before the run: `input_problems`);
     # after top-k/top-p they would be renormalised over the kept tokens, unlike the trainer's (with rollout.lag the
     # frozen copy that generated them recomputes them).
-    if not (ro.behaviour_logprobs == "trainer" or ro.lag > 0 or (ro.top_k == 0 and ro.top_p == 1.0)):
+    if ro.filtered_sampling and not (ro.behaviour_logprobs == "trainer" or ro.lag > 0):
         problems.append("rollout.behaviour_logprobs: with rollout.engine=vllm-server and top_k/top_p set, the "
                         "sampler's log-probs are not the policy's (vLLM's raw ones, or renormalised over the kept "
                         "tokens); set rollout.behaviour_logprobs=trainer to recompute them with the policy")

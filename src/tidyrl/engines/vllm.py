@@ -179,7 +179,7 @@ def config_problems(cfg) -> list[str]:
     # With a temperature the engine asks vLLM for the log-probs after it (`logprobs_mode: processed_logprobs`), the
     # trainer's; after top-k/top-p they would be renormalised over the kept tokens, which the trainer's are not:
     # then the trainer's must be used (with rollout.lag the frozen copy that generated them recomputes them).
-    if not (ro.behaviour_logprobs == "trainer" or ro.lag > 0 or (ro.top_k == 0 and ro.top_p == 1.0)):
+    if ro.filtered_sampling and not (ro.behaviour_logprobs == "trainer" or ro.lag > 0):
         problems.append("rollout.behaviour_logprobs: with rollout.engine=vllm and top_k/top_p set, the sampler's "
                         "log-probs are renormalised over the kept tokens, unlike the policy's; set "
                         "rollout.behaviour_logprobs=trainer to recompute them with the policy")

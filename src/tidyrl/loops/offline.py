@@ -75,7 +75,7 @@ def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat:
                 "position_ids": torch.tensor([positions], device=device),
                 "target_mask": torch.tensor([targets], dtype=torch.float32, device=device),
                 "lengths": [len(s.input_ids) for s in sequences]}
-    from tidyrl.models.forward import width_padding
+    from tidyrl.models.devices import width_padding
 
     # On CUDA the width is rounded up to a multiple (models.devices.WIDTH_MULTIPLE), so that shapes recur: a width
     # the attention kernel has not seen costs it a new plan (~0.5-1 s on an H200), and every batch has its own.

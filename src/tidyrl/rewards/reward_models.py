@@ -107,7 +107,7 @@ class RewardModel:
         import torch
         import torch.nn.functional as F
 
-        from tidyrl.models.forward import width_padding
+        from tidyrl.models.devices import width_padding
         from tidyrl.models.generation import left_pad
 
         self.load()
