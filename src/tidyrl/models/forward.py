@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from tidyrl.models.chunked_head import head_logprobs, head_of
 from tidyrl.models.devices import to_device
 from tidyrl.models.generation import _plain_kv_cache, cache_argument, model_device, returned_cache
 from tidyrl.models.devices import width_padding
@@ -156,8 +157,23 @@ def _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, comp
     passes, whose concatenation would copy the largest tensor of the pass; `completion_logprobs` reads each),
     possibly one column wider than the completions (the one-pass forward's last position, which predicts nothing:
     slicing it off would cost the backward pass a zero-filled copy of the whole logits)."""
+    parts = _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    return parts if parts is not None else [_onepass_logits(model, prompt_ids, prompt_mask, completion_ids,
+                                                            completion_mask)]
+
+
+def _onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """The model's forward over [prompt, completion]: (B, Tc + 1, V), position t predicting completion token t, the
+    last one nothing."""
+    inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return model(**inputs, use_cache=False, logits_to_keep=completion_ids.shape[1] + 1).logits
+
+
+def _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                          fast_path: bool) -> Optional[list[torch.Tensor]]:
+    """The logits of the first layout in the device's order (LAYOUTS; the lean pass first for long repeated
+    prompts) that applies, when it is the lean or the shared-prompt pass; None where the one-pass forward is next."""
     tc, device = completion_ids.shape[1], model_device(model)
-    # the device's order (LAYOUTS; the lean pass first for long repeated prompts); the one-pass forward last
     for layout in _layouts_for_batch(device, prompt_ids, prompt_mask, completion_ids, fast_path):
         if layout == "lean" and fast_path:
             lean = logits_if_lean(model, *_padded_widths(device, prompt_ids, prompt_mask, completion_ids,
@@ -170,9 +186,16 @@ def _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, comp
                 return shared
         elif layout == "onepass":
             break
+    return None
+
+
+def _onepass_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """The one-pass forward's last hidden states at the positions that predict the completion tokens (B, Tc, H):
+    the base model's forward over [prompt, completion], the inputs its causal LM would give it."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    logits = model(**inputs, use_cache=False, logits_to_keep=tc + 1).logits
-    return [logits]  # (B, Tc + 1, V): position t predicts completion token t, the last one nothing
+    hidden = model.model(**inputs, use_cache=False).last_hidden_state  # (B, L, H)
+    L, tc = hidden.shape[1], completion_ids.shape[1]
+    return hidden[:, L - tc - 1: L - 1]
 
 
 def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask
@@ -230,7 +253,13 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
     per-token entropy (computed without grad). Gradients flow when called outside no_grad. `fast_path`: see
     `completion_logits`."""
-    parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    parts = _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    if parts is None and (head := head_of(model)) is not None:  # the one-pass forward, its output layer in chunks
+        hidden = _onepass_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        return head_logprobs(hidden, head.weight, to_device(completion_ids, hidden.device), temperature,
+                             with_entropy)
+    if parts is None:
+        parts = [_onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)]
     tc, widths = completion_ids.shape[1], [p.shape[1] for p in parts]
     # A column that predicts nothing is read with token 0 and dropped: per-position maths, the same numbers.
     ids = F.pad(to_device(completion_ids, parts[0].device), (0, sum(widths) - tc)).split(widths, dim=1)

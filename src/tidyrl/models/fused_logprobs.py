@@ -127,12 +127,14 @@ def logprob_stats(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool
     return lse, logp, ent
 
 
-def logits_grad(logits_BTV: Tensor, ids_BT: Tensor, lse: Tensor, grad_BT: Tensor) -> Tensor:
+def logits_grad(logits_BTV: Tensor, ids_BT: Tensor, lse: Tensor, grad_BT: Tensor,
+                out: Optional[Tensor] = None) -> Tensor:
     """The gradient of the log-probs' loss with respect to the (`prepared`) logits, in their dtype: the backward
-    kernel."""
+    kernel. `out`: a contiguous (B, T, V) tensor to write it into, which may be the logits themselves (each element
+    is read before it is written, by the same program)."""
     _, backward_kernel, cdiv = _kernels()
     B, T, V = logits_BTV.shape
-    grad_logits = torch.empty((B, T, V), dtype=logits_BTV.dtype, device=logits_BTV.device)
+    grad_logits = torch.empty((B, T, V), dtype=logits_BTV.dtype, device=logits_BTV.device) if out is None else out
     if B * T:
         with _on(logits_BTV.device):
             backward_kernel[(B * T, cdiv(V, BLOCK))](logits_BTV, ids_BT, lse, grad_BT.float().contiguous(),

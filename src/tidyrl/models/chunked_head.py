@@ -1,0 +1,164 @@
+"""Completion log-probs from the last hidden states, the output layer applied in chunks: the (tokens, vocabulary)
+logits are never whole, in the forward pass or the backward one.
+
+Why: with a 151 936-token vocabulary the logits of an update micro-batch (16 x 257 positions, bf16) are 1.25 GB,
+kept for the backward pass, and their gradient another 1.25 GB beside them when it starts: 2.5 GB of the update's
+peak, the largest tensors of the pass (Qwen2.5-0.5B's update peaked 1.13x TRL's on an H100). Here only the hidden
+states (tokens x hidden, ~600x smaller) and each position's logsumexp are kept, and each side of the pass holds one
+chunk of logits at a time:
+- forward: per chunk of positions, logits = h W^T (then / temperature, in the logits' dtype, as the one-pass
+  forward's `logits / temperature`), and their log-softmax statistics in float32 (`fused_logprobs`' kernel on
+  CUDA, `ops`' row-by-row maths elsewhere): logsumexp, log p(id), entropy;
+- backward: per slice of the vocabulary, the slice's logits again, d/dl = g (onehot(id) - exp(l - logsumexp)) / T
+  (logsumexp's and gather's backward, then the division's), then dW[slice] = (d/dl)^T h, one product over every
+  position, as the whole product would give it, and dh += (d/dl) W[slice], summed across slices in float32 and
+  rounded once.
+The cost: the output layer's product once more in the backward pass (~3 % of a 0.5B update micro-batch).
+The arithmetic is the one-pass forward's; the results differ from it by the rounding of the products only (a
+slice's product may take another kernel than the whole one), well inside one bf16 unit (tests/test_chunked_head.py).
+
+Used by `models.forward.completion_logprobs` where the one-pass layout runs (`HEAD_DEVICES`) on a model whose
+causal-LM forward is exactly lm_head(base model's last hidden states) (`head_of`). `TIDYRL_CHUNKED_HEAD=0` turns it
+off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tidyrl.models import fused_logprobs
+
+# Device types whose one-pass forward applies the output layer in chunks (the memory of the logits is the peak's
+# largest part there, and the recomputed product is cheap against it); elsewhere the model's own forward gives the
+# whole logits (and CPU runs the lean pass, `models.forward.LAYOUTS`).
+HEAD_DEVICES = ("cuda",)
+# Causal LMs whose forward is `lm_head(model(...).last_hidden_state[:, keep])` and nothing more (no logit scaling or
+# soft-capping, as Gemma 2's, Granite's or Cohere's add).
+_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+# The largest chunk of logits either side of the pass holds at once (bytes); a chunk is at least one position, and
+# a vocabulary slice at least `fused_logprobs.BLOCK` entries.
+CHUNK_BYTES = 256 * 2**20
+
+
+def head_of(model) -> Optional[nn.Linear]:
+    """The output layer of `model` where `completion_logprobs` may apply it itself in chunks: a plain causal LM of
+    `_ARCHITECTURES` (not wrapped by DDP, FSDP, peft or accelerate's hooks) in bf16/fp16 on a device of
+    HEAD_DEVICES, its `lm_head` a plain linear layer without bias; else None."""
+    from tidyrl.models.llama_decode import _wrapped
+    from tidyrl.models.sharding import is_sharded
+
+    if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or type(model).__name__ not in _ARCHITECTURES:
+        return None
+    head, base = getattr(model, "lm_head", None), getattr(model, "model", None)
+    if type(head) is not nn.Linear or head.bias is not None or base is None:
+        return None
+    if head.weight.device.type not in HEAD_DEVICES or head.weight.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if _wrapped(model) or _wrapped(head) or is_sharded(model):  # (e.g. accelerate's autocast around forward)
+        return None
+    return head
+
+
+def head_logprobs(hidden_BTH: Tensor, weight_VH: Tensor, ids_BT: Tensor, temperature: float,
+                  with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """(log-probs, entropy or None), float32 (B, T), of tokens `ids_BT` under logits = hidden W^T / temperature,
+    the logits made a chunk at a time (see the module's docstring). Gradients reach `hidden_BTH` and `weight_VH`;
+    the entropy has none."""
+    B, T, H = hidden_BTH.shape
+    out = _ChunkedHead.apply(hidden_BTH.reshape(B * T, H), weight_VH, ids_BT.reshape(-1).long(),
+                             float(temperature), with_entropy)
+    logprobs, entropy = out if with_entropy else (out, None)
+    return logprobs.view(B, T), entropy.view(B, T) if with_entropy else None
+
+
+def _rows_per_chunk(vocabulary: int, itemsize: int) -> int:
+    return max(1, CHUNK_BYTES // (vocabulary * itemsize))
+
+
+def _slice_width(positions: int, itemsize: int) -> int:
+    # a multiple of the kernels' block, so that few widths (each a compiled kernel) recur
+    block = fused_logprobs.BLOCK
+    return max(block, CHUNK_BYTES // (max(positions, 1) * itemsize) // block * block)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_NH: Tensor, weight_VH: Tensor, ids_N: Tensor, temperature: float, with_entropy: bool):
+        N, V = hidden_NH.shape[0], weight_VH.shape[0]
+        lse = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
+        logprobs = torch.empty_like(lse)
+        entropy = torch.empty_like(lse) if with_entropy else None
+        step = _rows_per_chunk(V, weight_VH.element_size())
+        for start in range(0, N, step):
+            end = min(start + step, N)
+            logits = F.linear(hidden_NH[start:end], weight_VH)
+            if temperature != 1.0:
+                logits.div_(temperature)
+            stats = _stats(logits[None], ids_N[None, start:end], with_entropy)
+            lse[start:end], logprobs[start:end] = stats[0][0], stats[1][0]
+            if with_entropy:
+                entropy[start:end] = stats[2][0]
+        ctx.temperature = temperature
+        ctx.save_for_backward(hidden_NH, weight_VH, ids_N, lse)
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)
+            return logprobs, entropy
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_N: Tensor, *_):
+        hidden_NH, weight_VH, ids_N, lse = ctx.saved_tensors
+        N, V = hidden_NH.shape[0], weight_VH.shape[0]
+        grad = grad_N.float().contiguous()
+        grad_hidden = torch.zeros(hidden_NH.shape, dtype=torch.float32, device=hidden_NH.device)
+        grad_weight = torch.empty_like(weight_VH) if ctx.needs_input_grad[1] else None
+        width = _slice_width(N, weight_VH.element_size())
+        for start in range(0, V, width):
+            end = min(start + width, V)
+            part = weight_VH[start:end]
+            logits = F.linear(hidden_NH, part)
+            if ctx.temperature != 1.0:
+                logits.div_(ctx.temperature)
+            # d/dl of this slice, written over its logits; then the division's backward, as autograd's (/ T)
+            d = _logits_grad(logits, ids_N - start, lse, grad)
+            if ctx.temperature != 1.0:
+                d.div_(ctx.temperature)
+            if grad_weight is not None:
+                torch.mm(d.t(), hidden_NH, out=grad_weight[start:end])
+            grad_hidden += _mm_float32(d, part)
+        return grad_hidden.to(hidden_NH.dtype), grad_weight, None, None, None
+
+
+def _stats(logits_1CV: Tensor, ids_1C: Tensor, with_entropy: bool):
+    """(logsumexp, log-probs, entropy or None), float32 (1, C): the fused kernel where it serves, else `ops`' rows."""
+    if fused_logprobs.wanted(logits_1CV):
+        return fused_logprobs.logprob_stats(*fused_logprobs.prepared(logits_1CV, ids_1C), with_entropy)
+    from tidyrl.models.ops import _row_stats
+
+    return _row_stats(logits_1CV, ids_1C, with_entropy)
+
+
+def _logits_grad(logits_NS: Tensor, ids_N: Tensor, lse_N: Tensor, grad_N: Tensor) -> Tensor:
+    """g (onehot(id) - exp(l - logsumexp)) in the logits' dtype for a vocabulary slice (`ids_N` shifted to it: an
+    id outside the slice matches no column), written over `logits_NS`."""
+    if fused_logprobs.wanted(logits_NS[None]):
+        return fused_logprobs.logits_grad(logits_NS[None], ids_N[None], lse_N[None], grad_N[None],
+                                          out=logits_NS[None])[0]
+    d = (-grad_N)[:, None] * (logits_NS.float() - lse_N[:, None]).exp()
+    inside = (ids_N >= 0) & (ids_N < logits_NS.shape[1])
+    rows = inside.nonzero().squeeze(-1)
+    d[rows, ids_N[rows]] += grad_N[rows]
+    return logits_NS.copy_(d)
+
+
+def _mm_float32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b summed and returned in float32 (low-precision inputs): CUDA's GEMM with a float32 output; elsewhere
+    the float32 product (the same sums, without the cast of a low-precision output)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())

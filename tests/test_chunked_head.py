@@ -1,0 +1,225 @@
+"""The output layer applied in chunks (tidyrl.models.chunked_head): the one-pass forward's log-probs, entropies and
+gradients, without ever holding the whole (positions, vocabulary) logits."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import interpreted_triton, llama, qwen2, recorded_outputs, rerun_interpreted
+from tidyrl.models import chunked_head, fused_logprobs
+from tidyrl.models.chunked_head import head_logprobs, head_of
+from tidyrl.models.ops import gather_logprobs_and_entropy
+
+
+def _inputs(dtype, B=3, T=7, H=16, V=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, H, generator=g).to(dtype)
+    weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(dtype)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return hidden, weight, ids
+
+
+def _small_chunks(monkeypatch, V: int, itemsize: int):
+    """Chunks of 4 positions and vocabulary slices of 16 entries (a test's sizes: several of each, and a
+    remainder)."""
+    monkeypatch.setattr(fused_logprobs, "BLOCK", 16)
+    monkeypatch.setattr(chunked_head, "CHUNK_BYTES", 4 * V * itemsize)
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor, dtype) -> torch.Tensor:
+    """|a - b| in units of `dtype`'s last place at b's magnitude."""
+    unit = torch.finfo(dtype).eps * b.float().abs().clamp(min=torch.finfo(dtype).tiny)
+    return (a.float() - b.float()).abs() / unit
+
+
+def _check_against_whole_logits(dtype, temperature, with_entropy=True):
+    hidden, weight, ids = _inputs(dtype)
+    B, T, _ = hidden.shape
+    g = torch.Generator().manual_seed(5)
+    loss_weights = torch.randn(B, T, generator=g)
+    mine_h, mine_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ref_h, ref_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+
+    logprobs, entropy = head_logprobs(mine_h, mine_w, ids, temperature, with_entropy)
+    (logprobs * loss_weights).sum().backward()
+    logits = F.linear(ref_h, ref_w)  # the one-pass forward: the whole logits, then / temperature
+    if temperature != 1.0:
+        logits = logits / temperature
+    want, want_entropy = gather_logprobs_and_entropy(logits, ids, with_entropy)
+    (want * loss_weights).sum().backward()
+
+    assert logprobs.dtype == torch.float32 and logprobs.shape == (B, T)
+    assert torch.equal(logprobs, want)  # the same products, row for row, and the same float32 maths
+    if with_entropy:
+        assert torch.equal(entropy, want_entropy) and not entropy.requires_grad
+    else:
+        assert entropy is None
+    assert mine_h.grad.dtype == dtype and mine_w.grad.dtype == dtype
+    # dW: each slice's rows one product over every position, as the whole product's rows. dh: the slices' products
+    # summed in float32 and rounded once, where the whole product sums them inside one GEMM: an ulp at most.
+    assert torch.equal(mine_w.grad, ref_w.grad)
+    assert _ulps_apart(mine_h.grad, ref_h.grad, dtype).max() <= 1.0
+    assert (mine_h.grad != ref_h.grad).float().mean() < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_head_gives_the_whole_logits_log_probs_entropy_and_gradients(monkeypatch, dtype, temperature):
+    _small_chunks(monkeypatch, V=50, itemsize=2)
+    _check_against_whole_logits(dtype, temperature)
+
+
+def test_chunked_head_without_entropy(monkeypatch):
+    _small_chunks(monkeypatch, V=50, itemsize=2)
+    _check_against_whole_logits(torch.bfloat16, 1.0, with_entropy=False)
+
+
+def test_the_logits_are_never_whole_and_only_hidden_states_are_kept(monkeypatch):
+    """The forward pass writes vocabulary-wide tensors of one chunk of positions at most, the backward pass none
+    (it works on slices of the vocabulary), and the pass keeps for backward only its inputs and a float32 logsumexp
+    per position; the whole-logits path writes (B, T, V) tensors in both."""
+    V = 50
+    _small_chunks(monkeypatch, V=V, itemsize=2)  # 4 positions a chunk
+    hidden, weight, ids = _inputs(torch.bfloat16, V=V)
+    B, T, H = hidden.shape
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    weight_storage = weight.untyped_storage().data_ptr()
+
+    def vocabulary_wide(func, out):
+        # (new tensors: not views of the weight, such as its transpose)
+        return out.dim() >= 1 and out.shape[-1] == V and out.untyped_storage().data_ptr() != weight_storage
+
+    saved = []
+    with recorded_outputs(vocabulary_wide) as forward_wide, torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t) or t, lambda t: t):
+        logprobs, _ = head_logprobs(hidden, weight, ids, 1.0, True)
+    with recorded_outputs(vocabulary_wide) as backward_wide:
+        logprobs.sum().backward()
+    assert forward_wide and max(torch.Size(shape).numel() for _, shape, _ in forward_wide) == 4 * V
+    assert backward_wide == []
+    kept = sorted(tuple(t.shape) for t in saved)
+    assert kept == sorted([(B * T, H), (V, H), (B * T,), (B * T,)]), kept  # hidden, weight, ids, logsumexp
+
+    with recorded_outputs(lambda func, out: out.shape == (B, T, V)) as whole:
+        logits = F.linear(hidden, weight)
+        gather_logprobs_and_entropy(logits, ids, True)[0].sum().backward()
+    assert len(whole) >= 2  # the logits and their gradient
+
+
+def test_an_id_outside_a_slice_gets_no_onehot_term(monkeypatch):
+    """The backward pass shifts the ids to each vocabulary slice: ids in the first, the last (a remainder) and an
+    inner slice, all of them in one position's row, give autograd's gradient."""
+    _small_chunks(monkeypatch, V=50, itemsize=2)
+    hidden, weight, _ = _inputs(torch.bfloat16, B=1, T=4)
+    ids = torch.tensor([[0, 15, 16, 49]])
+    h = hidden.clone().requires_grad_(True)
+    head_logprobs(h, weight, ids, 1.0)[0].sum().backward()
+    r = hidden.clone().requires_grad_(True)
+    gather_logprobs_and_entropy(F.linear(r, weight), ids, False)[0].sum().backward()
+    assert _ulps_apart(h.grad, r.grad, torch.bfloat16).max() <= 1.0
+
+
+def test_the_fused_kernels_give_the_same_results_as_the_rows(monkeypatch):
+    """On CUDA the statistics and the slices' gradient are `fused_logprobs`' kernels (one run in place over the
+    slice's logits): in Triton's interpreter, the CPU maths' results to float32 rounding (log-probs, entropies)
+    and to bf16 units of the gradients' scale."""
+    fused = interpreted_triton(monkeypatch, "fused_logprobs")
+    if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
+        return rerun_interpreted(f"{__file__}::test_the_fused_kernels_give_the_same_results_as_the_rows")
+    try:
+        _small_chunks(monkeypatch, V=50, itemsize=2)
+        hidden, weight, ids = _inputs(torch.bfloat16)
+        results = []
+        for use_kernels in (False, True):
+            monkeypatch.setattr(fused, "wanted", lambda logits, on=use_kernels: on)
+            h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            with warnings.catch_warnings():  # the interpreter evaluates both sides of tl.where
+                warnings.simplefilter("ignore", RuntimeWarning)
+                logprobs, entropy = head_logprobs(h, w, ids, 0.7, True)
+                logprobs.sum().backward()
+            results.append((logprobs, entropy, h.grad, w.grad))
+        (lp, ent, gh, gw), (klp, kent, kgh, kgw) = results
+        torch.testing.assert_close(klp, lp, atol=2e-6, rtol=0)
+        torch.testing.assert_close(kent, ent, atol=1e-5, rtol=0)
+        # (a slice's gradient differs from the rows' by a bf16 unit where float32 exp rounds the other way; the
+        # products sum such units: bounded by the gradients' scale, not by each element's)
+        eps = torch.finfo(torch.bfloat16).eps
+        assert (kgw.float() - gw.float()).abs().max() <= 2 * eps * gw.float().abs().max()
+        assert (kgh.float() - gh.float()).abs().max() <= 2 * eps * gh.float().abs().max()
+    finally:
+        fused._kernels.cache_clear()
+
+
+def _on_cpu(monkeypatch):
+    """The chunked head on CPU (it serves CUDA only), the one-pass forward the layout (CPU runs the lean pass)."""
+    from tidyrl.models import forward
+
+    monkeypatch.setattr(chunked_head, "HEAD_DEVICES", ("cpu",))
+    monkeypatch.setitem(forward.LAYOUTS, "cpu", ("onepass",))
+
+
+@pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
+def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(monkeypatch, build):
+    """`completion_logprobs` on a bf16 model: its base model's hidden states through the chunked head give the
+    log-probs and entropies of the model's own forward, and the parameters' gradients to a bf16 unit (those the
+    hidden states' gradient reaches through the layers: at most a few)."""
+    from tidyrl.models.forward import completion_logprobs
+
+    _on_cpu(monkeypatch)
+    monkeypatch.setattr(chunked_head, "CHUNK_BYTES", 5 * 40 * 2)  # 5 positions a chunk, at the 40-token vocabulary
+    monkeypatch.setattr(fused_logprobs, "BLOCK", 16)
+    model = build().to(torch.bfloat16)
+    assert head_of(model) is model.lm_head
+    g = torch.Generator().manual_seed(2)
+    prompt_ids = torch.randint(3, 40, (4, 5), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[1, :2] = 0
+    prompt_ids[1, :2] = 0
+    completion_ids = torch.randint(3, 40, (4, 6), generator=g)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[2, 4:] = 0
+    weights = torch.randn(4, 6, generator=g)
+
+    def run():
+        model.zero_grad()
+        lp, ent = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.8,
+                                      with_entropy=True)
+        (lp * weights).sum().backward()
+        return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    chunked = run()
+    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
+    assert head_of(model) is None
+    whole = run()
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+    for name, grad in whole[2].items():
+        scale = grad.float().abs().max().clamp(min=1e-30)
+        assert (chunked[2][name].float() - grad.float()).abs().max() <= 4 * torch.finfo(torch.bfloat16).eps * scale, name
+
+
+def test_the_chunked_head_serves_only_plain_low_precision_causal_lms_on_its_devices(monkeypatch):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = llama().to(torch.bfloat16)
+    assert head_of(model) is None  # CPU is not among HEAD_DEVICES
+    monkeypatch.setattr(chunked_head, "HEAD_DEVICES", ("cpu",))
+    assert head_of(model) is model.lm_head
+    assert head_of(llama()) is None  # float32: the whole logits (their float32 path keeps no bf16 copy to save)
+    assert head_of(llama(tie_word_embeddings=True).to(torch.bfloat16)) is not None  # tied: the embedding's grad too
+    hooked = llama().to(torch.bfloat16)
+    hooked.lm_head.register_forward_hook(lambda *a: None)
+    assert head_of(hooked) is None  # something runs around the output layer: the model's forward
+    autocast = llama().to(torch.bfloat16)
+    autocast.forward = autocast.forward  # (an instance-level forward, as accelerate's mixed precision installs)
+    assert head_of(autocast) is None
+    assert head_of(DistributedDataParallel.__new__(DistributedDataParallel)) is None  # its forward syncs: not skipped
+    biased = llama().to(torch.bfloat16)
+    biased.lm_head = torch.nn.Linear(64, 40, bias=True).to(torch.bfloat16)
+    assert head_of(biased) is None
+    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
+    assert head_of(model) is None
