@@ -58,13 +58,14 @@ def count(fused: bool) -> Counter:
         return call
 
     saved = (generation.Replayed, fused_decode.wanted, fused_decode.draw_wanted, fused_decode.add_rms_norm,
-             fused_decode.rope_and_cache, fused_decode.draw)
+             fused_decode.rope_and_cache, fused_decode.draw, fused_decode.silu_and_mul)
     generation.Replayed = Counted
     fused_decode.wanted = lambda device, dtype, head_dim: fused
     fused_decode.draw_wanted = lambda logits: fused
     fused_decode.add_rms_norm = kernel("add_rms_norm", saved[3])
     fused_decode.rope_and_cache = kernel("rope_and_cache", saved[4])
     fused_decode.draw = kernel("draw", saved[5])
+    fused_decode.silu_and_mul = kernel("silu_and_mul", saved[6])
     try:
         llama_decode._STEPS.clear()
         torch.manual_seed(0)
@@ -75,7 +76,7 @@ def count(fused: bool) -> Counter:
                             pad_id=0, batch_size=4, static_cache=True)
     finally:
         (generation.Replayed, fused_decode.wanted, fused_decode.draw_wanted, fused_decode.add_rms_norm,
-         fused_decode.rope_and_cache, fused_decode.draw) = saved
+         fused_decode.rope_and_cache, fused_decode.draw, fused_decode.silu_and_mul) = saved
         llama_decode._STEPS.clear()
     return units[-1]
 

@@ -27,6 +27,7 @@ from tidyrl.models import fused_decode, fused_logprobs
 
 decode = fused_decode._kernels()
 norm, rope, draw = decode.add_rms_norm_kernel, decode.rope_and_cache_kernel, decode.draw_kernel
+silu_mul = decode.silu_and_mul_kernel
 forward, backward, _ = fused_logprobs._kernels()
 for cc in (75, 80, 90):
     for dt in ("bf16", "fp16"):
@@ -43,6 +44,8 @@ for cc in (75, 80, 90):
                     "sums_ptr": "*fp32", "token_ptr": "*i64", "logp_ptr": "*fp32", "V": "constexpr",
                     "NBLOCKS": "constexpr", "N_EOS": "constexpr", "SCALED": "constexpr", "BLOCK": "constexpr"},
              {"V": 151936, "NBLOCKS": 149, "N_EOS": 2, "SCALED": True, "BLOCK": 1024}, 4),
+            (silu_mul, {"gate_up_ptr": f"*{dt}", "out_ptr": f"*{dt}", "row_stride": "i32", "I": "constexpr",
+                        "BLOCK": "constexpr"}, {"I": 4864, "BLOCK": 1024}, 4),
             (forward, {"logits_ptr": f"*{dt}", "ids_ptr": "*i64", "lse_ptr": "*fp32", "logp_ptr": "*fp32",
                        "ent_ptr": "*fp32", "T": "i32", "V": "constexpr", "stride_b": "i32", "stride_t": "i32",
                        "WITH_ENTROPY": "constexpr", "BLOCK": "constexpr"},
@@ -63,4 +66,4 @@ def test_every_triton_kernel_compiles_for_sm75_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert done.stdout.count(" ok") == 3 * 2 * 5, done.stdout
+    assert done.stdout.count(" ok") == 3 * 2 * 6, done.stdout

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import LLAMA_LAYOUTS as MODELS
 from conftest import VOCAB as V
-from conftest import interpreted_triton, rerun_interpreted
+from conftest import interpreted_triton, rerun_interpreted, with_random_norms_and_biases
 from conftest import llama as _llama
 
 from tidyrl.models import generation, llama_decode
@@ -187,7 +187,7 @@ def fused_and_plain_steps_agree(model, device, copied: bool = False) -> None:
     logits within a few bf16 units of each other, the same argmax nearly everywhere, the cache written alike
     (values exactly, keys after rope to rounding), nothing written past the steps' positions."""
     step = LlamaDecodeStep(model, 64)
-    assert step.fused and step.copied == copied
+    assert step.fused and step.copied == copied and (step.side_by_side() is None) == copied
     ids, mask = (t.to(device) for t in left_pad([[5, 6, 7], [8, 9, 10, 11, 12], [14]], 0))
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     Lp, C = ids.shape[1], 16
@@ -201,6 +201,7 @@ def fused_and_plain_steps_agree(model, device, copied: bool = False) -> None:
         step.fused = on
         layers = [_BufferedLayer(l._k[:, :, :Lp].clone(), l._v[:, :, :Lp].clone(), C) for l in prefilled]
         static = llama_decode.StaticDecode(step, layers, attention_bias(attn, torch.bfloat16), Lp)
+        assert all((l.qkv is not None) == (on and not copied) for l in static.layers)
         static.positions.copy_(positions[:, -1:] + 1)
         logits = []
         for tokens in ([3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 15]):
@@ -219,12 +220,13 @@ def test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding(monkeypa
     """bf16 fixed-shape steps with tidyrl.models.fused_decode (each residual add fused with its RMSNorm, rope with
     the cache writes, the attention one SDPA call; Triton's interpreter here, compiled in tests/test_cuda.py) give
     the unfused step's logits and cache up to bf16 rounding, over several tokens, with q/k/v biases (qwen2) and
-    grouped heads, on the model's own weights and on the small-model copies."""
+    grouped heads, on the model's own weights (q/k/v and gate/up side by side for the generation, silu(gate) * up
+    one kernel) and on the small-model copies."""
     fused = interpreted_triton(monkeypatch, "fused_decode")
     if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
         return rerun_interpreted(f"{__file__}::test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding")
     calls = []
-    for name in ("add_rms_norm", "rope_and_cache", "attention"):
+    for name in ("add_rms_norm", "rope_and_cache", "attention", "silu_and_mul"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     monkeypatch.setattr(fused, "wanted", lambda device, dtype, head_dim: dtype == torch.bfloat16)
@@ -234,7 +236,7 @@ def test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding(monkeypa
             fused_and_plain_steps_agree(MODELS[name]().to(torch.bfloat16), "cpu", copied=bool(copy_max))
         per_step = 2 * 2 + 1  # two layers: two norms each, and the final norm
         assert calls.count("add_rms_norm") == 3 * 4 * per_step and calls.count("rope_and_cache") == 3 * 4 * 2
-        assert calls.count("attention") == 3 * 4 * 2
+        assert calls.count("attention") == 3 * 4 * 2 and calls.count("silu_and_mul") == 3 * 4 * 2
     finally:
         fused._kernels.cache_clear()
 
@@ -527,3 +529,27 @@ def test_bfloat16_prefill_and_steps_stay_within_rounding_of_the_model(name):
         for got, want, _, _ in _decode_side_by_side(model, step, prefill, mask, pos, steps):
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
+
+
+def test_side_by_side_weights_are_the_projections_concatenated_for_a_generation_only(monkeypatch):
+    """The fused step's q/k/v and gate/up weights side by side: each linear's weight and bias in order (zeros for
+    a missing bias), made for a StaticDecode and not kept by the step; none for the unfused step, the small-model
+    copies, or above SIDE_BY_SIDE_MAX_BYTES."""
+    model = with_random_norms_and_biases(_llama(attention_bias=True)).to(torch.bfloat16)
+    monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 0)
+    monkeypatch.setattr(llama_decode.fused_decode, "wanted", lambda device, dtype, head_dim: True)
+    step = LlamaDecodeStep(model, 64)
+    pairs = step.side_by_side()
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    (qkv_w, qkv_b), (gate_up_w, gate_up_b) = pairs[1]
+    assert torch.equal(qkv_w, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(qkv_b, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    assert torch.equal(gate_up_w, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])) and gate_up_b is None
+    assert len(pairs) == 2 and not any(hasattr(step, name) for name in ("qkv", "gate_up"))
+    size = sum(w.numel() * w.element_size() for layer in pairs for w, _ in layer)
+    monkeypatch.setattr(llama_decode, "SIDE_BY_SIDE_MAX_BYTES", size - 1)
+    assert step.side_by_side() is None
+    monkeypatch.setattr(llama_decode, "SIDE_BY_SIDE_MAX_BYTES", size)
+    assert step.side_by_side() is not None
+    step.fused = False
+    assert step.side_by_side() is None

@@ -26,6 +26,18 @@ def add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, eps, N: 
 
 
 @triton.jit
+def silu_and_mul_kernel(gate_up_ptr, out_ptr, row_stride, I: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < I
+    gate = tl.load(gate_up_ptr + row * row_stride + offs, mask=inside, other=0.0)
+    up = tl.load(gate_up_ptr + row * row_stride + I + offs, mask=inside, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # F.silu: x / (1 + exp(-x)) in float32, rounded
+    tl.store(out_ptr + row * I + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=inside)
+
+
+@triton.jit
 def rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, at_ptr, q_out_ptr,
                           C, q_row, k_row, v_row, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)

@@ -11,7 +11,9 @@ the attention 5, the residual adds 2. Here, per layer:
   x * cos rounded, plus roll(x) * signed sin in one rounding as `addcmul`) and the key and value written into the
   fixed-shape cache at the step's device-side position, one kernel;
 - the attention: torch's memory-efficient SDPA kernel (one launch; cuDNN's, which builds a plan for each new
-  width, is not asked for), the query heads of a group as its queries, as `LlamaDecodeStep` does.
+  width, is not asked for), the query heads of a group as its queries, as `LlamaDecodeStep` does;
+- `silu_and_mul`: the MLP's silu(gate) * up in one kernel from the gate/up product (2 kernels become 1), where the
+  step has q/k/v and gate/up side by side (`LlamaDecodeStep.side_by_side`: 7 matmuls per layer become 4).
 And per token, `draw`: the next token drawn and its log-prob in one kernel per row, where the unfused draw is ~35
 kernels, each a pass over a (rows, vocabulary) float32 tensor (`generation.sample_from_logits`'s two-level
 inverse transform, the same sums in the same precisions).
@@ -85,6 +87,19 @@ def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
                                       HAS_DELTA=delta is not None, BLOCK=kernels.triton.next_power_of_2(N),
                                       num_warps=4)
     return total, out
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for rows (n, 2I) of [gate, up] side by side (a gate/up product), in one kernel, rounded as
+    torch's two ops round: the SiLU in float32 cast to the dtype, the product in float32 cast again."""
+    n, width = gate_up.shape
+    I = width // 2
+    assert gate_up.stride(-1) == 1
+    out = gate_up.new_empty((n, I))
+    block = 1024
+    _kernels().silu_and_mul_kernel[(n, -(-I // block))](gate_up, out, gate_up.stride(0), I=I, BLOCK=block,
+                                                         num_warps=4)
+    return out
 
 
 def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: Tensor, keys: Tensor, values: Tensor,
