@@ -26,8 +26,8 @@ from triton.compiler import ASTSource
 from tidyrl.models import fused_decode, fused_logprobs
 
 decode = fused_decode._kernels()
-norm, rope, draw = decode.add_rms_norm_kernel, decode.rope_and_cache_kernel, decode.draw_kernel
-silu_mul = decode.silu_and_mul_kernel
+norm, rope, silu_mul = decode.add_rms_norm_kernel, decode.rope_and_cache_kernel, decode.silu_and_mul_kernel
+partials, block_sums, pick = decode.draw_partials_kernel, decode.draw_block_sums_kernel, decode.draw_pick_kernel
 forward, backward, _ = fused_logprobs._kernels()
 for cc in (75, 80, 90):
     for dt in ("bf16", "fp16"):
@@ -39,11 +39,21 @@ for cc in (75, 80, 90):
                     "keys_ptr": f"*{dt}", "values_ptr": f"*{dt}", "at_ptr": "*i64", "q_out_ptr": f"*{dt}", "C": "i32",
                     "q_row": "i32", "k_row": "i32", "v_row": "i32", "H": "constexpr", "HKV": "constexpr",
                     "D": "constexpr"}, {"H": 14, "HKV": 2, "D": 64}, 1),
-            (draw, {"logits_ptr": f"*{dt}", "row_stride": "i32", "u_ptr": "*fp64", "u_row_stride": "i32",
-                    "t_ptr": "*i64", "eos_ptr": "*i64", "ban_until": "i32", "temperature": "fp32",
-                    "sums_ptr": "*fp32", "token_ptr": "*i64", "logp_ptr": "*fp32", "V": "constexpr",
-                    "NBLOCKS": "constexpr", "N_EOS": "constexpr", "SCALED": "constexpr", "BLOCK": "constexpr"},
+            (partials, {"logits_ptr": f"*{dt}", "row_stride": "i32", "t_ptr": "*i64", "eos_ptr": "*i64",
+                        "ban_until": "i32", "temperature": "fp32", "partials_ptr": "*fp32", "V": "constexpr",
+                        "NBLOCKS": "constexpr", "N_EOS": "constexpr", "SCALED": "constexpr", "BLOCK": "constexpr"},
              {"V": 151936, "NBLOCKS": 149, "N_EOS": 2, "SCALED": True, "BLOCK": 1024}, 4),
+            (block_sums, {"logits_ptr": f"*{dt}", "row_stride": "i32", "t_ptr": "*i64", "eos_ptr": "*i64",
+                          "ban_until": "i32", "temperature": "fp32", "partials_ptr": "*fp32", "sums_ptr": "*fp32",
+                          "V": "constexpr", "NBLOCKS": "constexpr", "NB_P2": "constexpr", "N_EOS": "constexpr",
+                          "SCALED": "constexpr", "BLOCK": "constexpr"},
+             {"V": 151936, "NBLOCKS": 149, "NB_P2": 256, "N_EOS": 2, "SCALED": True, "BLOCK": 1024}, 4),
+            (pick, {"logits_ptr": f"*{dt}", "row_stride": "i32", "u_ptr": "*fp64", "u_row_stride": "i32",
+                    "t_ptr": "*i64", "eos_ptr": "*i64", "ban_until": "i32", "temperature": "fp32",
+                    "partials_ptr": "*fp32", "sums_ptr": "*fp32", "token_ptr": "*i64", "logp_ptr": "*fp32",
+                    "V": "constexpr", "NBLOCKS": "constexpr", "NB_P2": "constexpr", "N_EOS": "constexpr",
+                    "SCALED": "constexpr", "BLOCK": "constexpr"},
+             {"V": 151936, "NBLOCKS": 149, "NB_P2": 256, "N_EOS": 2, "SCALED": True, "BLOCK": 1024}, 4),
             (silu_mul, {"gate_up_ptr": f"*{dt}", "out_ptr": f"*{dt}", "row_stride": "i32", "I": "constexpr",
                         "BLOCK": "constexpr"}, {"I": 4864, "BLOCK": 1024}, 4),
             (forward, {"logits_ptr": f"*{dt}", "ids_ptr": "*i64", "lse_ptr": "*fp32", "logp_ptr": "*fp32",
@@ -66,4 +76,4 @@ def test_every_triton_kernel_compiles_for_sm75_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert done.stdout.count(" ok") == 3 * 2 * 6, done.stdout
+    assert done.stdout.count(" ok") == 3 * 2 * 8, done.stdout

@@ -77,67 +77,82 @@ def _scaled_and_drawn(base, offs, V, temperature, eos_ptr, banned, N_EOS: tl.con
 
 
 @triton.jit
-def _online(m, s, x):
-    # One block into per-lane running max m and sum s = sum exp(x - m) (Milakov & Gimelshein 2018): the sum
-    # rescaled when m grows; a lane that has seen only -inf keeps s = 0.
-    new = tl.maximum(m, x)
-    s = s * tl.where(new == float("-inf"), 1.0, tl.exp(m - new)) + tl.where(x == float("-inf"), 0.0,
-                                                                            tl.exp(x - new))
-    return new, s
+def _block_max_and_sum(x):
+    # A block's max and sum exp(x - max); 0 for a block all at -inf.
+    top = tl.max(x, axis=0)
+    return top, tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - top)), axis=0)
 
 
 @triton.jit
-def _lanes_total(m, s):
-    # The row's max and sum exp(x - max) from the lanes' running ones.
+def _row_max_and_sum(partials_ptr, row, which, NBLOCKS: tl.constexpr, NB_P2: tl.constexpr):
+    # The row's max and sum exp(. - max) from its blocks' (`which`: 0 the scaled logits x, 2 the drawn ones z).
+    k = tl.arange(0, NB_P2)
+    inside = k < NBLOCKS
+    m = tl.load(partials_ptr + (row * NBLOCKS + k) * 4 + which, mask=inside, other=float("-inf"))
+    s = tl.load(partials_ptr + (row * NBLOCKS + k) * 4 + which + 1, mask=inside, other=0.0)
     top = tl.max(m, axis=0)
-    return top, tl.sum(s * tl.where(m == float("-inf"), 0.0, tl.exp(m - top)), axis=0)
+    return top, tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - top)), axis=0)
+
+
+# The draw in three kernels, each a grid wide enough to fill the GPU (one program per row and block of the sampler,
+# then one per row), where one program per row walked 150k logits three times in a loop:
+# 1. per block: the max and sum of exp of the scaled logits x (the log-prob's normaliser) and of z (the draw's);
+# 2. per block: softmax(z) summed over the block in float32, from the row's max and sum (combined from step 1's);
+# 3. per row: the blocks' float64 cumulative sums, the block where u * total falls, the token within it, its log-prob.
+@triton.jit
+def draw_partials_kernel(logits_ptr, row_stride, t_ptr, eos_ptr, ban_until, temperature, partials_ptr,
+                         V: tl.constexpr, NBLOCKS: tl.constexpr, N_EOS: tl.constexpr, SCALED: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    banned = tl.load(t_ptr) < ban_until
+    x, z = _scaled_and_drawn(logits_ptr + row * row_stride, b * BLOCK + tl.arange(0, BLOCK), V, temperature, eos_ptr,
+                             banned, N_EOS, SCALED)
+    mx, sx = _block_max_and_sum(x)
+    mz, sz = _block_max_and_sum(z)
+    out = partials_ptr + (row * NBLOCKS + b) * 4
+    tl.store(out, mx)
+    tl.store(out + 1, sx)
+    tl.store(out + 2, mz)
+    tl.store(out + 3, sz)
 
 
 @triton.jit
-def draw_kernel(logits_ptr, row_stride, u_ptr, u_row_stride, t_ptr, eos_ptr, ban_until, temperature, sums_ptr,
-                token_ptr, logp_ptr, V: tl.constexpr, NBLOCKS: tl.constexpr, N_EOS: tl.constexpr,
-                SCALED: tl.constexpr, BLOCK: tl.constexpr):
+def draw_block_sums_kernel(logits_ptr, row_stride, t_ptr, eos_ptr, ban_until, temperature, partials_ptr, sums_ptr,
+                           V: tl.constexpr, NBLOCKS: tl.constexpr, NB_P2: tl.constexpr, N_EOS: tl.constexpr,
+                           SCALED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    banned = tl.load(t_ptr) < ban_until
+    top_z, sum_z = _row_max_and_sum(partials_ptr, row, 2, NBLOCKS, NB_P2)
+    _, z = _scaled_and_drawn(logits_ptr + row * row_stride, b * BLOCK + tl.arange(0, BLOCK), V, temperature, eos_ptr,
+                             banned, N_EOS, SCALED)
+    tl.store(sums_ptr + row * NBLOCKS + b,
+             tl.sum(tl.where(z == float("-inf"), 0.0, tl.exp(z - top_z) / sum_z), axis=0))
+
+
+@triton.jit
+def draw_pick_kernel(logits_ptr, row_stride, u_ptr, u_row_stride, t_ptr, eos_ptr, ban_until, temperature,
+                     partials_ptr, sums_ptr, token_ptr, logp_ptr, V: tl.constexpr, NBLOCKS: tl.constexpr,
+                     NB_P2: tl.constexpr, N_EOS: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
-    lanes = tl.arange(0, BLOCK)
     t = tl.load(t_ptr)
     banned = t < ban_until
-    # 1. Online max and sum of exp of the scaled logits x (the log-prob's normaliser) and of z (the draw's).
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    sx = tl.zeros([BLOCK], tl.float32)
-    mz = tl.full([BLOCK], float("-inf"), tl.float32)
-    sz = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        x, z = _scaled_and_drawn(base, start + lanes, V, temperature, eos_ptr, banned, N_EOS, SCALED)
-        mx, sx = _online(mx, sx, x)
-        mz, sz = _online(mz, sz, z)
-    top_x, sum_x = _lanes_total(mx, sx)
-    top_z, sum_z = _lanes_total(mz, sz)
-    # 2. softmax(z) summed per block of BLOCK tokens in float32, the blocks accumulated in float64.
-    total = tl.zeros([], tl.float64)
-    for b in range(0, NBLOCKS):
-        _, z = _scaled_and_drawn(base, b * BLOCK + lanes, V, temperature, eos_ptr, banned, N_EOS, SCALED)
-        block_sum = tl.sum(tl.where(z == float("-inf"), 0.0, tl.exp(z - top_z) / sum_z), axis=0)
-        tl.store(sums_ptr + row * NBLOCKS + b, block_sum)
-        total += block_sum.to(tl.float64)
-    # 3. The first block whose cumulative sum exceeds u * total (the last where none does).
+    top_x, sum_x = _row_max_and_sum(partials_ptr, row, 0, NBLOCKS, NB_P2)
+    top_z, sum_z = _row_max_and_sum(partials_ptr, row, 2, NBLOCKS, NB_P2)
+    # The first block whose float64 cumulative sum exceeds u * total (the last where none does): the number of
+    # cumulative sums <= the target, as searchsorted(right=True) counts them.
+    k = tl.arange(0, NB_P2)
+    inside = k < NBLOCKS
+    cdf = tl.cumsum(tl.load(sums_ptr + row * NBLOCKS + k, mask=inside, other=0.0).to(tl.float64), axis=0)
+    total = tl.max(cdf, axis=0)  # (non-decreasing: the last)
     target = tl.load(u_ptr + row * u_row_stride + t) * total
-    cdf = tl.zeros([], tl.float64)
-    chosen_block = tl.zeros([], tl.int32) + NBLOCKS - 1
-    before = tl.zeros([], tl.float64)
-    last_before = tl.zeros([], tl.float64)
-    found = tl.zeros([], tl.int32)
-    for b in range(0, NBLOCKS):
-        nxt = cdf + tl.load(sums_ptr + row * NBLOCKS + b).to(tl.float64)
-        first = (found == 0) & (nxt > target)
-        chosen_block = tl.where(first, b, chosen_block)
-        before = tl.where(first, cdf, before)
-        found = tl.where(first, 1, found)
-        last_before = cdf
-        cdf = nxt
-    before = tl.where(found == 1, before, last_before)
-    # 4. Within it, the first token whose float64 running sum exceeds the rest of the target, kept under the
-    #    block's own total (its sum in another order): the number of running sums <= the rest.
+    chosen_block = tl.minimum(tl.sum((inside & (cdf <= target)).to(tl.int32), axis=0), NBLOCKS - 1)
+    before = tl.sum(tl.where(k == chosen_block - 1, cdf, 0.0), axis=0)
+    # Within it, the first token whose float64 running sum exceeds the rest of the target, kept under the
+    # block's own total (its sum in another order): the number of running sums <= the rest.
+    lanes = tl.arange(0, BLOCK)
     _, z = _scaled_and_drawn(base, chosen_block * BLOCK + lanes, V, temperature, eos_ptr, banned, N_EOS, SCALED)
     inner = tl.cumsum(tl.where(z == float("-inf"), 0.0, tl.exp(z - top_z) / sum_z).to(tl.float64), axis=0)
     last = tl.max(inner, axis=0)

@@ -14,7 +14,7 @@ the attention 5, the residual adds 2. Here, per layer:
   width, is not asked for), the query heads of a group as its queries, as `LlamaDecodeStep` does;
 - `silu_and_mul`: the MLP's silu(gate) * up in one kernel from the gate/up product (2 kernels become 1), where the
   step has q/k/v and gate/up side by side (`LlamaDecodeStep.side_by_side`: 7 matmuls per layer become 4).
-And per token, `draw`: the next token drawn and its log-prob in one kernel per row, where the unfused draw is ~35
+And per token, `draw`: the next token drawn and its log-prob in three kernels, where the unfused draw is ~35
 kernels, each a pass over a (rows, vocabulary) float32 tensor (`generation.sample_from_logits`'s two-level
 inverse transform, the same sums in the same precisions).
 The results equal the unfused step's up to rounding (summation order, rsqrt): tests/test_cuda.py compiled on a
@@ -131,20 +131,29 @@ def draw(logits: Tensor, uniforms: Tensor, t: Tensor, *, temperature: float, eos
     uniform uniforms[:, t] (float64), the softmax's block sums and running sums as `generation.sample_from_logits`
     takes them (blocks of `block` tokens in float32, accumulated in float64; the block's tokens summed in float64),
     and its log-prob under the unbanned softmax. The same draws as the unfused ops up to float rounding at a
-    boundary (summation order). Two passes over the vocabulary per row (~35 kernels unfused: softmax, block sums,
+    boundary (summation order). Three kernels (`decode_kernels.draw_*`: per block of the row, its softmax partials,
+    then its sum; per row, the pick), two passes over the vocabulary (~35 kernels unfused: softmax, block sums,
     cumsums, searches, log-softmax), no host value: a captured graph replays it. (tokens int64, log-probs
     float32), each (B,)."""
     B, V = logits.shape
     blocks = -(-V // block)
+    kernels = _kernels()
+    partials = torch.empty((B, blocks, 4), dtype=torch.float32, device=logits.device)
     sums = torch.empty((B, blocks), dtype=torch.float32, device=logits.device)
     token = torch.empty(B, dtype=torch.int64, device=logits.device)
     logp = torch.empty(B, dtype=torch.float32, device=logits.device)
     assert logits.stride(-1) == 1 and uniforms.stride(-1) == 1 and uniforms.dtype == torch.float64
     # (no EOS ids: any int64 tensor stands in, never read; an empty CUDA tensor's null pointer Triton refuses)
-    _kernels().draw_kernel[(B,)](logits, logits.stride(0), uniforms, uniforms.stride(0), t,
-                                 eos if eos.numel() else token, ban_until, float(temperature), sums, token, logp, V=V,
-                                 NBLOCKS=blocks, N_EOS=eos.numel(), SCALED=temperature != 1.0, BLOCK=block,
-                                 num_warps=4)
+    eos = eos if eos.numel() else token
+    common = dict(V=V, NBLOCKS=blocks, N_EOS=eos.numel() if eos is not token else 0, SCALED=temperature != 1.0,
+                  BLOCK=block)
+    head = (logits, logits.stride(0))
+    draw = (t, eos, ban_until, float(temperature))
+    kernels.draw_partials_kernel[(B, blocks)](*head, *draw, partials, **common, num_warps=4)
+    p2 = kernels.triton.next_power_of_2(blocks)
+    kernels.draw_block_sums_kernel[(B, blocks)](*head, *draw, partials, sums, NB_P2=p2, **common, num_warps=4)
+    kernels.draw_pick_kernel[(B,)](*head, uniforms, uniforms.stride(0), *draw, partials, sums, token, logp, NB_P2=p2,
+                                   **common, num_warps=4)
     return token, logp
 
 
