@@ -92,13 +92,16 @@ FORCED_LAYOUTS = {"tidyrl-lean": ("lean",), "tidyrl-hf-forward": ("shared",), "t
 unchanged: `tidyrl-lean` its own Llama pass, `tidyrl-hf-forward` the model's own forward with shared prompts (two
 passes), `tidyrl-onepass` the model's forward over whole rows with logits_to_keep (TRL's layout). Plain `tidyrl`
 runs what the device's entry of LAYOUTS says."""
-ROW_BY_ROW = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}}
-"""`tidyrl-rows`: the shipped config with the row-by-row float32 log-probs instead of the fused kernels that CUDA
-takes (models.fused_logprobs), to measure what they gain."""
+SWITCHED_OFF = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}, "tidyrl-whole-head": {"TIDYRL_CHUNKED_HEAD": "0"},
+                "tidyrl-unfused-decode": {"TIDYRL_FUSED_DECODE": "0"}}
+"""The shipped config with one CUDA path switched off in the child's environment, to measure what it gains:
+`tidyrl-rows` the row-by-row float32 log-probs instead of the fused kernels (models.fused_logprobs),
+`tidyrl-whole-head` the model's own output layer, whole logits, instead of the chunked one (models.chunked_head),
+`tidyrl-unfused-decode` generation without the fused decoding kernels (models.fused_decode)."""
 EXACT_WIDTHS = ("tidyrl-exact-widths",)
 """`tidyrl-exact-widths`: the shipped config with each forward's rows at their own width, not left-padded to a multiple
 of 16 as on CUDA (models.devices.WIDTH_MULTIPLE), to measure what recurring shapes gain."""
-LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *ROW_BY_ROW, *EXACT_WIDTHS, "trl")
+LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *SWITCHED_OFF, *EXACT_WIDTHS, "trl")
 LEARNING_RATE = 1e-5
 WORDS = ("apple pear fig kiwi lime plum date lemon mango peach grape melon cherry olive berry guava papaya "
          "quince lychee banana orange apricot").split()
@@ -531,7 +534,7 @@ def run_child(library: str, spec: dict, threads: int) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
-               PYTHONWARNINGS="ignore", **ROW_BY_ROW.get(library, {}))
+               PYTHONWARNINGS="ignore", **SWITCHED_OFF.get(library, {}))
     cmd = [sys.executable, __file__, "--child", library, "--spec", str(spec_path), "--threads", str(threads)]
     log = open(Path(spec["out"]) / "child.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -777,8 +780,9 @@ def main(argv=None) -> None:
     parser.add_argument("--libraries", default="tidyrl,trl",
                         help="comma-separated subset of tidyrl, tidyrl-vllm (rollout.engine: vllm), tidyrl-lean, "
                              "tidyrl-hf-forward, tidyrl-onepass (one layout of the training forward forced: "
-                             "FORCED_LAYOUTS), tidyrl-rows (log-probs row by row, not fused), tidyrl-exact-widths (rows not "
-                             "padded to a multiple of 16 on CUDA) and trl")
+                             "FORCED_LAYOUTS), tidyrl-rows, tidyrl-whole-head, tidyrl-unfused-decode (a CUDA path "
+                             "switched off: SWITCHED_OFF), tidyrl-exact-widths (rows not padded to a multiple of 16 on "
+                             "CUDA) and trl")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the children train (cuda: accelerate's GPU; the GEMM peak is then not measured)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,

@@ -68,7 +68,8 @@ part() {
   echo "cores $NCPU: benchmarks on '${BENCH_CORES:-all}', tests on '${TEST_CORES:-all}' with $WORKERS workers"
 } 2>&1 | tee -a "$SUMMARY"
 
-PARTS=${PARTS:-"tests passes05 vs05 vs15 profile passes15 decode lag"}  # which parts run (all by default)
+PARTS=${PARTS:-"tests passes05 vs05 vs15 profile passes15 decode lag"}  # which parts run (all by default;
+# "cudatests" for the CUDA tests without the rest of the suite)
 has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 LIBS=${LIBS:-trl,tidyrl}                           # bench_vs_trl's --libraries (e.g. tidyrl,tidyrl-lean,trl)
 TEST_PATHS=${TEST_PATHS:-}                         # the suite's paths (default: all of tests/)
@@ -79,10 +80,13 @@ $PY -c "import xdist" 2>/dev/null && XDIST="-n $WORKERS"
 PTIMEOUT=""
 $PY -c "import pytest_timeout" 2>/dev/null && PTIMEOUT="--timeout 240"
 TESTS=""
-if has tests; then
-  # the CUDA tests first, alone on the GPU (they would share it with the benchmarks' timings), then the rest of the
-  # suite in the background, on the CPU (its runs pin themselves there) and cores of its own
+# the CUDA tests first, alone on the GPU (they would share it with the benchmarks' timings); with "tests" (not with
+# "cudatests") then the rest of the suite in the background, on the CPU (its runs pin themselves there) and cores of
+# its own
+if has tests || has cudatests; then
   part cuda-tests ${CUDA_TESTS_LIMIT:-150} "$TEST_CORES" $PY -m pytest -q -m cuda tests/test_cuda.py -rfEs -p no:cacheprovider
+fi
+if has tests; then
   (
     part suite 600 "$TEST_CORES" env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $PY -m pytest -q $XDIST $PTIMEOUT \
       -m "not slow and not cuda" -rfEs -p no:cacheprovider ${SUITE_PATHS:-$TEST_PATHS}

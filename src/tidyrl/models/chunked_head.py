@@ -158,7 +158,17 @@ def _logits_grad(logits_NS: Tensor, ids_N: Tensor, lse_N: Tensor, grad_N: Tensor
 
 def _mm_float32(a: Tensor, b: Tensor) -> Tensor:
     """a @ b summed and returned in float32 (low-precision inputs): CUDA's GEMM with a float32 output; elsewhere
-    the float32 product (the same sums, without the cast of a low-precision output)."""
+    the float32 product (the same sums, without the cast of a low-precision output). Where a GEMM refuses the
+    float32 output (an older GPU or library), its low-precision output, upcast: one rounding more per slice."""
+    global _NO_FLOAT32_OUTPUT
+    if a.is_cuda and not _NO_FLOAT32_OUTPUT:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _NO_FLOAT32_OUTPUT = True
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b).float()
     return torch.mm(a.float(), b.float())
+
+
+_NO_FLOAT32_OUTPUT = False  # set where CUDA's GEMM refused a float32 output once (`_mm_float32`)
