@@ -103,6 +103,7 @@ class _ChunkedHead(torch.autograd.Function):
             lse[start:end], logprobs[start:end] = stats[0][0], stats[1][0]
             if with_entropy:
                 entropy[start:end] = stats[2][0]
+            del logits, stats  # (before the next chunk's: one chunk alive at a time)
         ctx.temperature = temperature
         ctx.save_for_backward(hidden_NH, weight_VH, ids_N, lse)
         if with_entropy:
@@ -131,6 +132,7 @@ class _ChunkedHead(torch.autograd.Function):
             if grad_weight is not None:
                 torch.mm(d.t(), hidden_NH, out=grad_weight[start:end])
             grad_hidden += _mm_float32(d, part)
+            del logits, d  # (before the next slice's: one slice alive at a time)
         return grad_hidden.to(hidden_NH.dtype), grad_weight, None, None, None
 
 
