@@ -9,7 +9,8 @@ When several rows share a prompt (the k samples of a group), the prompt is run o
 are copied to its rows: for Llama layouts in one lean pass of our own (`models.llama_forward`, the fast path:
 `model_fast_paths: false` turns it off), for other models in two passes of the model's forward
 (`_shared_prompt_logits`): the same maths with fewer FLOPs. Which of these a device takes is decided per device
-type by measurement (`LAYOUTS`): on CUDA the model's own forward over whole rows, measured faster there.
+type by measurement (`LAYOUTS`): on CUDA the model's own forward over whole rows, measured faster there, its output
+layer applied in chunks by `models.chunked_head` where the model allows (`head_of`): the whole logits are never made.
 """
 
 from __future__ import annotations
