@@ -223,3 +223,14 @@ def test_the_chunked_head_serves_only_plain_low_precision_causal_lms_on_its_devi
     assert head_of(biased) is None
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
     assert head_of(model) is None
+
+
+def test_vocabulary_slices_are_a_power_of_two_of_blocks_within_the_budget(monkeypatch):
+    """The backward pass's slice width (each a compiled gradient kernel on CUDA): a power-of-two number of
+    4096-token blocks, the largest within CHUNK_BYTES, at least one block; micro-batches of nearby sizes share it."""
+    monkeypatch.setattr(chunked_head, "CHUNK_BYTES", 256 * 2**20)
+    width = chunked_head._slice_width
+    assert width(16 * 256, 2) == 8 * 4096  # 16 x 256 positions: 32 768 tokens (256 MiB / 8 KiB = 32 768)
+    assert width(16 * 257, 2) == width(16 * 300, 2) == 4 * 4096  # (7 and 5 blocks fit: 4)
+    assert width(200_000, 2) == 4096 and width(1, 2) == 32768 * 4096
+    assert all(width(n, 2) * n * 2 <= 256 * 2**20 for n in (100, 4096, 4112, 9000, 32768))

@@ -81,9 +81,11 @@ def _rows_per_chunk(vocabulary: int, itemsize: int) -> int:
 
 
 def _slice_width(positions: int, itemsize: int) -> int:
-    # a multiple of the kernels' block, so that few widths (each a compiled kernel) recur
+    # a power-of-two number of the kernels' blocks within CHUNK_BYTES (at least one): each width is a compiled
+    # kernel (the vocabulary is a constant of the gradient kernel), and micro-batches of nearby sizes share one
     block = fused_logprobs.BLOCK
-    return max(block, CHUNK_BYTES // (max(positions, 1) * itemsize) // block * block)
+    blocks = max(1, CHUNK_BYTES // (max(positions, 1) * itemsize) // block)
+    return block << (blocks.bit_length() - 1)
 
 
 class _ChunkedHead(torch.autograd.Function):
