@@ -163,7 +163,8 @@ def _on_cpu(monkeypatch):
     monkeypatch.setitem(forward.LAYOUTS, "cpu", ("onepass",))
 
 
-@pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("build", [llama, qwen2, lambda: llama(tie_word_embeddings=True)],
+                         ids=["llama", "qwen2", "llama-tied"])
 def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(monkeypatch, build):
     """`completion_logprobs` on a bf16 model: its base model's hidden states through the chunked head give the
     log-probs and entropies of the model's own forward, and the parameters' gradients to a bf16 unit (those the
