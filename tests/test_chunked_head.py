@@ -235,3 +235,44 @@ def test_vocabulary_slices_are_a_power_of_two_of_blocks_within_the_budget(monkey
     assert width(16 * 257, 2) == width(16 * 300, 2) == 4 * 4096  # (7 and 5 blocks fit: 4)
     assert width(200_000, 2) == 4096 and width(1, 2) == 32768 * 4096
     assert all(width(n, 2) * n * 2 <= 256 * 2**20 for n in (100, 4096, 4112, 9000, 32768))
+
+
+def _grpo_bf16(tiny_model_dir, prompt_file, folder) -> list[dict]:
+    import tidyrl
+    from conftest import read_jsonl
+
+    result = tidyrl.train({
+        "algorithm": "grpo", "model": str(tiny_model_dir), "model_dtype": "bfloat16", "output_dir": str(folder),
+        "seed": 0, "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 6, "temperature": 0.9,
+                    "forward_batch_size": 4},
+        "train": {"rollouts": 1, "epochs_per_rollout": 2, "micro_batch_size": 4},
+        "grpo": {"kl_coef": 0.04}, "log": {"progress_bar": False},
+    })
+    return read_jsonl(result.output_dir / "metrics.jsonl")
+
+
+def test_a_bf16_grpo_run_scores_and_trains_through_the_chunked_head(monkeypatch, tiny_model_dir, prompt_file,
+                                                                   tmp_path):
+    """Through the RL loop (reference scoring for the KL, then two epochs of updates with entropy): every pass of a
+    bf16 run takes the chunked head where it serves, and the run's first step, on the same samples, reports
+    what the whole logits give, and so does the second, after the update (loss, KL, entropy to float rounding; the
+    gradient's norm to bf16 units)."""
+    _on_cpu(monkeypatch)
+    calls = []
+    real = chunked_head.head_logprobs
+    monkeypatch.setattr(chunked_head, "head_logprobs", lambda *a, **k: calls.append(a[0].requires_grad) or real(*a, **k))
+    from tidyrl.models import forward
+
+    monkeypatch.setattr(forward, "head_logprobs", chunked_head.head_logprobs)
+    chunked = _grpo_bf16(tiny_model_dir, prompt_file, tmp_path / "chunked")
+    # the reference model's scoring of 8 episodes in chunks of 4 (no grad), then 2 epochs x 2 micro-batches
+    assert calls == [False, False, True, True, True, True], calls
+    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
+    whole = _grpo_bf16(tiny_model_dir, prompt_file, tmp_path / "whole")
+    assert len(calls) == 6 and len(chunked) == len(whole) == 2
+    for got, want in zip(chunked, whole):  # (step 2: after an update whose gradients differ by bf16 units)
+        assert got["kl"] > 0 or got["step"] == 1
+        for key in ("loss", "kl", "entropy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-9), (got["step"], key)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.02)

@@ -324,3 +324,38 @@ def test_on_cuda_the_output_layer_in_chunks_keeps_the_numbers_and_not_the_logits
     logits_bytes = B * T * V * 2
     # whole: the logits, their / 0.7 and their gradient; chunked: the weight's gradient and a chunk's logits or so
     assert peaks[1] > 2 * logits_bytes and peaks[0] < logits_bytes / 2, (peaks, logits_bytes)
+
+
+def test_a_bf16_grpo_run_on_cuda_scores_and_trains_through_the_chunked_head(tiny_model_dir, prompt_file, tmp_path,
+                                                                              monkeypatch):
+    """On CUDA a bf16 run's reference scoring and updates take the chunked head (models.chunked_head), and its
+    first two steps report what the model's whole logits give, to rounding (the same samples: one rollout, two
+    epochs)."""
+    from tidyrl.models import chunked_head, forward
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setitem(forward.LEAN_FROM_SHARE, "cuda", 2.0)  # (this test's short rows: the one-pass forward)
+    calls = []
+    real = chunked_head.head_logprobs
+    monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(a[0].requires_grad) or real(*a, **k))
+
+    def run(folder):
+        result = tidyrl.train({
+            "algorithm": "grpo", "model": str(tiny_model_dir), "model_dtype": "bfloat16", "output_dir": str(folder),
+            "seed": 0, "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+            "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 6,
+                        "forward_batch_size": 4},
+            "train": {"rollouts": 1, "epochs_per_rollout": 2, "micro_batch_size": 4},
+            "grpo": {"kl_coef": 0.04}, "log": {"progress_bar": False},
+        })
+        return read_jsonl(result.output_dir / "metrics.jsonl")
+
+    chunked = run(tmp_path / "chunked")
+    assert calls == [False, False, True, True, True, True], calls
+    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
+    whole = run(tmp_path / "whole")
+    assert len(calls) == 6 and len(chunked) == len(whole) == 2
+    for got, want in zip(chunked, whole):
+        for key in ("loss", "kl", "entropy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-3, abs=1e-6), (got["step"], key)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.05)
