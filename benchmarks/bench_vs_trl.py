@@ -98,10 +98,14 @@ SWITCHED_OFF = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}, "tidyrl-whole-hea
 `tidyrl-rows` the row-by-row float32 log-probs instead of the fused kernels (models.fused_logprobs),
 `tidyrl-whole-head` the model's own output layer, whole logits, instead of the chunked one (models.chunked_head),
 `tidyrl-unfused-decode` generation without the fused decoding kernels (models.fused_decode)."""
+MEMORY_TRACE = ("tidyrl-memtrace",)
+"""`tidyrl-memtrace`: the shipped config with the update's GPU allocations recorded (torch's memory history, Python
+stacks): its line then lists what is alive at the update's peak above what was held as it started, by the code that
+allocated it (`transient_at_peak`). Recording slows allocations: its timings are not the shipped run's."""
 EXACT_WIDTHS = ("tidyrl-exact-widths",)
 """`tidyrl-exact-widths`: the shipped config with each forward's rows at their own width, not left-padded to a multiple
 of 16 as on CUDA (models.devices.WIDTH_MULTIPLE), to measure what recurring shapes gain."""
-LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *SWITCHED_OFF, *EXACT_WIDTHS, "trl")
+LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *SWITCHED_OFF, *EXACT_WIDTHS, *MEMORY_TRACE, "trl")
 LEARNING_RATE = 1e-5
 WORDS = ("apple pear fig kiwi lime plum date lemon mango peach grape melon cherry olive berry guava papaya "
          "quince lychee banana orange apricot").split()
@@ -163,6 +167,9 @@ def child_tidyrl(spec: dict) -> dict:
     producer.Producer.round = peaks.phase("generate", producer.Producer.round)
     rl_rollout.score_logprobs = peaks.phase("score", rl_rollout.score_logprobs)
     rl.optimizer_step = peaks.phase("update", rl.optimizer_step)
+    trace = MemoryTrace() if spec.get("memory_trace") else None
+    if trace is not None:
+        rl.optimizer_step = trace.phase(rl.optimizer_step)
     profiler = Profiler(spec)
     if profiler.on:
         rl.RLRun.make_rollout = profiler.starting_at_measured(rl.RLRun.make_rollout)
@@ -185,7 +192,96 @@ def child_tidyrl(spec: dict) -> dict:
                              "update_s": sum(s["time/update_s"] for s in steps),
                              "completion_tokens": steps[0]["completion_length_mean"] * w["prompts"] * w["k"]})
         previous_end = end
-    return {"rollouts": rollouts_out, **gpu_memory(peaks)}
+    return {"rollouts": rollouts_out, **gpu_memory(peaks), **({"update_trace": trace.found} if trace else {})}
+
+
+def print_trace(found: dict) -> None:
+    """`transient_at_peak`'s findings, one line per allocation site."""
+    print(f"    update memory: held {found['held_mib']:.0f} MiB as it started, peak {found['peak_mib']:.0f} MiB; "
+          "alive at the peak, allocated inside it:", flush=True)
+    for name, mib, count in found["sites"]:
+        print(f"      {mib:9.1f} MiB {count:6d} x  {name[:110]}", flush=True)
+
+
+class MemoryTrace:
+    """Each call of the wrapped phase with torch's allocator history recorded (Python stacks); kept, of all calls,
+    the one that reached the highest peak: `transient_at_peak` of its events."""
+
+    def __init__(self):
+        import torch
+
+        self.torch, self.found = torch, None
+
+    def phase(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            cuda = self.torch.cuda
+            if not (cuda.is_available() and cuda.is_initialized()):
+                return fn(*a, **kw)
+            held = cuda.memory_allocated()
+            cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            try:
+                return fn(*a, **kw)
+            finally:
+                cuda.synchronize()
+                events = cuda.memory._snapshot()["device_traces"][cuda.current_device()]
+                cuda.memory._record_memory_history(enabled=None)
+                found = transient_at_peak(events, held)
+                if self.found is None or found["peak_mib"] > self.found["peak_mib"]:
+                    self.found = found
+
+        return wrapper
+
+
+def _internal(filename: str) -> bool:
+    """A frame of torch's installed package or of the standard library's wrappers: the site of an allocation is the
+    innermost frame outside them (tidyrl's, transformers', the benchmark's). (An installed package, not any path
+    with a `torch` folder: the GPU image's site-packages live under /opt/torch/.)"""
+    parts = Path(filename).parts
+    installed_torch = any(a in ("site-packages", "dist-packages") and b == "torch" for a, b in zip(parts, parts[1:]))
+    return installed_torch or filename.startswith("<frozen") or Path(filename).name in ("contextlib.py",
+                                                                                          "functools.py")
+
+
+def transient_at_peak(events: list[dict], held: int, top: int = 12) -> dict:
+    """From an allocator history (torch.cuda.memory._snapshot()'s device trace: alloc and free events with their
+    Python frames, innermost first) recorded from a moment when `held` bytes were allocated: the peak it reached and
+    what was alive then that the recorded span allocated, grouped by allocation site (the innermost frame outside
+    torch), largest first. A free of memory allocated before the recording lowers the total; events of other kinds
+    (segments, snapshots) are ignored."""
+    def site(event):
+        for f in event.get("frames") or ():
+            if not _internal(f["filename"]):
+                return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+        return "(torch internals)"
+
+    def replay(stop):
+        live, total, best, best_at = {}, 0, 0, -1
+        for i, e in enumerate(events[:stop]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = (e["size"], e)
+                total += e["size"]
+            elif e["action"] in ("free_completed", "free"):
+                total -= e["size"]
+                live.pop(e["addr"], None)
+            else:
+                continue
+            if total > best:
+                best, best_at = total, i
+        return live, best, best_at
+
+    _, best, best_at = replay(len(events))
+    live, _, _ = replay(best_at + 1)
+    sites: dict[str, list] = {}
+    for size, e in live.values():
+        entry = sites.setdefault(site(e), [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"held_mib": held / 2**20, "peak_mib": (held + best) / 2**20,
+            "sites": [(name, size / 2**20, count) for name, (size, count) in ranked]}
 
 
 # What the profile counts as a host synchronisation: the host waits for the device (CUDA runtime calls) or reads a
@@ -870,7 +966,7 @@ def main(argv=None) -> None:
                         "warmup": warmup, "rollouts": rollouts, "out": str(folder / f"{lib}-{rep}"),
                         "engine": ENGINES.get(lib, "builtin"), "device": args.device, "dtype": dtype,
                         "profile": args.profile, "layouts": FORCED_LAYOUTS.get(lib),
-                        "exact_widths": lib in EXACT_WIDTHS}
+                        "exact_widths": lib in EXACT_WIDTHS, "memory_trace": lib in MEMORY_TRACE}
                 t0, load = time.perf_counter(), os.getloadavg()[0]
                 result = run_child(lib, spec, args.threads)
                 figures = summarise(result, w, warmup, flops)
@@ -885,6 +981,8 @@ def main(argv=None) -> None:
                       + f"), peak RSS {figures['peak_rss_mib']:.0f} MiB "
                       f"({time.perf_counter() - t0:.0f} s with loading; load average {load:.2f} -> "
                       f"{os.getloadavg()[0]:.2f})", flush=True)
+                if result.get("update_trace"):
+                    print_trace(result["update_trace"])
                 if args.profile:
                     print_profile(name, lib, Path(spec["out"]))
         labels = {lib: lib for lib in LIBRARIES} | {"trl": "TRL"}

@@ -203,3 +203,40 @@ def test_phase_peaks_keep_what_each_phase_holds_and_reaches_and_the_table_shows_
     out = capsys.readouterr().out
     assert re.search(r"update: held / peak MiB\s+1100 / 2100\s+900 / 1800", out), out
     assert "generate: held / peak" not in out  # (not recorded for either: no row)
+
+
+def test_transient_at_peak_finds_what_is_alive_at_the_peak_by_allocation_site():
+    """The update's memory trace (bench_vs_trl --libraries tidyrl-memtrace): replayed from the allocator's history,
+    the peak above what was held as the phase began, and what the phase allocated that is alive then, by the
+    innermost frame outside torch; frees of memory from before the recording lower the total, other events don't
+    count. Worked by hand: +100 (a), +50 (b), -100 pre-existing, +300 (c), peak 350 there; then c freed, +20 (a)."""
+    sys.path.insert(0, str(BENCH))
+    import bench_vs_trl as bench
+
+    def frames(*sites):
+        return [{"filename": f, "line": line, "name": name} for f, line, name in sites]
+
+    torch_frame = ("/opt/torch/.venv/lib/python3.12/site-packages/torch/nn/functional.py", 10, "linear")
+    a = frames(torch_frame, ("/opt/torch/.venv/lib/python3.12/site-packages/transformers/models/qwen2/"
+                             "modeling_qwen2.py", 60, "forward"))
+    b = frames(("/x/src/tidyrl/models/chunked_head.py", 120, "backward"))
+    c = frames(("/x/src/tidyrl/models/forward.py", 200, "_onepass_logits"))
+    MiB = 2**20
+    events = [
+        {"action": "segment_alloc", "addr": 0, "size": 999 * MiB, "frames": a},  # not an allocation: ignored
+        {"action": "alloc", "addr": 1, "size": 100 * MiB, "frames": a},
+        {"action": "alloc", "addr": 2, "size": 50 * MiB, "frames": b},
+        {"action": "free_requested", "addr": 9, "size": 100 * MiB, "frames": []},  # (counted when completed)
+        {"action": "free_completed", "addr": 9, "size": 100 * MiB, "frames": []},  # allocated before the recording
+        {"action": "alloc", "addr": 3, "size": 300 * MiB, "frames": c},
+        {"action": "free_completed", "addr": 3, "size": 300 * MiB, "frames": c},
+        {"action": "alloc", "addr": 4, "size": 20 * MiB, "frames": a},
+    ]
+    found = bench.transient_at_peak(events, held=1000 * MiB)
+    assert found["held_mib"] == 1000 and found["peak_mib"] == 1000 + 350
+    assert found["sites"] == [("forward.py:200 _onepass_logits", 300.0, 1),
+                              ("modeling_qwen2.py:60 forward", 100.0, 1),
+                              ("chunked_head.py:120 backward", 50.0, 1)]
+    assert "tidyrl-memtrace" in bench.LIBRARIES and "tidyrl-whole-head" in bench.LIBRARIES
+    trace = bench.MemoryTrace()  # without CUDA, the wrapped phase just runs
+    assert trace.phase(lambda x: x + 1)(1) == 2 and trace.found is None
