@@ -10,7 +10,8 @@ are copied to its rows: for Llama layouts in one lean pass of our own (`models.l
 `model_fast_paths: false` turns it off), for other models in two passes of the model's forward
 (`_shared_prompt_logits`): the same maths with fewer FLOPs. Which of these a device takes is decided per device
 type by measurement (`LAYOUTS`): on CUDA the model's own forward over whole rows, measured faster there, its output
-layer applied in chunks by `models.chunked_head` where the model allows (`head_of`): the whole logits are never made.
+layer applied in chunks by `models.chunked_head` where the model allows (`head_of`): the whole logits are never made;
+and with gradients its norms and MLP products recomputed in the backward pass (`models.recompute`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tidyrl.models.devices import width_padding
 from tidyrl.models.llama_forward import logits_if_lean
 from tidyrl.models.loading import activation_checkpointing_on
 from tidyrl.models.ops import gather_logprobs_and_entropy
+from tidyrl.models.recompute import cheap_parts_recomputed
 from tidyrl.models.sharding import is_sharded
 
 
@@ -167,7 +169,8 @@ def _onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_m
     """The model's forward over [prompt, completion]: (B, Tc + 1, V), position t predicting completion token t, the
     last one nothing."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    return model(**inputs, use_cache=False, logits_to_keep=completion_ids.shape[1] + 1).logits
+    with cheap_parts_recomputed(model):  # (with gradients: norms and MLP products recomputed in backward)
+        return model(**inputs, use_cache=False, logits_to_keep=completion_ids.shape[1] + 1).logits
 
 
 def _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -194,7 +197,8 @@ def _onepass_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_m
     """The one-pass forward's last hidden states at the positions that predict the completion tokens (B, Tc, H):
     the base model's forward over [prompt, completion], the inputs its causal LM would give it."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    hidden = model.model(**inputs, use_cache=False).last_hidden_state  # (B, L, H)
+    with cheap_parts_recomputed(model):  # (with gradients: norms and MLP products recomputed in backward)
+        hidden = model.model(**inputs, use_cache=False).last_hidden_state  # (B, L, H)
     L, tc = hidden.shape[1], completion_ids.shape[1]
     return hidden[:, L - tc - 1: L - 1]
 
