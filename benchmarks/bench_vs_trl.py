@@ -93,11 +93,13 @@ unchanged: `tidyrl-lean` its own Llama pass, `tidyrl-hf-forward` the model's own
 passes), `tidyrl-onepass` the model's forward over whole rows with logits_to_keep (TRL's layout). Plain `tidyrl`
 runs what the device's entry of LAYOUTS says."""
 SWITCHED_OFF = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}, "tidyrl-whole-head": {"TIDYRL_CHUNKED_HEAD": "0"},
-                "tidyrl-unfused-decode": {"TIDYRL_FUSED_DECODE": "0"}}
+                "tidyrl-unfused-decode": {"TIDYRL_FUSED_DECODE": "0"},
+                "tidyrl-no-recompute": {"TIDYRL_RECOMPUTE": "0"}}
 """The shipped config with one CUDA path switched off in the child's environment, to measure what it gains:
 `tidyrl-rows` the row-by-row float32 log-probs instead of the fused kernels (models.fused_logprobs),
 `tidyrl-whole-head` the model's own output layer, whole logits, instead of the chunked one (models.chunked_head),
-`tidyrl-unfused-decode` generation without the fused decoding kernels (models.fused_decode)."""
+`tidyrl-unfused-decode` generation without the fused decoding kernels (models.fused_decode),
+`tidyrl-no-recompute` the norms' and MLP products' intermediates kept for backward (models.recompute)."""
 MEMORY_TRACE = ("tidyrl-memtrace",)
 """`tidyrl-memtrace`: the shipped config with the update's GPU allocations recorded (torch's memory history, Python
 stacks): its line then lists what is alive at the update's peak above what was held as it started, by the code that
@@ -876,9 +878,10 @@ def main(argv=None) -> None:
     parser.add_argument("--libraries", default="tidyrl,trl",
                         help="comma-separated subset of tidyrl, tidyrl-vllm (rollout.engine: vllm), tidyrl-lean, "
                              "tidyrl-hf-forward, tidyrl-onepass (one layout of the training forward forced: "
-                             "FORCED_LAYOUTS), tidyrl-rows, tidyrl-whole-head, tidyrl-unfused-decode (a CUDA path "
-                             "switched off: SWITCHED_OFF), tidyrl-exact-widths (rows not padded to a multiple of 16 on "
-                             "CUDA) and trl")
+                             "FORCED_LAYOUTS), tidyrl-rows, tidyrl-whole-head, tidyrl-unfused-decode, "
+                             "tidyrl-no-recompute (a CUDA path switched off: SWITCHED_OFF), tidyrl-memtrace (the "
+                             "update's memory at its peak, by allocation site), tidyrl-exact-widths (rows not padded "
+                             "to a multiple of 16 on CUDA) and trl")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the children train (cuda: accelerate's GPU; the GEMM peak is then not measured)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,

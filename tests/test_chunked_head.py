@@ -200,7 +200,8 @@ def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(m
     assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
     for name, grad in whole[2].items():
         scale = grad.float().abs().max().clamp(min=1e-30)
-        assert (chunked[2][name].float() - grad.float()).abs().max() <= 4 * torch.finfo(torch.bfloat16).eps * scale, name
+        eps = torch.finfo(torch.bfloat16).eps
+        assert (chunked[2][name].float() - grad.float()).abs().max() <= 4 * eps * scale, name
 
 
 def test_the_chunked_head_serves_only_plain_low_precision_causal_lms_on_its_devices(monkeypatch):
@@ -261,7 +262,8 @@ def test_a_bf16_grpo_run_scores_and_trains_through_the_chunked_head(monkeypatch,
     _on_cpu(monkeypatch)
     calls = []
     real = chunked_head.head_logprobs
-    monkeypatch.setattr(chunked_head, "head_logprobs", lambda *a, **k: calls.append(a[0].requires_grad) or real(*a, **k))
+    monkeypatch.setattr(chunked_head, "head_logprobs",
+                        lambda *a, **k: calls.append(a[0].requires_grad) or real(*a, **k))
     from tidyrl.models import forward
 
     monkeypatch.setattr(forward, "head_logprobs", chunked_head.head_logprobs)

@@ -80,13 +80,14 @@ def _is_mlp(module) -> bool:
 
 def _checkpointed(own, module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The norm's own forward, its intermediates recomputed in the backward pass."""
-    return checkpoint(own, hidden_states, use_reentrant=False)
+    return checkpoint(own, hidden_states, use_reentrant=False, preserve_rng_state=False)  # (no randomness inside)
 
 
 def _mlp(own, mlp, x: torch.Tensor) -> torch.Tensor:
     """down(act(gate(x)) * up(x)), as the MLP's forward, with act(gate) * up recomputed in the backward pass: its
     inputs gate and up kept, not act(gate)."""
-    return mlp.down_proj(checkpoint(_act_times, mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x), use_reentrant=False))
+    return mlp.down_proj(checkpoint(_act_times, mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x), use_reentrant=False,
+                                    preserve_rng_state=False))
 
 
 def _act_times(act: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
