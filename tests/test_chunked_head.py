@@ -169,6 +169,7 @@ def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(m
     """`completion_logprobs` on a bf16 model: its base model's hidden states through the chunked head give the
     log-probs and entropies of the model's own forward, and the parameters' gradients to a bf16 unit (those the
     hidden states' gradient reaches through the layers: at most a few)."""
+    from tidyrl.models import forward
     from tidyrl.models.forward import completion_logprobs
 
     _on_cpu(monkeypatch)
@@ -194,6 +195,13 @@ def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(m
         return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     chunked = run()
+    calls = []
+    real_head = chunked_head.head_logprobs
+    monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(1) or real_head(*a, **k))
+    completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.8, fast_path=False)
+    assert calls == []  # model_fast_paths: false: the model's own output layer
+    completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.8)
+    assert calls == [1]
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
     assert head_of(model) is None
     whole = run()

@@ -257,9 +257,10 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
     per-token entropy (computed without grad). Gradients flow when called outside no_grad. `fast_path`: see
-    `completion_logits`."""
+    `completion_logits`; off, also the model's own output layer (whole logits), not `models.chunked_head`."""
     parts = _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
-    if parts is None and (head := head_of(model)) is not None:  # the one-pass forward, its output layer in chunks
+    # the one-pass forward, its output layer in chunks (not with `fast_path` off: the model's own output layer)
+    if parts is None and fast_path and (head := head_of(model)) is not None:
         hidden = _onepass_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
         return head_logprobs(hidden, head.weight, to_device(completion_ids, hidden.device), temperature,
                              with_entropy)
