@@ -240,3 +240,16 @@ def test_transient_at_peak_finds_what_is_alive_at_the_peak_by_allocation_site():
     assert "tidyrl-memtrace" in bench.LIBRARIES and "tidyrl-whole-head" in bench.LIBRARIES
     trace = bench.MemoryTrace()  # without CUDA, the wrapped phase just runs
     assert trace.phase(lambda x: x + 1)(1) == 2 and trace.found is None
+
+
+def test_count_saved_bytes_shows_each_memory_lever_keeping_less_for_backward():
+    """benchmarks/count_saved_bytes.py at tiny shapes: the whole logits' path keeps the most (and writes their gradient
+    as backward starts), the chunked head less, the recomputed norms and MLP products less again."""
+    done = subprocess.run([sys.executable, str(BENCH / "count_saved_bytes.py"), "--layers", "2", "--rows", "4",
+                           "--hidden", "64", "--intermediate", "256", "--heads", "4", "--kv-heads", "2", "--vocab",
+                           "4096", "--completion", "48"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    totals = [float(x) for x in re.findall(r"24 layers:\s+([0-9.]+)", done.stdout)]
+    assert len(totals) == 3 and "+ gradient" in done.stdout, done.stdout
+    whole, chunked, both = totals
+    assert whole > chunked > both, done.stdout
