@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tidyrl.models import fused_logprobs
+from tidyrl.models.ops import low_precision_grad, low_precision_stats
 
 # Device types whose one-pass forward applies the output layer in chunks (the memory of the logits is the peak's
 # largest part there, and the recomputed product is cheap against it); elsewhere the model's own forward gives the
@@ -101,10 +102,10 @@ class _ChunkedHead(torch.autograd.Function):
             logits = F.linear(hidden_NH[start:end], weight_VH)
             if temperature != 1.0:
                 logits.div_(temperature)
-            stats = _stats(logits[None], ids_N[None, start:end], with_entropy)
-            lse[start:end], logprobs[start:end] = stats[0][0], stats[1][0]
+            stats = low_precision_stats(logits[None], ids_N[None, start:end], with_entropy)
+            lse[start:end], logprobs[start:end] = stats[2][0], stats[3][0]
             if with_entropy:
-                entropy[start:end] = stats[2][0]
+                entropy[start:end] = stats[4][0]
             del logits, stats  # (before the next chunk's: one chunk alive at a time)
         ctx.temperature = temperature
         ctx.save_for_backward(hidden_NH, weight_VH, ids_N, lse)
@@ -127,8 +128,9 @@ class _ChunkedHead(torch.autograd.Function):
             logits = F.linear(hidden_NH, part)
             if ctx.temperature != 1.0:
                 logits.div_(ctx.temperature)
-            # d/dl of this slice, written over its logits; then the division's backward, as autograd's (/ T)
-            d = _logits_grad(logits, ids_N - start, lse, grad)
+            # d/dl of this slice (its ids shifted to it), written over its logits; then the division's backward,
+            # as autograd's (/ T)
+            d = low_precision_grad(logits[None], (ids_N - start)[None], lse[None], grad[None], out=logits[None])[0]
             if ctx.temperature != 1.0:
                 d.div_(ctx.temperature)
             if grad_weight is not None:
@@ -136,28 +138,6 @@ class _ChunkedHead(torch.autograd.Function):
             grad_hidden += _mm_float32(d, part)
             del logits, d  # (before the next slice's: one slice alive at a time)
         return grad_hidden.to(hidden_NH.dtype), grad_weight, None, None, None
-
-
-def _stats(logits_1CV: Tensor, ids_1C: Tensor, with_entropy: bool):
-    """(logsumexp, log-probs, entropy or None), float32 (1, C): the fused kernel where it serves, else `ops`' rows."""
-    if fused_logprobs.wanted(logits_1CV):
-        return fused_logprobs.logprob_stats(*fused_logprobs.prepared(logits_1CV, ids_1C), with_entropy)
-    from tidyrl.models.ops import _row_stats
-
-    return _row_stats(logits_1CV, ids_1C, with_entropy)
-
-
-def _logits_grad(logits_NS: Tensor, ids_N: Tensor, lse_N: Tensor, grad_N: Tensor) -> Tensor:
-    """g (onehot(id) - exp(l - logsumexp)) in the logits' dtype for a vocabulary slice (`ids_N` shifted to it: an
-    id outside the slice matches no column), written over `logits_NS`."""
-    if fused_logprobs.wanted(logits_NS[None]):
-        return fused_logprobs.logits_grad(logits_NS[None], ids_N[None], lse_N[None], grad_N[None],
-                                          out=logits_NS[None])[0]
-    d = (-grad_N)[:, None] * (logits_NS.float() - lse_N[:, None]).exp()
-    inside = (ids_N >= 0) & (ids_N < logits_NS.shape[1])
-    rows = inside.nonzero().squeeze(-1)
-    d[rows, ids_N[rows]] += grad_N[rows]
-    return logits_NS.copy_(d)
 
 
 def _mm_float32(a: Tensor, b: Tensor) -> Tensor:

@@ -13,7 +13,8 @@ tokens over a 151 936-token vocabulary on Qwen2.5-0.5B's shape; TRL, which stays
 All arithmetic is float32, as in `ops`; the results differ from the row-by-row path by float32 rounding only
 (summation order; tests/test_cuda.py and, in Triton's interpreter, tests/test_ops.py).
 
-Used by `ops._LowPrecisionLogprobs` (its forward and backward) for bf16/fp16 logits on CUDA where Triton is
+Used by `ops.low_precision_stats` and `ops.low_precision_grad` (the two sides of `ops._LowPrecisionLogprobs` and of
+`models.chunked_head`'s output layer) for bf16/fp16 logits on CUDA where Triton is
 importable (it comes with CUDA builds of torch). `TIDYRL_FUSED_LOGPROBS=0` in the environment turns it off (the
 row-by-row path then runs).
 """

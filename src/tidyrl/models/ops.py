@@ -61,12 +61,7 @@ class _LowPrecisionLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool):
-        ctx.fused = fused_logprobs.wanted(logits_BTV)
-        if ctx.fused:  # CUDA: the same float32 maths in one pass over the vocabulary (Triton kernels)
-            logits_BTV, ids_BT = fused_logprobs.prepared(logits_BTV, ids_BT)
-            lse, logprobs, entropy = fused_logprobs.logprob_stats(logits_BTV, ids_BT, with_entropy)
-        else:
-            lse, logprobs, entropy = _row_stats(logits_BTV, ids_BT, with_entropy)
+        logits_BTV, ids_BT, lse, logprobs, entropy = low_precision_stats(logits_BTV, ids_BT, with_entropy)
         ctx.save_for_backward(logits_BTV, ids_BT, lse)
         if with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -75,16 +70,37 @@ class _LowPrecisionLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BT: Tensor, *_):
-        logits_BTV, ids_BT, lse = ctx.saved_tensors
-        if ctx.fused:
-            return fused_logprobs.logits_grad(logits_BTV, ids_BT, lse, grad_BT), None, None
-        grad_logits = torch.empty_like(logits_BTV)
-        for i in range(grad_BT.shape[0]):
-            # d/dl [l_id - logsumexp(l)] = onehot(id) - softmax(l): logsumexp's backward, then gather's
-            row = (-grad_BT[i]).unsqueeze(-1) * (logits_BTV[i].float() - lse[i].unsqueeze(-1)).exp()
-            row.scatter_add_(-1, ids_BT[i].unsqueeze(-1), grad_BT[i].unsqueeze(-1))
-            grad_logits[i] = row  # (cast back to the logits' dtype)
-        return grad_logits, None, None
+        return low_precision_grad(*ctx.saved_tensors, grad_BT), None, None
+
+
+def low_precision_stats(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool):
+    """(logits, ids, logsumexp, log-probs, entropy or None) of bf16/fp16 logits, the last three float32 [B, T]: on
+    CUDA (`fused_logprobs.wanted`) the Triton kernel's, one pass over the vocabulary, the logits and ids returned in
+    its layout (`fused_logprobs.prepared`); elsewhere row by row, each row upcast once (`_row_stats`)."""
+    if fused_logprobs.wanted(logits_BTV):
+        logits_BTV, ids_BT = fused_logprobs.prepared(logits_BTV, ids_BT)
+        return (logits_BTV, ids_BT, *fused_logprobs.logprob_stats(logits_BTV, ids_BT, with_entropy))
+    return (logits_BTV, ids_BT, *_row_stats(logits_BTV, ids_BT, with_entropy))
+
+
+def low_precision_grad(logits_BTV: Tensor, ids_BT: Tensor, lse: Tensor, grad_BT: Tensor,
+                       out: Optional[Tensor] = None) -> Tensor:
+    """d/dl of sum g [l_id - logsumexp(l)], g (onehot(id) - exp(l - logsumexp)), in the logits' dtype: the
+    backward of `low_precision_stats`' log-probs, from what it returned. An id outside [0, V) matches no column (the
+    ids of a slice of the vocabulary, shifted to it). `out`: a tensor of the logits' shape to write it into, which
+    may be the logits themselves (each row is read before it is written)."""
+    if fused_logprobs.wanted(logits_BTV):
+        return fused_logprobs.logits_grad(logits_BTV, ids_BT, lse, grad_BT, out=out)
+    grad_logits = torch.empty_like(logits_BTV) if out is None else out
+    V = logits_BTV.shape[-1]
+    inside = (ids_BT >= 0) & (ids_BT < V)
+    for i in range(grad_BT.shape[0]):
+        # d/dl [l_id - logsumexp(l)] = onehot(id) - softmax(l): logsumexp's backward, then gather's
+        row = (-grad_BT[i]).unsqueeze(-1) * (logits_BTV[i].float() - lse[i].unsqueeze(-1)).exp()
+        row.scatter_add_(-1, ids_BT[i].clamp(0, V - 1).unsqueeze(-1),
+                         torch.where(inside[i], grad_BT[i], 0.0).unsqueeze(-1))
+        grad_logits[i] = row  # (cast back to the logits' dtype)
+    return grad_logits
 
 
 def _row_stats(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
