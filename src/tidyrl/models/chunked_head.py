@@ -40,7 +40,7 @@ from tidyrl.models.ops import low_precision_grad, low_precision_stats
 HEAD_DEVICES = ("cuda",)
 # Causal LMs whose forward is `lm_head(model(...).last_hidden_state[:, keep])` and nothing more (no logit scaling or
 # soft-capping, as Gemma 2's, Granite's or Cohere's add).
-_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+PLAIN_CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 # The largest chunk of logits either side of the pass holds at once (bytes); a chunk is at least one position, and
 # a vocabulary slice at least `fused_logprobs.BLOCK` entries.
 CHUNK_BYTES = 256 * 2**20
@@ -48,12 +48,12 @@ CHUNK_BYTES = 256 * 2**20
 
 def head_of(model) -> Optional[nn.Linear]:
     """The output layer of `model` where `completion_logprobs` may apply it itself in chunks: a plain causal LM of
-    `_ARCHITECTURES` (not wrapped by DDP, FSDP, peft or accelerate's hooks) in bf16/fp16 on a device of
+    `PLAIN_CAUSAL_LMS` (not wrapped by DDP, FSDP, peft or accelerate's hooks) in bf16/fp16 on a device of
     HEAD_DEVICES, its `lm_head` a plain linear layer without bias; else None."""
     from tidyrl.models.llama_decode import _wrapped
     from tidyrl.models.sharding import is_sharded
 
-    if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or type(model).__name__ not in _ARCHITECTURES:
+    if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or type(model).__name__ not in PLAIN_CAUSAL_LMS:
         return None
     head, base = getattr(model, "lm_head", None), getattr(model, "model", None)
     if type(head) is not nn.Linear or head.bias is not None or base is None:

@@ -143,10 +143,9 @@ def draw(logits: Tensor, uniforms: Tensor, t: Tensor, *, temperature: float, eos
     token = torch.empty(B, dtype=torch.int64, device=logits.device)
     logp = torch.empty(B, dtype=torch.float32, device=logits.device)
     assert logits.stride(-1) == 1 and uniforms.stride(-1) == 1 and uniforms.dtype == torch.float64
+    common = dict(V=V, NBLOCKS=blocks, N_EOS=eos.numel(), SCALED=temperature != 1.0, BLOCK=block)
     # (no EOS ids: any int64 tensor stands in, never read; an empty CUDA tensor's null pointer Triton refuses)
     eos = eos if eos.numel() else token
-    common = dict(V=V, NBLOCKS=blocks, N_EOS=eos.numel() if eos is not token else 0, SCALED=temperature != 1.0,
-                  BLOCK=block)
     head = (logits, logits.stride(0))
     draw = (t, eos, ban_until, float(temperature))
     kernels.draw_partials_kernel[(B, blocks)](*head, *draw, partials, **common, num_warps=4)

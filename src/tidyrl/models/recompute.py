@@ -27,7 +27,6 @@ from torch.utils.checkpoint import checkpoint
 
 # Where the update's peak is GPU memory; on CPU the lean pass (models.llama_forward) keeps its own, fewer, tensors.
 RECOMPUTE_DEVICES = ("cuda",)
-_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 
 @contextlib.contextmanager
@@ -47,11 +46,12 @@ def cheap_parts_recomputed(model) -> Iterator[None]:
 
 
 def _cheap_parts(model) -> list[nn.Module]:
+    from tidyrl.models.chunked_head import PLAIN_CAUSAL_LMS
     from tidyrl.models.llama_decode import _wrapped
     from tidyrl.models.loading import activation_checkpointing_on
     from tidyrl.models.sharding import is_sharded
 
-    if os.environ.get("TIDYRL_RECOMPUTE", "1") == "0" or type(model).__name__ not in _ARCHITECTURES:
+    if os.environ.get("TIDYRL_RECOMPUTE", "1") == "0" or type(model).__name__ not in PLAIN_CAUSAL_LMS:
         return []
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -73,7 +73,7 @@ def _is_norm(module) -> bool:
 
 
 def _is_mlp(module) -> bool:
-    # down(act(gate(x)) * up(x)): Llama's MLP and its copies (the architectures above)
+    # down(act(gate(x)) * up(x)): Llama's MLP and its copies (chunked_head.PLAIN_CAUSAL_LMS)
     return module is not None and type(module).__name__.endswith("MLP") and \
         {name for name, _ in module.named_children()} == {"gate_proj", "up_proj", "down_proj", "act_fn"}
 
