@@ -252,6 +252,44 @@ LLAMA_LAYOUTS = {name: (lambda build=build: with_random_norms_and_biases(build()
 
 
 
+def completion_batch(seed: int):
+    """Four episodes over the 40-token test vocabulary, as `models.forward.completion_logprobs` takes them: prompts
+    left-padded (row 1), completions right-padded (row 2 ends early); and a weight per completion token for a loss.
+    Returns ((prompt_ids, prompt_mask, completion_ids, completion_mask), weights)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, VOCAB, (4, 5), generator=g)
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[1, :2] = 0
+    prompt_ids[1, :2] = 0
+    completion_ids = torch.randint(3, VOCAB, (4, 6), generator=g)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[2, 4:] = 0
+    return (prompt_ids, prompt_mask, completion_ids, completion_mask), torch.randn(4, 6, generator=g)
+
+
+def within_bf16_units(got: torch.Tensor, want: torch.Tensor, units: float) -> bool:
+    """|got - want| at most `units` bf16 units of `want`'s largest magnitude, everywhere: the gradients of two
+    computations whose low-precision products round apart (an element's own ulp is no bound where sums cancel)."""
+    scale = want.float().abs().max().clamp(min=1e-30)
+    return bool((got.float() - want.float()).abs().max() <= units * torch.finfo(torch.bfloat16).eps * scale)
+
+
+def bf16_grpo_metrics(model_dir, prompt_file, folder) -> list[dict]:
+    """The metrics rows of a bf16 GRPO run: one rollout of 2 prompts x 4 samples, the KL's reference scored in
+    chunks of 4, two epochs of 2 micro-batches (the same samples for both optimizer steps)."""
+    import tidyrl
+
+    result = tidyrl.train({
+        "algorithm": "grpo", "model": str(model_dir), "model_dtype": "bfloat16", "output_dir": str(folder),
+        "seed": 0, "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 6, "temperature": 0.9,
+                    "forward_batch_size": 4},
+        "train": {"rollouts": 1, "epochs_per_rollout": 2, "micro_batch_size": 4},
+        "grpo": {"kl_coef": 0.04}, "log": {"progress_bar": False},
+    })
+    return read_jsonl(result.output_dir / "metrics.jsonl")
+
+
 def interpreted_triton(monkeypatch, module: str):
     """tidyrl.models.<module>, its Triton kernels run by Triton's interpreter on CPU tensors (where Triton is
     installed: CUDA builds of torch bring it; tests/test_cuda.py runs them compiled on a GPU). Triton reads

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import interpreted_triton, llama, qwen2, recorded_outputs, rerun_interpreted
+from conftest import (bf16_grpo_metrics, completion_batch, interpreted_triton, llama, qwen2, recorded_outputs,
+                      rerun_interpreted, within_bf16_units)
 from tidyrl.models import chunked_head, fused_logprobs
 from tidyrl.models.chunked_head import head_logprobs, head_of
 from tidyrl.models.ops import gather_logprobs_and_entropy
@@ -148,9 +149,7 @@ def test_the_fused_kernels_give_the_same_results_as_the_rows(monkeypatch):
         torch.testing.assert_close(kent, ent, atol=1e-5, rtol=0)
         # (a slice's gradient differs from the rows' by a bf16 unit where float32 exp rounds the other way; the
         # products sum such units: bounded by the gradients' scale, not by each element's)
-        eps = torch.finfo(torch.bfloat16).eps
-        assert (kgw.float() - gw.float()).abs().max() <= 2 * eps * gw.float().abs().max()
-        assert (kgh.float() - gh.float()).abs().max() <= 2 * eps * gh.float().abs().max()
+        assert within_bf16_units(kgw, gw, 2) and within_bf16_units(kgh, gh, 2)
     finally:
         fused._kernels.cache_clear()
 
@@ -177,20 +176,11 @@ def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(m
     monkeypatch.setattr(fused_logprobs, "BLOCK", 16)
     model = build().to(torch.bfloat16)
     assert head_of(model) is model.lm_head
-    g = torch.Generator().manual_seed(2)
-    prompt_ids = torch.randint(3, 40, (4, 5), generator=g)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[1, :2] = 0
-    prompt_ids[1, :2] = 0
-    completion_ids = torch.randint(3, 40, (4, 6), generator=g)
-    completion_mask = torch.ones_like(completion_ids)
-    completion_mask[2, 4:] = 0
-    weights = torch.randn(4, 6, generator=g)
+    batch, weights = completion_batch(2)
 
     def run():
         model.zero_grad()
-        lp, ent = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.8,
-                                      with_entropy=True)
+        lp, ent = completion_logprobs(model, *batch, 0.8, with_entropy=True)
         (lp * weights).sum().backward()
         return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -198,18 +188,16 @@ def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(m
     calls = []
     real_head = chunked_head.head_logprobs
     monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(1) or real_head(*a, **k))
-    completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.8, fast_path=False)
+    completion_logprobs(model, *batch, 0.8, fast_path=False)
     assert calls == []  # model_fast_paths: false: the model's own output layer
-    completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.8)
+    completion_logprobs(model, *batch, 0.8)
     assert calls == [1]
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
     assert head_of(model) is None
     whole = run()
     assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
     for name, grad in whole[2].items():
-        scale = grad.float().abs().max().clamp(min=1e-30)
-        eps = torch.finfo(torch.bfloat16).eps
-        assert (chunked[2][name].float() - grad.float()).abs().max() <= 4 * eps * scale, name
+        assert within_bf16_units(chunked[2][name], grad, 4), name
 
 
 def test_the_chunked_head_serves_only_plain_low_precision_causal_lms_on_its_devices(monkeypatch):
@@ -246,21 +234,6 @@ def test_vocabulary_slices_are_a_power_of_two_of_blocks_within_the_budget(monkey
     assert all(width(n, 2) * n * 2 <= 256 * 2**20 for n in (100, 4096, 4112, 9000, 32768))
 
 
-def _grpo_bf16(tiny_model_dir, prompt_file, folder) -> list[dict]:
-    import tidyrl
-    from conftest import read_jsonl
-
-    result = tidyrl.train({
-        "algorithm": "grpo", "model": str(tiny_model_dir), "model_dtype": "bfloat16", "output_dir": str(folder),
-        "seed": 0, "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
-        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 6, "temperature": 0.9,
-                    "forward_batch_size": 4},
-        "train": {"rollouts": 1, "epochs_per_rollout": 2, "micro_batch_size": 4},
-        "grpo": {"kl_coef": 0.04}, "log": {"progress_bar": False},
-    })
-    return read_jsonl(result.output_dir / "metrics.jsonl")
-
-
 def test_a_bf16_grpo_run_scores_and_trains_through_the_chunked_head(monkeypatch, tiny_model_dir, prompt_file,
                                                                    tmp_path):
     """Through the RL loop (reference scoring for the KL, then two epochs of updates with entropy): every pass of a
@@ -275,11 +248,11 @@ def test_a_bf16_grpo_run_scores_and_trains_through_the_chunked_head(monkeypatch,
     from tidyrl.models import forward
 
     monkeypatch.setattr(forward, "head_logprobs", chunked_head.head_logprobs)
-    chunked = _grpo_bf16(tiny_model_dir, prompt_file, tmp_path / "chunked")
+    chunked = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "chunked")
     # the reference model's scoring of 8 episodes in chunks of 4 (no grad), then 2 epochs x 2 micro-batches
     assert calls == [False, False, True, True, True, True], calls
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
-    whole = _grpo_bf16(tiny_model_dir, prompt_file, tmp_path / "whole")
+    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole")
     assert len(calls) == 6 and len(chunked) == len(whole) == 2
     for got, want in zip(chunked, whole):  # (step 2: after an update whose gradients differ by bf16 units)
         assert got["kl"] > 0 or got["step"] == 1

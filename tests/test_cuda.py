@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import free_port, llama, read_jsonl
+from conftest import bf16_grpo_metrics, free_port, llama, read_jsonl, within_bf16_units
 
 import tidyrl
 
@@ -318,9 +318,7 @@ def test_on_cuda_the_output_layer_in_chunks_keeps_the_numbers_and_not_the_logits
     (lp, ent, gh, gw), (wlp, went, wgh, wgw) = results
     torch.testing.assert_close(lp, wlp, atol=2e-5, rtol=0)
     torch.testing.assert_close(ent, went, atol=5e-5, rtol=0)
-    eps = torch.finfo(torch.bfloat16).eps
-    assert (gw.float() - wgw.float()).abs().max() <= 2 * eps * wgw.float().abs().max()
-    assert (gh.float() - wgh.float()).abs().max() <= 2 * eps * wgh.float().abs().max()
+    assert within_bf16_units(gw, wgw, 2) and within_bf16_units(gh, wgh, 2)
     logits_bytes = B * T * V * 2
     # whole: the logits, their / 0.7 and their gradient; chunked: the weight's gradient and a chunk's logits or so
     assert peaks[1] > 2 * logits_bytes and peaks[0] < logits_bytes / 2, (peaks, logits_bytes)
@@ -339,21 +337,10 @@ def test_a_bf16_grpo_run_on_cuda_scores_and_trains_through_the_chunked_head(tiny
     real = chunked_head.head_logprobs
     monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(a[0].requires_grad) or real(*a, **k))
 
-    def run(folder):
-        result = tidyrl.train({
-            "algorithm": "grpo", "model": str(tiny_model_dir), "model_dtype": "bfloat16", "output_dir": str(folder),
-            "seed": 0, "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
-            "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 6,
-                        "forward_batch_size": 4},
-            "train": {"rollouts": 1, "epochs_per_rollout": 2, "micro_batch_size": 4},
-            "grpo": {"kl_coef": 0.04}, "log": {"progress_bar": False},
-        })
-        return read_jsonl(result.output_dir / "metrics.jsonl")
-
-    chunked = run(tmp_path / "chunked")
+    chunked = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "chunked")
     assert calls == [False, False, True, True, True, True], calls
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
-    whole = run(tmp_path / "whole")
+    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole")
     assert len(calls) == 6 and len(chunked) == len(whole) == 2
     for got, want in zip(chunked, whole):
         for key in ("loss", "kl", "entropy"):
@@ -388,7 +375,6 @@ def test_on_cuda_recomputed_norms_and_mlp_products_lower_the_peak_and_change_no_
     (lp, grads, peak), (want, want_grads, want_peak) = runs
     assert torch.equal(lp, want)
     # (the same ops; CUDA's attention and embedding backward add with atomics, in no fixed order: bf16 units)
-    eps = torch.finfo(torch.bfloat16).eps
     for name, grad in grads.items():
-        assert (grad.float() - want_grads[name].float()).abs().max() <= 2 * eps * want_grads[name].float().abs().max()
+        assert within_bf16_units(grad, want_grads[name], 2), name
     assert peak < 0.9 * want_peak, (peak, want_peak)

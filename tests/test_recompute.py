@@ -6,20 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import llama, mistral, qwen2, with_random_norms_and_biases
+from conftest import completion_batch, llama, mistral, qwen2, with_random_norms_and_biases
 from tidyrl.models import forward, recompute
-
-
-def _batch():
-    g = torch.Generator().manual_seed(3)
-    prompt_ids = torch.randint(3, 40, (4, 5), generator=g)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[1, :2] = 0
-    prompt_ids[1, :2] = 0
-    completion_ids = torch.randint(3, 40, (4, 6), generator=g)
-    completion_mask = torch.ones_like(completion_ids)
-    completion_mask[2, 4:] = 0
-    return (prompt_ids, prompt_mask, completion_ids, completion_mask), torch.randn(4, 6, generator=g)
 
 
 def _run(model, batch, weights):
@@ -42,7 +30,7 @@ def _run(model, batch, weights):
 def test_recomputed_norms_and_mlp_products_change_no_number_and_keep_fewer_bytes(monkeypatch, build, dtype):
     monkeypatch.setitem(forward.LAYOUTS, "cpu", ("onepass",))  # the model's own forward (CPU runs the lean pass)
     model = with_random_norms_and_biases(build()).to(dtype).train()
-    batch, weights = _batch()
+    batch, weights = completion_batch(3)
     plain = _run(model, batch, weights)
     monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
     parts = recompute._cheap_parts(model)
