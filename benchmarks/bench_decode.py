@@ -1,5 +1,6 @@
 """Time tidyrl's generation on the benchmark workloads' models: the lean Llama decode step (and on CUDA in bf16, the
-same step without its fused kernels: `lean-unfused`) against the model's own forward.
+same step without its fused kernels, `lean-unfused`, and with SDPA over the whole cache instead of the attention
+kernel that reads only the positions written, `lean-sdpa`) against the model's own forward.
 
     python benchmarks/bench_decode.py --workload tiny --repeats 5
     python benchmarks/bench_decode.py --workload small --lora 8     # a LoRA adapter on every projection (peft)
@@ -42,11 +43,12 @@ def main() -> None:
               min_new_tokens=T, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, batch_size=len(prompts),
               return_logprobs=True)
     # lean: the shipped step (on CUDA in bf16, with tidyrl.models.fused_decode's kernels); lean-unfused: the same
-    # step without them (where they would serve); hf: the model's own forward.
+    # step without them (where they would serve); lean-sdpa: with them but the attention SDPA over the whole
+    # capacity (TIDYRL_DECODE_ATTENTION=sdpa); hf: the model's own forward.
     fused = fused_decode.wanted(torch.device(args.device), next(model.parameters()).dtype, model.config.head_dim
                                 if getattr(model.config, "head_dim", None) else
                                 model.config.hidden_size // model.config.num_attention_heads)
-    paths = ["lean"] + (["lean-unfused"] if fused else []) + ["hf"]
+    paths = ["lean"] + (["lean-unfused", "lean-sdpa"] if fused else []) + ["hf"]
     times: dict[str, list[float]] = {path: [] for path in paths}
     outputs = {path: run(model, prompts, path, kw) for path in paths}  # warm-up
     for _ in range(args.repeats):
@@ -70,11 +72,13 @@ def main() -> None:
 
 def run(model, prompts, path: str, kw: dict):
     """One `generate` on `path`. Switching the fused kernels on or off rebuilds the model's decode step (they are
-    chosen when it is built; no weight copies for models past COPY_MAX_BYTES, so this costs milliseconds)."""
+    chosen when it is built; no weight copies for models past COPY_MAX_BYTES, so this costs milliseconds); the
+    attention is chosen per step (each generation captures its graph anew)."""
     on = "0" if path == "lean-unfused" else "1"
     if os.environ.get("TIDYRL_FUSED_DECODE", "1") != on:
         os.environ["TIDYRL_FUSED_DECODE"] = on
         llama_decode._STEPS.pop(model, None)
+    os.environ["TIDYRL_DECODE_ATTENTION"] = "sdpa" if path == "lean-sdpa" else "kernel"
     return generate(model, prompts, fast_path=path != "hf", **kw)
 
 

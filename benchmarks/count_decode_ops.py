@@ -58,7 +58,7 @@ def count(fused: bool) -> Counter:
         return call
 
     saved = (generation.Replayed, fused_decode.wanted, fused_decode.draw_wanted, fused_decode.add_rms_norm,
-             fused_decode.rope_and_cache, fused_decode.draw, fused_decode.silu_and_mul)
+             fused_decode.rope_and_cache, fused_decode.draw, fused_decode.silu_and_mul, fused_decode.rope_cache_attend)
     generation.Replayed = Counted
     fused_decode.wanted = lambda device, dtype, head_dim: fused
     fused_decode.draw_wanted = lambda logits: fused
@@ -66,6 +66,7 @@ def count(fused: bool) -> Counter:
     fused_decode.rope_and_cache = kernel("rope_and_cache", saved[4])
     fused_decode.draw = kernel("draw", saved[5])
     fused_decode.silu_and_mul = kernel("silu_and_mul", saved[6])
+    fused_decode.rope_cache_attend = kernel("rope_cache_attend", saved[7])
     try:
         llama_decode._STEPS.clear()
         torch.manual_seed(0)
@@ -76,7 +77,8 @@ def count(fused: bool) -> Counter:
                             pad_id=0, batch_size=4, static_cache=True)
     finally:
         (generation.Replayed, fused_decode.wanted, fused_decode.draw_wanted, fused_decode.add_rms_norm,
-         fused_decode.rope_and_cache, fused_decode.draw, fused_decode.silu_and_mul) = saved
+         fused_decode.rope_and_cache, fused_decode.draw, fused_decode.silu_and_mul,
+         fused_decode.rope_cache_attend) = saved
         llama_decode._STEPS.clear()
     return units[-1]
 

@@ -86,6 +86,19 @@ def test_bf16_decoding_runs_fused_kernels_in_the_graph_and_agrees_with_the_unfus
     torch.testing.assert_close(graphed[3][same], growing[3][same], atol=0.05, rtol=0)
 
 
+def test_the_compiled_attention_kernel_equals_rope_cache_and_sdpa_at_qwen_shapes():
+    """fused_decode.rope_cache_attend compiled, at Qwen2.5-0.5B's and 1.5B's attention shapes (7 and 6 query heads
+    per key/value head, head size 64 and 128) and a rollout's 128 rows: the cache written as rope_and_cache writes
+    it, SDPA's output to bf16 rounding, nothing read past the position written (as in Triton's interpreter)."""
+    from test_llama_decode import attention_kernel_agrees
+
+    from tidyrl.models import fused_decode
+
+    for R, D in ((7, 64), (6, 128)):
+        for at in (0, 63, 64, 200):
+            attention_kernel_agrees(fused_decode, "cuda", B=128, Hkv=2, R=R, D=D, C=272, at=at)
+
+
 def test_a_grpo_run_on_cuda_trains_on_the_gpu_with_exact_counts(tiny_model_dir, prompt_file, tmp_path):
     env_cpu = os.environ.pop("ACCELERATE_USE_CPU", None)
     try:

@@ -28,6 +28,7 @@ from tidyrl.models import fused_decode, fused_logprobs
 decode = fused_decode._kernels()
 norm, rope, silu_mul = decode.add_rms_norm_kernel, decode.rope_and_cache_kernel, decode.silu_and_mul_kernel
 partials, block_sums, pick = decode.draw_partials_kernel, decode.draw_block_sums_kernel, decode.draw_pick_kernel
+attend = decode.rope_cache_attend_kernel
 forward, backward, _ = fused_logprobs._kernels()
 for cc in (75, 80, 90):
     for dt in ("bf16", "fp16"):
@@ -39,6 +40,12 @@ for cc in (75, 80, 90):
                     "keys_ptr": f"*{dt}", "values_ptr": f"*{dt}", "at_ptr": "*i64", "q_out_ptr": f"*{dt}", "C": "i32",
                     "q_row": "i32", "k_row": "i32", "v_row": "i32", "H": "constexpr", "HKV": "constexpr",
                     "D": "constexpr"}, {"H": 14, "HKV": 2, "D": 64}, 1),
+            (attend, {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "cos_ptr": f"*{dt}",
+                      "sin_ptr": f"*{dt}", "keys_ptr": f"*{dt}", "values_ptr": f"*{dt}", "at_ptr": "*i64",
+                      "bias_ptr": f"*{dt}", "out_ptr": f"*{dt}", "C": "i32", "q_row": "i32", "k_row": "i32",
+                      "v_row": "i32", "bias_row": "i32", "scale": "fp32", "R": "constexpr", "R_P2": "constexpr",
+                      "HKV": "constexpr", "D": "constexpr", "BLOCK_N": "constexpr"},
+             {"R": 7, "R_P2": 16, "HKV": 2, "D": 64, "BLOCK_N": 64}, 4),
             (partials, {"logits_ptr": f"*{dt}", "row_stride": "i32", "t_ptr": "*i64", "eos_ptr": "*i64",
                         "ban_until": "i32", "temperature": "fp32", "partials_ptr": "*fp32", "V": "constexpr",
                         "NBLOCKS": "constexpr", "N_EOS": "constexpr", "SCALED": "constexpr", "BLOCK": "constexpr"},
@@ -76,4 +83,4 @@ def test_every_triton_kernel_compiles_for_sm75_sm80_and_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert done.stdout.count(" ok") == 3 * 2 * 8, done.stdout
+    assert done.stdout.count(" ok") == 3 * 2 * 9, done.stdout

@@ -221,24 +221,85 @@ def test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding(monkeypa
     the cache writes, the attention one SDPA call; Triton's interpreter here, compiled in tests/test_cuda.py) give
     the unfused step's logits and cache up to bf16 rounding, over several tokens, with q/k/v biases (qwen2) and
     grouped heads, on the model's own weights (q/k/v and gate/up side by side for the generation, silu(gate) * up
-    one kernel) and on the small-model copies."""
+    one kernel) and on the small-model copies; the attention both as one kernel with rope and the cache writes over
+    the positions written so far (the default) and as SDPA over the whole capacity (TIDYRL_DECODE_ATTENTION=sdpa)."""
     fused = interpreted_triton(monkeypatch, "fused_decode")
     if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
         return rerun_interpreted(f"{__file__}::test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding")
     calls = []
-    for name in ("add_rms_norm", "rope_and_cache", "attention", "silu_and_mul"):
+    for name in ("add_rms_norm", "rope_and_cache", "attention", "rope_cache_attend", "silu_and_mul"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     monkeypatch.setattr(fused, "wanted", lambda device, dtype, head_dim: dtype == torch.bfloat16)
     try:
-        for name, copy_max in (("llama-gqa", 0), ("qwen2", 0), ("qwen2", llama_decode.COPY_MAX_BYTES)):
-            monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", copy_max)
-            fused_and_plain_steps_agree(MODELS[name]().to(torch.bfloat16), "cpu", copied=bool(copy_max))
-        per_step = 2 * 2 + 1  # two layers: two norms each, and the final norm
-        assert calls.count("add_rms_norm") == 3 * 4 * per_step and calls.count("rope_and_cache") == 3 * 4 * 2
-        assert calls.count("attention") == 3 * 4 * 2 and calls.count("silu_and_mul") == 3 * 4 * 2
+        for attention in ("kernel", "sdpa"):
+            monkeypatch.setenv("TIDYRL_DECODE_ATTENTION", attention)
+            calls.clear()
+            for name, copy_max in (("llama-gqa", 0), ("qwen2", 0), ("qwen2", llama_decode.COPY_MAX_BYTES)):
+                monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", copy_max)
+                fused_and_plain_steps_agree(MODELS[name]().to(torch.bfloat16), "cpu", copied=bool(copy_max))
+            per_step = 2 * 2 + 1  # two layers: two norms each, and the final norm
+            layer_steps = 3 * 4 * 2  # three models, four steps, two layers
+            assert calls.count("add_rms_norm") == 3 * 4 * per_step and calls.count("silu_and_mul") == layer_steps
+            if attention == "kernel":
+                assert calls.count("rope_cache_attend") == layer_steps and "attention" not in calls
+                assert "rope_and_cache" not in calls
+            else:
+                assert calls.count("rope_and_cache") == layer_steps and calls.count("attention") == layer_steps
+                assert "rope_cache_attend" not in calls
     finally:
         fused._kernels.cache_clear()
+
+
+def test_the_attention_kernel_reads_only_the_written_positions_and_equals_rope_cache_and_sdpa(monkeypatch):
+    """fused_decode.rope_cache_attend (Triton's interpreter here; compiled in tests/test_cuda.py) writes the cache
+    exactly as rope_and_cache does and gives SDPA's output over the whole capacity to bf16 rounding: grouped heads
+    (3 per group, padded to 16 in the kernel), rows with left padding, one whose first blocks are all padding,
+    several blocks of positions with a partial last one; and it never reads a position past `at` (NaNs there change
+    nothing, where SDPA's output turns NaN)."""
+    fused = interpreted_triton(monkeypatch, "fused_decode")
+    if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
+        return rerun_interpreted(
+            f"{__file__}::test_the_attention_kernel_reads_only_the_written_positions_and_equals_rope_cache_and_sdpa")
+    try:
+        for block, at in ((64, 70), (16, 70), (16, 31), (64, 0)):
+            monkeypatch.setattr(fused, "ATTEND_BLOCK", block)
+            attention_kernel_agrees(fused, "cpu", B=3, Hkv=2, R=3, D=16, C=80, at=at)
+    finally:
+        fused._kernels.cache_clear()
+
+
+def attention_kernel_agrees(fused, device, *, B: int, Hkv: int, R: int, D: int, C: int, at: int) -> None:
+    """`fused.rope_cache_attend` against `rope_and_cache` and SDPA for one step writing position `at` of a (B, Hkv,
+    C, D) bf16 cache, rows 0 and 1 left-padded (row 1 by 40 positions): the cache written alike up to `at`, the
+    outputs to bf16 rounding, none NaN with NaNs past `at`."""
+    g = torch.Generator().manual_seed(3)
+    H, dt = Hkv * R, torch.bfloat16
+    qkv = torch.randn(B, (H + 2 * Hkv) * D, generator=g).to(device, dt)
+    q, k, v = qkv[:, : H * D], qkv[:, H * D: (H + Hkv) * D], qkv[:, (H + Hkv) * D:]  # strided rows, as in a step
+    angles = (5.0 + torch.arange(B)[:, None]) / 10000 ** (torch.arange(0, D, 2) / D)
+    angles = torch.cat([angles, angles], -1)
+    cos = angles.cos().to(device, dt)[:, None].contiguous()
+    sin = llama_decode.signed_sin(angles.sin().to(device, dt))[:, None].contiguous()
+    keys, values = (torch.randn(B, Hkv, C, D, generator=g).to(device, dt) for _ in range(2))
+    mask = torch.ones(B, C, dtype=torch.long)
+    mask[0, : min(4, at)] = 0
+    mask[1, : min(40, at)] = 0
+    mask[:, at + 1:] = 0
+    bias = llama_decode.attention_bias(mask.to(device), dt).view(B, C)
+    where = torch.tensor([at], device=device)
+    k1, v1 = keys.clone(), values.clone()
+    k1[:, :, at + 1:] = float("nan")  # never read
+    v1[:, :, at + 1:] = float("nan")
+    out = fused.rope_cache_attend(q, k, v, cos, sin, k1, v1, where, bias, D ** -0.5)
+    k2, v2 = keys.clone(), values.clone()
+    q2 = fused.rope_and_cache(q, k, v, cos, sin, k2, v2, where)
+    assert torch.equal(k1[:, :, : at + 1], k2[:, :, : at + 1]) and torch.equal(v1[:, :, : at + 1], v2[:, :, : at + 1])
+    want = fused.attention(q2.view(B * Hkv, 1, R, D), k2.view(B * Hkv, 1, C, D), v2.view(B * Hkv, 1, C, D),
+                           bias[:, None, None].expand(B, Hkv, R, C).reshape(B * Hkv, 1, R, C), D ** -0.5)
+    want = want.reshape(B, H * D).float()
+    assert out.shape == (B, H * D) and out.dtype == dt and not out.isnan().any()
+    assert (out.float() - want).abs().max() <= 2 ** -7 * want.abs().max(), at
 
 
 def test_the_fused_draw_is_the_unfused_draw(monkeypatch):

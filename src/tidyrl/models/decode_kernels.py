@@ -165,3 +165,56 @@ def draw_pick_kernel(logits_ptr, row_stride, u_ptr, u_row_stride, t_ptr, eos_ptr
         x_token = x_token / temperature
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(logp_ptr + row, (x_token - top_x) - tl.log(sum_x))
+
+
+@triton.jit
+def rope_cache_attend_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, at_ptr, bias_ptr, out_ptr,
+                             C, q_row, k_row, v_row, bias_row, scale, R: tl.constexpr, R_P2: tl.constexpr,
+                             HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One program per row and key/value head g: rope of the group's R query heads and of its key (as in
+    # rope_and_cache_kernel), the key and value written into the cache at `at`, then attention of the R queries
+    # over the cache positions 0..at only (not the whole capacity C), in blocks of BLOCK_N with a running max and
+    # sum (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, alg. 1): scores q.k * scale + bias in
+    # float32, the probabilities rounded to the dtype for the product with the values, as the SDPA kernels do.
+    # The products take float32 operands (tf32 on tensor cores): every operand is a bf16/fp16 value, which tf32
+    # holds exactly, so they are the 16-bit products with float32 sums; and Triton's interpreter (the CPU tests)
+    # computes 16-bit tl.dot wrongly.
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    d = tl.arange(0, D)
+    partner = (d + D // 2) % D  # roll(x, D/2)[i] = x[(i + D/2) mod D]
+    cos = tl.load(cos_ptr + b * D + d).to(tl.float32)
+    sin = tl.load(sin_ptr + b * D + d).to(tl.float32)  # signed: (-sin1, sin2)
+    at = tl.load(at_ptr)
+    head = (b * HKV + g) * C * D  # the group's cache, (C, D)
+    k_src = k_ptr + b * k_row + g * D
+    k = tl.load(k_src + d)
+    kind = k.dtype
+    k = ((k.to(tl.float32) * cos).to(kind).to(tl.float32) + tl.load(k_src + partner).to(tl.float32) * sin).to(kind)
+    tl.store(keys_ptr + head + at * D + d, k)
+    tl.store(values_ptr + head + at * D + d, tl.load(v_ptr + b * v_row + g * D + d))
+    r = tl.arange(0, R_P2)[:, None]
+    mine = r < R  # (R_P2 >= 16 rows for tl.dot; the ones past R are zeros, never stored)
+    q_src = q_ptr + b * q_row + (g * R + r) * D
+    x = tl.load(q_src + d[None, :], mask=mine, other=0.0)
+    q = ((x.to(tl.float32) * cos[None, :]).to(kind).to(tl.float32)
+         + tl.load(q_src + partner[None, :], mask=mine, other=0.0).to(tl.float32) * sin[None, :]).to(kind)
+    tl.debug_barrier()  # the key and value just stored, visible to every thread of this program before it reads them
+    top = tl.full((R_P2,), float("-inf"), tl.float32)
+    total = tl.zeros((R_P2,), tl.float32)
+    acc = tl.zeros((R_P2, D), tl.float32)
+    for start in range(0, at + 1, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        seen = n <= at
+        keys = tl.load(keys_ptr + head + n[None, :] * D + d[:, None], mask=seen[None, :], other=0.0)  # (D, N)
+        bias = tl.load(bias_ptr + b * bias_row + n, mask=seen, other=float("-inf")).to(tl.float32)
+        s = tl.dot(q.to(tl.float32), keys.to(tl.float32)) * scale + bias[None, :]  # (R_P2, N)
+        new_top = tl.maximum(top, tl.max(s, axis=1))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # (a block all padding so far: nothing to add)
+        p = tl.exp(s - shift[:, None])
+        kept = tl.exp(top - shift)
+        total = total * kept + tl.sum(p, axis=1)
+        values = tl.load(values_ptr + head + n[:, None] * D + d[None, :], mask=seen[:, None], other=0.0)  # (N, D)
+        acc = acc * kept[:, None] + tl.dot(p.to(kind).to(tl.float32), values.to(tl.float32))
+        top = new_top
+    tl.store(out_ptr + b * (HKV * R * D) + (g * R + r) * D + d[None, :], (acc / total[:, None]).to(kind), mask=mine)

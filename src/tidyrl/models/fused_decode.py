@@ -10,8 +10,12 @@ the attention 5, the residual adds 2. Here, per layer:
 - `rope_and_cache`: rope of the query and key heads (RoFormer eq. 34, half-split layout, as `llama_decode.rope`:
   x * cos rounded, plus roll(x) * signed sin in one rounding as `addcmul`) and the key and value written into the
   fixed-shape cache at the step's device-side position, one kernel;
-- the attention: torch's memory-efficient SDPA kernel (one launch; cuDNN's, which builds a plan for each new
-  width, is not asked for), the query heads of a group as its queries, as `LlamaDecodeStep` does;
+- `rope_cache_attend`: `rope_and_cache` and the attention in one kernel, which reads only the cache positions
+  written so far where an SDPA call over the fixed-shape cache reads its whole capacity (on an H100 the SDPA call
+  was 0.17 ms of a Qwen2.5-0.5B token, at the bandwidth floor for the whole capacity; a rollout's average step
+  has about half of it written). `TIDYRL_DECODE_ATTENTION=sdpa` keeps `rope_and_cache` and one call of torch's
+  memory-efficient SDPA kernel (cuDNN's, which builds a plan for each new width, is not asked for), the query
+  heads of a group as its queries, as `LlamaDecodeStep` does;
 - `silu_and_mul`: the MLP's silu(gate) * up in one kernel from the gate/up product (2 kernels become 1), where the
   step has q/k/v and gate/up side by side (`LlamaDecodeStep.side_by_side`: 7 matmuls per layer become 4).
 And per token, `draw`: the next token drawn and its log-prob in three kernels, where the unfused draw is ~35
@@ -116,6 +120,36 @@ def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: Ten
                                                    q.stride(0), k.stride(0), v.stride(0), H=H, HKV=Hkv, D=D,
                                                    num_warps=1)
     return q_out
+
+
+def attend_wanted() -> bool:
+    """Whether the fused step attends with `rope_cache_attend` (the default) rather than `rope_and_cache` and the
+    SDPA call over the whole capacity (`TIDYRL_DECODE_ATTENTION=sdpa`: bench_vs_trl's `tidyrl-sdpa-decode`)."""
+    return os.environ.get("TIDYRL_DECODE_ATTENTION", "kernel") != "sdpa"
+
+
+def rope_cache_attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: Tensor, keys: Tensor,
+                      values: Tensor, at: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """`rope_and_cache` and `attention` in one kernel that reads only the cache positions written so far (0..at),
+    where the SDPA call reads all C: per row and key/value head, rope of the group's query heads and its key, the
+    key and value written at `at`, softmax(q k^T * scale + bias) v over positions 0..at. q (B, H*D), k and v
+    (B, Hkv*D) as `rope_and_cache` takes them; bias (B, C) rows (the step's additive mask: 0 where a row may
+    attend, -inf at its padding), unit stride. Returns the attention's output, (B, H*D) rows."""
+    B, Hkv, C, D = keys.shape
+    H = q.shape[1] // D
+    R = H // Hkv
+    assert all(t.stride(-1) == 1 for t in (q, k, v, bias)) and keys.is_contiguous() and values.is_contiguous()
+    out = q.new_empty((B, H * D))
+    kernels = _kernels()
+    kernels.rope_cache_attend_kernel[(B, Hkv)](q, k, v, cos, sin_signed, keys, values, at, bias, out, C,
+                                               q.stride(0), k.stride(0), v.stride(0), bias.stride(0), scale, R=R,
+                                               R_P2=max(16, kernels.triton.next_power_of_2(R)), HKV=Hkv, D=D,
+                                               BLOCK_N=ATTEND_BLOCK, num_warps=4)
+    return out
+
+
+# Cache positions per step of `rope_cache_attend`'s loop: the positions read past `at` are at most this many - 1.
+ATTEND_BLOCK = 64
 
 
 def draw_wanted(logits: Tensor) -> bool:

@@ -349,12 +349,16 @@ class LlamaDecodeStep:
     def _fused_step(self, tokens_B: torch.Tensor, bias_B11L: torch.Tensor, positions_B1: torch.Tensor,
                     cache_layers: list["_StaticLayer"]) -> torch.Tensor:
         """`_general_step`'s maths in fewer kernels (tidyrl.models.fused_decode) for fixed-shape cache layers: each
-        residual add fused with the RMSNorm after it, rope with the cache writes, the attention one SDPA call."""
+        residual add fused with the RMSNorm after it, rope with the cache writes and the attention."""
         B, D, Hkv, R = tokens_B.shape[0], self.head_dim, self.n_kv, self.n_rep
         H, C = Hkv * R, bias_B11L.shape[-1]
         x = F.embedding(tokens_B, self.embed)  # (B, hidden)
         cos, sin = self._rope_factors(x, positions_B1)
-        bias = bias_B11L.expand(B, Hkv, R, C).reshape(B * Hkv, 1, R, C)  # each group's R heads: its R queries
+        # The attention: one kernel with rope and the cache writes, over the positions written so far; or (where
+        # TIDYRL_DECODE_ATTENTION=sdpa) SDPA over the whole capacity, each group's R heads as its R queries.
+        attend = fused_decode.attend_wanted()
+        bias_rows = bias_B11L.view(B, C)
+        bias = None if attend else bias_B11L.expand(B, Hkv, R, C).reshape(B * Hkv, 1, R, C)
         delta = None  # the MLP output of the layer before, added to x with the next norm
         for layer, kv in zip(self.layers, cache_layers):
             x, h = fused_decode.add_rms_norm(x, delta, layer.input_norm, layer.input_eps)
@@ -363,9 +367,13 @@ class LlamaDecodeStep:
                 q, k, v = qkv[:, : H * D], qkv[:, H * D: (H + Hkv) * D], qkv[:, (H + Hkv) * D:]
             else:
                 q, k, v = (proj(h) for proj in layer.qkv)
-            q = fused_decode.rope_and_cache(q, k, v, cos, sin, kv.keys, kv.values, kv.at)
-            o = fused_decode.attention(q.view(B * Hkv, 1, R, D), kv.keys.view(B * Hkv, 1, C, D),
-                                       kv.values.view(B * Hkv, 1, C, D), bias, self.scale).reshape(B, H * D)
+            if attend:  # over the positions written so far only
+                o = fused_decode.rope_cache_attend(q, k, v, cos, sin, kv.keys, kv.values, kv.at, bias_rows,
+                                                   self.scale)
+            else:
+                q = fused_decode.rope_and_cache(q, k, v, cos, sin, kv.keys, kv.values, kv.at)
+                o = fused_decode.attention(q.view(B * Hkv, 1, R, D), kv.keys.view(B * Hkv, 1, C, D),
+                                           kv.values.view(B * Hkv, 1, C, D), bias, self.scale).reshape(B, H * D)
             x, h = fused_decode.add_rms_norm(x, layer.o(o) if self.copied else layer.o[0](o), layer.post_norm,
                                              layer.post_eps)
             if self.copied or kv.gate_up is not None:
