@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,10 +43,6 @@ def caused_by_tidyrl(site) -> bool:
     to, by the filters: False here."""
     issuer, frame = _package(site), site.f_back
     if issuer == "tidyrl":
-        return False
-    if issuer == "triton" and Path(site.f_code.co_filename).match("runtime/interpreter.py"):
-        # Triton's interpreter running a tidyrl kernel: how it emulates the kernel's ops (a loop bound read from
-        # memory becomes an int of a one-element array, deprecated by NumPy 1.25) is Triton's, not a call of ours.
         return False
     while frame is not None and (frame.f_globals.get("__name__", "").startswith(_CALL_MACHINERY)
                                  or (_package(frame) == issuer and frame.f_code.co_freevars)):
