@@ -170,6 +170,8 @@ def child_tidyrl(spec: dict) -> dict:
     rl_update.apply_update = synchronised(rl_update.apply_update)
     peaks = PhasePeaks()  # (outside the profiler's wrappers: its phases' clocks stay as they were)
     producer.Producer.round = peaks.phase("generate", producer.Producer.round)
+    inside = InsideGeneration()
+    producer.Producer.round = inside.rollout(producer.Producer.round)
     rl_rollout.score_logprobs = peaks.phase("score", rl_rollout.score_logprobs)
     rl.optimizer_step = peaks.phase("update", rl.optimizer_step)
     trace = MemoryTrace() if spec.get("memory_trace") else None
@@ -188,14 +190,15 @@ def child_tidyrl(spec: dict) -> dict:
     for row in rows:
         per_rollout.setdefault(row["rollout"], []).append(row)
     rollouts_out, previous_end = [], 0.0
-    for r in sorted(per_rollout):
+    for i, r in enumerate(sorted(per_rollout)):
         steps = per_rollout[r]
         end = steps[-1]["time_s"]
         rollouts_out.append({"wall_s": end - previous_end, "steps": len(steps),
                              "generate_s": steps[0]["time/generate_s"], "reward_s": steps[0]["time/reward_s"],
                              "score_s": steps[0]["time/score_s"],
                              "update_s": sum(s["time/update_s"] for s in steps),
-                             "completion_tokens": steps[0]["completion_length_mean"] * w["prompts"] * w["k"]})
+                             "completion_tokens": steps[0]["completion_length_mean"] * w["prompts"] * w["k"],
+                             **inside.of(i)})
         previous_end = end
     return {"rollouts": rollouts_out, **gpu_memory(peaks), **({"update_trace": trace.found} if trace else {})}
 
@@ -294,6 +297,46 @@ def transient_at_peak(events: list[dict], held: int, top: int = 12) -> dict:
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
                "aten::_local_scalar_dense", "aten::nonzero", "aten::unique_dim", "aten::_unique2")
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+class InsideGeneration:
+    """Where a rollout's generate phase goes, in seconds per rollout: inside the builtin engine's `generate`
+    (`engine_s`; the rest of the phase is episodes, tensors and detokenising around it) and, within that, in the
+    fixed-shape decoding loop (`decoding_s`; the rest is the prefill, the cache's set-up and the first draw). Each
+    clock waits for the device at its end; the phase's own kernels are queued before, so it bills nothing twice."""
+
+    def __init__(self):
+        from tidyrl.models import generation
+
+        self.rollouts: list[dict] = []
+        generation.generate = self.timed("engine_s", generation.generate)
+        generation._decode_fixed = self.timed("decoding_s", generation._decode_fixed)
+
+    def rollout(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            self.rollouts.append({})
+            return fn(*a, **kw)
+        return wrapper
+
+    def timed(self, key: str, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return synchronised(fn)(*a, **kw)
+            finally:
+                if self.rollouts:
+                    self.rollouts[-1][key] = self.rollouts[-1].get(key, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    def of(self, i: int) -> dict:
+        """The seconds of the run's i-th rollout (0 the first; none for an engine other than the builtin one)."""
+        return self.rollouts[i] if i < len(self.rollouts) else {}
 
 
 def synchronised(fn):
@@ -801,6 +844,8 @@ def summarise(result: dict, w: dict, warmup: int, flops: dict[str, float]) -> di
         "reward_s": statistics.median(r["reward_s"] for r in rs),
         "score_s": statistics.median(r["score_s"] for r in rs),
         "update_s": statistics.median(r["update_s"] for r in rs),
+        **{key: statistics.median(r[key] for r in rs) for key in ("engine_s", "decoding_s")
+           if rs and all(key in r for r in rs)},
         "rollout_s": statistics.median(r["wall_s"] for r in rs),
         "flops_per_s": sum(flops.values()) * len(rs) / wall,
         **{f"{phase}_flops_per_s": flops[phase] / max(statistics.median(r[f"{phase}_s"] for r in rs), 1e-9)
@@ -978,7 +1023,11 @@ def main(argv=None) -> None:
                 figures = summarise(result, w, warmup, flops)
                 per_lib[lib].append(figures)
                 print(f"  {name} {lib:11} run {rep + 1}/{args.repeats}: {figures['episodes_per_s']:.1f} episodes/s, "
-                      f"{figures['s_per_step']:.3f} s/step (generate {figures['generate_s']:.3f}, score "
+                      f"{figures['s_per_step']:.3f} s/step (generate {figures['generate_s']:.3f}"
+                      + (f" [in the engine {figures['engine_s']:.3f}" if "engine_s" in figures else "")
+                      + (f", decoding {figures['decoding_s']:.3f}" if "decoding_s" in figures else "")
+                      + ("]" if "engine_s" in figures else "")
+                      + f", score "
                       f"{figures['score_s']:.3f}, update {figures['update_s']:.3f} s"
                       + (f", peak GPU {figures['peak_gpu_mib']:.0f} MiB" if "peak_gpu_mib" in figures else "")
                       + "".join(f" ({phase} {figures[f'peak_gpu_{phase}_mib']:.0f}, held at its start "

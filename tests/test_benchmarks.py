@@ -37,6 +37,10 @@ def test_bench_vs_trl_prints_the_table_and_the_run_has_the_time_split(tmp_path):
     for phase in ("generate", "score", "update"):  # each phase against the peak (score: 0 FLOPs without KL, E=1)
         assert re.search(rf"^{phase} / GEMM peak\s+[0-9.]+%", out, re.MULTILINE)
     assert "peak GPU MiB" not in out  # CUDA runs only
+    # the generate phase split: inside the builtin engine's generate, a part of the phase (no fixed-shape decoding
+    # loop on a CPU)
+    split = re.search(r"\(generate ([0-9.]+) \[in the engine ([0-9.]+)\]", out)
+    assert split and 0 < float(split.group(2)) <= float(split.group(1)), out
     rows = [json.loads(line) for line in (tmp_path / "tiny" / "tidyrl-0" / "run" / "metrics.jsonl").open()]
     assert len(rows) == 3  # 1 warm-up rollout + 2 measured optimizer steps (E = 1)
     for row in rows:
