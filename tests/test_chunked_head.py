@@ -3,6 +3,7 @@ gradients, without ever holding the whole (positions, vocabulary) logits."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -201,8 +202,6 @@ def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(m
 
 
 def test_the_chunked_head_serves_only_plain_low_precision_causal_lms_on_its_devices(monkeypatch):
-    from torch.nn.parallel import DistributedDataParallel
-
     model = llama().to(torch.bfloat16)
     assert head_of(model) is None  # CPU is not among HEAD_DEVICES
     monkeypatch.setattr(chunked_head, "HEAD_DEVICES", ("cpu",))
@@ -215,12 +214,86 @@ def test_the_chunked_head_serves_only_plain_low_precision_causal_lms_on_its_devi
     autocast = llama().to(torch.bfloat16)
     autocast.forward = autocast.forward  # (an instance-level forward, as accelerate's mixed precision installs)
     assert head_of(autocast) is None
-    assert head_of(DistributedDataParallel.__new__(DistributedDataParallel)) is None  # its forward syncs: not skipped
     biased = llama().to(torch.bfloat16)
     biased.lm_head = torch.nn.Linear(64, 40, bias=True).to(torch.bfloat16)
     assert head_of(biased) is None
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
     assert head_of(model) is None
+
+
+@contextlib.contextmanager
+def one_process_group(backend: str):
+    """A process group of one process (DDP builds its reducer and syncs as with more), destroyed after."""
+    import torch.distributed as dist
+
+    from conftest import free_port
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_inside_ddp_the_update_takes_the_chunked_head_and_recomputes_with_the_plain_models_numbers(
+        monkeypatch, tied):
+    """Under DDP (each process's update on N GPUs), `completion_logprobs` runs the model through DDP's forward, its
+    output layer passing the hidden states through, and applies the output layer in chunks; the norms and MLP
+    products are recomputed in the inner model: the log-probs and every gradient equal the plain model's bit for
+    bit, over two steps (DDP's reducer sees every parameter's gradient: a parameter it waited for in vain would
+    fail the second forward), where before DDP took the whole logits and kept everything (~4 GB more per GPU on
+    the 0.5B update). Compiled on CUDA in tests/test_cuda.py."""
+    from tidyrl.models import recompute
+
+    _on_cpu(monkeypatch)
+    monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
+    monkeypatch.setattr(chunked_head, "CHUNK_BYTES", 5 * 40 * 2)
+    monkeypatch.setattr(fused_logprobs, "BLOCK", 16)
+    with one_process_group("gloo"):
+        ddp_and_plain_agree(monkeypatch, llama(tie_word_embeddings=tied).to(torch.bfloat16), units=0)
+
+
+def ddp_and_plain_agree(monkeypatch, plain, units: int) -> None:
+    """Two SGD steps of `plain` and of a copy inside DDP (a process group of one): both take the chunked head with
+    gradients, and the recompute; the same log-probs, and gradients within `units` bf16 units (0: equal)."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tidyrl.models import forward, recompute
+    from tidyrl.models.forward import completion_logprobs
+
+    calls = []
+    real_head = chunked_head.head_logprobs
+    monkeypatch.setattr(forward, "head_logprobs",
+                        lambda *a, **k: calls.append(a[0].requires_grad) or real_head(*a, **k))
+    device = plain.lm_head.weight.device
+    ddp = DistributedDataParallel(copy.deepcopy(plain), device_ids=[device.index] if device.type == "cuda" else None)
+    assert head_of(ddp) is ddp.module.lm_head and len(recompute._cheap_parts(ddp)) == len(recompute._cheap_parts(plain))
+    assert recompute._cheap_parts(ddp)
+    batch, weights = completion_batch(2)
+    weights = weights.to(device)
+    runs = {}
+    for name, model in (("plain", plain), ("ddp", ddp)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        steps = []
+        for _ in range(2):
+            optimizer.zero_grad()
+            lp, _ = completion_logprobs(model, *batch, 0.8)
+            (lp * weights).sum().backward()
+            grads = {n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters()}
+            steps.append((lp.detach(), grads))
+            optimizer.step()
+        runs[name] = steps
+    assert calls == [True] * 4
+    for (lp_plain, grads_plain), (lp_ddp, grads_ddp) in zip(runs["plain"], runs["ddp"]):
+        assert torch.equal(lp_plain, lp_ddp) if units == 0 else within_bf16_units(lp_ddp, lp_plain, units)
+        assert grads_plain.keys() == grads_ddp.keys()
+        for name, grad in grads_plain.items():
+            assert torch.equal(grads_ddp[name], grad) if units == 0 else within_bf16_units(grads_ddp[name], grad,
+                                                                                            units), name
+    assert not any("forward" in vars(m) for m in ddp.modules())  # every forward is the module's own again
 
 
 def test_vocabulary_slices_are_a_power_of_two_of_blocks_within_the_budget(monkeypatch):

@@ -361,6 +361,16 @@ def test_a_bf16_grpo_run_on_cuda_scores_and_trains_through_the_chunked_head(tiny
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=0.05)
 
 
+def test_on_cuda_inside_ddp_the_update_takes_the_chunked_head_and_the_recompute(monkeypatch):
+    """As on CPU (tests/test_chunked_head.py): a bf16 model inside DDP (NCCL, one process) takes the chunked head
+    and the recompute through DDP's forward, and two SGD steps give the plain model's log-probs and gradients (to
+    CUDA's atomic adds: a few bf16 units)."""
+    from test_chunked_head import ddp_and_plain_agree, one_process_group
+
+    with one_process_group("nccl"):
+        ddp_and_plain_agree(monkeypatch, llama(tie_word_embeddings=True).to("cuda", torch.bfloat16), units=4)
+
+
 def test_on_cuda_recomputed_norms_and_mlp_products_lower_the_peak_and_change_no_number(monkeypatch):
     """An update-like pass of a bf16 model on CUDA (models.recompute on, then TIDYRL_RECOMPUTE=0): the same log-probs,
     the same gradients (up to the order of CUDA's atomic adds), at a lower peak of GPU memory (the norms' float32

@@ -44,8 +44,6 @@ def test_recomputed_norms_and_mlp_products_change_no_number_and_keep_fewer_bytes
 
 
 def test_nothing_is_recomputed_without_gradients_or_where_it_does_not_apply(monkeypatch):
-    from torch.nn.parallel import DistributedDataParallel
-
     from tidyrl.models.loading import enable_gradient_checkpointing
 
     model = llama().to(torch.bfloat16)
@@ -60,6 +58,5 @@ def test_nothing_is_recomputed_without_gradients_or_where_it_does_not_apply(monk
     assert len(recompute._cheap_parts(model)) == 6  # a hooked module keeps its own forward
     enable_gradient_checkpointing(model)
     assert recompute._cheap_parts(model) == []  # whole layers recomputed already
-    assert recompute._cheap_parts(DistributedDataParallel.__new__(DistributedDataParallel)) == []
     monkeypatch.setenv("TIDYRL_RECOMPUTE", "0")
     assert recompute._cheap_parts(llama().to(torch.bfloat16)) == []

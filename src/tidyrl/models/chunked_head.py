@@ -18,14 +18,17 @@ The arithmetic is the one-pass forward's; the results differ from it by the roun
 slice's product may take another kernel than the whole one), well inside one bf16 unit (tests/test_chunked_head.py).
 
 Used by `models.forward.completion_logprobs` where the one-pass layout runs (`HEAD_DEVICES`) on a model whose
-causal-LM forward is exactly lm_head(base model's last hidden states) (`head_of`). `TIDYRL_CHUNKED_HEAD=0` turns it
-off.
+causal-LM forward is exactly lm_head(base model's last hidden states) (`head_of`), alone or inside DDP: the model's
+own forward runs, through DDP's where it is wrapped (its reducer must see each forward), with the output layer
+passing its input through (`passed_through`). Not for FSDP (the output layer's weight is sharded) or peft models.
+`TIDYRL_CHUNKED_HEAD=0` turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,21 +51,40 @@ CHUNK_BYTES = 256 * 2**20
 
 def head_of(model) -> Optional[nn.Linear]:
     """The output layer of `model` where `completion_logprobs` may apply it itself in chunks: a plain causal LM of
-    `PLAIN_CAUSAL_LMS` (not wrapped by DDP, FSDP, peft or accelerate's hooks) in bf16/fp16 on a device of
-    HEAD_DEVICES, its `lm_head` a plain linear layer without bias; else None."""
+    `PLAIN_CAUSAL_LMS`, alone or inside DDP (not sharded by FSDP, not wrapped by peft or accelerate's hooks), in
+    bf16/fp16 on a device of HEAD_DEVICES, its `lm_head` a plain linear layer without bias; else None."""
+    from torch.nn.parallel import DistributedDataParallel
+
     from tidyrl.models.llama_decode import _wrapped
     from tidyrl.models.sharding import is_sharded
 
-    if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or type(model).__name__ not in PLAIN_CAUSAL_LMS:
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or type(inner).__name__ not in PLAIN_CAUSAL_LMS:
         return None
-    head, base = getattr(model, "lm_head", None), getattr(model, "model", None)
+    head, base = getattr(inner, "lm_head", None), getattr(inner, "model", None)
     if type(head) is not nn.Linear or head.bias is not None or base is None:
         return None
     if head.weight.device.type not in HEAD_DEVICES or head.weight.dtype not in (torch.bfloat16, torch.float16):
         return None
-    if _wrapped(model) or _wrapped(head) or is_sharded(model):  # (e.g. accelerate's autocast around forward)
+    if _wrapped(model) or _wrapped(inner) or _wrapped(head) or is_sharded(inner):  # (e.g. accelerate's autocast)
         return None
     return head
+
+
+@contextlib.contextmanager
+def passed_through(head: nn.Linear) -> Iterator[None]:
+    """Inside the block, `head`'s forward returns its input: the causal LM's forward (through any wrapper around it,
+    such as DDP's, whose reducer must see the forward) gives its last hidden states as its "logits", for
+    `head_logprobs` to apply the output layer in chunks."""
+    head.forward = _unchanged
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _unchanged(x: Tensor) -> Tensor:
+    return x
 
 
 def head_logprobs(hidden_BTH: Tensor, weight_VH: Tensor, ids_BT: Tensor, temperature: float,

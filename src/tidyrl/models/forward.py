@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from tidyrl.models.chunked_head import head_logprobs, head_of
+from tidyrl.models.chunked_head import head_logprobs, head_of, passed_through
 from tidyrl.models.devices import to_device
 from tidyrl.models.generation import _plain_kv_cache, cache_argument, model_device, returned_cache
 from tidyrl.models.devices import width_padding
@@ -193,14 +193,16 @@ def _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, comple
     return None
 
 
-def _onepass_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+def _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
     """The one-pass forward's last hidden states at the positions that predict the completion tokens (B, Tc, H):
-    the base model's forward over [prompt, completion], the inputs its causal LM would give it."""
+    the causal LM's own forward over [prompt, completion] (through DDP where it runs inside it), its output layer
+    `head` passing its input through."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    with cheap_parts_recomputed(model):  # (with gradients: norms and MLP products recomputed in backward)
-        hidden = model.model(**inputs, use_cache=False).last_hidden_state  # (B, L, H)
-    L, tc = hidden.shape[1], completion_ids.shape[1]
-    return hidden[:, L - tc - 1: L - 1]
+    tc = completion_ids.shape[1]
+    # (with gradients: norms and MLP products recomputed in backward)
+    with cheap_parts_recomputed(model), passed_through(head):
+        hidden = model(**inputs, use_cache=False, logits_to_keep=tc + 1).logits  # (B, Tc + 1, H)
+    return hidden[:, :tc]
 
 
 def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask
@@ -261,7 +263,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     parts = _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
     # the one-pass forward, its output layer in chunks (not with `fast_path` off: the model's own output layer)
     if parts is None and fast_path and (head := head_of(model)) is not None:
-        hidden = _onepass_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        hidden = _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask)
         return head_logprobs(hidden, head.weight, to_device(completion_ids, hidden.device), temperature,
                              with_entropy)
     if parts is None:

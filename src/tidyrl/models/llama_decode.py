@@ -455,10 +455,10 @@ class StaticDecode:
     """`LlamaDecodeStep` with every shape fixed for a whole generation: B rows (finished rows keep decoding
     padding instead of leaving the batch), the key/value cache at its full capacity C, attention over all C
     positions with the ones not written yet masked (-inf) (the fused step's kernel reads only the positions up to
-    the device-side write position: `fused_decode.rope_cache_attend`), and every index it advances (the write position, the
-    rows' positions) a device tensor. Calling it decodes `tokens` and advances them in place, with no host value
-    in between: a whole token (this step and the draw after it, see `generation`) is one unit a CUDA graph can
-    capture once and replay for every token (`Replayed`). Eagerly (CPU, tests) it is the same computation:
+    the device-side write position: `fused_decode.rope_cache_attend`), and every index it advances (the write
+    position, the rows' positions) a device tensor. Calling it decodes `tokens` and advances them in place, with
+    no host value in between: a whole token (this step and the draw after it, see `generation`) is one unit a CUDA
+    graph can capture once and replay for every token (`Replayed`). Eagerly (CPU, tests) it is the same computation:
     masked positions hold zeros and get probability 0, so a step's logits are the growing-cache step's up to
     summation order (tests/test_llama_decode.py: the same tokens).
 

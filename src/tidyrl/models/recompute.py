@@ -10,8 +10,8 @@ backward pass; the matmuls are not recomputed.
 
 The same ops run again on the same inputs (non-reentrant checkpoints, `torch.utils.checkpoint`), so the log-probs
 and gradients are the model's bit for bit (tests/test_recompute.py). Used by `models.forward` around the one-pass
-forward of a plain Llama/Qwen2/Qwen3/Mistral model with gradients on, on RECOMPUTE_DEVICES, and not where the model
-already checkpoints whole layers. `TIDYRL_RECOMPUTE=0` turns it off.
+forward of a plain Llama/Qwen2/Qwen3/Mistral model (alone or inside DDP) with gradients on, on RECOMPUTE_DEVICES,
+and not where the model already checkpoints whole layers or FSDP shards it. `TIDYRL_RECOMPUTE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 # Where the update's peak is GPU memory; on CPU the lean pass (models.llama_forward) keeps its own, fewer, tensors.
@@ -51,6 +52,7 @@ def _cheap_parts(model) -> list[nn.Module]:
     from tidyrl.models.loading import activation_checkpointing_on
     from tidyrl.models.sharding import is_sharded
 
+    model = model.module if isinstance(model, DistributedDataParallel) else model  # (its modules run inside DDP's)
     if os.environ.get("TIDYRL_RECOMPUTE", "1") == "0" or type(model).__name__ not in PLAIN_CAUSAL_LMS:
         return []
     inner = getattr(model, "model", None)
