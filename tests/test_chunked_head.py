@@ -254,6 +254,31 @@ def test_inside_ddp_the_update_takes_the_chunked_head_and_recomputes_with_the_pl
         ddp_and_plain_agree(monkeypatch, llama(tie_word_embeddings=tied).to(torch.bfloat16), units=0)
 
 
+def test_two_ddp_processes_take_the_chunked_head_and_average_the_model_s_own_gradient(tmp_path):
+    """Two gloo processes (tests/ddp_head_child.py), each a half of the batch inside DDP with the chunked head and the
+    recompute: every pass took the chunked head with gradients, and at each of two SGD steps the log-probs and DDP's
+    averaged gradients are those of the model alone on the whole batch, from the same weights, to bf16 rounding
+    (measured: under 1 unit; a gradient 10 % off is 14 units, a reducer that missed the output layer's gradient or
+    counted a half twice is off by the gradient itself)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port, gloo_cpu_env
+
+    report = tmp_path / "report.json"
+    child = Path(__file__).with_name("ddp_head_child.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(child), str(report)],
+                          capture_output=True, text=True, timeout=300, env=gloo_cpu_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        r = json.loads(Path(f"{report}.{rank}").read_text())
+        assert r["calls"] == [True] * 4 and r["restored"]  # 2 steps, the model alone and inside DDP
+        assert max(r["lp_units"]) <= 2 and max(r["grad_units"]) <= 4, r
+
+
 def ddp_and_plain_agree(monkeypatch, plain, units: int) -> None:
     """Two SGD steps of `plain` and of a copy inside DDP (a process group of one): both take the chunked head with
     gradients, and the recompute; the same log-probs, and gradients within `units` bf16 units (0: equal)."""
