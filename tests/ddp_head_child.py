@@ -6,6 +6,7 @@ rank: how many passes took the chunked head, and how far DDP's log-probs and gra
 in bf16 units of the latter."""
 
 import copy
+import gc
 import json
 import sys
 from pathlib import Path
@@ -39,24 +40,32 @@ def units(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / scale)
 
 
-alone = llama(tie_word_embeddings=True).to(torch.bfloat16)
-ddp = DistributedDataParallel(copy.deepcopy(alone))
-batch, weights = completion_batch(2)
-mine = slice(2 * rank, 2 * rank + 2)  # this process's half of the 4 episodes
-opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.5)
-lp_units, grad_units = [], []
-for step in range(2):
-    alone.load_state_dict(ddp.module.state_dict())  # each step from DDP's weights (its update is what is tested)
-    alone.zero_grad()
-    lp_all, _ = completion_logprobs(alone, *batch, 0.8)
-    (lp_all * weights).sum().div(2).backward()  # the mean over the 2 processes' sums, as DDP averages
-    opt_ddp.zero_grad()
-    lp, _ = completion_logprobs(ddp, *(t[mine] for t in batch), 0.8)
-    (lp * weights[mine]).sum().backward()
-    lp_units.append(units(lp.detach(), lp_all.detach()[mine]))
-    grads = {n: p.grad for n, p in alone.named_parameters()}
-    grad_units.append(max(units(p.grad, grads[n.removeprefix("module.")]) for n, p in ddp.named_parameters()))
-    opt_ddp.step()
-Path(f"{report}.{rank}").write_text(json.dumps({"calls": calls, "lp_units": lp_units, "grad_units": grad_units,
-                                                "restored": not any("forward" in vars(m) for m in ddp.modules())}))
+def run() -> dict:
+    alone = llama(tie_word_embeddings=True).to(torch.bfloat16)
+    ddp = DistributedDataParallel(copy.deepcopy(alone))
+    batch, weights = completion_batch(2)
+    mine = slice(2 * rank, 2 * rank + 2)  # this process's half of the 4 episodes
+    opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    lp_units, grad_units = [], []
+    for step in range(2):
+        alone.load_state_dict(ddp.module.state_dict())  # each step from DDP's weights (its update is what is tested)
+        alone.zero_grad()
+        lp_all, _ = completion_logprobs(alone, *batch, 0.8)
+        (lp_all * weights).sum().div(2).backward()  # the mean over the 2 processes' sums, as DDP averages
+        opt_ddp.zero_grad()
+        lp, _ = completion_logprobs(ddp, *(t[mine] for t in batch), 0.8)
+        (lp * weights[mine]).sum().backward()
+        lp_units.append(units(lp.detach(), lp_all.detach()[mine]))
+        grads = {n: p.grad for n, p in alone.named_parameters()}
+        grad_units.append(max(units(p.grad, grads[n.removeprefix("module.")]) for n, p in ddp.named_parameters()))
+        opt_ddp.step()
+    return {"calls": calls, "lp_units": lp_units, "grad_units": grad_units,
+            "restored": not any("forward" in vars(m) for m in ddp.modules())}
+
+
+Path(f"{report}.{rank}").write_text(json.dumps(run()))
+# DDP and its reducer gone with run's frame (and any cycle), and both processes done, before the group goes: a
+# reducer destroyed after its group, at the interpreter's exit, aborted a process once under load
+gc.collect()
+dist.barrier()
 dist.destroy_process_group()
