@@ -4,6 +4,7 @@ gradients, without ever holding the whole (positions, vocabulary) logits."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 
 import pytest
@@ -232,6 +233,7 @@ def one_process_group(backend: str):
     try:
         yield
     finally:
+        gc.collect()  # (the block's DDP and its reducer gone before their group)
         dist.destroy_process_group()
 
 
