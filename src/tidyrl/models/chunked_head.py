@@ -53,12 +53,10 @@ def head_of(model) -> Optional[nn.Linear]:
     """The output layer of `model` where `completion_logprobs` may apply it itself in chunks: a plain causal LM of
     `PLAIN_CAUSAL_LMS`, alone or inside DDP (not sharded by FSDP, not wrapped by peft or accelerate's hooks), in
     bf16/fp16 on a device of HEAD_DEVICES, its `lm_head` a plain linear layer without bias; else None."""
-    from torch.nn.parallel import DistributedDataParallel
-
     from tidyrl.models.llama_decode import _wrapped
-    from tidyrl.models.sharding import is_sharded
+    from tidyrl.models.sharding import ddp_inner, is_sharded
 
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    inner = ddp_inner(model)
     if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or type(inner).__name__ not in PLAIN_CAUSAL_LMS:
         return None
     head, base = getattr(inner, "lm_head", None), getattr(inner, "model", None)

@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from tidyrl.models.chunked_head import head_logprobs, head_of, passed_through
 from tidyrl.models.devices import to_device
@@ -30,7 +29,7 @@ from tidyrl.models.llama_forward import logits_if_lean
 from tidyrl.models.loading import activation_checkpointing_on
 from tidyrl.models.ops import gather_logprobs_and_entropy
 from tidyrl.models.recompute import cheap_parts_recomputed
-from tidyrl.models.sharding import is_sharded
+from tidyrl.models.sharding import ddp_inner, is_sharded
 
 
 def model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict:
@@ -65,7 +64,7 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
     every layer (sliding windows, chunks: the model's own masks); else the (B, 1, queries, L) mask the model would
     build: causal, keys at padding masked, and a query at padding attending to itself (its output is never read;
     one key keeps it finite), boolean for SDPA, additive (0 / dtype min) for eager attention."""
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    inner = ddp_inner(model)
     impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
     if mask_BL.device.type in HOST_MASK_DEVICES or impl not in ("sdpa", "eager") or not _plain_kv_cache(inner):
         return mask_BL
@@ -223,7 +222,7 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, comple
     # The prompt pass runs the module inside DDP, so that every process makes exactly one DDP forward per
     # micro-batch, shared prompts or not (DDP syncs buffers at each forward: unequal counts would deadlock).
     # Its gradients still reach the parameters, whose DDP hooks fire once per backward with the summed grad.
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    inner = ddp_inner(model)
     prompt = inner(input_ids=u_ids, attention_mask=model_mask(inner, u_mask, lp), position_ids=u_pos, use_cache=True,
                    logits_to_keep=1)
     inverse = to_device(inverse, device)
@@ -244,7 +243,7 @@ def _can_share_prompts(model) -> bool:
     wrappers get the one-pass forward."""
     from transformers import PreTrainedModel
 
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    inner = ddp_inner(model)
     if not isinstance(inner, PreTrainedModel):
         return False
     if activation_checkpointing_on(inner):

@@ -23,7 +23,6 @@ from typing import Iterator
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 # Where the update's peak is GPU memory; on CPU the lean pass (models.llama_forward) keeps its own, fewer, tensors.
@@ -50,9 +49,9 @@ def _cheap_parts(model) -> list[nn.Module]:
     from tidyrl.models.chunked_head import PLAIN_CAUSAL_LMS
     from tidyrl.models.llama_decode import _wrapped
     from tidyrl.models.loading import activation_checkpointing_on
-    from tidyrl.models.sharding import is_sharded
+    from tidyrl.models.sharding import ddp_inner, is_sharded
 
-    model = model.module if isinstance(model, DistributedDataParallel) else model  # (its modules run inside DDP's)
+    model = ddp_inner(model)  # (its modules run inside DDP's forward)
     if os.environ.get("TIDYRL_RECOMPUTE", "1") == "0" or type(model).__name__ not in PLAIN_CAUSAL_LMS:
         return []
     inner = getattr(model, "model", None)

@@ -26,6 +26,13 @@ class ShardingError(RuntimeError):
     """The launch configuration asks for a sharding mode tidyrl does not support; the message says what to use."""
 
 
+def ddp_inner(model):
+    """The module `model` wraps where it is DistributedDataParallel (what runs inside DDP's forward), else `model`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def sharding_kind(accelerator) -> str:
     """'fsdp2', 'fsdp1', 'deepspeed' or 'none' (DDP, a single process)."""
     from accelerate.utils import DistributedType
