@@ -38,22 +38,33 @@ def silu_and_mul_kernel(gate_up_ptr, out_ptr, row_stride, I: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _rope_factors(cos_ptr, sin_ptr, b, D: tl.constexpr):
+    # Row b's rope factors in float32, (D,) each, the sine signed (-sin1, sin2); and each lane's partner,
+    # roll(x, D/2)[i] = x[(i + D/2) mod D].
+    d = tl.arange(0, D)
+    return (d, (d + D // 2) % D, tl.load(cos_ptr + b * D + d).to(tl.float32),
+            tl.load(sin_ptr + b * D + d).to(tl.float32))
+
+
+@triton.jit
+def _roped(x, x_partner, cos, sin):
+    # RoFormer eq. 34 rounded as `llama_decode.rope`: x * cos rounded as torch's product, plus roll(x) * signed sin
+    # in one rounding (addcmul); in x's dtype.
+    kind = x.dtype
+    return ((x.to(tl.float32) * cos).to(kind).to(tl.float32) + x_partner.to(tl.float32) * sin).to(kind)
+
+
+@triton.jit
 def rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, at_ptr, q_out_ptr,
                           C, q_row, k_row, v_row, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs = tl.arange(0, D)
-    partner = (offs + D // 2) % D  # roll(x, D/2)[i] = x[(i + D/2) mod D]
-    cos = tl.load(cos_ptr + b * D + offs).to(tl.float32)
-    sin = tl.load(sin_ptr + b * D + offs).to(tl.float32)  # signed: (-sin1, sin2)
+    offs, partner, cos, sin = _rope_factors(cos_ptr, sin_ptr, b, D)
     if head < H:
         src = q_ptr + b * q_row + head * D
     else:
         src = k_ptr + b * k_row + (head - H) * D
-    x = tl.load(src + offs)
-    kind = x.dtype
-    first = (x.to(tl.float32) * cos).to(kind)  # x * cos, rounded as torch's product
-    out = (first.to(tl.float32) + tl.load(src + partner).to(tl.float32) * sin).to(kind)  # addcmul: one rounding
+    out = _roped(tl.load(src + offs), tl.load(src + partner), cos, sin)
     if head < H:
         tl.store(q_out_ptr + (b * H + head) * D + offs, out)
     else:
@@ -181,24 +192,19 @@ def rope_cache_attend_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, va
     # computes 16-bit tl.dot wrongly.
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    d = tl.arange(0, D)
-    partner = (d + D // 2) % D  # roll(x, D/2)[i] = x[(i + D/2) mod D]
-    cos = tl.load(cos_ptr + b * D + d).to(tl.float32)
-    sin = tl.load(sin_ptr + b * D + d).to(tl.float32)  # signed: (-sin1, sin2)
+    d, partner, cos, sin = _rope_factors(cos_ptr, sin_ptr, b, D)
     at = tl.load(at_ptr)
     head = (b * HKV + g) * C * D  # the group's cache, (C, D)
     k_src = k_ptr + b * k_row + g * D
-    k = tl.load(k_src + d)
+    k = _roped(tl.load(k_src + d), tl.load(k_src + partner), cos, sin)
     kind = k.dtype
-    k = ((k.to(tl.float32) * cos).to(kind).to(tl.float32) + tl.load(k_src + partner).to(tl.float32) * sin).to(kind)
     tl.store(keys_ptr + head + at * D + d, k)
     tl.store(values_ptr + head + at * D + d, tl.load(v_ptr + b * v_row + g * D + d))
     r = tl.arange(0, R_P2)[:, None]
     mine = r < R  # (R_P2 >= 16 rows for tl.dot; the ones past R are zeros, never stored)
     q_src = q_ptr + b * q_row + (g * R + r) * D
-    x = tl.load(q_src + d[None, :], mask=mine, other=0.0)
-    q = ((x.to(tl.float32) * cos[None, :]).to(kind).to(tl.float32)
-         + tl.load(q_src + partner[None, :], mask=mine, other=0.0).to(tl.float32) * sin[None, :]).to(kind)
+    q = _roped(tl.load(q_src + d[None, :], mask=mine, other=0.0),
+               tl.load(q_src + partner[None, :], mask=mine, other=0.0), cos[None, :], sin[None, :])
     tl.debug_barrier()  # the key and value just stored, visible to every thread of this program before it reads them
     top = tl.full((R_P2,), float("-inf"), tl.float32)
     total = tl.zeros((R_P2,), tl.float32)
