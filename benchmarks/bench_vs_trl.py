@@ -324,11 +324,13 @@ class InsideGeneration:
     def timed(self, key: str, fn):
         import functools
 
+        waited = synchronised(fn)
+
         @functools.wraps(fn)
         def wrapper(*a, **kw):
             start = time.perf_counter()
             try:
-                return synchronised(fn)(*a, **kw)
+                return waited(*a, **kw)
             finally:
                 if self.rollouts:
                     self.rollouts[-1][key] = self.rollouts[-1].get(key, 0.0) + time.perf_counter() - start
@@ -927,9 +929,9 @@ def main(argv=None) -> None:
                         help="comma-separated subset of tidyrl, tidyrl-vllm (rollout.engine: vllm), tidyrl-lean, "
                              "tidyrl-hf-forward, tidyrl-onepass (one layout of the training forward forced: "
                              "FORCED_LAYOUTS), tidyrl-rows, tidyrl-whole-head, tidyrl-unfused-decode, "
-                             "tidyrl-sdpa-decode, tidyrl-no-recompute (a CUDA path switched off: SWITCHED_OFF), tidyrl-memtrace (the "
-                             "update's memory at its peak, by allocation site), tidyrl-exact-widths (rows not padded "
-                             "to a multiple of 16 on CUDA) and trl")
+                             "tidyrl-sdpa-decode, tidyrl-no-recompute (a CUDA path switched off: SWITCHED_OFF), "
+                             "tidyrl-memtrace (the update's memory at its peak, by allocation site), "
+                             "tidyrl-exact-widths (rows not padded to a multiple of 16 on CUDA) and trl")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the children train (cuda: accelerate's GPU; the GEMM peak is then not measured)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -1022,11 +1024,11 @@ def main(argv=None) -> None:
                 result = run_child(lib, spec, args.threads)
                 figures = summarise(result, w, warmup, flops)
                 per_lib[lib].append(figures)
+                split = [f"{label} {figures[key]:.3f}" for key, label in
+                         (("engine_s", "in the engine"), ("decoding_s", "decoding")) if key in figures]
                 print(f"  {name} {lib:11} run {rep + 1}/{args.repeats}: {figures['episodes_per_s']:.1f} episodes/s, "
                       f"{figures['s_per_step']:.3f} s/step (generate {figures['generate_s']:.3f}"
-                      + (f" [in the engine {figures['engine_s']:.3f}" if "engine_s" in figures else "")
-                      + (f", decoding {figures['decoding_s']:.3f}" if "decoding_s" in figures else "")
-                      + ("]" if "engine_s" in figures else "")
+                      + (f" [{', '.join(split)}]" if split else "")
                       + f", score "
                       f"{figures['score_s']:.3f}, update {figures['update_s']:.3f} s"
                       + (f", peak GPU {figures['peak_gpu_mib']:.0f} MiB" if "peak_gpu_mib" in figures else "")
