@@ -270,8 +270,13 @@ def completion_batch(seed: int):
 def within_bf16_units(got: torch.Tensor, want: torch.Tensor, units: float) -> bool:
     """|got - want| at most `units` bf16 units of `want`'s largest magnitude, everywhere: the gradients of two
     computations whose low-precision products round apart (an element's own ulp is no bound where sums cancel)."""
-    scale = want.float().abs().max().clamp(min=1e-30)
-    return bool((got.float() - want.float()).abs().max() <= units * torch.finfo(torch.bfloat16).eps * scale)
+    return bf16_units(got, want) <= units
+
+
+def bf16_units(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest |got - want| in bf16 units of `want`'s largest magnitude (see `within_bf16_units`)."""
+    scale = want.float().abs().max().clamp(min=1e-30) * torch.finfo(torch.bfloat16).eps
+    return float((got.float() - want.float()).abs().max() / scale)
 
 
 def bf16_grpo_metrics(model_dir, prompt_file, folder) -> list[dict]:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import completion_batch, llama  # noqa: E402
+from conftest import bf16_units, completion_batch, llama  # noqa: E402
 
 from tidyrl.models import chunked_head, forward, fused_logprobs, recompute  # noqa: E402
 from tidyrl.models.forward import completion_logprobs  # noqa: E402
@@ -34,11 +34,6 @@ real_head = forward.head_logprobs
 forward.head_logprobs = lambda *a, **k: calls.append(a[0].requires_grad) or real_head(*a, **k)
 
 
-def units(got: torch.Tensor, want: torch.Tensor) -> float:
-    """|got - want|'s largest element in bf16 units of want's largest magnitude."""
-    scale = want.float().abs().max().clamp(min=1e-30) * torch.finfo(torch.bfloat16).eps
-    return float((got.float() - want.float()).abs().max() / scale)
-
 
 def run() -> dict:
     alone = llama(tie_word_embeddings=True).to(torch.bfloat16)
@@ -55,9 +50,9 @@ def run() -> dict:
         opt_ddp.zero_grad()
         lp, _ = completion_logprobs(ddp, *(t[mine] for t in batch), 0.8)
         (lp * weights[mine]).sum().backward()
-        lp_units.append(units(lp.detach(), lp_all.detach()[mine]))
+        lp_units.append(bf16_units(lp.detach(), lp_all.detach()[mine]))
         grads = {n: p.grad for n, p in alone.named_parameters()}
-        grad_units.append(max(units(p.grad, grads[n.removeprefix("module.")]) for n, p in ddp.named_parameters()))
+        grad_units.append(max(bf16_units(p.grad, grads[n.removeprefix("module.")]) for n, p in ddp.named_parameters()))
         opt_ddp.step()
     return {"calls": calls, "lp_units": lp_units, "grad_units": grad_units,
             "restored": not any("forward" in vars(m) for m in ddp.modules())}
