@@ -200,7 +200,10 @@ def child_tidyrl(spec: dict) -> dict:
                              "completion_tokens": steps[0]["completion_length_mean"] * w["prompts"] * w["k"],
                              **inside.of(i)})
         previous_end = end
-    return {"rollouts": rollouts_out, **gpu_memory(peaks), **({"update_trace": trace.found} if trace else {})}
+    from tidyrl.models import fused_decode
+
+    return {"rollouts": rollouts_out, **gpu_memory(peaks), **({"update_trace": trace.found} if trace else {}),
+            **({"fused_decode_failed": fused_decode.failure()} if fused_decode.failure() else {})}
 
 
 def print_trace(found: dict) -> None:
@@ -673,6 +676,10 @@ def child_trl(spec: dict) -> dict:
     return {"rollouts": rollouts_out, **gpu_memory(peaks)}
 
 
+class ChildFailed(RuntimeError):
+    """One library's run ended with an error: the others still run (a GPU call is not lost to one failure)."""
+
+
 def run_child(library: str, spec: dict, threads: int) -> dict:
     """One library in a fresh subprocess; returns its timings and its own peak RSS (ru_maxrss of that child)."""
     spec_path = Path(spec["out"]) / "spec.json"
@@ -689,7 +696,7 @@ def run_child(library: str, spec: dict, threads: int) -> dict:
     log.close()
     if proc.returncode != 0:
         tail = (Path(spec["out"]) / "child.log").read_text()[-3000:]
-        raise RuntimeError(f"{library} run failed (exit {proc.returncode}):\n{tail}")
+        raise ChildFailed(f"{library} run failed (exit {proc.returncode}); the end of its log:\n{tail}")
     result = json.loads((Path(spec["out"]) / "result.json").read_text())
     result["peak_rss_mib"] = usage.ru_maxrss / 1024  # KiB on Linux
     return result
@@ -995,6 +1002,7 @@ def main(argv=None) -> None:
                "unknown CPU")
     print(f"{os.cpu_count()} CPUs ({cpu}); {args.threads} torch threads per library; {versions}", flush=True)
     peaks: dict[str, float] = {}
+    failed: dict[str, dict[str, str]] = {}  # workload -> library -> the first line of why its run failed
     for name in names:
         w = WORKLOADS[name]
         if w.get("gpu") and args.device != "cuda":
@@ -1015,13 +1023,21 @@ def main(argv=None) -> None:
         per_lib: dict[str, list[dict]] = {lib: [] for lib in libraries}
         for rep in range(args.repeats):
             for lib in libraries:
+                if lib in failed.get(name, {}):  # failed once: its other runs would fail the same way
+                    continue
                 spec = {"workload": w, "model": model_dir, "prompts": prompts, "seed": args.seed + rep,
                         "warmup": warmup, "rollouts": rollouts, "out": str(folder / f"{lib}-{rep}"),
                         "engine": ENGINES.get(lib, "builtin"), "device": args.device, "dtype": dtype,
                         "profile": args.profile, "layouts": FORCED_LAYOUTS.get(lib),
                         "exact_widths": lib in EXACT_WIDTHS, "memory_trace": lib in MEMORY_TRACE}
                 t0, load = time.perf_counter(), os.getloadavg()[0]
-                result = run_child(lib, spec, args.threads)
+                try:
+                    result = run_child(lib, spec, args.threads)
+                except ChildFailed as err:
+                    failed.setdefault(name, {})[lib] = str(err).split(";")[0]
+                    print(f"  {name} {lib:11} run {rep + 1}/{args.repeats}: FAILED after "
+                          f"{time.perf_counter() - t0:.0f} s, left out of the table: {err}", flush=True)
+                    continue
                 figures = summarise(result, w, warmup, flops)
                 per_lib[lib].append(figures)
                 split = [f"{label} {figures[key]:.3f}" for key, label in
@@ -1038,20 +1054,29 @@ def main(argv=None) -> None:
                       + f"), peak RSS {figures['peak_rss_mib']:.0f} MiB "
                       f"({time.perf_counter() - t0:.0f} s with loading; load average {load:.2f} -> "
                       f"{os.getloadavg()[0]:.2f})", flush=True)
+                if result.get("fused_decode_failed"):  # (the child's warning is silenced with the others)
+                    print(f"    the fused decoding kernels failed in this run and were given up: generation ran "
+                          f"without them; {result['fused_decode_failed']}", flush=True)
                 if result.get("update_trace"):
                     print_trace(result["update_trace"])
                 if args.profile:
                     print_profile(name, lib, Path(spec["out"]))
         labels = {lib: lib for lib in LIBRARIES} | {"trl": "TRL"}
-        shown = sorted(per_lib, key=lambda lib: lib == "trl")  # TRL's column last, whichever ran first
-        print_table(name, w, facts, {labels[lib]: median_of(per_lib[lib]) for lib in shown}, peak, args.repeats)
-        if set(per_lib) == {"tidyrl", "trl"}:  # each tidyrl run against the TRL run after it: the machine's drift
+        shown = sorted((lib for lib in per_lib if per_lib[lib]), key=lambda lib: lib == "trl")  # TRL's column last
+        if shown:
+            print_table(name, w, facts, {labels[lib]: median_of(per_lib[lib]) for lib in shown}, peak,
+                        args.repeats)
+        # each tidyrl run against the TRL run after it: the machine's drift
+        if set(per_lib) == {"tidyrl", "trl"} and name not in failed:
             pairs = [a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(per_lib["tidyrl"], per_lib["trl"])]
             print("   per pair (tidyrl/TRL episodes/s): " + ", ".join(f"{p:.2f}x" for p in pairs))
     if not args.keep:
         import shutil
 
         shutil.rmtree(base, ignore_errors=True)
+    if failed:
+        sys.exit("failed runs (the tables leave them out): " + "; ".join(
+            f"{name} {why}" for name, libs in failed.items() for why in libs.values()))
 
 
 if __name__ == "__main__":

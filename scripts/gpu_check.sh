@@ -148,11 +148,12 @@ fi
     [ -f "$f" ] || continue
     echo "--- $(basename "$f" .log)"
     grep -vE "Warning|warn\(|USDT|^\s*$" "$f" | tail -24 | cut -c1-160
+    grep -E "given up" "$f" | head -2 | cut -c1-300
   done
   for f in "$LOGS"/vs-trl-*.log "$LOGS"/profile-*.log; do
     [ -f "$f" ] || continue
     echo "--- $(basename "$f" .log)"
-    grep -E "GEMM peak \(|run [0-9]+/[0-9]+:|^  profile |^    (generate|score|update): |^ {6} *[0-9.]+% |^    update memory: |^ {6} *[0-9.]+ MiB " "$f" | cut -c1-300
+    grep -E "GEMM peak \(|run [0-9]+/[0-9]+:|given up|^  profile |^    (generate|score|update): |^ {6} *[0-9.]+% |^    update memory: |^ {6} *[0-9.]+ MiB " "$f" | cut -c1-300
     sed -n '/^== /,$p' "$f" | grep -vE "Warning|warn\(|^\s*$" | cut -c1-160
     grep -E "Error|Traceback" "$f" | head -5
   done

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 BENCH = Path(__file__).parent.parent / "benchmarks"
 
@@ -258,3 +260,41 @@ def test_count_saved_bytes_shows_each_memory_lever_keeping_less_for_backward():
     assert len(totals) == 3 and "+ gradient" in done.stdout, done.stdout
     whole, chunked, both = totals
     assert whole > chunked > both, done.stdout
+
+
+def test_bench_vs_trl_goes_on_past_a_failed_run_and_says_which_failed(tmp_path, monkeypatch, capsys):
+    """One library's run failing (on a GPU call: a kernel, an out-of-memory, TRL's install) leaves the others' runs
+    and table whole: the failure is printed with the end of its log, that library is not run again, and the exit
+    names it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_vs_trl_under_test", BENCH / "bench_vs_trl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real, calls = bench.run_child, []
+
+    def run_child(library, spec, threads):
+        calls.append(library)
+        if library == "tidyrl-lean":
+            raise bench.ChildFailed(f"{library} run failed (exit 1); the end of its log:\nRuntimeError: no kernel")
+        result = real(library, spec, threads)
+        if calls.count("tidyrl") == 2:  # as a CUDA run whose decoding kernels were given up reports it
+            result["fused_decode_failed"] = "RuntimeError: PTX compile failed"
+        return result
+
+    monkeypatch.setattr(bench, "run_child", run_child)
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--workload", "tiny", "--repeats", "2", "--steps", "1", "--warmup", "0",
+                    "--libraries", "tidyrl-lean,tidyrl", "--set", "prompts=2,k=4,micro_batch=4",
+                    "--keep", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert calls == ["tidyrl-lean", "tidyrl", "tidyrl"]  # the failed library is not run again
+    assert re.search(r"tiny tidyrl-lean run 1/2: FAILED after \d+ s, left out of the table: tidyrl-lean run "
+                     r"failed \(exit 1\); the end of its log:\nRuntimeError: no kernel", out), out
+    assert len(re.findall(r"tiny tidyrl +run [12]/2: [0-9.]+ episodes/s", out)) == 2
+    assert out.count("the fused decoding kernels failed in this run and were given up: generation ran without "
+                     "them; RuntimeError: PTX compile failed") == 1  # the second run's line only
+    assert out.index("run 2/2") < out.index("given up")
+    header = next(line for line in out.splitlines() if line.startswith(" " * 28))
+    assert header.split() == ["tidyrl"] and number("episodes/s", out) > 0  # the table: tidyrl's column alone
+    assert str(exit_.value.code) == "failed runs (the tables leave them out): tiny tidyrl-lean run failed (exit 1)"

@@ -55,6 +55,12 @@ def _enabled() -> bool:
 _failure: Optional[str] = None  # why the kernels were given up in this process (`give_up`), or None
 
 
+def failure() -> Optional[str]:
+    """Why the kernels were given up in this process ("TypeName: message"), or None while they serve (or were never
+    tried). A benchmark prints it: a run whose kernels failed decoded without them, and its timings say so."""
+    return _failure
+
+
 def give_up(err: BaseException) -> None:
     """Turn the kernels off for the rest of this process after `err` (a kernel that does not compile or run on
     this GPU), with a warning: generation goes on with the unfused ops (`generation._generate_chunk`)."""
