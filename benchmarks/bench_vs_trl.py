@@ -60,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -680,8 +681,9 @@ class ChildFailed(RuntimeError):
     """One library's run ended with an error: the others still run (a GPU call is not lost to one failure)."""
 
 
-def run_child(library: str, spec: dict, threads: int) -> dict:
-    """One library in a fresh subprocess; returns its timings and its own peak RSS (ru_maxrss of that child)."""
+def run_child(library: str, spec: dict, threads: int, timeout: float | None = None) -> dict:
+    """One library in a fresh subprocess; returns its timings and its own peak RSS (ru_maxrss of that child). A run
+    past `timeout` seconds (loading included) is killed and fails, so that a hang leaves time for the others."""
     spec_path = Path(spec["out"]) / "spec.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec))
@@ -691,12 +693,24 @@ def run_child(library: str, spec: dict, threads: int) -> dict:
     cmd = [sys.executable, __file__, "--child", library, "--spec", str(spec_path), "--threads", str(threads)]
     log = open(Path(spec["out"]) / "child.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        proc.kill()
+
+    killer = threading.Timer(timeout, kill) if timeout else None
+    if killer:
+        killer.start()
     _, status, usage = os.wait4(proc.pid, 0)
+    if killer:
+        killer.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)
     log.close()
     if proc.returncode != 0:
         tail = (Path(spec["out"]) / "child.log").read_text()[-3000:]
-        raise ChildFailed(f"{library} run failed (exit {proc.returncode}); the end of its log:\n{tail}")
+        why = f"killed after {timeout:g} s, --run-timeout" if timed_out.is_set() else f"exit {proc.returncode}"
+        raise ChildFailed(f"{library} run failed ({why}); the end of its log:\n{tail}")
     result = json.loads((Path(spec["out"]) / "result.json").read_text())
     result["peak_rss_mib"] = usage.ru_maxrss / 1024  # KiB on Linux
     return result
@@ -954,6 +968,9 @@ def main(argv=None) -> None:
                              "qwen0.5b workload: --set hidden=2048,layers=36,heads=16,kv_heads=2,intermediate=11008 "
                              f"(keys: {', '.join(SETTABLE)})")
     parser.add_argument("--keep", help="keep the models, runs and child logs in this folder")
+    parser.add_argument("--run-timeout", type=float, default=None, metavar="S",
+                        help="kill a library's run after S seconds, loading included (it is then reported as failed "
+                             "and the other libraries still run); default: no limit")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1032,7 +1049,7 @@ def main(argv=None) -> None:
                         "exact_widths": lib in EXACT_WIDTHS, "memory_trace": lib in MEMORY_TRACE}
                 t0, load = time.perf_counter(), os.getloadavg()[0]
                 try:
-                    result = run_child(lib, spec, args.threads)
+                    result = run_child(lib, spec, args.threads, args.run_timeout)
                 except ChildFailed as err:
                     failed.setdefault(name, {})[lib] = str(err).split(";")[0]
                     print(f"  {name} {lib:11} run {rep + 1}/{args.repeats}: FAILED after "

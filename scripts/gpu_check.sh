@@ -17,7 +17,7 @@
 #     (rollout.lag 0 vs 1 with the in-process engine; issue 25).
 # Prints one summary at the end (the tables) and leaves every log in OUT_DIR/logs.tgz (the profiles' tables too).
 # TRL is taken where it is importable (pip install trl==1.16.0; without it the benchmarks run tidyrl alone).
-# PARTS, LIBS, LIBS15, SET05, SET15, PASSES_ARGS, TEST_PATHS, BUDGET choose what a call runs (see below).
+# PARTS, LIBS, LIBS15, SET05, SET15, PASSES_ARGS, TEST_PATHS, RUN_TIMEOUT, BUDGET choose what a call runs (see below).
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-gpu-check-out}}
@@ -103,15 +103,17 @@ else  # the logic on a CPU: the tiny workload twice, with KL on
 fi
 PASSES_ARGS=${PASSES_ARGS:-"--repeats 3 --widths 3 --profile"}
 DECODE_ARGS=${DECODE_ARGS:-"--dtype bfloat16 --repeats 2 --profile 16"}
+RUN_TIMEOUT=${RUN_TIMEOUT:-120}  # one library's run in bench_vs_trl, loading included (TRL's 0.5B run took 60-80 s,
+# its 1.5B run under 110 s): a run that hangs is killed and reported, the next library still runs
 # the shipped default end to end beside TRL (and what LIBS adds), most wanted first
 has vs05 && part vs-trl-$W05 ${VS05_LIMIT:-170} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
-  --workload $W05 --libraries $LIBS --repeats 1 $SET05 --keep "$WORK/vs05"
+  --workload $W05 --libraries $LIBS --repeats 1 $SET05 --run-timeout $RUN_TIMEOUT --keep "$WORK/vs05"
 rm -rf "$WORK"/vs05/*/model
 # each layout of the training forward and TRL's pass, in one process, with a profile
 has passes05 && part passes-$W05 ${PASSES_LIMIT:-90} "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE \
   --workload $W05 $PASSES_ARGS
 has vs15 && part vs-trl-$W15-b ${VS15_LIMIT:-150} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE \
-  --workload $W15 --libraries ${LIBS15:-$LIBS} --repeats 1 $SET15 --keep "$WORK/vs15"
+  --workload $W15 --libraries ${LIBS15:-$LIBS} --repeats 1 $SET15 --run-timeout $RUN_TIMEOUT --keep "$WORK/vs15"
 rm -rf "$WORK"/vs15/*/model
 # where generation's time goes: the lean decode step against the model's forward, one profiled generate
 has decode && part decode-$W05 ${DECODE_LIMIT:-60} "$BENCH_CORES" $PY benchmarks/bench_decode.py --workload $W05 \

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -262,22 +263,28 @@ def test_count_saved_bytes_shows_each_memory_lever_keeping_less_for_backward():
     assert whole > chunked > both, done.stdout
 
 
-def test_bench_vs_trl_goes_on_past_a_failed_run_and_says_which_failed(tmp_path, monkeypatch, capsys):
-    """One library's run failing (on a GPU call: a kernel, an out-of-memory, TRL's install) leaves the others' runs
-    and table whole: the failure is printed with the end of its log, that library is not run again, and the exit
-    names it."""
+def bench_vs_trl_module():
+    """benchmarks/bench_vs_trl.py imported as a module of its own (its functions patched per test)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_vs_trl_under_test", BENCH / "bench_vs_trl.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_vs_trl_goes_on_past_a_failed_run_and_says_which_failed(tmp_path, monkeypatch, capsys):
+    """One library's run failing (on a GPU call: a kernel, an out-of-memory, TRL's install) leaves the others' runs
+    and table whole: the failure is printed with the end of its log, that library is not run again, and the exit
+    names it."""
+    bench = bench_vs_trl_module()
     real, calls = bench.run_child, []
 
-    def run_child(library, spec, threads):
+    def run_child(library, spec, threads, timeout):
         calls.append(library)
         if library == "tidyrl-lean":
             raise bench.ChildFailed(f"{library} run failed (exit 1); the end of its log:\nRuntimeError: no kernel")
-        result = real(library, spec, threads)
+        result = real(library, spec, threads, timeout)
         if calls.count("tidyrl") == 2:  # as a CUDA run whose decoding kernels were given up reports it
             result["fused_decode_failed"] = "RuntimeError: PTX compile failed"
         return result
@@ -298,3 +305,17 @@ def test_bench_vs_trl_goes_on_past_a_failed_run_and_says_which_failed(tmp_path, 
     header = next(line for line in out.splitlines() if line.startswith(" " * 28))
     assert header.split() == ["tidyrl"] and number("episodes/s", out) > 0  # the table: tidyrl's column alone
     assert str(exit_.value.code) == "failed runs (the tables leave them out): tiny tidyrl-lean run failed (exit 1)"
+
+
+def test_bench_vs_trl_kills_a_run_past_its_timeout_and_says_so(tmp_path, monkeypatch):
+    """--run-timeout: a run that hangs (on a GPU call, a kernel that never returns) is killed at the limit and reported
+    as failed, with the end of its log: the other libraries keep their time."""
+    bench = bench_vs_trl_module()
+    hang = tmp_path / "hang.py"  # the child's script: prints a line, then never returns
+    hang.write_text("import time\nprint('loading the model', flush=True)\ntime.sleep(600)\n")
+    monkeypatch.setattr(bench, "__file__", str(hang))
+    started = time.monotonic()
+    with pytest.raises(bench.ChildFailed, match=r"(?s)tidyrl run failed \(killed after 3 s, --run-timeout\); "
+                                                r"the end of its log:\nloading the model"):
+        bench.run_child("tidyrl", {"out": str(tmp_path / "run")}, 1, timeout=3)
+    assert time.monotonic() - started < 60
