@@ -15,7 +15,8 @@ import tidyrl
 from tidyrl.environments import EnvironmentPool, EnvReply, ToolEnvironment, parse_tool_calls
 from tidyrl.engines import SamplingSettings
 from tidyrl.engines.builtin import BuiltinEngine
-from tidyrl.rollouts.episodes import EpisodeSettings, build_environments, environment_message_ids, run_episodes
+from tidyrl.rollouts.episodes import (Conversation, EpisodeSettings, as_episodes, build_environments,
+                                      environment_message_ids, run_episodes)
 
 ENVS = textwrap.dedent('''
     import time
@@ -61,6 +62,27 @@ def load_class(path, name):
     from tidyrl.rewards import load_reward_function
 
     return load_reward_function(f"{path}:{name}")
+
+
+def test_conversations_become_padded_tensors_row_by_row():
+    """as_episodes: each conversation's ids, log-probs and action flags at its first positions, the pad after, the
+    mask 1 where written (an empty conversation and one at the full budget included)."""
+    convs = [Conversation(ids=[5, 6, 7], action=[1, 0, 1], logprobs=[-0.5, 0.0, -1.25], reward=1.0, turns=2),
+             Conversation(ids=[], truncated=False, error="constructor failed", reward=-1.0),
+             Conversation(ids=[9, 8, 7, 6], action=[1, 1, 1, 1], logprobs=[-0.1, -0.2, -0.3, -0.4], truncated=True,
+                          turns=1)]
+    e = as_episodes(convs, 4, pad_id=0, multi_turn=True)
+    assert e.completion_ids.tolist() == [[5, 6, 7, 0], [0, 0, 0, 0], [9, 8, 7, 6]]
+    assert e.completion_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    assert e.action_mask.tolist() == [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    assert torch.equal(e.logprobs, torch.tensor([[-0.5, 0.0, -1.25, 0.0], [0.0] * 4, [-0.1, -0.2, -0.3, -0.4]]))
+    assert e.completion_ids.dtype == torch.long and e.completion_mask.dtype == e.logprobs.dtype == torch.float32
+    assert e.truncated.tolist() == [False, False, True] and e.env_reward.tolist() == [1.0, -1.0, 0.0]
+    assert e.turns.tolist() == [2.0, 0.0, 1.0] and e.errors.tolist() == [0.0, 1.0, 0.0]
+    single = as_episodes(convs[:1], 5, pad_id=3, multi_turn=False)
+    assert single.completion_ids.tolist() == [[5, 6, 7, 3, 3]] and single.action_mask is None
+    with pytest.raises(RuntimeError):  # a conversation past the budget is a bug upstream, never cut silently
+        as_episodes(convs, 3, pad_id=0, multi_turn=False)
 
 
 def test_an_environment_message_is_the_template_text_after_the_models_turn(tiny_model_and_tokenizer):

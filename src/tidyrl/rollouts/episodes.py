@@ -16,6 +16,7 @@ and the entropy; the environment's are context.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -219,13 +220,12 @@ def _environment_turn(conversations, replies, environments, settings: EpisodeSet
 def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int, multi_turn: bool) -> Episodes:
     """The conversations as a rollout's tensors (`Episodes`), each padded to the budget."""
     B, T = len(conversations), budget
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    mask, logprobs, action = torch.zeros((B, T)), torch.zeros((B, T)), torch.zeros((B, T))
-    for b, c in enumerate(conversations):
-        n = len(c.ids)
-        ids[b, :n] = torch.tensor(c.ids, dtype=torch.long)
-        mask[b, :n], action[b, :n] = 1.0, torch.tensor(c.action, dtype=torch.float32)
-        logprobs[b, :n] = torch.tensor(c.logprobs)
+    # each row's values at its first positions, in one copy per tensor (a row at a time took 7 ms for 128 x 256, this 5)
+    written = torch.arange(T) < torch.tensor([len(c.ids) for c in conversations], dtype=torch.long)[:, None]
+    mask = written.float()
+    ids = _rows_into(written, [c.ids for c in conversations], torch.full((B, T), pad_id, dtype=torch.long))
+    logprobs = _rows_into(written, [c.logprobs for c in conversations], torch.zeros((B, T)))
+    action = _rows_into(written, [c.action for c in conversations], torch.zeros((B, T)))
     truncated = torch.tensor([c.truncated for c in conversations], dtype=torch.bool)
     if not multi_turn:
         return Episodes(ids, mask, truncated, logprobs, error_texts=[None] * B)
@@ -234,6 +234,13 @@ def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int,
                     turns=torch.tensor([float(c.turns) for c in conversations]),
                     errors=torch.tensor([float(c.error is not None) for c in conversations]),
                     error_texts=[c.error for c in conversations], close_errors=[c.close_error for c in conversations])
+
+
+def _rows_into(written: torch.Tensor, rows: Sequence[Sequence], out: torch.Tensor) -> torch.Tensor:
+    """`out` (B, T) with row b's values at its positions where `written` (B, T) is true, which are its first
+    len(rows[b]) positions (a boolean mask fills in row-major order)."""
+    out[written] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=out.dtype)
+    return out
 
 
 def build_environments(env_cls, rows: Sequence[dict], seeds: Sequence[int], pool: EnvironmentPool) -> list:
