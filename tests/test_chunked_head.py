@@ -323,6 +323,61 @@ def ddp_and_plain_agree(monkeypatch, plain, units: int) -> None:
     assert not any("forward" in vars(m) for m in ddp.modules())  # every forward is the module's own again
 
 
+def test_under_a_lora_adapter_the_chunked_head_and_the_recompute_serve_with_the_whole_logits_numbers(monkeypatch):
+    """A LoRA run (peft): the adapter leaves the output layer the base model's, frozen, so `completion_logprobs`
+    applies it in chunks through peft's forward, and the norms and MLP products are recomputed around the adapted
+    projections: the whole logits' log-probs and entropies bit for bit, the adapter's gradients within a few bf16
+    units (the hidden states' gradient is summed over the head's slices), none for the output layer. An adapter that
+    trains the output layer (LoRA on it, or a trained copy in `modules_to_save`) gets the whole logits."""
+    peft = pytest.importorskip("peft")
+    from tidyrl.models import forward, recompute
+    from tidyrl.models.forward import completion_logprobs
+
+    _on_cpu(monkeypatch)
+    monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
+    monkeypatch.setattr(chunked_head, "CHUNK_BYTES", 5 * 40 * 2)
+    monkeypatch.setattr(fused_logprobs, "BLOCK", 16)
+
+    def adapted(**config):
+        torch.manual_seed(0)
+        return peft.get_peft_model(llama().to(torch.bfloat16), peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **config))
+
+    model = adapted(target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    base = model.get_base_model()
+    assert head_of(model) is base.lm_head and not base.lm_head.weight.requires_grad
+    parts = recompute._cheap_parts(model)
+    assert parts and len(parts) == len(recompute._cheap_parts(base))
+    assert any(type(m.gate_proj).__module__.startswith("peft.") for m in parts if recompute._is_mlp(m))
+    batch, weights = completion_batch(2)
+    calls = []
+    real_head = chunked_head.head_logprobs
+    monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(1) or real_head(*a, **k))
+
+    def run():
+        model.zero_grad()
+        lp, ent = completion_logprobs(model, *batch, 0.8, with_entropy=True)
+        (lp * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        assert base.lm_head.weight.grad is None
+        return lp.detach(), ent, grads
+
+    chunked = run()
+    assert calls == [1]
+    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
+    monkeypatch.setenv("TIDYRL_RECOMPUTE", "0")
+    assert head_of(model) is None and recompute._cheap_parts(model) == []
+    whole = run()
+    assert calls == [1]
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+    assert whole[2].keys() == chunked[2].keys() and all("lora_" in name for name in whole[2])
+    for name, grad in whole[2].items():
+        assert grad.abs().sum() > 0 and within_bf16_units(chunked[2][name], grad, 4), name
+    monkeypatch.delenv("TIDYRL_CHUNKED_HEAD")
+    assert head_of(adapted(target_modules=["q_proj", "lm_head"])) is None  # the output layer adapted
+    assert head_of(adapted(target_modules=["q_proj"], modules_to_save=["lm_head"])) is None  # a trained copy
+
+
 def test_vocabulary_slices_are_a_power_of_two_of_blocks_within_the_budget(monkeypatch):
     """The backward pass's slice width (each a compiled gradient kernel on CUDA): a power-of-two number of
     4096-token blocks, the largest within CHUNK_BYTES, at least one block; micro-batches of nearby sizes share it."""
@@ -334,12 +389,15 @@ def test_vocabulary_slices_are_a_power_of_two_of_blocks_within_the_budget(monkey
     assert all(width(n, 2) * n * 2 <= 256 * 2**20 for n in (100, 4096, 4112, 9000, 32768))
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_bf16_grpo_run_scores_and_trains_through_the_chunked_head(monkeypatch, tiny_model_dir, prompt_file,
-                                                                   tmp_path):
+                                                                   tmp_path, lora):
     """Through the RL loop (reference scoring for the KL, then two epochs of updates with entropy): every pass of a
     bf16 run takes the chunked head where it serves, and the run's first step, on the same samples, reports
     what the whole logits give, and so does the second, after the update (loss, KL, entropy to float rounding; the
-    gradient's norm to bf16 units)."""
+    gradient's norm to bf16 units). So does a LoRA run (its reference: the adapter disabled)."""
+    if lora:
+        pytest.importorskip("peft")
     _on_cpu(monkeypatch)
     calls = []
     real = chunked_head.head_logprobs
@@ -348,11 +406,11 @@ def test_a_bf16_grpo_run_scores_and_trains_through_the_chunked_head(monkeypatch,
     from tidyrl.models import forward
 
     monkeypatch.setattr(forward, "head_logprobs", chunked_head.head_logprobs)
-    chunked = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "chunked")
+    chunked = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "chunked", lora)
     # the reference model's scoring of 8 episodes in chunks of 4 (no grad), then 2 epochs x 2 micro-batches
     assert calls == [False, False, True, True, True, True], calls
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
-    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole")
+    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole", lora)
     assert len(calls) == 6 and len(chunked) == len(whole) == 2
     for got, want in zip(chunked, whole):  # (step 2: after an update whose gradients differ by bf16 units)
         assert got["kl"] > 0 or got["step"] == 1

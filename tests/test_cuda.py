@@ -337,12 +337,16 @@ def test_on_cuda_the_output_layer_in_chunks_keeps_the_numbers_and_not_the_logits
     assert peaks[1] > 2 * logits_bytes and peaks[0] < logits_bytes / 2, (peaks, logits_bytes)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_bf16_grpo_run_on_cuda_scores_and_trains_through_the_chunked_head(tiny_model_dir, prompt_file, tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch, lora):
     """On CUDA a bf16 run's reference scoring and updates take the chunked head (models.chunked_head), and its
     first two steps report what the model's whole logits give, to rounding (the same samples: one rollout, two
-    epochs)."""
+    epochs); a LoRA run's too (peft's forward around the model, the output layer frozen)."""
     from tidyrl.models import chunked_head, forward
+
+    if lora:
+        pytest.importorskip("peft")
 
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     monkeypatch.setitem(forward.LEAN_FROM_SHARE, "cuda", 2.0)  # (this test's short rows: the one-pass forward)
@@ -350,10 +354,10 @@ def test_a_bf16_grpo_run_on_cuda_scores_and_trains_through_the_chunked_head(tiny
     real = chunked_head.head_logprobs
     monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(a[0].requires_grad) or real(*a, **k))
 
-    chunked = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "chunked")
+    chunked = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "chunked", lora)
     assert calls == [False, False, True, True, True, True], calls
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
-    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole")
+    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole", lora)
     assert len(calls) == 6 and len(chunked) == len(whole) == 2
     for got, want in zip(chunked, whole):
         for key in ("loss", "kl", "entropy"):

@@ -18,9 +18,10 @@ The arithmetic is the one-pass forward's; the results differ from it by the roun
 slice's product may take another kernel than the whole one), well inside one bf16 unit (tests/test_chunked_head.py).
 
 Used by `models.forward.completion_logprobs` where the one-pass layout runs (`HEAD_DEVICES`) on a model whose
-causal-LM forward is exactly lm_head(base model's last hidden states) (`head_of`), alone or inside DDP: the model's
-own forward runs, through DDP's where it is wrapped (its reducer must see each forward), with the output layer
-passing its input through (`passed_through`). Not for FSDP (the output layer's weight is sharded) or peft models.
+causal-LM forward is exactly lm_head(base model's last hidden states) (`head_of`), alone, under a peft adapter whose
+output layer is the base model's (LoRA on the projections, the output layer frozen) or inside DDP: the model's own
+forward runs, through peft's and DDP's where they wrap it (DDP's reducer must see each forward), with the output
+layer passing its input through (`passed_through`). Not for FSDP (the output layer's weight is sharded).
 `TIDYRL_CHUNKED_HEAD=0` turns it off.
 """
 
@@ -51,12 +52,14 @@ CHUNK_BYTES = 256 * 2**20
 
 def head_of(model) -> Optional[nn.Linear]:
     """The output layer of `model` where `completion_logprobs` may apply it itself in chunks: a plain causal LM of
-    `PLAIN_CAUSAL_LMS`, alone or inside DDP (not sharded by FSDP, not wrapped by peft or accelerate's hooks), in
-    bf16/fp16 on a device of HEAD_DEVICES, its `lm_head` a plain linear layer without bias; else None."""
-    from tidyrl.models.llama_decode import _wrapped
+    `PLAIN_CAUSAL_LMS`, alone, under peft or inside DDP (not sharded by FSDP, no accelerate hooks), in bf16/fp16 on a
+    device of HEAD_DEVICES, its `lm_head` a plain linear layer without bias (under peft: neither adapted nor a
+    trained copy, `modules_to_save`); else None."""
+    from tidyrl.models.llama_decode import _wrapped, base_of
     from tidyrl.models.sharding import ddp_inner, is_sharded
 
-    inner = ddp_inner(model)
+    peft_or_model = ddp_inner(model)
+    inner = base_of(peft_or_model)
     if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or type(inner).__name__ not in PLAIN_CAUSAL_LMS:
         return None
     head, base = getattr(inner, "lm_head", None), getattr(inner, "model", None)
@@ -64,7 +67,7 @@ def head_of(model) -> Optional[nn.Linear]:
         return None
     if head.weight.device.type not in HEAD_DEVICES or head.weight.dtype not in (torch.bfloat16, torch.float16):
         return None
-    if _wrapped(model) or _wrapped(inner) or _wrapped(head) or is_sharded(inner):  # (e.g. accelerate's autocast)
+    if any(_wrapped(m) for m in (model, peft_or_model, inner, head)) or is_sharded(inner):  # (accelerate's autocast)
         return None
     return head
 

@@ -10,8 +10,9 @@ backward pass; the matmuls are not recomputed.
 
 The same ops run again on the same inputs (non-reentrant checkpoints, `torch.utils.checkpoint`), so the log-probs
 and gradients are the model's bit for bit (tests/test_recompute.py). Used by `models.forward` around the one-pass
-forward of a plain Llama/Qwen2/Qwen3/Mistral model (alone or inside DDP) with gradients on, on RECOMPUTE_DEVICES,
-and not where the model already checkpoints whole layers or FSDP shards it. `TIDYRL_RECOMPUTE=0` turns it off.
+forward of a plain Llama/Qwen2/Qwen3/Mistral model (alone, under peft or inside DDP; a LoRA-adapted projection is
+called as the MLP calls it) with gradients on, on RECOMPUTE_DEVICES, and not where the model already checkpoints
+whole layers or FSDP shards it. `TIDYRL_RECOMPUTE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ def cheap_parts_recomputed(model) -> Iterator[None]:
 
 def _cheap_parts(model) -> list[nn.Module]:
     from tidyrl.models.chunked_head import PLAIN_CAUSAL_LMS
-    from tidyrl.models.llama_decode import _wrapped
+    from tidyrl.models.llama_decode import _wrapped, base_of
     from tidyrl.models.loading import activation_checkpointing_on
     from tidyrl.models.sharding import ddp_inner, is_sharded
 
-    model = ddp_inner(model)  # (its modules run inside DDP's forward)
+    model = base_of(ddp_inner(model))  # (its modules run inside DDP's and peft's forwards)
     if os.environ.get("TIDYRL_RECOMPUTE", "1") == "0" or type(model).__name__ not in PLAIN_CAUSAL_LMS:
         return []
     inner = getattr(model, "model", None)
