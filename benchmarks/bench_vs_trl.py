@@ -203,8 +203,9 @@ def child_tidyrl(spec: dict) -> dict:
         previous_end = end
     from tidyrl.models import fused_decode
 
+    given_up = fused_decode.failure()
     return {"rollouts": rollouts_out, **gpu_memory(peaks), **({"update_trace": trace.found} if trace else {}),
-            **({"fused_decode_failed": fused_decode.failure()} if fused_decode.failure() else {})}
+            **({"fused_decode_failed": given_up} if given_up else {})}
 
 
 def print_trace(found: dict) -> None:
@@ -678,7 +679,12 @@ def child_trl(spec: dict) -> dict:
 
 
 class ChildFailed(RuntimeError):
-    """One library's run ended with an error: the others still run (a GPU call is not lost to one failure)."""
+    """One library's run ended with an error: the others still run (a GPU call is not lost to one failure).
+    `summary` is the first line, what failed and how; the message adds the end of the run's log."""
+
+    def __init__(self, library: str, why: str, log_tail: str):
+        self.summary = f"{library} run failed ({why})"
+        super().__init__(f"{self.summary}; the end of its log:\n{log_tail}")
 
 
 def run_child(library: str, spec: dict, threads: int, timeout: float | None = None) -> dict:
@@ -710,7 +716,7 @@ def run_child(library: str, spec: dict, threads: int, timeout: float | None = No
     if proc.returncode != 0:
         tail = (Path(spec["out"]) / "child.log").read_text()[-3000:]
         why = f"killed after {timeout:g} s, --run-timeout" if timed_out.is_set() else f"exit {proc.returncode}"
-        raise ChildFailed(f"{library} run failed ({why}); the end of its log:\n{tail}")
+        raise ChildFailed(library, why, tail)
     result = json.loads((Path(spec["out"]) / "result.json").read_text())
     result["peak_rss_mib"] = usage.ru_maxrss / 1024  # KiB on Linux
     return result
@@ -1019,7 +1025,7 @@ def main(argv=None) -> None:
                "unknown CPU")
     print(f"{os.cpu_count()} CPUs ({cpu}); {args.threads} torch threads per library; {versions}", flush=True)
     peaks: dict[str, float] = {}
-    failed: dict[str, dict[str, str]] = {}  # workload -> library -> the first line of why its run failed
+    failed: dict[str, dict[str, str]] = {}  # workload -> library -> what failed and how (ChildFailed.summary)
     for name in names:
         w = WORKLOADS[name]
         if w.get("gpu") and args.device != "cuda":
@@ -1051,7 +1057,7 @@ def main(argv=None) -> None:
                 try:
                     result = run_child(lib, spec, args.threads, args.run_timeout)
                 except ChildFailed as err:
-                    failed.setdefault(name, {})[lib] = str(err).split(";")[0]
+                    failed.setdefault(name, {})[lib] = err.summary
                     print(f"  {name} {lib:11} run {rep + 1}/{args.repeats}: FAILED after "
                           f"{time.perf_counter() - t0:.0f} s, left out of the table: {err}", flush=True)
                     continue

@@ -283,7 +283,7 @@ def test_bench_vs_trl_goes_on_past_a_failed_run_and_says_which_failed(tmp_path, 
     def run_child(library, spec, threads, timeout):
         calls.append(library)
         if library == "tidyrl-lean":
-            raise bench.ChildFailed(f"{library} run failed (exit 1); the end of its log:\nRuntimeError: no kernel")
+            raise bench.ChildFailed(library, "exit 1", "RuntimeError: no kernel")
         result = real(library, spec, threads, timeout)
         if calls.count("tidyrl") == 2:  # as a CUDA run whose decoding kernels were given up reports it
             result["fused_decode_failed"] = "RuntimeError: PTX compile failed"
