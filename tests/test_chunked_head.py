@@ -164,18 +164,38 @@ def _on_cpu(monkeypatch):
     monkeypatch.setitem(forward.LAYOUTS, "cpu", ("onepass",))
 
 
+def _levers_on_cpu(monkeypatch):
+    """Both memory levers on CPU, as they serve on CUDA: the chunked head (small chunks at the tiny models' bf16
+    vocabulary) and the recompute."""
+    from tidyrl.models import recompute
+
+    _on_cpu(monkeypatch)
+    _small_chunks(monkeypatch, V=40, itemsize=2)  # (the tiny models' vocabulary, bf16)
+    monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
+
+
+def _head_calls(monkeypatch) -> list[bool]:
+    """Each application of the chunked head by `completion_logprobs`, recorded as whether its hidden states carry
+    gradients."""
+    from tidyrl.models import forward
+
+    calls = []
+    real_head = chunked_head.head_logprobs
+    monkeypatch.setattr(forward, "head_logprobs",
+                        lambda *a, **k: calls.append(a[0].requires_grad) or real_head(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("build", [llama, qwen2, lambda: llama(tie_word_embeddings=True)],
                          ids=["llama", "qwen2", "llama-tied"])
 def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(monkeypatch, build):
     """`completion_logprobs` on a bf16 model: its base model's hidden states through the chunked head give the
     log-probs and entropies of the model's own forward, and the parameters' gradients to a bf16 unit (those the
     hidden states' gradient reaches through the layers: at most a few)."""
-    from tidyrl.models import forward
     from tidyrl.models.forward import completion_logprobs
 
     _on_cpu(monkeypatch)
-    monkeypatch.setattr(chunked_head, "CHUNK_BYTES", 5 * 40 * 2)  # 5 positions a chunk, at the 40-token vocabulary
-    monkeypatch.setattr(fused_logprobs, "BLOCK", 16)
+    _small_chunks(monkeypatch, V=40, itemsize=2)  # (the tiny models' vocabulary, bf16)
     model = build().to(torch.bfloat16)
     assert head_of(model) is model.lm_head
     batch, weights = completion_batch(2)
@@ -187,13 +207,11 @@ def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(m
         return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     chunked = run()
-    calls = []
-    real_head = chunked_head.head_logprobs
-    monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(1) or real_head(*a, **k))
+    calls = _head_calls(monkeypatch)
     completion_logprobs(model, *batch, 0.8, fast_path=False)
     assert calls == []  # model_fast_paths: false: the model's own output layer
     completion_logprobs(model, *batch, 0.8)
-    assert calls == [1]
+    assert calls == [True]
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
     assert head_of(model) is None
     whole = run()
@@ -246,12 +264,7 @@ def test_inside_ddp_the_update_takes_the_chunked_head_and_recomputes_with_the_pl
     bit, over two steps (DDP's reducer sees every parameter's gradient: a parameter it waited for in vain would
     fail the second forward), where before DDP took the whole logits and kept everything (~4 GB more per GPU on
     the 0.5B update). Compiled on CUDA in tests/test_cuda.py."""
-    from tidyrl.models import recompute
-
-    _on_cpu(monkeypatch)
-    monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
-    monkeypatch.setattr(chunked_head, "CHUNK_BYTES", 5 * 40 * 2)
-    monkeypatch.setattr(fused_logprobs, "BLOCK", 16)
+    _levers_on_cpu(monkeypatch)
     with one_process_group("gloo"):
         ddp_and_plain_agree(monkeypatch, llama(tie_word_embeddings=tied).to(torch.bfloat16), units=0)
 
@@ -288,13 +301,10 @@ def ddp_and_plain_agree(monkeypatch, plain, units: int) -> None:
 
     from torch.nn.parallel import DistributedDataParallel
 
-    from tidyrl.models import forward, recompute
+    from tidyrl.models import recompute
     from tidyrl.models.forward import completion_logprobs
 
-    calls = []
-    real_head = chunked_head.head_logprobs
-    monkeypatch.setattr(forward, "head_logprobs",
-                        lambda *a, **k: calls.append(a[0].requires_grad) or real_head(*a, **k))
+    calls = _head_calls(monkeypatch)
     device = plain.lm_head.weight.device
     ddp = DistributedDataParallel(copy.deepcopy(plain), device_ids=[device.index] if device.type == "cuda" else None)
     assert head_of(ddp) is ddp.module.lm_head and len(recompute._cheap_parts(ddp)) == len(recompute._cheap_parts(plain))
@@ -330,13 +340,10 @@ def test_under_a_lora_adapter_the_chunked_head_and_the_recompute_serve_with_the_
     units (the hidden states' gradient is summed over the head's slices), none for the output layer. An adapter that
     trains the output layer (LoRA on it, or a trained copy in `modules_to_save`) gets the whole logits."""
     peft = pytest.importorskip("peft")
-    from tidyrl.models import forward, recompute
+    from tidyrl.models import recompute
     from tidyrl.models.forward import completion_logprobs
 
-    _on_cpu(monkeypatch)
-    monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
-    monkeypatch.setattr(chunked_head, "CHUNK_BYTES", 5 * 40 * 2)
-    monkeypatch.setattr(fused_logprobs, "BLOCK", 16)
+    _levers_on_cpu(monkeypatch)
 
     def adapted(**config):
         torch.manual_seed(0)
@@ -350,9 +357,7 @@ def test_under_a_lora_adapter_the_chunked_head_and_the_recompute_serve_with_the_
     assert parts and len(parts) == len(recompute._cheap_parts(base))
     assert any(type(m.gate_proj).__module__.startswith("peft.") for m in parts if recompute._is_mlp(m))
     batch, weights = completion_batch(2)
-    calls = []
-    real_head = chunked_head.head_logprobs
-    monkeypatch.setattr(forward, "head_logprobs", lambda *a, **k: calls.append(1) or real_head(*a, **k))
+    calls = _head_calls(monkeypatch)
 
     def run():
         model.zero_grad()
@@ -363,12 +368,12 @@ def test_under_a_lora_adapter_the_chunked_head_and_the_recompute_serve_with_the_
         return lp.detach(), ent, grads
 
     chunked = run()
-    assert calls == [1]
+    assert calls == [True]
     monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
     monkeypatch.setenv("TIDYRL_RECOMPUTE", "0")
     assert head_of(model) is None and recompute._cheap_parts(model) == []
     whole = run()
-    assert calls == [1]
+    assert calls == [True]
     assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
     assert whole[2].keys() == chunked[2].keys() and all("lora_" in name for name in whole[2])
     for name, grad in whole[2].items():
