@@ -149,8 +149,8 @@ fi
   for f in "$LOGS"/decode-*.log "$LOGS"/lag.log; do
     [ -f "$f" ] || continue
     echo "--- $(basename "$f" .log)"
-    grep -vE "Warning|warn\(|USDT|^\s*$" "$f" | tail -24 | cut -c1-160
-    grep -E "given up" "$f" | head -2 | cut -c1-300
+    grep -vE "Warning|warn\(|USDT|given up|^\s*$" "$f" | tail -24 | cut -c1-160
+    grep -E "given up" "$f" | head -2 | cut -c1-300  # (once, whether or not the tail above reaches it)
   done
   for f in "$LOGS"/vs-trl-*.log "$LOGS"/profile-*.log; do
     [ -f "$f" ] || continue
