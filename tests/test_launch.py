@@ -46,7 +46,9 @@ def test_a_launched_process_destroys_its_process_group_before_the_interpreter_en
     """Left to interpreter finalization, gloo's worker threads free tensors under a dying interpreter and a run
     that trained correctly can die with SIGABRT ("terminate called without an active exception": CI saw it
     once, torch 2.11). atexit handlers run last-registered first: one registered before the accelerator
-    exists runs after tidyrl's and sees the group already destroyed, on every process."""
+    exists runs after tidyrl's and sees the group already destroyed, on every process. A DDP model left in a
+    reference cycle (with the collector off, nothing else frees it) is collected before the group is destroyed:
+    its reducer does not outlive the group."""
     import subprocess
     import sys
 
@@ -61,9 +63,24 @@ def test_a_launched_process_destroys_its_process_group_before_the_interpreter_en
         "from tidyrl.loops.common import make_accelerator\n"
         "accelerator = make_accelerator()\n"
         "assert accelerator.num_processes == 2 and dist.is_initialized()\n"
+        "import gc, weakref, torch\n"
+        "from torch.nn.parallel import DistributedDataParallel\n"
+        "gc.disable()\n"
+        "ddp = DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+        "cycle = [ddp]\n"
+        "cycle.append(cycle)\n"
+        "ddp_alive = weakref.ref(ddp)\n"
+        "del ddp, cycle\n"
+        "destroy = dist.destroy_process_group\n"
+        "freed = os.path.join(os.path.dirname(__file__), 'ddp-freed-first-' + os.environ['RANK'])\n"
+        "def destroy_after_noting(*args, **kwargs):\n"
+        "    open(freed, 'w').write(str(ddp_alive() is None))\n"
+        "    destroy(*args, **kwargs)\n"
+        "dist.destroy_process_group = destroy_after_noting\n"
     )
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(free_port()), str(script)], env=gloo_cpu_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [(tmp_path / f"alive-at-exit-{rank}").read_text() for rank in (0, 1)] == ["False", "False"]
+    assert [(tmp_path / f"ddp-freed-first-{rank}").read_text() for rank in (0, 1)] == ["True", "True"]

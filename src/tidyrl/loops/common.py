@@ -74,13 +74,18 @@ def _destroy_process_group_at_exit() -> None:
     """Destroy the default process group when the interpreter exits, while it is still whole. Left alive, gloo's
     worker threads still hold tensors at interpreter finalization; freeing them then takes the GIL of a dying
     interpreter and a process that trained correctly dies with SIGABRT ("terminate called without an active
-    exception": once in CI, torch 2.11, gloo; pytorch/pytorch#190489). Only local teardown: no collective."""
+    exception": once in CI, torch 2.11, gloo; pytorch/pytorch#190489). Garbage is collected first: a DDP model in
+    a reference cycle (a finished run's objects) would otherwise outlive its group, and its reducer, freed at
+    finalization after the group, aborted a 2-process run the same way in CI (torch 2.11). Only local teardown: no
+    collective."""
     import atexit
+    import gc
 
     import torch.distributed as dist
 
     def destroy() -> None:
         if dist.is_available() and dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
 
     atexit.register(destroy)
