@@ -239,3 +239,29 @@ def test_ppo_critic_from_an_adapter_folder_is_refused_with_the_fix(tiny_model_di
         tidyrl.train(rl_config(adapter, prompt_file, tmp_path / "ppo", algorithm="ppo", train={"rollouts": 1},
                                lora={"enabled": False}))
     assert not (tmp_path / "ppo").exists()  # refused before any output or weights
+
+
+def test_forward_parameters_are_the_transformers_models_under_peft_and_module_wrappers(tiny_model_dir):
+    """Which keywords (e.g. position_ids) a forward takes is read from the model under every wrapper, in any
+    order: a peft adapter inside a DDP-like `.module` wrapper, and the other way round."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tidyrl.models.generation import forward_parameters
+
+    class Wrapper(torch.nn.Module):  # DDP's shape: the wrapped model as `.module`, a forward of its own
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    own = forward_parameters(model)
+    assert {"input_ids", "position_ids", "attention_mask"} <= own
+    adapted = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    assert forward_parameters(adapted) == own
+    assert forward_parameters(Wrapper(adapted)) == own
+    assert forward_parameters(Wrapper(Wrapper(model))) == own
+    assert forward_parameters(Wrapper(torch.nn.Linear(2, 2))) == {"self", "input"}

@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from tidyrl.models import fused_decode
 from tidyrl.models.devices import width_padding
-from tidyrl.models.llama_decode import Replayed, StaticDecode, attention_bias, decode_step_for
+from tidyrl.models.llama_decode import Replayed, StaticDecode, attention_bias, base_of, decode_step_for
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -413,12 +413,12 @@ def forward_parameters(model) -> frozenset[str]:
     """The parameter names of the forward of the model under `model`'s peft and DDP wrappers (whose own forwards
     pass keywords on). inspect.signature follows functools.wraps, so transformers' decorators are seen through."""
     while True:
-        if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP
-            model = model.module
-        else:
+        inner = base_of(model)  # under peft
+        if inner is model and isinstance(getattr(model, "module", None), torch.nn.Module):  # under DDP
+            inner = model.module
+        if inner is model:
             return _forward_parameters_of(type(model))
+        model = inner
 
 
 @functools.cache
