@@ -66,9 +66,10 @@ def main() -> None:
         print(f"  {path:12s}  {med:.4f} s per generate, {1000 * med / T:.2f} ms per step, "
               f"{statistics.median(times['hf']) / med:.2f}x the HF forward; same completions as it: {same}, "
               f"max |log-prob difference| {lp_diff:.2e}")
-    if fused_decode.failure():
+    given_up = fused_decode.failure()
+    if given_up:
         print(f"  the fused decoding kernels failed here and were given up: the `lean` and `lean-sdpa` runs after "
-              f"the failure decoded without them; {fused_decode.failure()}")
+              f"the failure decoded without them; {given_up}")
     if args.profile:
         profile(model, prompts, dict(kw, max_new_tokens=args.profile, min_new_tokens=args.profile), args.device)
 
