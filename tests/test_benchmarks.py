@@ -319,3 +319,11 @@ def test_bench_vs_trl_kills_a_run_past_its_timeout_and_says_so(tmp_path, monkeyp
                                                 r"the end of its log:\nloading the model"):
         bench.run_child("tidyrl", {"out": str(tmp_path / "run")}, 1, timeout=3)
     assert time.monotonic() - started < 60
+
+
+def test_bench_recompute_times_each_mode_and_checks_they_agree():
+    out = run("bench_recompute.py", "--layers", "2", "--repeats", "2", timeout=120)
+    assert "7 parts recomputed" in out and "the same log-probs and gradients in every mode" in out
+    kept = {mode: float(re.search(rf"^  {mode}\s+[0-9.]+ ms per pass,\s+([0-9.]+) MiB kept", out, re.MULTILINE)[1])
+            for mode in ("kept", "checkpoint", "functions")}
+    assert kept["functions"] == kept["checkpoint"] < kept["kept"]  # the same tensors kept, fewer than the model's

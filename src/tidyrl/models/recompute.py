@@ -8,8 +8,13 @@ update's peak, which on CUDA is the run's peak (docs/benchmarks.md, issue 26). K
 and the MLP's gate and up, as the product's inputs. Recomputing is a few elementwise kernels per layer in the
 backward pass; the matmuls are not recomputed.
 
-The same ops run again on the same inputs (non-reentrant checkpoints, `torch.utils.checkpoint`), so the log-probs
-and gradients are the model's bit for bit (tests/test_recompute.py). Used by `models.forward` around the one-pass
+Each part is one autograd function (`NormRecomputed`, `SiluTimesRecomputed`) whose backward pass recomputes the
+few elementwise values it needs and runs the very ops autograd would have run on the model's own graph, in the same
+order, so the log-probs and gradients are the model's bit for bit (tests/test_recompute.py). Not
+`torch.utils.checkpoint`: its bookkeeping (a hook per saved tensor, a second graph per recompute) cost ~0.75 ms of
+host time per part on an H100, where the update launches small kernels and waits on the host (Qwen2.5-0.5B:
+0.44 s of a 1.18 s update, 73 parts x 8 micro-batches; docs/benchmarks.md, stop 39). Another activation than SiLU,
+or a norm in float32 or whose weight has another dtype than its input, still takes a checkpoint. Used by `models.forward` around the one-pass
 forward of a plain Llama/Qwen2/Qwen3/Mistral model (alone, under peft or inside DDP; a LoRA-adapted projection is
 called as the MLP calls it) with gradients on, on RECOMPUTE_DEVICES, and not where the model already checkpoints
 whole layers or FSDP shards it. `TIDYRL_RECOMPUTE=0` turns it off.
@@ -24,6 +29,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 # Where the update's peak is GPU memory; on CPU the lean pass (models.llama_forward) keeps its own, fewer, tensors.
@@ -80,17 +86,85 @@ def _is_mlp(module) -> bool:
         {name for name, _ in module.named_children()} == {"gate_proj", "up_proj", "down_proj", "act_fn"}
 
 
+# The norms whose forward is LlamaRMSNorm's, read in transformers 4.5x-5.x: weight * (x32 * rsqrt(mean(x32^2) + eps))
+# cast back to x's dtype, x32 = x in float32. Another norm keeps a checkpoint of its own forward, and so does a
+# float32 input: there the cast is no op, the input itself feeds two ops of the norm, and the order in which autograd
+# adds their gradients to the residual stream's is not one a single function could keep.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")  # (torch's and transformers': F.silu)
+LLAMA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
 def _checkpointed(own, module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The norm's own forward, its intermediates recomputed in the backward pass."""
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ in LLAMA_NORMS and hidden_states.dtype in HALF_DTYPES and isinstance(weight, torch.Tensor) \
+            and weight.dtype == hidden_states.dtype:
+        return NormRecomputed.apply(hidden_states, weight, module.variance_epsilon)
     return checkpoint(own, hidden_states, use_reentrant=False, preserve_rng_state=False)  # (no randomness inside)
 
 
 def _mlp(own, mlp, x: torch.Tensor) -> torch.Tensor:
     """down(act(gate(x)) * up(x)), as the MLP's forward, with act(gate) * up recomputed in the backward pass: its
     inputs gate and up kept, not act(gate)."""
-    return mlp.down_proj(checkpoint(_act_times, mlp.act_fn, mlp.gate_proj(x), mlp.up_proj(x), use_reentrant=False,
-                                    preserve_rng_state=False))
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    if type(mlp.act_fn).__name__ in SILU_ACTIVATIONS:
+        return mlp.down_proj(SiluTimesRecomputed.apply(gate, up))
+    return mlp.down_proj(checkpoint(_act_times, mlp.act_fn, gate, up, use_reentrant=False, preserve_rng_state=False))
 
 
 def _act_times(act: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return act(gate) * up
+
+
+def _normalised(x32: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LlamaRMSNorm's float32 steps: x32 * rsqrt(mean(x32^2) + eps) and the rsqrt (Zhang & Sennrich 2019, eq. 4)."""
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x32 * rstd, rstd
+
+
+class NormRecomputed(torch.autograd.Function):
+    """LlamaRMSNorm's forward, keeping only its input and weight; the backward pass recomputes the float32 copy, the
+    rsqrt and the normalised output, then runs autograd's own derivative formulas (torch's derivatives.yaml) for
+    each op of the forward, last to first, in their order of operations, so every gradient is autograd's bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return weight * _normalised(x.to(torch.float32), eps)[0].to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        x32 = x.to(torch.float32)
+        normalised, rstd = _normalised(x32, ctx.eps)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # mul: grad * other, summed to the weight's shape as the engine does (sum_to)
+            grad_weight = (grad * normalised.to(x.dtype)).sum_to_size(weight.shape)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_n = (grad * weight).to(torch.float32)  # mul, then the cast's backward
+            grad_rstd = (grad_n * x32).sum_to_size(rstd.shape)  # mul (broadcast rstd)
+            grad_mean = -0.5 * grad_rstd * rstd.pow(3)  # rsqrt: -0.5 * grad * result^3; (+ eps: the identity)
+            grad_square = grad_mean.expand(x32.shape) / x32.shape[-1]  # mean over the last dimension
+            grad_x32 = grad_n * rstd + grad_square * (2.0 * x32.pow(1.0))  # mul, + pow(2): grad * (2 * x^1)
+            grad_x = grad_x32.to(x.dtype)  # the cast to float32's backward
+        return grad_x, grad_weight, None
+
+
+class SiluTimesRecomputed(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up; the backward pass recomputes silu(gate) and runs autograd's formulas:
+    mul's (grad * other) and silu's (aten.silu_backward), so the gradients are autograd's bit for bit."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up

@@ -1,0 +1,122 @@
+"""What the recomputed norms and MLP products (models.recompute) cost an update pass, against keeping their
+intermediates: the autograd functions tidyrl runs, beside `torch.utils.checkpoint` around the same parts (what it
+ran before stop 39). One forward and backward of an update micro-batch through `forward.completion_logprobs` (the
+model's own forward), bf16, per mode: milliseconds per pass, the bytes kept for backward, and per recomputed part
+the time above keeping everything.
+
+    python benchmarks/bench_recompute.py                          # CPU, Qwen2.5-0.5B's 24 layers at width 64:
+                                                                  # small kernels, the host's cost laid bare
+    python benchmarks/bench_recompute.py --device cuda --hidden 896 --intermediate 4864 --rows 16   # 0.5B's layers
+
+On an H100 the checkpoints cost ~0.75 ms of host time per part in the 0.5B update (docs/benchmarks.md, stop 39);
+all modes give the same log-probs and gradients (checked here: the script fails otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from tidyrl.models import forward, recompute  # noqa: E402
+
+MODES = ("kept", "checkpoint", "functions")
+
+
+def build(args):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config).to(device=args.device, dtype=torch.bfloat16).train()
+
+
+def batch(args):
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, args.vocab, (args.rows, args.prompt), generator=g)
+    completion = torch.randint(3, args.vocab, (args.rows, args.completion), generator=g)
+    tensors = (prompt, torch.ones_like(prompt), completion, torch.ones_like(completion))
+    return tuple(t.to(args.device) for t in tensors)
+
+
+def one_pass(model, inputs, mode: str):
+    """Log-probs, every gradient, and the bytes kept for backward of one forward and backward in `mode`."""
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logprobs, _ = forward.completion_logprobs(model, *inputs, 1.0)
+    logprobs.float().sum().backward()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return logprobs.detach(), [p.grad for p in model.parameters()], sum(n for k, n in kept.items() if k not in weights)
+
+
+def set_mode(mode: str, saved: dict) -> None:
+    recompute.RECOMPUTE_DEVICES = saved["devices"] if mode == "kept" else ("cpu", "cuda")
+    recompute.LLAMA_NORMS = saved["norms"] if mode == "functions" else ()  # (checkpoint: every part a checkpoint)
+    recompute.SILU_ACTIVATIONS = saved["silu"] if mode == "functions" else ()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--intermediate", type=int, default=96)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=17)
+    parser.add_argument("--completion", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    forward.LAYOUTS[args.device] = ("onepass",)  # the model's own forward, where the recompute applies
+    saved = {"devices": ("cuda",) if args.device != "cuda" else (), "norms": recompute.LLAMA_NORMS,
+             "silu": recompute.SILU_ACTIVATIONS}
+    model, inputs = build(args), batch(args)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    results, times = {}, {mode: [] for mode in MODES}
+    for mode in MODES:  # (one warm-up pass each, and the numbers compared)
+        set_mode(mode, saved)
+        results[mode] = one_pass(model, inputs, mode)
+    set_mode("functions", saved)
+    parts = len(recompute._cheap_parts(model))
+    for mode in MODES[1:]:
+        same = torch.equal(results[mode][0], results["kept"][0]) and \
+            all(torch.equal(a, b) for a, b in zip(results[mode][1], results["kept"][1]))
+        if not same:
+            sys.exit(f"{mode}: log-probs or gradients differ from the kept intermediates'")
+    for _ in range(args.repeats):  # modes interleaved, so that a slow moment of the machine hits each alike
+        for mode in MODES:
+            set_mode(mode, saved)
+            sync()
+            start = time.perf_counter()
+            one_pass(model, inputs, mode)
+            sync()
+            times[mode].append(time.perf_counter() - start)
+    print(f"{args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, {args.rows} x "
+          f"{args.prompt + args.completion} positions, bf16 on {args.device}; {parts} parts recomputed; "
+          f"median of {args.repeats}; the same log-probs and gradients in every mode")
+    kept = statistics.median(times["kept"])
+    for mode in MODES:
+        median = statistics.median(times[mode])
+        extra = "" if mode == "kept" else f", {1e3 * (median - kept) / parts:+.3f} ms per part"
+        print(f"  {mode:<11} {1e3 * median:8.2f} ms per pass, {results[mode][2] / 2**20:8.2f} MiB kept for "
+              f"backward{extra}")
+
+
+if __name__ == "__main__":
+    main()
