@@ -96,14 +96,16 @@ runs what the device's entry of LAYOUTS says."""
 SWITCHED_OFF = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}, "tidyrl-whole-head": {"TIDYRL_CHUNKED_HEAD": "0"},
                 "tidyrl-unfused-decode": {"TIDYRL_FUSED_DECODE": "0"},
                 "tidyrl-sdpa-decode": {"TIDYRL_DECODE_ATTENTION": "sdpa"},
-                "tidyrl-no-recompute": {"TIDYRL_RECOMPUTE": "0"}}
-"""The shipped config with one CUDA path switched off in the child's environment, to measure what it gains:
+                "tidyrl-recompute": {"TIDYRL_RECOMPUTE": "1"}}
+"""The shipped config with one CUDA path switched off (or, for `tidyrl-recompute`, on) in the child's environment, to
+measure what it gains:
 `tidyrl-rows` the row-by-row float32 log-probs instead of the fused kernels (models.fused_logprobs),
 `tidyrl-whole-head` the model's own output layer, whole logits, instead of the chunked one (models.chunked_head),
 `tidyrl-unfused-decode` generation without the fused decoding kernels (models.fused_decode),
 `tidyrl-sdpa-decode` those kernels but the attention SDPA over the whole cache (not the kernel over the positions
 written),
-`tidyrl-no-recompute` the norms' and MLP products' intermediates kept for backward (models.recompute)."""
+`tidyrl-recompute` the norms' and MLP products' intermediates recomputed in backward, not kept (models.recompute;
+off by default)."""
 MEMORY_TRACE = ("tidyrl-memtrace",)
 """`tidyrl-memtrace`: the shipped config with the update's GPU allocations recorded (torch's memory history, Python
 stacks): its line then lists what is alive at the update's peak above what was held as it started, by the code that
@@ -956,7 +958,7 @@ def main(argv=None) -> None:
                         help="comma-separated subset of tidyrl, tidyrl-vllm (rollout.engine: vllm), tidyrl-lean, "
                              "tidyrl-hf-forward, tidyrl-onepass (one layout of the training forward forced: "
                              "FORCED_LAYOUTS), tidyrl-rows, tidyrl-whole-head, tidyrl-unfused-decode, "
-                             "tidyrl-sdpa-decode, tidyrl-no-recompute (a CUDA path switched off: SWITCHED_OFF), "
+                             "tidyrl-sdpa-decode, tidyrl-recompute (a CUDA path switched off or on: SWITCHED_OFF), "
                              "tidyrl-memtrace (the update's memory at its peak, by allocation site), "
                              "tidyrl-exact-widths (rows not padded to a multiple of 16 on CUDA) and trl")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

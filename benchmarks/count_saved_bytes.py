@@ -15,6 +15,7 @@ the logits) as backward starts, added to its figure as "+ gradient" (the chunked
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,7 @@ def main() -> None:
              torch.ones(args.rows, args.completion))
     logits = args.rows * (args.completion + 1) * args.vocab * 2
     forward.LAYOUTS["cpu"] = ("onepass",)  # the model's own forward, as on CUDA
+    os.environ["TIDYRL_RECOMPUTE"] = "1"  # (off by default; its variant sets its devices)
     variants = (("whole logits", (), ()), ("chunked head", ("cpu",), ()),
                 ("chunked head + recompute", ("cpu",), ("cpu",)))
     print(f"Qwen2-shaped, hidden {args.hidden}, {args.layers} + embedding/head; micro-batch {args.rows} x "

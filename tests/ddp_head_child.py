@@ -8,6 +8,7 @@ in bf16 units of the latter."""
 import copy
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 chunked_head.HEAD_DEVICES = ("cpu",)
 recompute.RECOMPUTE_DEVICES = ("cpu",)
+os.environ["TIDYRL_RECOMPUTE"] = "1"  # (off by default)
 forward.LAYOUTS["cpu"] = ("onepass",)
 chunked_head.CHUNK_BYTES = 5 * 40 * 2  # 5 positions a chunk at the 40-token vocabulary
 fused_logprobs.BLOCK = 16

@@ -172,6 +172,7 @@ def _levers_on_cpu(monkeypatch):
     _on_cpu(monkeypatch)
     _small_chunks(monkeypatch, V=40, itemsize=2)  # (the tiny models' vocabulary, bf16)
     monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
+    monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")  # (off by default)
 
 
 def _head_calls(monkeypatch) -> list[bool]:
@@ -304,6 +305,7 @@ def ddp_and_plain_agree(monkeypatch, plain, units: int) -> None:
     from tidyrl.models import recompute
     from tidyrl.models.forward import completion_logprobs
 
+    monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")  # (off by default)
     calls = _head_calls(monkeypatch)
     device = plain.lm_head.weight.device
     ddp = DistributedDataParallel(copy.deepcopy(plain), device_ids=[device.index] if device.type == "cuda" else None)

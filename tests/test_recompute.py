@@ -33,6 +33,8 @@ def test_recomputed_norms_and_mlp_products_change_no_number_and_keep_fewer_bytes
     batch, weights = completion_batch(3)
     plain = _run(model, batch, weights)
     monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
+    assert recompute._cheap_parts(model) == []  # off by default
+    monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")
     parts = recompute._cheap_parts(model)
     assert len(parts) == 2 * 2 + 1 + 2  # two layers: two norms and an MLP each, and the final norm
     checkpoints = []
@@ -52,6 +54,7 @@ def test_nothing_is_recomputed_without_gradients_or_where_it_does_not_apply(monk
     from tidyrl.models.loading import enable_gradient_checkpointing
 
     model = llama().to(torch.bfloat16)
+    monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")
     assert recompute._cheap_parts(model) == []  # CPU is not among RECOMPUTE_DEVICES
     monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
     assert len(recompute._cheap_parts(model)) == 7

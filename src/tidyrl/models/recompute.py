@@ -17,7 +17,13 @@ host time per part on an H100, where the update launches small kernels and waits
 or a norm in float32 or whose weight has another dtype than its input, still takes a checkpoint. Used by `models.forward` around the one-pass
 forward of a plain Llama/Qwen2/Qwen3/Mistral model (alone, under peft or inside DDP; a LoRA-adapted projection is
 called as the MLP calls it) with gradients on, on RECOMPUTE_DEVICES, and not where the model already checkpoints
-whole layers or FSDP shards it. `TIDYRL_RECOMPUTE=0` turns it off.
+whole layers or FSDP shards it.
+
+Off unless `TIDYRL_RECOMPUTE=1`: measured on an H100 (docs/benchmarks.md, stop 39), it lowers the update's peak by
+~1.8 GB on Qwen2.5-0.5B (12.0 to 10.2 GB) but slows the update by a third or more (0.74 to 1.09-1.18 s a rollout;
+Qwen2.5-1.5B: 1.27x TRL's update with it, where 0.84x without), more than its kernels and host time explain, and
+without it the update's peak is already under TRL's. It is the lever to pull when the update runs out of memory and
+whole-layer gradient checkpointing (train.gradient_checkpointing) would cost more.
 """
 
 from __future__ import annotations
@@ -52,6 +58,11 @@ def cheap_parts_recomputed(model) -> Iterator[None]:
             del module.forward
 
 
+def switched_on() -> bool:
+    """Whether the environment turns the recompute on (TIDYRL_RECOMPUTE=1; off by default, see the docstring)."""
+    return os.environ.get("TIDYRL_RECOMPUTE", "0") == "1"
+
+
 def _cheap_parts(model) -> list[nn.Module]:
     from tidyrl.models.chunked_head import PLAIN_CAUSAL_LMS
     from tidyrl.models.llama_decode import _wrapped, base_of
@@ -59,7 +70,7 @@ def _cheap_parts(model) -> list[nn.Module]:
     from tidyrl.models.sharding import ddp_inner, is_sharded
 
     model = base_of(ddp_inner(model))  # (its modules run inside DDP's and peft's forwards)
-    if os.environ.get("TIDYRL_RECOMPUTE", "1") == "0" or type(model).__name__ not in PLAIN_CAUSAL_LMS:
+    if not switched_on() or type(model).__name__ not in PLAIN_CAUSAL_LMS:
         return []
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
