@@ -129,6 +129,26 @@ def with_sections(cfg: dict, sections: dict) -> dict:
     return cfg
 
 
+def words_reward(completions, word, **_):
+    """The share of each completion's characters found in its prompt's word (`prompt_file`'s `word` column)."""
+    return [sum(c in w for c in t) / len(t) if t else 0.0 for t, w in zip(completions, word)]
+
+
+def grpo_config(model_dir, prompt_file, out, rollouts: int, **sections) -> dict:
+    """A small GRPO run of the tiny model on `prompt_file`, rewarded by `words_reward`; `sections` override."""
+    cfg = {
+        "algorithm": "grpo",
+        "model": str(model_dir),
+        "output_dir": str(out),
+        "data": {"path": str(prompt_file)},
+        "rewards": [{"function": words_reward}],
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 5},
+        "train": {"rollouts": rollouts, "micro_batch_size": 4, "minibatches_per_epoch": 2, "learning_rate": 1e-3},
+        "log": {"progress_bar": False},
+    }
+    return with_sections(cfg, sections)
+
+
 def free_port() -> int:
     """A port no other test run holds (two suites at once must not meet on one rendezvous port)."""
     import socket

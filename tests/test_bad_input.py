@@ -9,28 +9,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import with_sections
+from conftest import grpo_config
 
 import tidyrl
 from tidyrl.checkpoint import complete_checkpoints
 
 
-def words_reward(completions, word, **_):
-    return [sum(c in w for c in t) / len(t) if t else 0.0 for t, w in zip(completions, word)]
-
-
-def config(model_dir, prompt_file, out, **sections):
-    cfg = {
-        "algorithm": "grpo",
-        "model": str(model_dir),
-        "output_dir": str(out),
-        "data": {"path": str(prompt_file)},
-        "rewards": [{"function": words_reward}],
-        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 5},
-        "train": {"rollouts": 3, "micro_batch_size": 4, "minibatches_per_epoch": 2, "learning_rate": 1e-3},
-        "log": {"progress_bar": False},
-    }
-    return with_sections(cfg, sections)
+def config(model_dir, prompt_file, out, **sections) -> dict:
+    return grpo_config(model_dir, prompt_file, out, rollouts=3, **sections)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import with_sections
+from conftest import grpo_config
 
 import tidyrl
 from tidyrl.checkpoint import CheckpointError, complete_checkpoints, load_trainer_state
@@ -35,22 +35,8 @@ GATED_REWARD = textwrap.dedent('''
 ''')
 
 
-def words_reward(completions, word, **_):
-    return [sum(c in w for c in t) / len(t) if t else 0.0 for t, w in zip(completions, word)]
-
-
 def config(model_dir, prompt_file, out, **sections) -> dict:
-    cfg = {
-        "algorithm": "grpo",
-        "model": str(model_dir),
-        "output_dir": str(out),
-        "data": {"path": str(prompt_file)},
-        "rewards": [{"function": words_reward}],
-        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 5},
-        "train": {"rollouts": 2, "micro_batch_size": 4, "minibatches_per_epoch": 2, "learning_rate": 1e-3},
-        "log": {"progress_bar": False},
-    }
-    return with_sections(cfg, sections)
+    return grpo_config(model_dir, prompt_file, out, rollouts=2, **sections)
 
 
 def yaml_config(tmp_path, cfg: dict, name: str) -> Path:
