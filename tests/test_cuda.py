@@ -405,3 +405,12 @@ def test_on_cuda_recomputed_norms_and_mlp_products_lower_the_peak_and_change_no_
     for name, grad in grads.items():
         assert within_bf16_units(grad, want_grads[name], 2), name
     assert peak < 0.9 * want_peak, (peak, want_peak)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_cuda_the_recompute_functions_give_autograds_gradients_bit_for_bit(dtype):
+    """NormRecomputed and SiluTimesRecomputed on CUDA, as on CPU (tests/test_recompute.py): the same outputs and
+    gradients as autograd on the model's own ops, bit for bit (elementwise kernels and reductions, no atomics)."""
+    from test_recompute import functions_match_autograd
+
+    functions_match_autograd(dtype, "cuda")

@@ -74,17 +74,22 @@ def test_nothing_is_recomputed_without_gradients_or_where_it_does_not_apply(monk
 def test_the_norm_and_silu_product_functions_give_autograds_gradients_bit_for_bit(dtype):
     """NormRecomputed and SiluTimesRecomputed against autograd on the model's own ops, their inputs also used
     elsewhere (a residual stream, gate and up read twice), random values including large ones: the same outputs and
-    gradients bit for bit, and only the inputs kept for backward."""
+    gradients bit for bit, and only the inputs kept for backward (on CUDA: tests/test_cuda.py)."""
+    functions_match_autograd(dtype, "cpu")
+
+
+def functions_match_autograd(dtype, device: str) -> None:
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
     g = torch.Generator().manual_seed(0)
-    norm = Qwen2RMSNorm(48, eps=1e-6).to(dtype)
+    norm = Qwen2RMSNorm(48, eps=1e-6).to(device, dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(48, generator=g))
-    x0 = (torch.randn(3, 5, 48, generator=g) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)).to(dtype)
-    gate0, up0 = (torch.randn(3, 5, 64, generator=g) * 4).to(dtype), torch.randn(3, 5, 64, generator=g).to(dtype)
-    grad_out = torch.randn(3, 5, 48, generator=g).to(dtype)
-    grad_act = torch.randn(3, 5, 64, generator=g).to(dtype)
+    x0 = (torch.randn(3, 5, 48, generator=g) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)).to(device, dtype)
+    gate0 = (torch.randn(3, 5, 64, generator=g) * 4).to(device, dtype)
+    up0 = torch.randn(3, 5, 64, generator=g).to(device, dtype)
+    grad_out = torch.randn(3, 5, 48, generator=g).to(device, dtype)
+    grad_act = torch.randn(3, 5, 64, generator=g).to(device, dtype)
 
     def run(norm_of, silu_times):
         norm.weight.grad = None
