@@ -8,10 +8,10 @@ the time above keeping everything.
                                                                   # small kernels, the host's cost laid bare
     python benchmarks/bench_recompute.py --device cuda --hidden 896 --intermediate 4864 --rows 16   # 0.5B's layers
 
-On an H100 the checkpoints cost ~0.75 ms of host time per part in the 0.5B update (docs/benchmarks.md, stop 39);
-all modes give the same log-probs and gradients (checked here: the script fails where a second pass of the kept mode
-repeats the first exactly and another mode does not; on CUDA, whose attention and embedding backward add with atomics
-in no fixed order, it prints each mode's largest difference beside the kept mode's own).
+On a 2-core CPU the checkpoints cost 0.32 ms a part, the functions 0.044 ms (docs/benchmarks.md, stop 39). All modes
+give the same log-probs and gradients (checked here: the script fails where a second pass of the kept mode repeats
+the first exactly and another mode does not; on CUDA, whose attention and embedding backward add with atomics in no
+fixed order, it prints each mode's largest difference beside the kept mode's own).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from count_saved_bytes import saved_bytes  # noqa: E402
 
 from tidyrl.models import forward, recompute  # noqa: E402
 
@@ -50,20 +52,12 @@ def batch(args):
     return tuple(t.to(args.device) for t in tensors)
 
 
-def one_pass(model, inputs, mode: str):
-    """Log-probs, every gradient, and the bytes kept for backward of one forward and backward in `mode`."""
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
+def one_pass(model, inputs):
+    """Log-probs, every gradient, and the bytes kept for backward (beyond the weights) of one forward and backward."""
     model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logprobs, _ = forward.completion_logprobs(model, *inputs, 1.0)
+    (logprobs, _), kept = saved_bytes(lambda: forward.completion_logprobs(model, *inputs, 1.0), model)
     logprobs.float().sum().backward()
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return logprobs.detach(), [p.grad for p in model.parameters()], sum(n for k, n in kept.items() if k not in weights)
+    return logprobs.detach(), [p.grad for p in model.parameters()], kept
 
 
 def difference(one, other) -> float:
@@ -92,7 +86,6 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     forward.LAYOUTS[args.device] = ("onepass",)  # the model's own forward, where the recompute applies
     saved = {"devices": ("cuda",) if args.device != "cuda" else (), "norms": recompute.LLAMA_NORMS,
              "silu": recompute.SILU_ACTIVATIONS}
@@ -101,11 +94,11 @@ def main() -> None:
     results, times = {}, {mode: [] for mode in MODES}
     for mode in MODES:  # (one warm-up pass each, and the numbers compared)
         set_mode(mode, saved)
-        results[mode] = one_pass(model, inputs, mode)
+        results[mode] = one_pass(model, inputs)
     set_mode("functions", saved)
     parts = len(recompute._cheap_parts(model))
     set_mode("kept", saved)
-    again = one_pass(model, inputs, "kept")  # (CUDA's attention and embedding backward add in no fixed order)
+    again = one_pass(model, inputs)  # (CUDA's attention and embedding backward add in no fixed order)
     noise = difference(again, results["kept"])
     differences = {mode: difference(results[mode], results["kept"]) for mode in MODES[1:]}
     if noise == 0 and any(differences.values()):
@@ -116,7 +109,7 @@ def main() -> None:
             set_mode(mode, saved)
             sync()
             start = time.perf_counter()
-            one_pass(model, inputs, mode)
+            one_pass(model, inputs)
             sync()
             times[mode].append(time.perf_counter() - start)
     print(f"{args.layers} layers, hidden {args.hidden}, MLP {args.intermediate}, {args.rows} x "

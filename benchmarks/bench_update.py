@@ -23,25 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
+from count_saved_bytes import saved_bytes  # noqa: E402
 
 from tidyrl.models.forward import completion_logprobs  # noqa: E402
 from tidyrl.models.generation import left_pad  # noqa: E402
 from tidyrl.rollouts import Rollout  # noqa: E402
-
-
-def saved_bytes(fn) -> tuple[object, int]:
-    """fn() under a hook that records every tensor autograd saves for backward; (result, bytes of their
-    distinct storages)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = fn()
-    return result, sum(storages.values())
 
 
 def main() -> None:

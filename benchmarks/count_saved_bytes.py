@@ -15,6 +15,7 @@ the logits) as backward starts, added to its figure as "+ gradient" (the chunked
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -26,18 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from tidyrl.models import chunked_head, forward, recompute  # noqa: E402
 
 
-def saved_bytes(model, batch) -> int:
-    """Bytes of the distinct storages autograd saves in one `completion_logprobs` forward with gradients."""
+def saved_bytes(fn, model=None) -> tuple[object, int]:
+    """fn() under a hook that records every tensor autograd saves for backward: (its result, the bytes of their
+    distinct storages, `model`'s weights left out where it is given). Also used by bench_update and bench_recompute."""
     storages: dict[int, int] = {}
 
     def pack(t):
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward.completion_logprobs(model, *batch, 1.0, with_entropy=True)
-    return sum(n for ptr, n in storages.items() if ptr not in weights)
+        result = fn()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
+    return result, sum(n for ptr, n in storages.items() if ptr not in weights)
 
 
 def main() -> None:
@@ -77,8 +79,9 @@ def main() -> None:
         for layers in (args.layers, args.layers - 1) if args.layers > 1 else (args.layers,):
             config.num_hidden_layers = layers
             model = Qwen2ForCausalLM(config).to(torch.bfloat16).train()
-            totals.append(saved_bytes(model, batch))
-            del model
+            run = functools.partial(forward.completion_logprobs, model, *batch, 1.0, with_entropy=True)
+            totals.append(saved_bytes(run, model)[1])
+            del model, run
         per_layer = totals[0] - totals[1] if len(totals) > 1 else totals[0] / max(args.layers, 1)
         rest = totals[0] - args.layers * per_layer
         full = rest + args.model_layers * per_layer

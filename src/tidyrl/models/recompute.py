@@ -11,13 +11,14 @@ backward pass; the matmuls are not recomputed.
 Each part is one autograd function (`NormRecomputed`, `SiluTimesRecomputed`) whose backward pass recomputes the
 few elementwise values it needs and runs the very ops autograd would have run on the model's own graph, in the same
 order, so the log-probs and gradients are the model's bit for bit (tests/test_recompute.py). Not
-`torch.utils.checkpoint`: its bookkeeping (a hook per saved tensor, a second graph per recompute) cost ~0.75 ms of
-host time per part on an H100, where the update launches small kernels and waits on the host (Qwen2.5-0.5B:
-0.44 s of a 1.18 s update, 73 parts x 8 micro-batches; docs/benchmarks.md, stop 39). Another activation than SiLU,
-or a norm in float32 or whose weight has another dtype than its input, still takes a checkpoint. Used by `models.forward` around the one-pass
-forward of a plain Llama/Qwen2/Qwen3/Mistral model (alone, under peft or inside DDP; a LoRA-adapted projection is
-called as the MLP calls it) with gradients on, on RECOMPUTE_DEVICES, and not where the model already checkpoints
-whole layers or FSDP shards it.
+`torch.utils.checkpoint`: its bookkeeping (a hook per saved tensor, a second graph per recompute) costs 0.32 ms of
+host time per part on a CPU, the functions 0.044 ms (benchmarks/bench_recompute.py); on an H100 the 0.5B update
+took 1.18 s with checkpoints, 1.09 s with the functions (docs/benchmarks.md, stop 39). Another activation than
+SiLU, or a norm in float32 or whose weight has another dtype than its input, still takes a checkpoint.
+
+Used by `models.forward` around the one-pass forward of a plain Llama/Qwen2/Qwen3/Mistral model (alone, under peft
+or inside DDP; a LoRA-adapted projection is called as the MLP calls it) with gradients on, on RECOMPUTE_DEVICES,
+and not where the model already checkpoints whole layers or FSDP shards it.
 
 Off unless `TIDYRL_RECOMPUTE=1`: measured on an H100 (docs/benchmarks.md, stop 39), it lowers the update's peak by
 ~1.8 GB on Qwen2.5-0.5B (12.0 to 10.2 GB) but slows the update by a third or more (0.74 to 1.09-1.18 s a rollout;
@@ -50,7 +51,7 @@ def cheap_parts_recomputed(model) -> Iterator[None]:
     modules = _cheap_parts(model) if torch.is_grad_enabled() else []
     for module in modules:
         own = type(module).forward.__get__(module)
-        module.forward = functools.partial(_mlp if _is_mlp(module) else _checkpointed, own, module)
+        module.forward = functools.partial(_mlp if _is_mlp(module) else _norm, own, module)
     try:
         yield
     finally:
@@ -106,11 +107,12 @@ SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")  # (torch's and transformers': F.s
 LLAMA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
-def _checkpointed(own, module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The norm's own forward, its intermediates recomputed in the backward pass."""
+def _norm(own, module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The norm's forward, its intermediates recomputed in the backward pass: NormRecomputed where it applies, else a
+    checkpoint of the norm's own forward."""
     weight = getattr(module, "weight", None)
-    if type(module).__name__ in LLAMA_NORMS and hidden_states.dtype in HALF_DTYPES and isinstance(weight, torch.Tensor) \
-            and weight.dtype == hidden_states.dtype:
+    if type(module).__name__ in LLAMA_NORMS and hidden_states.dtype in HALF_DTYPES and \
+            isinstance(weight, torch.Tensor) and weight.dtype == hidden_states.dtype:
         return NormRecomputed.apply(hidden_states, weight, module.variance_epsilon)
     return checkpoint(own, hidden_states, use_reentrant=False, preserve_rng_state=False)  # (no randomness inside)
 
