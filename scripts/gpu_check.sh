@@ -126,6 +126,8 @@ has profile && part profile-$W05 60 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.p
 rm -rf "$WORK"/prof/*/model
 has passes15 && part passes-$W15 60 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W15 \
   --repeats 3
+# not by default: host memory while a policy and its reference load, per way of placing them (PARTS="... loading")
+has loading && part loading ${LOADING_LIMIT:-90} "$BENCH_CORES" $PY benchmarks/bench_loading.py --device $DEVICE
 # not by default: where long shared prompts make running each prompt once pay (PARTS="... passeslong")
 # (PROMPT_WIDTHS="64 128 256 512": where the lean pass starts to win, models.forward.LEAN_FROM_SHARE's threshold)
 if has passeslong; then
@@ -146,7 +148,7 @@ fi
     echo "--- $(basename "$f" .log)"
     grep -E "^(== |-- |pass |lean |shared |onepass[ -]|trl )|^  profile |^ +[0-9.]+% " "$f" | cut -c1-220
   done
-  for f in "$LOGS"/decode-*.log "$LOGS"/lag.log; do
+  for f in "$LOGS"/decode-*.log "$LOGS"/lag.log "$LOGS"/loading.log; do
     [ -f "$f" ] || continue
     echo "--- $(basename "$f" .log)"
     grep -vE "Warning|warn\(|USDT|given up|^\s*$" "$f" | tail -24 | cut -c1-160

@@ -373,3 +373,18 @@ def vocabulary_slice_backwards(fn, vocab: int) -> tuple[object, list]:
                           and out.shape[-1] == vocab) as found:
         loss.backward()
     return loss, [shape for _, shape, _ in found]
+
+
+def load_measuring_host_peak(load):
+    """(load(), how far the process's peak RSS rose above its RSS before, in bytes). Linux: writing 5 to
+    /proc/self/clear_refs resets the peak (VmHWM) to the current RSS."""
+    def status(key):
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("resets the peak RSS through /proc/self/clear_refs (Linux)")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS:")
+    result = load()
+    return result, status("VmHWM:") - before

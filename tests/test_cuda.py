@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import bf16_grpo_metrics, free_port, llama, read_jsonl, within_bf16_units
+from conftest import bf16_grpo_metrics, free_port, llama, load_measuring_host_peak, read_jsonl, within_bf16_units
 
 import tidyrl
 
@@ -115,6 +115,25 @@ def test_a_grpo_run_on_cuda_trains_on_the_gpu_with_exact_counts(tiny_model_dir, 
     rows = read_jsonl(result.output_dir / "metrics.jsonl")
     assert len(rows) == result.plan.total_optimizer_steps == 6
     assert all(r["kl"] is not None and r["grad_norm"] > 0 for r in rows[1:])
+
+
+def test_a_model_loaded_for_cuda_holds_the_files_weights_there_tied_and_never_copied_on_the_host(tmp_path):
+    """`load_causal_lm(device="cuda")` (what the stages do, `loops.common.weights_device`): the weights of the host
+    load, bit for bit, on the GPU; tied weights still one Parameter; the host's peak RSS rises by the file's mapped
+    pages at most, one model's size (a host copy first, then the move, peaked at two)."""
+    from tidyrl.models.loading import load_causal_lm
+
+    llama(tie_word_embeddings=True, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+          vocab_size=32000).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    host = load_causal_lm(str(tmp_path / "m"), "bfloat16")
+    size = sum(p.numel() * p.element_size() for p in host.parameters())  # ~83 MB
+    load_causal_lm(str(tmp_path / "m"), "bfloat16", device="cuda")  # CUDA's context and lazy parts, first
+    on_gpu, peak_above = load_measuring_host_peak(lambda: load_causal_lm(str(tmp_path / "m"), "bfloat16",
+                                                                         device="cuda"))
+    assert peak_above < 1.5 * size, (peak_above, size)
+    assert {p.device.type for p in on_gpu.parameters()} == {"cuda"}
+    assert on_gpu.lm_head.weight is on_gpu.model.embed_tokens.weight
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(on_gpu.state_dict().values(), host.state_dict().values()))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one GPU")

@@ -182,6 +182,16 @@ def build_scheduler(optimizer, name: str, plan: Plan):
                          num_training_steps=plan.total_optimizer_steps)
 
 
+def weights_device(accelerator):
+    """Where a stage loads the weights of its models: this process's accelerator, straight from the file
+    (`models.loading.placed`: no host copy first); None (the host) on a CPU, and under FSDP, whose `prepare` shards
+    each weight from the whole model on the host."""
+    from tidyrl.models.sharding import sharding_kind
+
+    device = accelerator.device
+    return None if device.type == "cpu" or sharding_kind(accelerator) != "none" else device
+
+
 def prepare_for_training(accelerator, model, train_cfg, plan: Plan, lr_scheduler: Optional[str] = None):
     """Gradient checkpointing (when asked), AdamW, accelerate's wrapping of both, and the LR schedule over the
     plan's total optimizer steps (`lr_scheduler`, default train_cfg.lr_scheduler). Returns (model, optimizer,

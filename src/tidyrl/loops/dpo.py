@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import TrainResult, prepare_for_training
+from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note, reference_of
 
@@ -213,13 +213,14 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 2. The policy (trained; the checkpoint's when resuming) and the reference: the starting weights, frozen,
     # no grad ever. With LoRA no second copy: the reference is the policy with its adapter disabled.
-    model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path)
+    model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path,
+                        device=weights_device(run.accelerator))
     ref_model = None
     reference_free = opts.loss_type in ("simpo", "orpo")
     if reference_free:
         run.say([f"dpo.loss_type={opts.loss_type} is reference-free: no reference model loaded"])
     elif not cfg.lora.enabled:
-        ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(run.accelerator.device)
+        ref_model = load_causal_lm(cfg.model, cfg.model_dtype, device=run.accelerator.device)
         ref_model.eval().requires_grad_(False)
     flat, notes = choose_padding_free(cfg, model)
     run.say(notes + ([adapter_note(model)] if cfg.lora.enabled else []))

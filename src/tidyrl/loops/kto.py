@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import TrainResult, prepare_for_training
+from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note, reference_of
 
@@ -163,10 +163,11 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 2. The policy (the checkpoint's when resuming) and the reference: the starting weights, frozen. With LoRA no
     # second copy: the reference is the policy with its adapter disabled. KTO keeps it for the per-step z0.
-    model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path)
+    model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path,
+                        device=weights_device(run.accelerator))
     ref_model = None
     if not cfg.lora.enabled:
-        ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(run.accelerator.device)
+        ref_model = load_causal_lm(cfg.model, cfg.model_dtype, device=run.accelerator.device)
         ref_model.eval().requires_grad_(False)
     flat, pad_notes = choose_padding_free(cfg, model)
     run.say(pad_notes + ([adapter_note(model)] if cfg.lora.enabled else []))

@@ -21,14 +21,14 @@ from __future__ import annotations
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import TrainResult, prepare_for_training
-from tidyrl.models.loading import in_own_memory, load_tokenizer, torch_dtype, without_dropout
+from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
+from tidyrl.models.loading import load_tokenizer, placed, torch_dtype, without_dropout
 
 
-def load_reward_model(path: str, pad_id: int, dtype: str = "float32"):
+def load_reward_model(path: str, pad_id: int, dtype: str = "float32", device=None):
     """`AutoModelForSequenceClassification` with one output, dropout off and pad_token_id set (the model finds
     each sequence's last token by it). From a causal LM folder the score head is new, initialised from the
-    current torch seed."""
+    current torch seed (on the host, wherever the model is then placed: `models.loading.placed`)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
@@ -38,8 +38,8 @@ def load_reward_model(path: str, pad_id: int, dtype: str = "float32"):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "score.weight newly initialized": expected here, and said by the caller
     try:
-        return in_own_memory(
-            AutoModelForSequenceClassification.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype)))
+        return placed(AutoModelForSequenceClassification.from_pretrained(path, config=model_config,
+                                                                         dtype=torch_dtype(dtype)), device)
     finally:
         hf_logging.set_verbosity(verbosity)
 
@@ -142,7 +142,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                  apply_lora(model, cfg.lora, cfg.model, task="sequence_classification"))
         notes = notes + [adapter_note(model)]
     else:
-        model = load_reward_model(str(run.resume_path or cfg.model), pad_id, cfg.model_dtype)
+        model = load_reward_model(str(run.resume_path or cfg.model), pad_id, cfg.model_dtype,
+                                  device=weights_device(run.accelerator))
     run.say(notes + [f"reward model: {type(model).__name__} with one output on {cfg.model}"])
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)
 

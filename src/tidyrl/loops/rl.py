@@ -25,7 +25,7 @@ from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, algorithm_section
 from tidyrl.engines.base import FullWeights
 from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_training, prepare_output_dir,
-                                 save_pretrained_atomic, write_run_header)
+                                 save_pretrained_atomic, weights_device, write_run_header)
 from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
 from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
 from tidyrl.loops.rl_rollout import (GROUP_COUNTS, estimate_advantages, evaluate_held_out,
@@ -100,13 +100,14 @@ class RLRun:
 
         cfg, a = self.cfg, self.algo
         # A resumed run continues from the checkpoint's weights; the reference stays the starting model.
-        model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, self.resume_path)
+        model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, self.resume_path,
+                            device=weights_device(self.accelerator))
         # The reference of the KL penalty: a second, frozen copy of the starting model; with LoRA, none is loaded:
         # the policy with its adapter disabled is the starting model (`lora.reference_of`).
         self.use_reference = a.kl_coef > 0
         self.ref_model = None
         if self.use_reference and not cfg.lora.enabled:
-            self.ref_model = load_causal_lm(cfg.model, cfg.model_dtype).to(self.accelerator.device)
+            self.ref_model = load_causal_lm(cfg.model, cfg.model_dtype, device=self.accelerator.device)
             self.ref_model.eval().requires_grad_(False)
         self._say(adapter_note(model))
         for reward in self.inputs.reward_fns:  # reward models: weights now, on this process's device
@@ -126,8 +127,8 @@ class RLRun:
             critic_train = replace(cfg.train, learning_rate=cfg.critic.learning_rate
                                    if cfg.critic.learning_rate is not None else cfg.train.learning_rate)
             self.trainee.critic, self.trainee.critic_optimizer, self.trainee.critic_scheduler = prepare_for_training(
-                self.accelerator, load_critic(critic_path, cfg.model_dtype), critic_train, self.plan,
-                cfg.critic.lr_scheduler)
+                self.accelerator, load_critic(critic_path, cfg.model_dtype, weights_device(self.accelerator)),
+                critic_train, self.plan, cfg.critic.lr_scheduler)
         if self.spec.kl_in == "reward":  # the KL coefficient of the rewards: fixed, or adaptive (Ziegler et al. 2019)
             self.state.kl_control = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
                                if getattr(a, "adaptive_kl", False) else FixedKLController(a.kl_coef))

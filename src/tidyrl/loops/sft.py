@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import TrainResult, prepare_for_training
+from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note
 
@@ -99,7 +99,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     torch.manual_seed(cfg.seed)
 
     # 2. The model (the checkpoint's when resuming), the optimizer and the LR schedule (over the plan's steps).
-    model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path)
+    model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path,
+                        device=weights_device(run.accelerator))
     flat, notes = choose_padding_free(cfg, model)  # and checks that packed rows keep examples apart
     run.say(notes + ([adapter_note(model)] if cfg.lora.enabled else []))
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)

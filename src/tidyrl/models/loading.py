@@ -113,36 +113,38 @@ def without_dropout(model_config):
     return model_config
 
 
-def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False):
-    """`AutoModelForCausalLM.from_pretrained(path)`, dropout off unless asked for. A LoRA adapter folder loads
-    as its base model with the adapter folded in (a plain model)."""
+def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False, device=None):
+    """`AutoModelForCausalLM.from_pretrained(path)`, dropout off unless asked for, placed on `device` (`placed`).
+    A LoRA adapter folder loads as its base model with the adapter folded in (a plain model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from tidyrl.models.lora import is_adapter_folder, merged_from_adapter
 
     if is_adapter_folder(path):
-        return merged_from_adapter(path, lambda base: load_causal_lm(base, dtype, dropout))
+        merged = merged_from_adapter(path, lambda base: load_causal_lm(base, dtype, dropout))
+        return merged if on_host(device) else merged.to(device)
     hf_logging.disable_progress_bar()
     model_config = AutoConfig.from_pretrained(path)
     if not dropout:
         without_dropout(model_config)
-    return in_own_memory(AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype)))
+    return placed(AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype)), device)
 
 
-def load_policy(model: str, dtype: str, lora=None, resume_path: Optional[Path] = None):
+def load_policy(model: str, dtype: str, lora=None, resume_path: Optional[Path] = None, device=None):
     """The model a stage trains: the policy in full, or with a LoRA adapter when `lora` (the options of
     `models.lora.apply_lora`) is given: a fresh one, or the checkpoint's when resuming (the base weights then
-    come from `model` as at the start)."""
+    come from `model` as at the start). The full policy is placed on `device` (`placed`); a LoRA one stays on
+    the host until prepared, so that its adapter's initialisation runs where it always has."""
     if lora is None:
-        return load_causal_lm(str(resume_path or model), dtype)
+        return load_causal_lm(str(resume_path or model), dtype, device=device)
     from tidyrl.models.lora import apply_lora, load_adapter
 
     base = load_causal_lm(model, dtype)
     return load_adapter(base, resume_path, trainable=True) if resume_path else apply_lora(base, lora, model)
 
 
-def load_critic(path: str, dtype: str = "float32"):
+def load_critic(path: str, dtype: str = "float32", device=None):
     """PPO's value model: `AutoModelForTokenClassification` with one label (a value per position), from a
     causal LM (new value head) or a reward model (its score head carries over). Dropout off, including the
     classifier dropout that transformers otherwise defaults to 0.1."""
@@ -153,7 +155,25 @@ def load_critic(path: str, dtype: str = "float32"):
     config = without_dropout(AutoConfig.from_pretrained(path))
     config.classifier_dropout = 0.0
     config.num_labels = 1
-    return in_own_memory(AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch_dtype(dtype)))
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch_dtype(dtype))
+    return placed(model, device)
+
+
+def on_host(device) -> bool:
+    """Whether `device` (None, a name or a torch.device) means the host's memory."""
+    import torch
+
+    return device is None or torch.device(device).type == "cpu"
+
+
+def placed(model, device=None):
+    """`model`, just loaded by `from_pretrained` (its CPU tensors still inside the file's memory mapping), where it
+    will run. On the host (`device` None or CPU): `in_own_memory`. On an accelerator: moved there straight from the
+    mapping, with no host copy of its own. Why: the copy first held two of the model on the host at once (the mapped
+    file's pages it reads and the copy), beside the models loaded before it: a policy and its reference peaked at
+    three models' size (benchmarks/bench_loading.py), and a 1.5B run on an H100 at 9.7 GB of host memory, TRL's at
+    4.1 GB (docs/benchmarks.md). A tensor's address matters to a host matmul's rounding only, not on a device."""
+    return in_own_memory(model) if on_host(device) else model.to(device)
 
 
 def in_own_memory(model):

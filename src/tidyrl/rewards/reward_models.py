@@ -67,10 +67,10 @@ class RewardModel:
         if self.model is None:
             from transformers import AutoModelForSequenceClassification
 
-            from tidyrl.models.loading import in_own_memory, torch_dtype, without_dropout
+            from tidyrl.models.loading import placed, torch_dtype, without_dropout
 
-            self.model = in_own_memory(AutoModelForSequenceClassification.from_pretrained(
-                self.path, config=without_dropout(self.config), dtype=torch_dtype(self.dtype)))
+            self.model = placed(AutoModelForSequenceClassification.from_pretrained(
+                self.path, config=without_dropout(self.config), dtype=torch_dtype(self.dtype)), device)
             self.model.eval().requires_grad_(False)
         if device is not None:
             self.model.to(device)
