@@ -146,8 +146,8 @@ def load_policy(model: str, dtype: str, lora=None, resume_path: Optional[Path] =
 
 def load_critic(path: str, dtype: str = "float32", device=None):
     """PPO's value model: `AutoModelForTokenClassification` with one label (a value per position), from a
-    causal LM (new value head) or a reward model (its score head carries over). Dropout off, including the
-    classifier dropout that transformers otherwise defaults to 0.1."""
+    causal LM (new value head, initialised on the host) or a reward model (its score head carries over). Dropout off,
+    including the classifier dropout that transformers otherwise defaults to 0.1. Placed on `device` (`placed`)."""
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
