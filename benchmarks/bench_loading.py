@@ -25,54 +25,38 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shapes import add_shape_arguments, qwen2_config
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 MODES = ("imports", "host", "copy-then-move", "placed")  # imports: torch, transformers, tidyrl; no weights
 
 
 def build(args, folder: Path) -> None:
-    """A Qwen2 model of the asked shape, saved in bf16 to `folder`."""
+    """A Qwen2 model of the asked shape (its output layer tied below 1.5B's width, as Qwen2.5's), saved in bf16."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
-                         max_position_embeddings=1024, tie_word_embeddings=args.hidden < 1536)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    Qwen2ForCausalLM(qwen2_config(args, tie_word_embeddings=args.hidden < 1536)).to(torch.bfloat16).save_pretrained(
+        folder)
 
 
-def weight_bytes(folder: Path) -> int:
-    """The bytes of the weights saved in `folder` (a tied weight is saved once)."""
-    from safetensors import safe_open
-
-    total = 0
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            for key in f.keys():
-                total += _numel(f.get_slice(key)) * 2  # bf16
-    return total
-
-
-def misaligned(folder: Path) -> tuple[int, int]:
-    """(tensors the files leave off 64-byte alignment, tensors): `in_own_memory` copies the former on the host.
-    A safetensors file is 8 bytes of header length, the JSON header, then the data at the header's offsets."""
-    off = total = 0
+def file_facts(folder: Path) -> tuple[int, int, int]:
+    """(bytes of the weights, tensors the files leave off 64-byte alignment, tensors), from the files' headers: a
+    safetensors file is 8 bytes of header length, the JSON header, then the data at the header's offsets (a tied
+    weight saved once). `in_own_memory` copies the misaligned tensors on the host."""
+    size = off = total = 0
     for file in folder.glob("*.safetensors"):
         with open(file, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(length))
         for key, entry in header.items():
             if key != "__metadata__":
+                start, end = entry["data_offsets"]
+                size += end - start
+                off += (8 + length + start) % 64 != 0
                 total += 1
-                off += (8 + length + entry["data_offsets"][0]) % 64 != 0
-    return off, total
-
-
-def _numel(tensor_slice) -> int:
-    n = 1
-    for d in tensor_slice.get_shape():
-        n *= d
-    return n
+    return size, off, total
 
 
 def child(mode: str, folder: str, device: str) -> None:
@@ -112,11 +96,7 @@ def child(mode: str, folder: str, device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu (the host mode only), cuda, or meta (a check)")
-    parser.add_argument("--hidden", type=int, default=896)
-    parser.add_argument("--intermediate", type=int, default=4864)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--heads", type=int, default=14)
-    parser.add_argument("--vocab", type=int, default=151936)
+    add_shape_arguments(parser, hidden=896, intermediate=4864, layers=24, heads=14, vocab=151936)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -126,8 +106,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         build(args, folder)
-        size = weight_bytes(folder) / 2**20
-        off, total = misaligned(folder)
+        size, off, total = file_facts(folder)
+        size /= 2**20
         print(f"one model: {size:.0f} MiB of bf16 weights ({args.layers} layers, hidden {args.hidden}); "
               f"device {args.device}; {off} of its {total} tensors off 64-byte alignment in the file (the host way "
               "copies those)")

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from count_saved_bytes import saved_bytes  # noqa: E402
+from shapes import add_shape_arguments, qwen2_config  # noqa: E402
 
 from tidyrl.models import forward, recompute  # noqa: E402
 
@@ -35,13 +36,10 @@ MODES = ("kept", "checkpoint", "functions")
 
 
 def build(args):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
-                         max_position_embeddings=1024, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(config).to(device=args.device, dtype=torch.bfloat16).train()
+    return Qwen2ForCausalLM(qwen2_config(args)).to(device=args.device, dtype=torch.bfloat16).train()
 
 
 def batch(args):
@@ -76,11 +74,7 @@ def set_mode(mode: str, saved: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--intermediate", type=int, default=96)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=512)
+    add_shape_arguments(parser, hidden=64, intermediate=96, layers=24, heads=4, vocab=512)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=17)
     parser.add_argument("--completion", type=int, default=16)

@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from shapes import add_shape_arguments, qwen2_config  # noqa: E402
+
 from tidyrl.models import chunked_head, forward, recompute  # noqa: E402
 
 
@@ -44,23 +46,17 @@ def saved_bytes(fn, model=None) -> tuple[object, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=2)
+    add_shape_arguments(parser, hidden=896, intermediate=4864, layers=2, heads=14, vocab=151936)
+    parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=17)
     parser.add_argument("--completion", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=896)
-    parser.add_argument("--intermediate", type=int, default=4864)
-    parser.add_argument("--heads", type=int, default=14)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--model-layers", type=int, default=24, help="the full model's layers, for the total")
     args = parser.parse_args()
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=4096, tie_word_embeddings=True)
+    config = qwen2_config(args, max_position_embeddings=4096)
     g = torch.Generator().manual_seed(1)
     batch = (torch.randint(3, args.vocab, (args.rows, args.prompt), generator=g),
              torch.ones(args.rows, args.prompt, dtype=torch.long),
