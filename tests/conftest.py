@@ -375,16 +375,19 @@ def vocabulary_slice_backwards(fn, vocab: int) -> tuple[object, list]:
     return loss, [shape for _, shape, _ in found]
 
 
+def proc_status_bytes(key: str) -> int:
+    """One memory figure of this process from /proc/self/status (Linux), in bytes: "VmRSS:", "VmHWM:", ..."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
 def load_measuring_host_peak(load):
     """(load(), how far the process's peak RSS rose above its RSS before, in bytes). Linux: writing 5 to
     /proc/self/clear_refs resets the peak (VmHWM) to the current RSS."""
-    def status(key):
-        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
-
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("resets the peak RSS through /proc/self/clear_refs (Linux)")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = status("VmRSS:")
+    before = proc_status_bytes("VmRSS:")
     result = load()
-    return result, status("VmHWM:") - before
+    return result, proc_status_bytes("VmHWM:") - before

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import llama, load_measuring_host_peak, proc_status_bytes
 
 from tidyrl.models.host_memory import _malloc_trim, free_heap_bytes, release_freed_memory
 
 
 def rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return proc_status_bytes("VmRSS:") // 1024
 
 
 @pytest.mark.skipif(_malloc_trim() is None, reason="this C library has no malloc_trim")
@@ -50,7 +50,6 @@ def test_a_model_for_an_accelerator_goes_there_from_the_files_mapping_without_a_
     """`load_causal_lm(device=...)`: on the host, every tensor copied into memory of its own (`in_own_memory`);
     for any other device, moved there as loaded, with no host copy first (which held two of the model on the host
     at once). meta stands for the accelerator here; the CUDA twin is in tests/test_cuda.py."""
-    from conftest import llama, load_measuring_host_peak
     from tidyrl.models import loading
 
     llama(tie_word_embeddings=True, hidden_size=256, intermediate_size=512, vocab_size=16000).save_pretrained(

@@ -122,8 +122,7 @@ def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False, dev
     from tidyrl.models.lora import is_adapter_folder, merged_from_adapter
 
     if is_adapter_folder(path):
-        merged = merged_from_adapter(path, lambda base: load_causal_lm(base, dtype, dropout))
-        return merged if on_host(device) else merged.to(device)
+        return placed(merged_from_adapter(path, lambda base: load_causal_lm(base, dtype, dropout)), device)
     hf_logging.disable_progress_bar()
     model_config = AutoConfig.from_pretrained(path)
     if not dropout:
@@ -159,21 +158,17 @@ def load_critic(path: str, dtype: str = "float32", device=None):
     return placed(model, device)
 
 
-def on_host(device) -> bool:
-    """Whether `device` (None, a name or a torch.device) means the host's memory."""
+def placed(model, device=None):
+    """`model`, loaded on the host (by `from_pretrained`: its tensors still inside the file's memory mapping), where
+    it will run. On the host (`device` None, or a name or torch.device of the CPU): `in_own_memory`. On an
+    accelerator: moved there straight from the mapping, with no host copy of its own. Why: the copy first held two
+    of the model on the host at once (the mapped file's pages it reads and the copy), beside the models loaded
+    before it: a policy and its reference peaked at three models' size (benchmarks/bench_loading.py), and a 1.5B
+    run on an H100 at 9.7 GB of host memory, TRL's at 4.1 GB (docs/benchmarks.md). A tensor's address matters to a
+    host matmul's rounding only, not on a device."""
     import torch
 
-    return device is None or torch.device(device).type == "cpu"
-
-
-def placed(model, device=None):
-    """`model`, just loaded by `from_pretrained` (its CPU tensors still inside the file's memory mapping), where it
-    will run. On the host (`device` None or CPU): `in_own_memory`. On an accelerator: moved there straight from the
-    mapping, with no host copy of its own. Why: the copy first held two of the model on the host at once (the mapped
-    file's pages it reads and the copy), beside the models loaded before it: a policy and its reference peaked at
-    three models' size (benchmarks/bench_loading.py), and a 1.5B run on an H100 at 9.7 GB of host memory, TRL's at
-    4.1 GB (docs/benchmarks.md). A tensor's address matters to a host matmul's rounding only, not on a device."""
-    return in_own_memory(model) if on_host(device) else model.to(device)
+    return in_own_memory(model) if device is None or torch.device(device).type == "cpu" else model.to(device)
 
 
 def in_own_memory(model):
