@@ -9,8 +9,8 @@ tidyrl.rewards.sandbox) and `sandbox=False` (the limits only). Rounds alternate 
 slows both alike. Each row gives the best round (the least disturbed by other work on the machine: the cost
 itself) and the median round. "ms / completion" is the latency of one completion scored alone (1 worker);
 "completions/s" is the throughput with `workers` at a time; "sandbox cost" is the difference in latency, the
-price of isolation per completion (issue 28's target: at most 20 ms), and "sandbox alone" the time to build and
-tear down an empty sandbox (`/bin/true` in it): the floor of that cost, processes and namespaces, no Python.
+price of isolation per completion (the sandbox is meant to cost at most 20 ms), and "sandbox alone" the time to
+build and tear down an empty sandbox (`/bin/true` in it): the floor of that cost, processes and namespaces, no Python.
 """
 
 from __future__ import annotations

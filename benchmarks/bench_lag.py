@@ -1,4 +1,4 @@
-"""Generation beside training: rollout.lag 0 vs 1 vs 2, in-process engine vs a vLLM server (issue 25, item 5).
+"""Generation beside training: rollout.lag 0 vs 1 vs 2, in-process engine vs a vLLM server.
 
 Each (engine, lag) is one GRPO run of the same config, in its own process; the figures come from its metrics.jsonl,
 over the steady rollouts (the first lag + 2 left out: warm-up, and the rollouts a lag makes before any overlap):

@@ -8,9 +8,9 @@ the end, beside the size of one model's weights (imports alone: the first row).
 
 Modes (`models.loading.placed`):
   host            both models on the host, each copied out of the file's mapping (`in_own_memory`): a CPU run.
-  copy-then-move  what a GPU run did before: the policy copied onto the host and kept there until `prepare`, the
-                  reference copied onto the host, then moved to the device.
-  placed          what a GPU run does now: each model moved to the device straight from the file's mapping.
+  copy-then-move  the alternative `placed` avoids: the policy copied onto the host and kept there until
+                  `prepare`, the reference copied onto the host, then moved to the device.
+  placed          what a GPU run does: each model moved to the device straight from the file's mapping.
 `--device meta` runs the moving modes without a GPU, to check the script: moving to meta reads nothing from the
 file, so its figures are a lower bound, not a GPU's.
 """

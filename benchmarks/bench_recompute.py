@@ -1,14 +1,14 @@
 """What the recomputed norms and MLP products (models.recompute) cost an update pass, against keeping their
-intermediates: the autograd functions tidyrl runs, beside `torch.utils.checkpoint` around the same parts (what it
-ran before stop 39). One forward and backward of an update micro-batch through `forward.completion_logprobs` (the
-model's own forward), bf16, per mode: milliseconds per pass, the bytes kept for backward, and per recomputed part
+intermediates: the autograd functions tidyrl runs, beside `torch.utils.checkpoint` around the same parts (the
+alternative they replace). One forward and backward of an update micro-batch through `forward.completion_logprobs`
+(the model's own forward), bf16, per mode: milliseconds per pass, the bytes kept for backward, and per recomputed part
 the time above keeping everything.
 
     python benchmarks/bench_recompute.py                          # CPU, Qwen2.5-0.5B's 24 layers at width 64:
                                                                   # small kernels, the host's cost laid bare
     python benchmarks/bench_recompute.py --device cuda --hidden 896 --intermediate 4864 --rows 16   # 0.5B's layers
 
-On a 2-core CPU the checkpoints cost 0.32 ms a part, the functions 0.044 ms (docs/benchmarks.md, stop 39). All modes
+On a 2-core CPU the checkpoints cost 0.32 ms a part, the functions 0.044 ms (models/recompute.py). All modes
 give the same log-probs and gradients (checked here: the script fails where a second pass of the kept mode repeats
 the first exactly and another mode does not; on CUDA, whose attention and embedding backward add with atomics in no
 fixed order, it prints each mode's largest difference beside the kept mode's own).

@@ -1,7 +1,8 @@
 """What the training forward keeps for its backward pass, in bytes, on a CPU: the model's own forward with its whole
 logits, with the output layer in chunks (models.chunked_head), and with the norms and MLP products recomputed too
 (models.recompute). On CUDA these tensors, with the logits' gradient as backward starts, are most of the update's
-peak above the weights and optimizer state (docs/benchmarks.md, issue 26); here they are counted without a GPU.
+peak above the weights and optimizer state (`bench_vs_trl.py --libraries tidyrl-memtrace` lists them on a GPU);
+here they are counted without one.
 
     python benchmarks/count_saved_bytes.py                       # Qwen2.5-0.5B's shape, 2 of its 24 layers
     python benchmarks/count_saved_bytes.py --layers 1 --rows 2 --hidden 64 --vocab 512   # a quick look

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure of issue 26 in one call, at most BUDGET seconds (470: under 8 minutes) on one H100/H200:
+# Every GPU figure of docs/benchmarks.md in one call, at most BUDGET seconds (470: under 8 minutes) on one H100/H200:
 #
 #   scripts/gpu_check.sh [OUT_DIR]          # OUT_DIR: logs and the summary (default $OUT, else ./gpu-check-out)
 #   DEVICE=cpu BUDGET=600 SUITE_PATHS=tests/test_launch.py scripts/gpu_check.sh /tmp/x   # its logic on a CPU
@@ -14,7 +14,7 @@
 #     qwen1.5b, tidyrl beside TRL (LIBS=trl,tidyrl,tidyrl-lean adds the lean pass; TRL first, so that a cut part
 #     still has it); one --profile rollout of tidyrl on qwen0.5b (split by phase); bench_passes.py on qwen1.5b;
 #     bench_decode.py on qwen0.5b (lean decode vs the model's forward, one profiled generate); bench_lag.py
-#     (rollout.lag 0 vs 1 with the in-process engine; issue 25).
+#     (rollout.lag 0 vs 1 with the in-process engine).
 # Prints one summary at the end (the tables) and leaves every log in OUT_DIR/logs.tgz (the profiles' tables too).
 # TRL is taken where it is importable (pip install trl==1.16.0; without it the benchmarks run tidyrl alone).
 # PARTS, LIBS, LIBS15, SET05, SET15, PASSES_ARGS, TEST_PATHS, RUN_TIMEOUT, BUDGET choose what a call runs (see below).
@@ -118,7 +118,7 @@ rm -rf "$WORK"/vs15/*/model
 # where generation's time goes: the lean decode step against the model's forward, one profiled generate
 has decode && part decode-$W05 ${DECODE_LIMIT:-60} "$BENCH_CORES" $PY benchmarks/bench_decode.py --workload $W05 \
   --device $DEVICE $DECODE_ARGS
-# generation beside training (issue 25): lag 0 vs 1, the in-process engine, on the GPU
+# generation beside training: lag 0 vs 1, the in-process engine, on the GPU
 has lag && part lag ${LAG_LIMIT:-90} "$BENCH_CORES" $PY benchmarks/bench_lag.py --device $DEVICE \
   --hidden ${LAG_HIDDEN:-1024} --layers ${LAG_LAYERS:-8} --lags ${LAGS:-0,1} --rollouts ${LAG_ROLLOUTS:-6}
 has profile && part profile-$W05 60 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \

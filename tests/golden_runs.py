@@ -1,6 +1,5 @@
 """Golden runs: small end-to-end runs of every kind of stage, recorded on one commit and replayed by
-tests/test_golden.py, so that a refactor that changes one number is caught (issue 24: "a refactor changes no
-number").
+tests/test_golden.py, so that a refactor that changes one number is caught.
 
 Each run builds its own tiny model and data from seeds (no downloads) and calls only the public API
 (`tidyrl.train`), so the runs do not depend on where the code behind it lives. What is recorded per run

@@ -2,8 +2,8 @@
 
     python -m pytest -q -m cuda tests/test_cuda.py      # on a machine with an NVIDIA GPU and a CUDA torch
 
-Skipped where CUDA is not available (this project's CPU machines and CI): these tests were written without a
-GPU at hand and are to be run where one is (docs/benchmarks.md lists the GPU figures still to take).
+Skipped where CUDA is not available (this project's CPU machines and CI): run them where a GPU is, e.g. with
+`scripts/gpu_check.sh`, which runs them before the benchmarks of docs/benchmarks.md.
 """
 
 from __future__ import annotations

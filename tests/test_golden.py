@@ -1,5 +1,5 @@
-"""Golden runs (tests/golden_runs.py): every kind of stage, replayed against the numbers recorded before the
-rollout/learner refactor (issue 24). A change that moves one number fails here.
+"""Golden runs (tests/golden_runs.py): every kind of stage, replayed against the numbers recorded in
+tests/golden/. A change that moves one number fails here.
 
 Where the machine matches the recording's (processor, torch, transformers, threads), every metrics row
 (wall-clock fields aside), every samples.jsonl row and every final weight must be bit-identical. Elsewhere the

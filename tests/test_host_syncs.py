@@ -1,4 +1,4 @@
-"""No host synchronisation inside the loops over micro-batches and scoring chunks (issue 19).
+"""No host synchronisation inside the loops over micro-batches and scoring chunks.
 
 On a GPU every read of a device value on the host (`.item()`, `float(t)`, `.cpu()`, a data-dependent shape such as
 `torch.unique` or `nonzero`) and every blocking host-to-device copy waits until the device has run all the work

@@ -1,4 +1,4 @@
-"""rollout.lag: rollouts made ahead, beside training, at a fixed lag (issue 25, item 1).
+"""rollout.lag: rollouts made ahead, beside training, at a fixed lag.
 
 Which weights make which rollout is fixed by the config: rollout r is generated with the weights after rollout
 r - 1 - L's updates. These tests check that schedule by hand, that each rollout really was generated with those

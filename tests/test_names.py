@@ -1,6 +1,6 @@
 """Every name the code uses is defined, in the paths CI cannot run too: TRL's side of bench_vs_trl.py (TRL is an
 extra), the CUDA-only branches, the GPU scripts. A name copied from one function into another where it is not
-defined fails only when that path runs, which may be on a GPU lent for minutes (stop 33 wrapped tidyrl's phases
+defined fails only when that path runs, which may be on a GPU lent for minutes (tidyrl's phase clocks wrap code
 inside TRL's benchmark child, where `producer`, `rl_rollout` and `rl` do not exist). pyflakes reads the code
 without running it."""
 

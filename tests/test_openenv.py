@@ -147,7 +147,7 @@ def config(model_dir, prompt_file, out, factory, **train):
 
 def test_grpo_through_an_openenv_server_closes_every_session(guess, tiny_model_dir, prompt_file, tmp_path):
     """A server with exactly one rollout's sessions (8): every episode of three rollouts gets one, because each
-    episode's session is closed when it ends (before, rollout 2 found the server at capacity and failed whole)."""
+    episode's session is closed when it ends (a session left open would leave rollout 2 a server at capacity)."""
     path, module, port = guess
     server = Server(module, port, sessions=8)
     try:

@@ -283,7 +283,7 @@ def _rollout_with_groups(model, tok, k=4):
 
 
 def _one_pass_logprobs(model, batch, temperature):
-    """The plain forward over [prompt, completion] (what scoring did before prompts were shared)."""
+    """The plain forward over [prompt, completion] (without sharing a prompt between its samples)."""
     from tidyrl.models.ops import gather_logprobs
     from tidyrl.models.forward import model_inputs as _model_inputs
 

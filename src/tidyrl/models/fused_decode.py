@@ -1,10 +1,11 @@
 """Fewer kernels per decoder layer in a bf16/fp16 decoding step on CUDA: Triton kernels and one attention call.
 
 Why: a CUDA graph of the lean step (`llama_decode.StaticDecode`) launches no kernel from Python, but the GPU
-still runs each one: on an H200 a Qwen2.5-0.5B step was ~1 100 kernels per token, ~3 us each, for 3.2 ms of
-device time, where its matmuls need ~0.35 ms (docs/benchmarks.md, issue 26). Per layer, RMSNorm was 8 kernels
-(upcast, square, mean, add, rsqrt, multiply, downcast, weight) twice, rope 3 per projection, the cache writes 2,
-the attention 5, the residual adds 2. Here, per layer:
+still runs each one: on an H200 the unfused Qwen2.5-0.5B step (`TIDYRL_FUSED_DECODE=0`) runs ~1 100 kernels per
+token, ~3 us each, for 3.2 ms of device time, where its matmuls need ~0.35 ms (`python benchmarks/bench_decode.py
+--device cuda --profile 16`; `benchmarks/count_decode_ops.py` counts the ops without a GPU). Per layer, unfused,
+RMSNorm is 8 kernels (upcast, square, mean, add, rsqrt, multiply, downcast, weight) twice, rope 3 per projection,
+the cache writes 2, the attention 5, the residual adds 2. Here, per layer:
 - `add_rms_norm`: the residual add and the RMSNorm after it in one kernel (HF's LlamaRMSNorm maths: the sum
   rounded to the model's dtype as `x + delta` rounds it, normalised in float32, cast back, times the weight);
 - `rope_and_cache`: rope of the query and key heads (RoFormer eq. 34, half-split layout, as `llama_decode.rope`:
@@ -12,7 +13,7 @@ the attention 5, the residual adds 2. Here, per layer:
   fixed-shape cache at the step's device-side position, one kernel;
 - `rope_cache_attend`: `rope_and_cache` and the attention in one kernel, which reads only the cache positions
   written so far where an SDPA call over the fixed-shape cache reads its whole capacity (on an H100 the SDPA call
-  was 0.17 ms of a Qwen2.5-0.5B token, at the bandwidth floor for the whole capacity; a rollout's average step
+  takes 0.17 ms of a Qwen2.5-0.5B token, at the bandwidth floor for the whole capacity; a rollout's average step
   has about half of it written). `TIDYRL_DECODE_ATTENTION=sdpa` keeps `rope_and_cache` and one call of torch's
   memory-efficient SDPA kernel (cuDNN's, which builds a plan for each new width, is not asked for), the query
   heads of a group as its queries, as `LlamaDecodeStep` does;

@@ -161,11 +161,12 @@ def load_critic(path: str, dtype: str = "float32", device=None):
 def placed(model, device=None):
     """`model`, loaded on the host (by `from_pretrained`: its tensors still inside the file's memory mapping), where
     it will run. On the host (`device` None, or a name or torch.device of the CPU): `in_own_memory`. On an
-    accelerator: moved there straight from the mapping, with no host copy of its own. Why: the copy first held two
-    of the model on the host at once (the mapped file's pages it reads and the copy), beside the models loaded
-    before it: a policy and its reference peaked at three models' size (benchmarks/bench_loading.py), and a 1.5B
-    run on an H100 at 9.7 GB of host memory, TRL's at 4.1 GB (docs/benchmarks.md). A tensor's address matters to a
-    host matmul's rounding only, not on a device."""
+    accelerator: moved there straight from the mapping, with no host copy of its own. Why: a host copy first would
+    hold two of the model on the host at once (the mapped file's pages it reads and the copy), beside the models
+    loaded before it: a policy and its reference would peak at three models' size (`python
+    benchmarks/bench_loading.py --device cuda`, its `copy-then-move` way against `placed`); with that copy a 1.5B
+    run on an H100 peaked at 9.7 GB of host memory, TRL's at 4.1 GB. A tensor's address matters to a host matmul's
+    rounding only, not on a device."""
     import torch
 
     return in_own_memory(model) if device is None or torch.device(device).type == "cpu" else model.to(device)

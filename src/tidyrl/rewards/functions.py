@@ -225,8 +225,8 @@ def build_reward_functions(reward_cfgs: list, base_dir: str | None = None, *, fo
 
 def with_options(func: RewardFunction, options: dict, i: int) -> RewardFunction:
     """`func` called with `options` (rewards[i].kwargs) as fixed keyword arguments on every call. An option the
-    function does not take is refused here, before any model loads; a data column of the same name no longer
-    reaches the function (the option wins)."""
+    function does not take is refused here, before any model loads; a data column of the same name does not
+    reach the function (the option wins)."""
     if not options:
         return func
     unknown = sorted(o for o in options if func.accepts is not None and o not in func.accepts)
