@@ -134,7 +134,8 @@ def load_policy(model: str, dtype: str, lora=None, resume_path: Optional[Path] =
     """The model a stage trains: the policy in full, or with a LoRA adapter when `lora` (the options of
     `models.lora.apply_lora`) is given: a fresh one, or the checkpoint's when resuming (the base weights then
     come from `model` as at the start). The full policy is placed on `device` (`placed`); a LoRA one stays on
-    the host until prepared, so that its adapter's initialisation runs where it always has."""
+    the host until prepared, so that its adapter is initialised on the host, from the host's random generator, as
+    in a CPU run."""
     if lora is None:
         return load_causal_lm(str(resume_path or model), dtype, device=device)
     from tidyrl.models.lora import apply_lora, load_adapter
