@@ -16,25 +16,11 @@ import json
 import sys
 
 
-STAGE_HELP = {
-    "grpo": "GRPO: group-normalised advantages, clipped policy loss (Shao et al. 2024)",
-    "rloo": "RLOO: leave-one-out baseline over k samples per prompt (Ahmadian et al. 2024)",
-    "ppo": "PPO with a value model and GAE (Schulman et al. 2017)",
-    "reinforce_pp": "REINFORCE++: batch-whitened advantages (Hu 2025)",
-    "reinforce_pp_baseline": "REINFORCE++-baseline: group-mean baseline, then batch whitening (Hu 2025)",
-    "sft": "supervised fine-tuning on prompt/completion or messages",
-    "reward": "reward-model training on prompt/chosen/rejected pairs",
-    "dpo": "direct preference optimisation on prompt/chosen/rejected pairs (also IPO, robust DPO, SimPO, ORPO)",
-    "kto": "KTO on unpaired prompt/completion/label examples (Ethayarajh et al. 2024)",
-}
-"""One line per stage for --help; the stages listed are those of tidyrl.config.ALGORITHMS at run time."""
-
-
 def _stages_help() -> str:
-    from tidyrl.config import ALGORITHMS
+    from tidyrl.config import SUMMARIES
 
-    width = max(len(a) for a in ALGORITHMS)
-    lines = [f"  {a:<{width}}  {STAGE_HELP.get(a, '')}".rstrip() for a in ALGORITHMS]
+    width = max(len(a) for a in SUMMARIES)
+    lines = [f"  {a:<{width}}  {summary}" for a, summary in SUMMARIES.items()]
     return ("stages (set `algorithm:` in the YAML, or algorithm=NAME on the command line):\n" + "\n".join(lines)
             + "\n\nEvery configuration key with its type, default and meaning: docs/config-reference.md\n"
             "First steps: docs/quickstart.md; the batch sizes and totals: docs/concepts.md")
@@ -97,11 +83,19 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--data", help="prompt file or saved datasets folder; replaces data.path")
     e.add_argument("--reward", action="append", default=[], metavar="SPEC",
                    help="reward function module:function or file.py:function (repeatable, weight 1); replaces rewards")
-    e.add_argument("--num-prompts", type=_count_or_all, default=64,
-                   help="the first N prompts of the file (default 64), or `all`")
+    from tidyrl.evaluate import DEFAULT_PROMPTS
+
+    e.add_argument("--num-prompts", type=_count_or_all, default=DEFAULT_PROMPTS,
+                   help="the first N prompts, or `all` (default: all of the config's held-out prompts, "
+                   "data.eval_path or data.eval_fraction; else the first 64 of data.path or --data)")
     e.add_argument("--samples-per-prompt", type=int, default=None,
-                   help="completions per prompt (default: rollout.samples_per_prompt; 1 with --greedy)")
-    e.add_argument("--greedy", action="store_true", help="take the most likely token at every step (top_k = 1)")
+                   help="completions per prompt (default: rollout.samples_per_prompt; 1 when greedy)")
+    decoding = e.add_mutually_exclusive_group()
+    decoding.add_argument("--greedy", action="store_true", default=None,
+                          help="take the most likely token at every step (top_k = 1)")
+    decoding.add_argument("--sampled", dest="greedy", action="store_false",
+                          help="sample with the rollout settings (default, except on held-out prompts whose "
+                          "log.eval_decoding is greedy)")
     e.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
     e.add_argument("--output-dir", help="where eval.json and eval_samples.jsonl go (default: eval-<model name> "
                    "beside the model folder; <run>-eval-<model name> beside the run for a run's final/ or "
@@ -142,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "plan":
-            from tidyrl.config import OFFLINE_ALGORITHMS, load_config
+            from tidyrl.config import OFFLINE_ALGORITHMS, load_config, packs_rows
             from tidyrl.plan import plan_from_config
 
             cfg = load_config(args.config, args.overrides)
@@ -154,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                 from tidyrl.models.loading import load_model_config, load_tokenizer
 
                 load_model_config(cfg.model)  # the policy exists (at once, offline too)
-                packing = cfg.algorithm == "sft" and cfg.sft.packing  # packed rows: counted with the tokenizer
-                tokenizer = load_tokenizer(cfg.tokenizer or cfg.model) if packing else None
+                # packed rows are counted with the tokenizer
+                tokenizer = load_tokenizer(cfg.tokenizer or cfg.model) if packs_rows(cfg) else None
                 num_examples, num_eval = count_offline_examples(cfg, tokenizer), count_eval_examples(cfg)
                 plan = plan_from_config(cfg, num_examples, args.num_processes)
                 extra = {"eval_examples": num_eval} if num_eval else {}

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-GRPO_SCALES = ("group", "batch", "none")
-"""Valid values of `grpo_advantages(scale=...)` (config key `grpo.scale_rewards`)."""
+from tidyrl.algorithms.choices import GRPO_SCALES
 
 
 def _as_float(x: Tensor) -> Tensor:

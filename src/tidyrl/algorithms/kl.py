@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-"""Valid values of `kl_per_token(estimator=...)` (config key `<algorithm>.kl_estimator`)."""
+from tidyrl.algorithms.choices import KL_ESTIMATORS
 
 K3_LOG_RATIO_CLAMP = 20.0
 """k3 clamps log r to [-20, 20] before exp(): e^20 ~ 5e8 is far beyond any

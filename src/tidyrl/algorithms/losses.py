@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
-"""Valid values of `loss_normaliser` / `aggregate_loss` mode (config key `<algorithm>.loss_aggregation`)."""
+from tidyrl.algorithms.choices import LOSS_AGGREGATIONS
 
 
 def _check_mode(mode: str) -> None:

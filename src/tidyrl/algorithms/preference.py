@@ -19,11 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust")
-"""Valid `loss_type` values of `dpo_loss` (config key `dpo.loss_type`)."""
-
-REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")
-"""`dpo.loss_type` values that need no reference model (`simpo_loss`, `orpo_odds_ratio_loss`)."""
+from tidyrl.algorithms.choices import DPO_LOSS_TYPES, LABEL_SMOOTHING_LOSS_TYPES
 
 
 def sequence_logps(logprobs_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -134,9 +130,9 @@ def dpo_loss(
         raise ValueError(f"unknown DPO loss type {loss_type!r}; valid values: {', '.join(DPO_LOSS_TYPES)}")
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
-    if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type == "ipo"):
-        raise ValueError(f"label_smoothing must be in [0, 0.5) and only with loss_type='sigmoid' or 'robust', "
-                         f"got {label_smoothing} with {loss_type!r}")
+    if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type not in LABEL_SMOOTHING_LOSS_TYPES):
+        raise ValueError(f"label_smoothing must be in [0, 0.5) and only with loss_type "
+                         f"{' or '.join(map(repr, LABEL_SMOOTHING_LOSS_TYPES))}, got {label_smoothing} with {loss_type!r}")
     chosen_logratio_B = policy_chosen_logps_B - ref_chosen_logps_B.detach()
     rejected_logratio_B = policy_rejected_logps_B - ref_rejected_logps_B.detach()
     h_B = chosen_logratio_B - rejected_logratio_B

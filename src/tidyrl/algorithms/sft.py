@@ -16,10 +16,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from tidyrl.algorithms.choices import SFT_LOSS_AGGREGATIONS
 from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser
-
-SFT_LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
-"""Valid modes (config key `sft.loss_aggregation`)."""
 
 
 def sft_normaliser(mode: str, *, num_tokens: int | float, num_sequences: int) -> float:

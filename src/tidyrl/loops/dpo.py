@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from tidyrl.algorithms.choices import REFERENCE_FREE_LOSS_TYPES
 from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
@@ -69,7 +70,7 @@ def reference_cost(cfg, num_pairs: int, num_eval: int) -> dict:
     """What the reference costs, for plan.json and `tidyrl plan`: DPO-style losses score every train and held-out
     pair's two sequences once before training (reference_logps_cache), in forward passes of up to
     2 * micro_batch_size sequences split over the processes; simpo and orpo load no reference."""
-    if cfg.dpo.loss_type in ("simpo", "orpo"):
+    if cfg.dpo.loss_type in REFERENCE_FREE_LOSS_TYPES:
         return {"reference": "none (reference-free loss)"}
     m = cfg.train.micro_batch_size
     return {"reference": "scored once before training, cached",
@@ -216,7 +217,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path,
                         device=weights_device(run.accelerator))
     ref_model = None
-    reference_free = opts.loss_type in ("simpo", "orpo")
+    reference_free = opts.loss_type in REFERENCE_FREE_LOSS_TYPES
     if reference_free:
         run.say([f"dpo.loss_type={opts.loss_type} is reference-free: no reference model loaded"])
     elif not cfg.lora.enabled:

@@ -180,9 +180,9 @@ def choose_padding_free(cfg, model) -> tuple[bool, list[str]]:
     """train.padding_free resolved for the loaded `model` (null: on with a varlen attention kernel), and notes.
     It and sft.packing need the model to keep examples apart in one row (packed_attention_error, measured):
     if asked for and the model does not, a ConfigError naming the model type, before training starts."""
-    from tidyrl.config import ConfigError
+    from tidyrl.config import ConfigError, packs_rows
 
-    packing = cfg.algorithm == "sft" and cfg.sft.packing
+    packing = packs_rows(cfg)
     wanted = cfg.train.padding_free
     if wanted is None:
         wanted = getattr(model.config, "_attn_implementation", None) in VARLEN_ATTENTION
