@@ -277,7 +277,7 @@ def test_offline_stages_reject_rl_only_settings_with_the_fix():
     data["rollout"] = {"samples_per_prompt": 8}
     found = problems(load_config, data)
     assert [p.split(":")[0] for p in found] == [
-        "rewards", "rollout", "train.rollouts", "train.epochs_per_rollout", "train", "train.batch_size",
+        "rewards", "rollout", "train.rollouts", "train.epochs_per_rollout", "train.batch_size", "train",
     ]
     text = "\n".join(found)
     assert "rewards: not used by algorithm sft (it trains on data.path); remove the section" in text

@@ -158,13 +158,13 @@ def test_sizes_must_be_positive_integers():
     assert "rollout.samples_per_prompt must be an integer >= 1, got 0" in _error(samples_per_prompt=0)
     assert "rollout.prompts_per_rollout must be an integer >= 1, got 2.0" in _error(prompts_per_rollout=2.0)
     assert "--num-processes" in _error(world_size=0)
-    assert "train.rollouts must be an integer >= 1" in _error(rollouts=0)
-    assert "train.dataset_epochs must be a number > 0" in _error(rollouts=None, dataset_epochs=0, num_prompts=5)
+    assert "train.rollouts: must be an integer >= 1" in _error(rollouts=0)
+    assert "train.dataset_epochs: must be a number > 0" in _error(rollouts=None, dataset_epochs=0, num_prompts=5)
 
 
 def test_warmup_problems():
     assert "not both" in _error(warmup_steps=2, warmup_ratio=0.1)
-    assert "train.warmup_ratio must be a number in [0, 1)" in _error(warmup_ratio=1.0)
+    assert "train.warmup_ratio: must be a number in [0, 1)" in _error(warmup_ratio=1.0)
     # 10 rollouts * 1 * 1 = 10 steps.
     message = _error(warmup_steps=11)
     assert "train.warmup_steps=11 exceeds the 10 optimizer steps" in message
@@ -174,10 +174,10 @@ def test_warmup_problems():
 def test_all_problems_are_reported_at_once():
     with pytest.raises(PlanError) as info:
         make_plan(prompts_per_rollout=16, samples_per_prompt=4, minibatches_per_epoch=3, micro_batch_size=1,
-                  rollouts=10, warmup_steps=2, warmup_ratio=0.5)
+                  rollouts=10, warmup_steps=31)
     assert len(info.value.problems) == 2
     assert "train.minibatches_per_epoch=3" in info.value.problems[0]
-    assert "not both" in info.value.problems[1]
+    assert "train.warmup_steps=31 exceeds the 30 optimizer steps" in info.value.problems[1]
 
 
 PLAN_JSON_KEYS = [  # DESIGN.md §5, in its order
@@ -276,7 +276,8 @@ def test_offline_plan_problems_name_keys_and_valid_values():
     with pytest.raises(PlanError) as info:
         make_offline_plan(batch_size=4, micro_batch_size=1, max_steps=2, dataset_epochs=1.0, num_examples=4,
                           warmup_steps=1, warmup_ratio=0.5)
-    assert [p.split(" ")[0] for p in info.value.problems] == ["set", "set"]  # length and warmup both named
+    assert [p.split(":")[0] for p in info.value.problems] == ["train", "train.warmup_steps"]  # length and warmup
+    assert all(" set " in p for p in info.value.problems)
     with pytest.raises(PlanError, match=r"gives floor\(0.5\*3/4\) = 0 optimizer steps"):
         make_offline_plan(batch_size=4, micro_batch_size=1, dataset_epochs=0.5, num_examples=3, drop_last=True)
     with pytest.raises(PlanError, match="needs the dataset size N"):

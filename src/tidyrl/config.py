@@ -18,16 +18,26 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
+from tidyrl.algorithms.choices import (DPO_LOSS_TYPES, GRPO_SCALES, KL_ESTIMATORS, LABEL_SMOOTHING_LOSS_TYPES,
+                                      LOSS_AGGREGATIONS, REFERENCE_FREE_LOSS_TYPES, SFT_LOSS_AGGREGATIONS)
 from tidyrl.algorithms.table import ALGORITHMS as RL_TABLE
 from tidyrl.algorithms.table import POLICY_LOSSES
 
 RL_ALGORITHMS = tuple(RL_TABLE)
 """On-policy RL stages (tidyrl.loops.rl; the algorithm table): they generate, so they need `rollout` and `rewards`."""
-OFFLINE_ALGORITHMS = ("sft", "reward", "dpo", "kto")
-"""Stages that train on a fixed dataset (docs/stages.md): length in train.dataset_epochs or train.max_steps,
-optimizer batch train.batch_size; no rollout, no rewards."""
+OFFLINE_STAGES = {
+    "sft": "supervised fine-tuning on prompt/completion or messages",
+    "reward": "reward-model training on prompt/chosen/rejected pairs",
+    "dpo": "direct preference optimisation on prompt/chosen/rejected pairs (also IPO, robust DPO, SimPO, ORPO)",
+    "kto": "KTO on unpaired prompt/completion/label examples (Ethayarajh et al. 2024)",
+}
+"""Stages that train on a fixed dataset (docs/stages.md), each with its one line for help and docs: length in
+train.dataset_epochs or train.max_steps, optimizer batch train.batch_size; no rollout, no rewards."""
+OFFLINE_ALGORITHMS = tuple(OFFLINE_STAGES)
 ALGORITHMS = RL_ALGORITHMS + OFFLINE_ALGORITHMS
 """Algorithms this version can train."""
+SUMMARIES = {**{name: a.summary for name, a in RL_TABLE.items()}, **OFFLINE_STAGES}
+"""Every algorithm's one line (`tidyrl --help`): the algorithm table's summaries, then the offline stages'."""
 
 
 @dataclass
@@ -206,6 +216,39 @@ class RolloutConfig:
                  f"{self.on_sampling_cap!r} is not fill or error")
 
 
+def length_problems(length_key: str, length, dataset_epochs, warmup_steps, warmup_ratio) -> list[tuple[str, str]]:
+    """The run's length and warm-up, checked here for the config (`TrainConfig.check`) and for the plan
+    (`tidyrl.plan.make_plan` and `make_offline_plan`, which take them as plain values of any type): exactly one
+    of train.<length_key> (rollouts, or max_steps for an offline stage) and train.dataset_epochs, the one set
+    above 0; train.warmup_steps or train.warmup_ratio, not both. (key, problem) pairs; none when all hold."""
+
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def is_number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    problems = []
+    if (length is None) == (dataset_epochs is None):
+        problems.append(("train", f"set exactly one of train.{length_key} and train.dataset_epochs "
+                                  f"(got {length_key}={length!r}, dataset_epochs={dataset_epochs!r})"))
+    if length is not None and (not is_int(length) or length < 1):
+        problems.append((f"train.{length_key}", f"must be an integer >= 1, got {length!r}"))
+    if dataset_epochs is not None and not (is_number(dataset_epochs) and math.isfinite(dataset_epochs)
+                                           and dataset_epochs > 0):
+        problems.append(("train.dataset_epochs", f"must be a number > 0, got {dataset_epochs!r}"))
+    steps_ok = is_int(warmup_steps) and warmup_steps >= 0
+    ratio_ok = is_number(warmup_ratio) and 0 <= warmup_ratio < 1
+    if not steps_ok:
+        problems.append(("train.warmup_steps", f"must be an integer >= 0, got {warmup_steps!r}"))
+    if not ratio_ok:
+        problems.append(("train.warmup_ratio", f"must be a number in [0, 1), got {warmup_ratio!r}"))
+    if steps_ok and ratio_ok and warmup_steps > 0 and warmup_ratio > 0:
+        problems.append(("train.warmup_steps",
+                         f"set train.warmup_steps ({warmup_steps}) or train.warmup_ratio ({warmup_ratio}), not both"))
+    return problems
+
+
 @dataclass
 class TrainConfig:
     rollouts: Optional[int] = None
@@ -254,12 +297,10 @@ class TrainConfig:
 
     def check(self, need, cfg: "Config") -> None:
         offline = cfg.algorithm in OFFLINE_ALGORITHMS
-        if not offline and (self.rollouts is None) == (self.dataset_epochs is None):
-            need(False, "train", "set exactly one of train.rollouts and train.dataset_epochs "
-                                 f"(got rollouts={self.rollouts}, dataset_epochs={self.dataset_epochs})")
-        need(self.rollouts is None or self.rollouts >= 1, "train.rollouts", f"must be >= 1, got {self.rollouts}")
-        need(self.dataset_epochs is None or (math.isfinite(self.dataset_epochs) and self.dataset_epochs > 0),
-             "train.dataset_epochs", f"must be a number > 0, got {self.dataset_epochs}")
+        length = "max_steps" if offline else "rollouts"
+        for key, problem in length_problems(length, getattr(self, length), self.dataset_epochs, self.warmup_steps,
+                                            self.warmup_ratio):
+            need(False, key, problem)
         for name in ("batch_size", "max_steps"):
             need(offline or getattr(self, name) is None, f"train.{name}",
                  f"only for sft, reward, dpo and kto; {cfg.algorithm} steps once per mini-batch of a rollout "
@@ -267,10 +308,6 @@ class TrainConfig:
         for name in ("epochs_per_rollout", "minibatches_per_epoch", "micro_batch_size"):
             need(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         need(self.learning_rate >= 0, "train.learning_rate", f"must be >= 0, got {self.learning_rate}")
-        need(self.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        need(0 <= self.warmup_ratio < 1, "train.warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
-        need(not (self.warmup_steps > 0 and self.warmup_ratio > 0), "train.warmup_steps",
-             f"set train.warmup_steps ({self.warmup_steps}) or train.warmup_ratio ({self.warmup_ratio}), not both")
         need(self.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}")
         need(0 <= self.adam_beta1 < 1, "train.adam_beta1", f"must be in [0, 1), got {self.adam_beta1}")
         need(0 <= self.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {self.adam_beta2}")
@@ -370,8 +407,8 @@ class GRPOConfig(PolicyLossConfig):
 
     def check(self, need, cfg: "Config") -> None:
         super().check(need, cfg)
-        need(self.scale_rewards in SCALE_REWARDS, "grpo.scale_rewards",
-             f"{self.scale_rewards!r} is not one of {', '.join(SCALE_REWARDS)}")
+        need(self.scale_rewards in GRPO_SCALES, "grpo.scale_rewards",
+             f"{self.scale_rewards!r} is not one of {', '.join(GRPO_SCALES)}")
 
 
 @dataclass
@@ -673,9 +710,6 @@ class Config:
 # --------------------------------------------------------------------------
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")
-LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-SCALE_REWARDS = ("group", "batch", "none")
 
 # Names transformers.get_scheduler knows but tidyrl cannot drive: it steps the
 # schedule once per optimizer step with no metric, and has no field for
@@ -711,6 +745,13 @@ reinforce_pp, cispo reads grpo); every other algorithm has its own."""
 def algorithm_section(cfg: "Config"):
     """The options section of `cfg.algorithm` (e.g. cfg.grpo; cfg.reinforce_pp for reinforce_pp_baseline)."""
     return getattr(cfg, ALGORITHM_SECTIONS.get(cfg.algorithm, cfg.algorithm))
+
+
+def packs_rows(cfg: "Config") -> bool:
+    """Whether the stage packs several examples into each row of data.max_length tokens: its section's `packing`
+    option (sft.packing; the other sections have none). Its batches then count packed rows, and the model must
+    keep a row's examples apart."""
+    return bool(getattr(algorithm_section(cfg), "packing", False))
 
 
 class ConfigError(ValueError):
@@ -930,10 +971,6 @@ EVAL_METRICS = {
 """The metrics an evaluation during training writes, by stage (RL stages add eval/reward/<name> per reward):
 what log.best_metric may name."""
 
-SFT_LOSS_AGGREGATIONS = ("token_mean", "sequence_mean")
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust")
-REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")
-
 
 def _validate_offline(cfg: Config, need) -> None:
     """The checks of sft, reward, dpo and kto (docs/stages.md): the RL-only sections must be unused, the length is
@@ -948,10 +985,6 @@ def _validate_offline(cfg: Config, need) -> None:
     for name in ("epochs_per_rollout", "minibatches_per_epoch"):
         need(getattr(t, name) == 1, f"train.{name}",
              f"only for RL stages; {a} takes one optimizer step per train.batch_size examples; remove it")
-    if (t.max_steps is None) == (t.dataset_epochs is None):
-        need(False, "train", f"set exactly one of train.max_steps and train.dataset_epochs "
-                             f"(got max_steps={t.max_steps}, dataset_epochs={t.dataset_epochs})")
-    need(t.max_steps is None or t.max_steps >= 1, "train.max_steps", f"must be >= 1, got {t.max_steps}")
     need(t.batch_size is not None, "train.batch_size",
          f"set the global number of {'pairs' if a in ('reward', 'dpo') else 'examples'} per optimizer step, e.g. 32")
     need(t.batch_size is None or t.batch_size >= 1, "train.batch_size", f"must be >= 1, got {t.batch_size}")
@@ -979,8 +1012,8 @@ def _validate_offline(cfg: Config, need) -> None:
         need(p.orpo_lambda >= 0 and math.isfinite(p.orpo_lambda), "dpo.orpo_lambda",
              f"must be a number >= 0, got {p.orpo_lambda}")
         need(0 <= p.label_smoothing < 0.5, "dpo.label_smoothing", f"must be in [0, 0.5), got {p.label_smoothing}")
-        need(p.label_smoothing == 0 or p.loss_type in ("sigmoid", "robust"), "dpo.label_smoothing",
-             f"only with dpo.loss_type=sigmoid or robust; set it to 0 for {p.loss_type}")
+        need(p.label_smoothing == 0 or p.loss_type in LABEL_SMOOTHING_LOSS_TYPES, "dpo.label_smoothing",
+             f"only with dpo.loss_type={' or '.join(LABEL_SMOOTHING_LOSS_TYPES)}; set it to 0 for {p.loss_type}")
     if a == "kto":
         k = cfg.kto
         for name in ("beta", "desirable_weight", "undesirable_weight"):

@@ -112,26 +112,19 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _exact(x) -> Fraction:
     """The decimal the user wrote, exactly: 0.1 -> 1/10 (not 3602879701896397/2**55)."""
     return Fraction(str(x)) if isinstance(x, float) else Fraction(x)
 
 
-def _length_and_warmup_problems(dataset_epochs, warmup_steps, warmup_ratio, drop_last) -> list[str]:
-    """Range checks every plan shares (RL and offline)."""
-    problems = []
-    if dataset_epochs is not None and (
-        not _is_number(dataset_epochs) or not math.isfinite(dataset_epochs) or dataset_epochs <= 0
-    ):
-        problems.append(f"train.dataset_epochs must be a number > 0, got {dataset_epochs!r}")
-    if not _is_int(warmup_steps) or warmup_steps < 0:
-        problems.append(f"train.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    if not _is_number(warmup_ratio) or not 0 <= warmup_ratio < 1:
-        problems.append(f"train.warmup_ratio must be a number in [0, 1), got {warmup_ratio!r}")
+def _length_and_warmup_problems(length_key: str, length, dataset_epochs, warmup_steps, warmup_ratio,
+                                drop_last) -> list[str]:
+    """The length and warm-up checks every plan shares (RL and offline): the config's own
+    (`tidyrl.config.length_problems`), and train.drop_last's type, which the config checks with every type."""
+    from tidyrl.config import length_problems  # config imports no torch either
+
+    problems = [f"{key}: {problem}"
+                for key, problem in length_problems(length_key, length, dataset_epochs, warmup_steps, warmup_ratio)]
     if not isinstance(drop_last, bool):
         problems.append(f"train.drop_last must be true or false, got {drop_last!r}")
     return problems
@@ -139,9 +132,7 @@ def _length_and_warmup_problems(dataset_epochs, warmup_steps, warmup_ratio, drop
 
 def _warmup(warmup_steps: int, warmup_ratio: float, total_steps: int | None, how: str, problems: list[str]) -> int:
     """The warmup in optimizer steps: given, or ceil(ratio * total) as transformers does, but on the exact
-    decimal. Appends a problem when both are set or the warmup is longer than the run."""
-    if warmup_steps > 0 and warmup_ratio > 0:
-        problems.append(f"set train.warmup_steps ({warmup_steps}) or train.warmup_ratio ({warmup_ratio}), not both")
+    decimal. Appends a problem when the warmup is longer than the run."""
     if total_steps is not None:
         if warmup_ratio > 0:
             warmup_steps = math.ceil(_exact(warmup_ratio) * total_steps)
@@ -193,22 +184,16 @@ def make_plan(
     for key, value in sizes.items():
         if not _is_int(value) or value < 1:
             problems.append(f"{key} must be an integer >= 1, got {value!r}")
-    if rollouts is not None and (not _is_int(rollouts) or rollouts < 1):
-        problems.append(f"train.rollouts must be an integer >= 1, got {rollouts!r}")
     if num_prompts is not None and (not _is_int(num_prompts) or num_prompts < 1):
         problems.append(f"the prompt set must hold at least one prompt, got num_prompts={num_prompts!r}")
-    problems += _length_and_warmup_problems(dataset_epochs, warmup_steps, warmup_ratio, drop_last)
+    problems += _length_and_warmup_problems("rollouts", rollouts, dataset_epochs, warmup_steps, warmup_ratio,
+                                            drop_last)
     if problems:
         raise PlanError(problems)
 
-    # 2. Length of training.
+    # 2. Length of training (exactly one of rollouts and dataset_epochs is set: checked above).
     R = P * k
-    if (rollouts is None) == (dataset_epochs is None):
-        problems.append(
-            "set exactly one of train.rollouts and train.dataset_epochs "
-            f"(got rollouts={rollouts!r}, dataset_epochs={dataset_epochs!r})"
-        )
-    elif dataset_epochs is not None:
+    if dataset_epochs is not None:
         if num_prompts is None:
             problems.append(
                 f"train.dataset_epochs={dataset_epochs} needs the prompt set size N to count rollouts; "
@@ -394,20 +379,17 @@ def make_offline_plan(
     for key, value in {"train.batch_size": B, "train.micro_batch_size": m, "--num-processes (world size)": W}.items():
         if not _is_int(value) or value < 1:
             problems.append(f"{key} must be an integer >= 1, got {value!r}")
-    if max_steps is not None and (not _is_int(max_steps) or max_steps < 1):
-        problems.append(f"train.max_steps must be an integer >= 1, got {max_steps!r}")
     if num_examples is not None and (not _is_int(num_examples) or num_examples < 1):
         problems.append(f"the dataset must hold at least one example, got num_examples={num_examples!r}")
-    problems += _length_and_warmup_problems(dataset_epochs, warmup_steps, warmup_ratio, drop_last)
+    problems += _length_and_warmup_problems("max_steps", max_steps, dataset_epochs, warmup_steps, warmup_ratio,
+                                            drop_last)
     if problems:
         raise PlanError(problems)
 
-    # Length of training, on the exact decimal the user wrote (0.1 epochs of 30 examples at B=1 is 3 steps).
+    # Length of training (exactly one of max_steps and dataset_epochs is set: checked above), on the exact
+    # decimal the user wrote (0.1 epochs of 30 examples at B=1 is 3 steps).
     steps = max_steps
-    if (max_steps is None) == (dataset_epochs is None):
-        problems.append("set exactly one of train.max_steps and train.dataset_epochs "
-                        f"(got max_steps={max_steps!r}, dataset_epochs={dataset_epochs!r})")
-    elif dataset_epochs is not None:
+    if dataset_epochs is not None:
         if num_examples is None:
             problems.append(f"train.dataset_epochs={dataset_epochs} needs the dataset size N to count optimizer "
                             "steps; load the data first or set train.max_steps instead")
