@@ -1,4 +1,4 @@
-"""code_tests' sandbox under attack (issue 28): completions that try to write outside their scratch folder, read
+"""code_tests' sandbox under attack: completions that try to write outside their scratch folder, read
 the run's files, reach 127.0.0.1, fork without bound, outlive their parent, fill the disk or read the trainer's
 environment are each blocked and score 0, and the run's files are byte-identical afterwards. Where this machine
 cannot sandbox, the attacks skip (with the reason) and the refusal is tested instead: it names what is missing and
@@ -177,19 +177,25 @@ def test_without_the_sandbox_the_same_attacks_go_through(tmp_path, listener):
     assert received == [b"hi"]
 
 
+# What the code finds in the sandbox (run as the completion, from this file's own Python and from a venv under /tmp)
+UNPRIVILEGED_IN_NAMESPACES = (
+    "import os, socket, subprocess\nassert os.getuid() != 0 and os.getgid() != 0\n"
+    f"assert os.getcwd() == {sandbox.SCRATCH!r}, os.getcwd()\n"
+    "assert sorted(os.listdir('.')) == ['solution.py', 'tests.py'], os.listdir('.')\n"
+    f"assert not os.path.exists({__file__!r})\n"  # the host's files: not in the view
+    "assert not any(os.path.exists(d) for d in ('/home', '/var', '/run', '/mnt', '/srv'))\n"
+    "assert socket.if_nameindex() == [(1, 'lo')]\n"  # no interface but a loopback of its own
+    "status = open('/proc/self/status').read()\n"
+    "assert 'CapEff:\\t0000000000000000' in status and 'NoNewPrivs:\\t1' in status, status\n"
+    "assert sorted(p for p in os.listdir('/proc') if p.isdigit()) == ['1', str(os.getpid())]\n"
+    "assert subprocess.run(['unshare', '--user', 'true'], stderr=subprocess.DEVNULL).returncode != 0\n"
+    "open('note.txt', 'w').write('the scratch folder is writable')\n"
+    "open('/tmp/note.txt', 'w').write('and so is /tmp')\n")
+
+
 @needs_sandbox
 def test_the_sandbox_runs_as_an_unprivileged_user_in_its_own_namespaces():
-    code = ("import os, socket, subprocess\nassert os.getuid() != 0 and os.getgid() != 0\n"
-            "assert os.getcwd() == '/tmp' and sorted(os.listdir('.')) == ['solution.py', 'tests.py']\n"
-            f"assert not os.path.exists({__file__!r})\n"  # the host's files: not in the view
-            "assert not any(os.path.exists(d) for d in ('/home', '/var', '/run', '/mnt', '/srv'))\n"
-            "assert socket.if_nameindex() == [(1, 'lo')]\n"  # no interface but a loopback of its own
-            "status = open('/proc/self/status').read()\n"
-            "assert 'CapEff:\\t0000000000000000' in status and 'NoNewPrivs:\\t1' in status, status\n"
-            "assert sorted(p for p in os.listdir('/proc') if p.isdigit()) == ['1', str(os.getpid())]\n"
-            "assert subprocess.run(['unshare', '--user', 'true'], stderr=subprocess.DEVNULL).returncode != 0\n"
-            "open('note.txt', 'w').write('the scratch folder is writable')\n")
-    assert run_python_tests(code, "") == (True, "passed")
+    assert run_python_tests(UNPRIVILEGED_IN_NAMESPACES, "") == (True, "passed")
 
 
 def _sandbox_says(monkeypatch, *, path=None, platform=None):
@@ -336,8 +342,10 @@ def test_tidyrl_eval_refuses_before_it_generates_where_code_cannot_be_sandboxed(
 
 @needs_sandbox
 def test_a_python_installed_under_tmp_is_seen_over_the_sandboxs_fresh_tmp(tmp_path):
-    """A venv under /tmp (pytest's tmp_path is there): the sandbox's /tmp is a fresh tmpfs, which would hide that
-    Python; its folders are bound again over it, read-only, and the scratch stays writable and empty of the host's."""
+    """A venv under /tmp (pytest's tmp_path is there, and so is many a user's first checkout): the sandbox's /tmp
+    is a fresh tmpfs, which would hide that Python; its folders are bound again over it, read-only, and the
+    working directory, a path of the sandbox's own, stays writable and holds only what the sandbox put there. The
+    completion's checks of the sandbox pass from that venv as from this one."""
     import venv
 
     if not str(tmp_path).startswith("/tmp/"):
@@ -352,9 +360,12 @@ def test_a_python_installed_under_tmp_is_seen_over_the_sandboxs_fresh_tmp(tmp_pa
              "        'except OSError:\\n    pass\\n'\n"
              "        'import sys\\nprint(\"sandboxed\", sys.prefix)')\n"
              "done = subprocess.run(command([sys.executable, '-I', '-c', 'import sys\\n' + code]), capture_output=True,"
-             " text=True)\nprint(done.stdout, done.stderr)\nassert done.returncode == 0\n")
+             " text=True)\nprint(done.stdout, done.stderr)\nassert done.returncode == 0\n"
+             "from tidyrl.rewards.verifiable import run_python_tests\n"
+             f"print('in namespaces', run_python_tests({UNPRIVILEGED_IN_NAMESPACES!r}, ''))\n")
     src = Path(sandbox.__file__).resolve().parents[2]
     done = subprocess.run([str(env_dir / "bin" / "python"), "-c", probe], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(src)}, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"sandboxed {env_dir}" in done.stdout
+    assert "in namespaces (True, 'passed')" in done.stdout, done.stdout

@@ -10,8 +10,10 @@ What a sandboxed command gets:
 - its own mount namespace with a read-only view of the system (/usr, /etc, /bin, /lib...) and of the Python
   installation (sys.prefix, sys.base_prefix), nothing else of the host's file system (no /home, /root, /work,
   /tmp, /var, /run: the run's output directory and the user's files are not there to read), a fresh /proc of its
-  own PID namespace, a minimal read-only /dev, and a writable /tmp (its working directory) that is a tmpfs of
-  `tmp_bytes` (a full disk is its own, and it vanishes with the sandbox);
+  own PID namespace, a minimal read-only /dev, and two writable tmpfs of `tmp_bytes` each (a full disk is its
+  own, and they vanish with the sandbox): its working directory `SCRATCH`, a path of the sandbox's own that holds
+  only what the sandbox puts there, and /tmp. A Python installed under /tmp (a venv there) is bound again over
+  the fresh /tmp, read-only, at its own path: it shows in /tmp, never in the working directory;
 - its own PID namespace: when the command ends, the kernel kills every process left in it (a fork bomb, a
   daemon that double-forked); bwrap's --die-with-parent kills it if the trainer dies;
 - its own user, IPC, UTS and cgroup namespaces, no capabilities, no further user namespaces (--disable-userns:
@@ -33,6 +35,9 @@ from typing import Optional
 
 NOBODY = 65534
 """The unprivileged uid/gid a root trainer's sandboxes run as (Debian's nobody/nogroup)."""
+SCRATCH = "/sandbox"
+"""The working directory inside the sandbox: a tmpfs at a path of the sandbox's own, not the host's /tmp, where
+a checkout and its venv often live."""
 
 
 def _python_dirs() -> list[str]:
@@ -73,21 +78,23 @@ _NAMESPACES = ["--unshare-user", "--disable-userns", "--unshare-ipc", "--unshare
 
 def command(argv: list[str], tmp_bytes: int = 64 * 2**20) -> list[str]:
     """The command line that runs `argv` (an interpreter of the view, e.g. sys.executable) in the sandbox, its
-    working directory a fresh tmpfs /tmp of `tmp_bytes`. Check `problem()` first."""
+    working directory `SCRATCH`, a fresh tmpfs of `tmp_bytes` (and /tmp another). Check `problem()` first."""
     bwrap = shutil.which("bwrap")
-    inner = ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",  # /dev/shm would be an unbounded tmpfs
-             "--size", str(int(tmp_bytes)), "--tmpfs", "/tmp"]
-    for path in _python_dirs():  # a Python installed under /tmp (a venv there): bound again over the fresh /tmp
-        if path.startswith("/tmp/"):
-            inner += ["--ro-bind", path, path]
-    inner += ["--chdir", "/tmp"]
+    inner = ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]  # /dev/shm would be an unbounded tmpfs
+    for top in ("/tmp", SCRATCH):
+        inner += ["--size", str(int(tmp_bytes)), "--tmpfs", top]
+        for path in _python_dirs():  # a Python installed under it (a venv under /tmp): bound again over the tmpfs
+            if path.startswith(top + "/"):
+                inner += ["--ro-bind", path, path]
+    inner += ["--chdir", SCRATCH]
     if os.geteuid() != 0:  # unprivileged already: one bwrap, which makes its user namespace itself
         return [bwrap, *_NAMESPACES, *_view(), *inner, *argv]
     # root: build the view as root (it can read a Python under /root), drop to nobody, sandbox from there. The
     # outer bwrap only makes a mount namespace; /proc is the host's for the inner bwrap's sake (the kernel lets a
     # user namespace mount a new proc only where a full one is visible), then hidden under the sandbox's own.
     setpriv = shutil.which("setpriv")
-    return [bwrap, "--die-with-parent", *_view(), "--dir", "/tmp", "--bind", "/proc", "/proc", "--dev", "/dev",
+    return [bwrap, "--die-with-parent", *_view(), "--dir", "/tmp", "--dir", SCRATCH, "--bind", "/proc", "/proc",
+            "--dev", "/dev",
             setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
             bwrap, *_NAMESPACES, "--ro-bind", "/", "/", *inner, *argv]
 

@@ -223,9 +223,9 @@ def run_python_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: i
     job = json.dumps({"token": token, "solution.py": code, "tests.py": tests or ""}).encode()
     limits = [str(memory_mb * 2**20), str(int(timeout_s) + 1), str(file_mb * 2**20), str(int(sandbox))]
     argv = [sys.executable, "-I", "-c", _RUNNER, *limits]
-    # Outside the sandbox the scratch folder is a host folder, deleted afterwards; inside, it is the sandbox's /tmp.
+    # Outside the sandbox the scratch folder is a host folder, deleted afterwards; inside, the sandbox's own.
     scratch = None if sandbox else tempfile.mkdtemp(prefix="tidyrl-code-")
-    home = "/tmp" if sandbox else scratch
+    home = sandbox_module.SCRATCH if sandbox else scratch
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1"}  # no proxies, tokens or the parent's PYTHONPATH
     if sandbox:
