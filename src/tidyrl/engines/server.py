@@ -37,7 +37,6 @@ from typing import Optional, Sequence
 
 from tidyrl.engines.base import Capabilities, EngineError, SamplingSettings
 
-WEIGHT_SYNC_ROUTES = ("folder", "nccl")
 PROBE_TIMEOUT_S = 5.0
 """Seconds each server may take to answer the checks before a run (`input_problems`)."""
 PROBE_TEXT = "tidyrl probe: The quick brown fox, 0123456789 <>!?"
@@ -354,8 +353,6 @@ def config_problems(cfg) -> list[str]:
     if not s.urls:
         problems.append("server.urls: rollout.engine: vllm-server needs at least one vLLM server, e.g. "
                         "server.urls: [http://127.0.0.1:8000] (docs/engines.md says how to start one)")
-    if s.weight_sync == "nccl":
-        problems.append("server.weight_sync: nccl is not available yet: use folder")
     # A temperature needs the servers' log-probs at it (checked on each server before the run: `input_problems`);
     # after top-k/top-p they would be renormalised over the kept tokens, unlike the trainer's (with rollout.lag the
     # frozen copy that generated them recomputes them).
