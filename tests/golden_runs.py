@@ -216,7 +216,8 @@ def run_golden(name: str, folder: Path) -> dict:
         rows, samples = [], []
         for greedy in (False, True):
             result = evaluate(cfg, greedy=greedy, num_prompts=5, output_dir=folder / f"eval-{greedy}", quiet=True)
-            rows.append({k: v for k, v in result.summary.items() if k not in ("time", "model", "data")})
+            # (what produced it: versions and paths, which differ between machines and folders)
+            rows.append({k: v for k, v in result.summary.items() if k not in ("time", "model", "data", "produced_by")})
             samples += result.samples
         return {"metrics": rows, "samples": samples, "weights": {}}
     result = tidyrl.train(cfg)

@@ -161,6 +161,76 @@ def test_rl_eval_during_training_scores_held_out_prompts_as_tidyrl_eval_does(tin
     assert summary["n"] == 3
     assert last["eval/reward_mean"] == pytest.approx(summary["reward_mean"], abs=1e-9)
     assert last["eval/completion_length_mean"] == pytest.approx(summary["completion_length_mean"])
+    # And `tidyrl eval` of the run's own config: the held-out prompts by default, greedy as log.eval_decoding says.
+    assert main(["eval", str(tmp_path / "run" / "config.yaml"), "--model", str(result.final_dir), "--output-dir",
+                 str(tmp_path / "default")]) == 0
+    default = json.loads((tmp_path / "default" / "eval.json").read_text())
+    assert (default["n"], default["settings"]["greedy"], default["reward_mean"]) == (3, True, last["eval/reward_mean"])
     best = json.loads((tmp_path / "run" / "best.json").read_text())
     assert best["metric"] == "eval/reward_mean" and best["step"] in (2, 3)
     assert f"eval/reward_mean: {last['eval/reward_mean']:.4f} (held-out prompts, after the last step)" in printed
+
+
+TOOL_ENV = '''
+from tidyrl.environments import ToolEnvironment
+
+
+def capital(country: str) -> str:
+    """The capital of a country.
+
+    Args:
+        country: the country's name
+    """
+    return {"Borduria": "Szohod"}.get(country, "unknown")
+
+
+class Capitals(ToolEnvironment):
+    """A turn without a tool call is the answer: scored by its vowels."""
+
+    tools = (capital,)
+
+    def reward(self, messages):
+        return sum(c in "aeiou" for c in messages[-1]["content"]) / 10
+'''
+
+
+def test_tidyrl_eval_of_a_multiturn_tool_run_gives_its_last_eval_metrics(tmp_path, capsys):
+    """A multi-turn run with a tool environment and no reward function (the environment's reward only), its
+    held-out prompts evaluated during training: `tidyrl eval <run>/config.yaml --model <run>/final` evaluates the
+    same held-out prompts through the same producer, environment and tools, and writes the run's last eval/*
+    numbers, exactly; eval.json says what produced it."""
+    (tmp_path / "envs.py").write_text(TOOL_ENV)
+    assert main(["tiny", str(tmp_path / "model"), "--tokenizer", "bytes", "--hidden-size", "32"]) == 0
+    words = ["Borduria", "Syldavia", "Ruritania", "Elbonia", "Freedonia", "Latveria", "Genovia", "Zubrowka"]
+    (tmp_path / "prompts.jsonl").write_text("".join(
+        json.dumps({"prompt": f"The capital of {w}?", "country": w}) + "\n" for w in words))
+    cfg = {
+        "algorithm": "grpo", "model": str(tmp_path / "model"), "output_dir": str(tmp_path / "run"), "seed": 3,
+        "data": {"path": str(tmp_path / "prompts.jsonl"), "eval_fraction": 0.25},
+        "environment": {"factory": f"{tmp_path / 'envs.py'}:Capitals", "max_turns": 3, "max_turn_tokens": 6},
+        "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 300},
+        "train": {"rollouts": 2, "learning_rate": 1e-2, "micro_batch_size": 4},
+        "log": {"progress_bar": False, "eval_every": 2, "eval_decoding": "sampled"},
+    }
+    result = tidyrl.train(cfg)
+    last = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert last["eval/reward_mean"] == pytest.approx(last["eval/reward/env"]) and last["eval/reward_mean"] > 0
+    capsys.readouterr()
+
+    out = tmp_path / "evaluated"
+    assert main(["eval", str(tmp_path / "run" / "config.yaml"), "--model", str(result.final_dir),
+                 "--output-dir", str(out)]) == 0
+    summary = json.loads((out / "eval.json").read_text())
+    assert (summary["num_prompts"], summary["samples_per_prompt"], summary["n"]) == (2, 2, 4)  # 2 of 8 held out
+    assert summary["data"] == "held out: data.eval_fraction = 0.25"
+    assert summary["reward_mean"] == last["eval/reward_mean"]
+    assert summary["rewards"] == {"reward/env": last["eval/reward/env"]}
+    assert summary["completion_length_mean"] == last["eval/completion_length_mean"]
+    assert summary["truncated_fraction"] == last["eval/truncated_fraction"]
+    assert summary["produced_by"]["engine"] == "builtin" and summary["produced_by"]["model"] == str(result.final_dir)
+    assert summary["produced_by"]["versions"]["tidyrl"] == tidyrl.__version__
+    samples = read_jsonl(out / "eval_samples.jsonl")
+    assert len(samples) == 4 and all(s["rewards"]["env"] == s["reward"] for s in samples)
+    assert sum(s["reward"] for s in samples) / 4 == pytest.approx(summary["reward_mean"])
+    assert all("<tools>" not in s["completion"] and s["completion"] for s in samples)
+    assert "reward/env" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""`tidyrl eval`: generate on a prompt set with one model and score it with the configured rewards.
+"""`tidyrl eval`: the learner's held-out evaluation, run alone, on one model.
 
 Run it on the starting model and on a run's `final/` (or a `checkpoint-N/`) with the same settings to
 see what training changed:
@@ -7,22 +7,29 @@ see what training changed:
     tidyrl eval grpo.yaml --model runs/my-run/final         # the trained model, same prompts and keys
     tidyrl eval runs/my-run/final --data test.jsonl --reward my_rewards.py:exact_match --greedy
 
+It is built from the learner's own parts: the input checks (`loops.rl_inputs.check_eval_inputs`), the producer of
+the episodes (`make_producer`: every engine, servers, environments and tools, multi-turn) and the held-out
+evaluation (`loops.rl_rollout.evaluate_held_out`). So a run's `eval/*` metrics of its last step and `tidyrl eval`
+of its `final/` give the same numbers.
+
 What is evaluated:
-- prompts: the first `num_prompts` rows of `data.path`, in file order (default 64; None = all). Point
-  `--data` at a held-out file to measure generalisation rather than the training prompts.
-- completions: `samples_per_prompt` per prompt (default: the config's rollout.samples_per_prompt, so
-  the mean is comparable to training's `reward_mean`), drawn with the config's rollout settings
-  (max_new_tokens, temperature, top_p, top_k, ...). Sampling is keyed by (seed, sample index) as in
-  training, so two models are compared on the same random numbers, which lowers the noise of the
+- prompts: the config's held-out prompts (data.eval_path, or data.eval_fraction of data.path: those training
+  evaluates), all of them; without a held-out set, the first 64 rows of data.path in file order; `--data`
+  replaces either (its first `num_prompts` rows). `num_prompts` (None = all) cuts any of them.
+- completions: on the held-out prompts, as training evaluates them (log.eval_decoding: greedy, one per prompt;
+  sampled, rollout.samples_per_prompt); elsewhere `samples_per_prompt` sampled ones (default: the config's
+  rollout.samples_per_prompt, so the mean is comparable to training's `reward_mean`), drawn with the rollout
+  settings (max_new_tokens, temperature, top_p, top_k, ...). Sampling is keyed by (seed, evaluation slot,
+  episode) as in training, so two models are compared on the same random numbers, which lowers the noise of the
   difference. `greedy` takes the most likely token at every step (top_k = 1) and one sample per prompt.
-- scores: the config's reward functions, raw per function and as the weighted total.
+- scores: the config's reward functions, raw per function and as the weighted total, plus the environment's
+  reward (weight 1) with an environment. A reward with `normalize: true` is reported raw (see
+  `normalize_not_applied` in eval.json).
 
-- normalize: a reward with `normalize: true` is reported raw (see `normalize_not_applied` in eval.json).
-
-Writes eval.json (the means and the settings) and eval_samples.jsonl (every sample) into `output_dir`,
-by default a folder `eval-<model folder name>` beside the model, or, for a model inside a run's folder, beside
-the run (runs/my-run/final -> runs/my-run-eval-final), numbered (-2, ...) when an earlier evaluation is there:
-none is ever replaced, and a run's folder gets nothing added.
+Writes eval.json (the means, the settings and what produced them) and eval_samples.jsonl (every sample) into
+`output_dir`, by default a folder `eval-<model folder name>` beside the model, or, for a model inside a run's
+folder, beside the run (runs/my-run/final -> runs/my-run-eval-final), numbered (-2, ...) when an earlier
+evaluation is there: none is ever replaced, and a run's folder gets nothing added.
 """
 
 from __future__ import annotations
@@ -30,15 +37,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from tidyrl.rollouts.producer import EVAL_SLOT
-
-EVAL_ROLLOUT = EVAL_SLOT
-"""The rollout slot of the sampling keys (models.generation.sample_seed): training uses 0, 1, ...; eval its own."""
+DEFAULT_PROMPTS = -1
+"""`num_prompts`' default: every held-out prompt of the config, else the first 64 of data.path."""
 
 
 class EvalError(ValueError):
@@ -111,125 +115,136 @@ def default_output_dir(model: str) -> Path:
 
 
 def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = None, rewards: Sequence = (),
-             overrides: Sequence[str] = (), num_prompts: Optional[int] = 64,
-             samples_per_prompt: Optional[int] = None, greedy: bool = False, seed: Optional[int] = None,
+             overrides: Sequence[str] = (), num_prompts: Optional[int] = DEFAULT_PROMPTS,
+             samples_per_prompt: Optional[int] = None, greedy: Optional[bool] = None, seed: Optional[int] = None,
              output_dir: Optional[str | Path] = None, print_samples: int = 3, quiet: bool = False) -> EvalResult:
     """Evaluate one model; see the module docstring. Returns the summary written to eval.json."""
-    import torch
-
-    from tidyrl.data import encode_prompts, fit_prompts, load_prompt_dataset, load_rl_prompts, other_columns
-    from tidyrl.engines import SamplingSettings, make_engine
-    from tidyrl.models.generation import eos_token_ids, pad_token_id
-    from tidyrl.models.loading import load_causal_lm, load_model_config, load_tokenizer
-    from tidyrl.rewards import build_reward_functions
-    from tidyrl.rewards.functions import rewards_before_run
-    from tidyrl.rollouts.episodes import EpisodeSettings
-    from tidyrl.rollouts.producer import Columns, Producer
+    from tidyrl.loops.common import make_accelerator
+    from tidyrl.loops.rl_inputs import check_eval_inputs
 
     cfg, base_dir = resolve_eval_config(config, model=model, data=data, rewards=rewards, overrides=overrides)
-    ro = cfg.rollout
-    if num_prompts is not None and num_prompts < 1:
+    seed = cfg.seed if seed is None else seed  # the sampling keys' (the held-out prompts stay the config's)
+    if num_prompts is not None and num_prompts != DEFAULT_PROMPTS and num_prompts < 1:
         raise EvalError(f"--num-prompts (num_prompts) must be >= 1, or `all` (None), got {num_prompts}")
-    k = samples_per_prompt if samples_per_prompt is not None else (1 if greedy else ro.samples_per_prompt)
-    if k < 1:
-        raise EvalError(f"--samples-per-prompt (samples_per_prompt) must be >= 1, got {k}")
-    seed = cfg.seed if seed is None else seed
-    top_k = 1 if greedy else ro.top_k
     out = Path(output_dir) if output_dir is not None else default_output_dir(cfg.model)
     if output_dir is not None and (out / "eval.json").exists():
         raise EvalError(f"--output-dir {out} already holds an evaluation (eval.json); choose another folder, or "
                         "leave --output-dir out (then each evaluation gets its own eval-<model>[-N] folder).")
+    held_out = data is None and bool(cfg.data.eval_path or cfg.data.eval_fraction)
+    if num_prompts == DEFAULT_PROMPTS:  # the held-out prompts all, as training evaluates them; else the first 64
+        num_prompts = None if held_out else 64
+    if greedy is None:  # the held-out prompts as training decodes them (log.eval_decoding); else sampled
+        greedy = held_out and cfg.log.eval_decoding == "greedy"
+    k = samples_per_prompt if samples_per_prompt is not None else (1 if greedy else cfg.rollout.samples_per_prompt)
+    if k < 1:
+        raise EvalError(f"--samples-per-prompt (samples_per_prompt) must be >= 1, got {k}")
 
-    # Cheap checks first (data, rewards, tokenizer, prompt lengths), then the weights.
-    dataset = load_rl_prompts(cfg) if data is None else load_prompt_dataset(cfg.data.path, cfg.data.prompt_column,
-                                                                             cfg.data.split)
-    reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir)
-    for line in rewards_before_run(reward_fns):  # e.g. code_tests: refused here when it cannot sandbox
-        if not quiet:
-            print(f"tidyrl eval: {line}")
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
-    n = len(dataset) if num_prompts is None else min(num_prompts, len(dataset))
-    rows = dataset[:n]  # column -> n values
-    prompts = rows[cfg.data.prompt_column]
-    columns = {c: rows[c] for c in other_columns(dataset, cfg.data.prompt_column)}
-    encoded = encode_prompts(prompts, tokenizer)
-    context = getattr(load_model_config(cfg.model), "max_position_embeddings", None)
-    limit = cfg.data.max_prompt_length or (context - ro.max_new_tokens if context else None)
-    if limit is not None and limit < 1:
-        raise EvalError(f"rollout.max_new_tokens={ro.max_new_tokens} leaves no room for a prompt in the model's "
-                         f"context of {context} tokens; lower rollout.max_new_tokens.")
-    if limit is not None:
-        kept, encoded, report = fit_prompts(encoded, limit, cfg.data.overlong_prompts)
-        if report and not quiet:
-            print(f"tidyrl eval: {report}")
-        prompts = [prompts[i] for i in kept]
-        columns = {c: [values[i] for i in kept] for c, values in columns.items()}
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    policy = load_causal_lm(cfg.model, cfg.model_dtype).eval()  # on the host until an engine samples from it
-    eos_ids = eos_token_ids(policy, tokenizer)
-    pad_id = pad_token_id(tokenizer, eos_ids)
-    # The rollout path of training (tidyrl.rollouts), on the configured engine (rollout.engine).
-    engine = make_engine(cfg, policy, device, max(len(p) for p in encoded) + ro.max_new_tokens)
-    if engine.capabilities.samples_trained_weights:  # the builtin engine decodes with the policy itself
-        policy.to(device)
-    # An engine with its own copy (vLLM, servers) gets the weights from the host copy: the GPU holds one copy, the
-    # engine's, not a second one for a model that only hands its weights over.
-    engine.sync(policy)
-    sampling = replace(SamplingSettings.of_rollout(ro, eos_ids, pad_id), top_k=top_k)
-    table = Columns({cfg.data.prompt_column: prompts, **columns})
-    producer = Producer(engine, tokenizer, table, encoded, prompt_column=cfg.data.prompt_column,
-                        columns=list(columns), reward_fns=reward_fns, settings=EpisodeSettings(sampling), seed=seed)
-    # Episode e = p * k + j is sample j of prompt p, as in a training rollout, keyed (seed, EVAL_ROLLOUT, e).
-    episodes = range(len(prompts) * k)
-    t0 = time.perf_counter()
-    made = producer.round(EVAL_ROLLOUT, list(episodes), [e // k for e in episodes])
-    engine.release()
-    t_reward = made.reward_s
-    t_generate = time.perf_counter() - t0 - t_reward
-    lengths = made.completion_lengths
-    truncated = made.episodes.truncated
-    scored = made.scored
-    completions = made.completions
-
-    total = scored.total
-    mean = sum(total) / len(total)
-    std = math.sqrt(sum((x - mean) ** 2 for x in total) / (len(total) - 1)) if len(total) > 1 else 0.0
+    # Everything cheap first, by the learner's own checks (data, environment, rewards, prompt lengths, engine),
+    # then the weights.
+    inputs = check_eval_inputs(cfg, base_dir, data=data, num_prompts=num_prompts)
+    accelerator = make_accelerator(cfg)
+    say = (lambda line: print(f"tidyrl eval: {line}")) if accelerator.is_main_process and not quiet else None
+    for line in filter(None, inputs.report.splitlines()):
+        say and say(line)
+    metrics, episodes = _held_out_evaluation(cfg, inputs, accelerator, k, greedy, seed)
+    prompts = inputs.dataset[cfg.data.prompt_column]
+    totals = [row["reward"] for row in episodes]
+    mean = metrics["eval/reward_mean"]
+    std = math.sqrt(sum((x - mean) ** 2 for x in totals) / (len(totals) - 1)) if len(totals) > 1 else 0.0
+    names = [f.name for f in inputs.reward_fns] + (["env"] if inputs.environment is not None else [])
+    ro = cfg.rollout
     summary = {
         "model": cfg.model,
-        "data": cfg.data.path,
+        "data": inputs.source,
         "num_prompts": len(prompts),
         "samples_per_prompt": k,
-        "n": len(total),
+        "n": len(totals),
         "reward_mean": mean,
         "reward_std": std,
-        "rewards": {f"reward/{name}": value for name, value in scored.means().items()},
-        "weights": {f"reward/{f.name}": f.weight for f in reward_fns},
-        "completion_length_mean": sum(lengths) / len(lengths),
-        "truncated_fraction": float(truncated.float().mean()),
+        "rewards": {f"reward/{name}": metrics[f"eval/reward/{name}"] for name in names},
+        "weights": {f"reward/{f.name}": f.weight for f in inputs.reward_fns}
+        | ({"reward/env": 1.0} if inputs.environment is not None else {}),
+        "completion_length_mean": metrics["eval/completion_length_mean"],
+        "truncated_fraction": metrics["eval/truncated_fraction"],
         # Training normalises a `normalize: true` reward with the moments of its own run, which a model folder
         # does not carry; normalising on this evaluation's own scores would centre them at 0 for every model
         # and hide the difference an evaluation is for. So eval reports raw scores, and says so.
-        "normalize_not_applied": [f"reward/{f.name}" for f, c in zip(reward_fns, cfg.rewards) if c.normalize],
+        "normalize_not_applied": [f"reward/{f.name}" for f, c in zip(inputs.reward_fns, cfg.rewards) if c.normalize],
         "settings": {"seed": seed, "greedy": greedy, "max_new_tokens": ro.max_new_tokens,
                      "min_new_tokens": ro.min_new_tokens, "temperature": ro.temperature, "top_p": ro.top_p,
-                     "top_k": top_k, "prompt_column": cfg.data.prompt_column},
-        "time": {"generate_s": t_generate, "reward_s": t_reward},
+                     "top_k": 1 if greedy else ro.top_k, "prompt_column": cfg.data.prompt_column},
+        "produced_by": produced_by(cfg),
+        "time": {"eval_s": metrics["time/eval_s"]},
     }
-    samples = [
-        {"prompt_index": e // k, "sample": e % k, "prompt": prompts[e // k], "completion": completions[e],
-         "reward": total[e], "rewards": {name: values[e] for name, values in scored.per_function.items()},
-         "truncated": bool(truncated[e])}
-        for e in episodes
-    ]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    with open(out / "eval_samples.jsonl", "w", encoding="utf-8") as f:
-        for sample in samples:
-            f.write(json.dumps(sample, ensure_ascii=False) + "\n")
-    if not quiet:
-        print(format_eval(summary, samples[::k][: max(print_samples, 0)], out))  # one per prompt
+    samples = [{"prompt_index": row["prompt_index"], "sample": row["sample"], "prompt": prompts[row["prompt_index"]],
+                "completion": row["completion"], "reward": row["reward"], "rewards": row["rewards"],
+                "truncated": row["truncated"]} for row in episodes]
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        with open(out / "eval_samples.jsonl", "w", encoding="utf-8") as f:
+            for sample in samples:
+                f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+        if say:
+            print(format_eval(summary, samples[::k][: max(print_samples, 0)], out))  # one per prompt
     return EvalResult(out, summary, samples)
+
+
+def _held_out_evaluation(cfg, inputs, accelerator, k: int, greedy: bool, seed: int):
+    """The learner's held-out evaluation (`loops.rl_rollout.evaluate_held_out`) of `inputs`' prompts, with the
+    policy loaded as training loads it and the producer training builds (environment and tools included), on the
+    configured engine: (its metrics, every episode's row)."""
+    import contextlib
+
+    from tidyrl.engines import make_engine
+    from tidyrl.loops.rl_inputs import make_producer
+    from tidyrl.loops.rl_rollout import evaluate_held_out
+    from tidyrl.models.generation import eos_token_ids, pad_token_id
+    from tidyrl.models.loading import load_causal_lm
+    from tidyrl.models.sharding import full_weights
+
+    ro = cfg.rollout
+    policy = load_causal_lm(cfg.model, cfg.model_dtype).eval()  # on the host until an engine samples from it
+    eos_ids = eos_token_ids(policy, inputs.tokenizer)
+    pad_id = pad_token_id(inputs.tokenizer, eos_ids)
+    device = accelerator.device
+    engine = make_engine(cfg, policy, device.type, max(len(p) for p in inputs.prompt_ids) + ro.max_new_tokens)
+    # The builtin engine decodes with the policy itself; an engine with its own copy (vLLM, servers) gets the
+    # weights from the host copy: the device holds one copy, the engine's.
+    if engine.capabilities.samples_trained_weights:
+        policy.to(device)
+    pool = None
+    if inputs.environment is not None:
+        from tidyrl.environments import EnvironmentPool
+
+        pool = EnvironmentPool(cfg.environment.timeout_s, cfg.environment.workers)
+    try:
+        from tidyrl.data import other_columns
+
+        producer = make_producer(cfg, engine, inputs.tokenizer, inputs.dataset, inputs.prompt_ids, eos_ids, pad_id,
+                                 columns=other_columns(inputs.dataset, cfg.data.prompt_column),
+                                 reward_fns=inputs.reward_fns, environment=inputs.environment, tools=inputs.tools,
+                                 pool=pool, greedy=greedy, seed=seed)
+        weights = full_weights(policy) if engine.capabilities.samples_trained_weights else contextlib.nullcontext()
+        return evaluate_held_out(producer, engine, policy, weights, k, len(inputs.prompt_ids), accelerator,
+                                 with_episodes=True)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def produced_by(cfg) -> dict:
+    """What produced an evaluation: the engine, the model, the data, tidyrl's version and the libraries'."""
+    import importlib.metadata
+
+    versions = {}
+    for package in ("tidyrl", "torch", "transformers", *(("vllm",) if cfg.rollout.engine.startswith("vllm") else ())):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"engine": cfg.rollout.engine, "model": cfg.model, "tokenizer": cfg.tokenizer or cfg.model,
+            "model_dtype": cfg.model_dtype, "data": cfg.data.path, "versions": versions}
 
 
 def format_eval(summary: dict, samples: list[dict], output_dir: Path) -> str:

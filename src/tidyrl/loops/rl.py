@@ -444,7 +444,7 @@ class RLRun:
             self.ahead.drain()
         with self.ahead.engine_lock:  # with a lag the engine may be making a rollout ahead: it finishes first
             return evaluate_held_out(self.eval_producer, self.engine, policy, self._weights_for_engine(policy), k,
-                                     len(self.inputs.eval_prompt_ids), self.accelerator)
+                                     len(self.inputs.eval_prompt_ids), self.accelerator)[0]
 
     def _gather(self, tensor):
         """Concatenate a per-process tensor over processes (rank order = global episode order)."""

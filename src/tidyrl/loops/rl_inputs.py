@@ -1,6 +1,7 @@
 """What an RL run reads and checks before any weights load (`check_rl_inputs`, also run by `tidyrl plan`): the
 policy's config and tokenizer, the prompts and their lengths, the plan, the rewards, the environment, the
-engine's own checks, and PPO's critic."""
+engine's own checks, and PPO's critic; the same checks of what `tidyrl eval` evaluates (`check_eval_inputs`); and
+the producers of their episodes (`make_producer`)."""
 
 from __future__ import annotations
 
@@ -86,72 +87,159 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
     divide, the reward functions import, the reward models exist, every argument a reward function needs is a
     data column, and PPO's critic can read the policy's tokens. `tidyrl plan` runs the same checks, so a plan
     that prints is a run that starts."""
-    from tidyrl.data import load_prompt_dataset, load_rl_prompts, other_columns
-    from tidyrl.rewards import build_reward_functions, check_reward_columns
+    from tidyrl.data import load_rl_prompts, other_columns
+    from tidyrl.rewards import check_reward_columns
 
-    model_config = load_model_config(cfg.model)
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
-    dataset = load_rl_prompts(cfg)
-    eval_dataset = None
-    if cfg.data.eval_path:
-        eval_dataset = load_prompt_dataset(cfg.data.eval_path, cfg.data.prompt_column, cfg.data.split)
-    elif cfg.data.eval_fraction:  # held out before anything else: never trained on, not in the plan's N
-        from tidyrl.data.offline import held_out_rows
-
-        held = held_out_rows(len(dataset), cfg.data.eval_fraction, cfg.seed)
-        eval_dataset = dataset.select(held)
-        dataset = dataset.select(sorted(set(range(len(dataset))) - set(held)))
-    environment, tools = None, None
-    if cfg.environment.factory is not None:  # imported now: a typo fails here, before any weights load
-        from tidyrl.rewards import load_reward_function
-
-        environment = load_reward_function(cfg.environment.factory, base_dir, key="environment.factory")
-        schemas = getattr(environment, "tool_schemas", None)
-        tools = schemas() if callable(schemas) else None
-        if tools:
-            check_template_renders_tools(tokenizer, tools, cfg.environment.factory)
+    model_config, tokenizer = read_policy(cfg)
+    dataset, eval_dataset = held_out_split(cfg, load_rl_prompts(cfg))
+    environment, tools = read_environment(cfg, base_dir, tokenizer)
     dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
     plan = plan_from_config(cfg, len(dataset), world_size)
     if plan.prompts_per_rollout > len(dataset):  # correct by the plan's formula, rarely what was meant
         report = "\n".join(filter(None, [report, repeated_prompts_warning(plan, len(dataset))]))
     columns = other_columns(dataset, cfg.data.prompt_column)
-    reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir, forward_batch_size=cfg.rollout.forward_batch_size)
-    check_reward_columns(reward_fns, columns)
-    from tidyrl.rewards.functions import rewards_before_run
-
-    for line in rewards_before_run(reward_fns):
+    reward_fns, lines = read_rewards(cfg, base_dir, columns)
+    for line in lines:
         report = f"{report}\ntidyrl: {line}" if report else line
     eval_prompt_ids, eval_report = None, ""
     if eval_dataset is not None:
         eval_dataset, eval_prompt_ids, fit_report = encode_prompt_set(cfg, eval_dataset, tokenizer, model_config,
                                                                       tools)
         check_reward_columns(reward_fns, other_columns(eval_dataset, cfg.data.prompt_column))
-        source = f"data.eval_path = {cfg.data.eval_path!r}" if cfg.data.eval_path else \
-            f"data.eval_fraction = {cfg.data.eval_fraction}"
         k = 1 if cfg.log.eval_decoding == "greedy" else cfg.rollout.samples_per_prompt
-        eval_report = (f"eval: {len(eval_dataset)} held-out prompts ({source}), {k} {cfg.log.eval_decoding} "
-                       f"completion(s) each, after every {cfg.log.eval_every or 'last'} optimizer step"
-                       f"{'s' if cfg.log.eval_every != 1 else ''}" + (f"; held-out {fit_report}" if fit_report else ""))
+        eval_report = (f"eval: {len(eval_dataset)} held-out prompts ({held_out_source(cfg)}), {k} "
+                       f"{cfg.log.eval_decoding} completion(s) each, after every {cfg.log.eval_every or 'last'} "
+                       f"optimizer step{'s' if cfg.log.eval_every != 1 else ''}"
+                       + (f"; held-out {fit_report}" if fit_report else ""))
         trained = {tuple(ids) for ids in prompt_ids}
         shared = sum(tuple(ids) in trained for ids in eval_prompt_ids)
         if shared:
             eval_report += (f"\ntidyrl: warning: {shared} of {len(eval_prompt_ids)} held-out prompts are also "
                             "training prompts; their eval metrics measure memory, not generalisation")
-    engine = engine_module(cfg.rollout.engine)
-    if hasattr(engine, "input_problems"):  # e.g. vLLM: the architecture, the key/value cache's size
-        from tidyrl.loops.common import cuda_in_use
-
-        longest = max(len(p) for p in [*prompt_ids, *(eval_prompt_ids or [])]) + cfg.rollout.max_new_tokens
-        problems = engine.input_problems(cfg, model_config, not cuda_in_use(), plan.episodes_per_rollout_per_process,
-                                         longest)
-        if problems:
-            raise ConfigError(problems)
+    check_engine_inputs(cfg, model_config, [*prompt_ids, *(eval_prompt_ids or [])],
+                        plan.episodes_per_rollout_per_process)
     critic = None
     if ALGORITHMS[cfg.algorithm].critic:
         path, why = choose_critic(cfg, tokenizer.get_vocab())
         critic = {"critic_model": path, "critic_model_reason": why}
     return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic, eval_dataset,
                     eval_prompt_ids, eval_report, environment, tools)
+
+
+@dataclass
+class EvalInputs:
+    """What `check_eval_inputs` read and checked: the prompts `tidyrl eval` evaluates and what scores them."""
+
+    tokenizer: Any
+    dataset: Any
+    """The prompts evaluated (those kept by data.overlong_prompts)."""
+    prompt_ids: list
+    """Their token ids."""
+    report: str
+    """Lines on overlong prompts and the rewards, or ""."""
+    reward_fns: list
+    source: str
+    """Where the prompts come from, in words (eval.json's `prompts`)."""
+    held_out: bool
+    """They are the config's held-out prompts, as training evaluates them (log.eval_decoding applies)."""
+    environment: Any = None
+    tools: Optional[list] = None
+
+
+def check_eval_inputs(cfg: Config, base_dir: Optional[str], *, data: Optional[str] = None,
+                      num_prompts: Optional[int] = None) -> EvalInputs:
+    """What `tidyrl eval` reads and checks before any weights load, by the learner's own checks (the policy and
+    tokenizer, the environment and its tools, the prompts' fit in the context, the rewards and their columns, the
+    engine's own). The prompts: those of `data` (a file or saved folder; its first `num_prompts`, None = all);
+    else the config's held-out prompts (data.eval_path, or data.eval_fraction of data.path: the very prompts
+    training evaluates, all of them unless `num_prompts`); else the first `num_prompts` of data.path (None = all)."""
+    from tidyrl.data import load_prompt_dataset, load_rl_prompts, other_columns
+
+    model_config, tokenizer = read_policy(cfg)
+    held_out = data is None and bool(cfg.data.eval_path or cfg.data.eval_fraction)
+    if data is not None:
+        dataset, source = load_prompt_dataset(data, cfg.data.prompt_column, cfg.data.split), str(data)
+    elif held_out:
+        dataset, source = held_out_split(cfg, load_rl_prompts(cfg))[1], f"held out: {held_out_source(cfg)}"
+    else:
+        dataset = load_rl_prompts(cfg)
+        source = cfg.data.path if cfg.data.reasoning_gym is None else f"reasoning_gym: {cfg.data.reasoning_gym}"
+    if num_prompts is not None and num_prompts < len(dataset):
+        dataset = dataset.select(range(num_prompts))
+        source = f"{source}, the first {num_prompts}"
+    environment, tools = read_environment(cfg, base_dir, tokenizer)
+    dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
+    reward_fns, lines = read_rewards(cfg, base_dir, other_columns(dataset, cfg.data.prompt_column))
+    check_engine_inputs(cfg, model_config, prompt_ids, len(prompt_ids) * cfg.rollout.samples_per_prompt)
+    return EvalInputs(tokenizer, dataset, prompt_ids, "\n".join(filter(None, [report, *lines])), reward_fns, source,
+                      held_out, environment, tools)
+
+
+def read_policy(cfg: Config):
+    """(the policy's model config, its tokenizer): read at once, offline too, no weights."""
+    model_config = load_model_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, "tokenizer" if cfg.tokenizer else "model")
+    return model_config, tokenizer
+
+
+def held_out_split(cfg: Config, dataset):
+    """(the training prompts, the held-out prompts or None): data.eval_path's prompts, or data.eval_fraction of
+    data.path held out before anything else (never trained on, not in the plan's N), by the run's seed."""
+    from tidyrl.data import load_prompt_dataset
+
+    if cfg.data.eval_path:
+        return dataset, load_prompt_dataset(cfg.data.eval_path, cfg.data.prompt_column, cfg.data.split)
+    if cfg.data.eval_fraction:
+        from tidyrl.data.offline import held_out_rows
+
+        held = held_out_rows(len(dataset), cfg.data.eval_fraction, cfg.seed)
+        return dataset.select(sorted(set(range(len(dataset))) - set(held))), dataset.select(held)
+    return dataset, None
+
+
+def held_out_source(cfg: Config) -> str:
+    return f"data.eval_path = {cfg.data.eval_path!r}" if cfg.data.eval_path else \
+        f"data.eval_fraction = {cfg.data.eval_fraction}"
+
+
+def read_environment(cfg: Config, base_dir: Optional[str], tokenizer):
+    """(environment.factory imported, its tool schemas) or (None, None): imported now, so that a typo fails before
+    any weights load; a template that cannot render the tools is refused."""
+    if cfg.environment.factory is None:
+        return None, None
+    from tidyrl.rewards import load_reward_function
+
+    environment = load_reward_function(cfg.environment.factory, base_dir, key="environment.factory")
+    schemas = getattr(environment, "tool_schemas", None)
+    tools = schemas() if callable(schemas) else None
+    if tools:
+        check_template_renders_tools(tokenizer, tools, cfg.environment.factory)
+    return environment, tools
+
+
+def read_rewards(cfg: Config, base_dir: Optional[str], columns: list):
+    """(the reward functions and models, built; the lines they have to say before the run): each function imports,
+    each model exists, every argument a function needs is offered (a standard one or one of `columns`)."""
+    from tidyrl.rewards import build_reward_functions, check_reward_columns
+    from tidyrl.rewards.functions import rewards_before_run
+
+    reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir,
+                                        forward_batch_size=cfg.rollout.forward_batch_size)
+    check_reward_columns(reward_fns, columns)
+    return reward_fns, list(rewards_before_run(reward_fns))
+
+
+def check_engine_inputs(cfg: Config, model_config, prompt_ids: list, episodes_per_process: int) -> None:
+    """The engine's own checks of the model and the longest sequence (e.g. vLLM: the architecture, the key/value
+    cache's size)."""
+    engine = engine_module(cfg.rollout.engine)
+    if hasattr(engine, "input_problems"):
+        from tidyrl.loops.common import cuda_in_use
+
+        longest = max(len(p) for p in prompt_ids) + cfg.rollout.max_new_tokens
+        problems = engine.input_problems(cfg, model_config, not cuda_in_use(), episodes_per_process, longest)
+        if problems:
+            raise ConfigError(problems)
 
 
 def check_template_renders_tools(tokenizer, tools: list, factory) -> None:
@@ -231,26 +319,38 @@ def repeated_prompts_warning(plan, prompts: int) -> str:
 def make_producers(cfg: Config, inputs: RLInputs, engine, eos_ids, pad_id: int, pool):
     """The producers of a run's episodes through `engine` (tidyrl.rollouts): the training prompts' (with the
     environment, if any) and the held-out prompts' (log.eval_decoding's settings), or None without those."""
+    from tidyrl.data import other_columns
+
+    common = dict(environment=inputs.environment, tools=inputs.tools, reward_fns=inputs.reward_fns, pool=pool)
+    producer = make_producer(cfg, engine, inputs.tokenizer, inputs.dataset, inputs.prompt_ids, eos_ids, pad_id,
+                             columns=inputs.columns, **common)
+    if not inputs.eval_prompt_ids:
+        return producer, None
+    return producer, make_producer(cfg, engine, inputs.tokenizer, inputs.eval_dataset, inputs.eval_prompt_ids,
+                                   eos_ids, pad_id, greedy=cfg.log.eval_decoding == "greedy",
+                                   columns=other_columns(inputs.eval_dataset, cfg.data.prompt_column), **common)
+
+
+def make_producer(cfg: Config, engine, tokenizer, dataset, prompt_ids: list, eos_ids, pad_id: int, *,
+                  columns: list, reward_fns: list, environment=None, tools=None, pool=None, greedy: bool = False,
+                  seed: Optional[int] = None):
+    """The producer of `dataset`'s episodes through `engine` with the config's rollout settings (and the
+    environment's, if any); `greedy`: the most likely token at every step (top_k = 1); `seed`: the sampling keys'
+    (default: the config's). Training, its held-out evaluation and `tidyrl eval` make theirs here."""
     from dataclasses import replace
 
-    from tidyrl.data import other_columns
     from tidyrl.engines import SamplingSettings
     from tidyrl.rollouts.episodes import EpisodeSettings
     from tidyrl.rollouts.producer import Producer
 
     ro, env = cfg.rollout, cfg.environment
     sampling = SamplingSettings.of_rollout(ro, eos_ids, pad_id)
+    if greedy:
+        sampling = replace(sampling, top_k=1)
     settings = EpisodeSettings(sampling)
-    if inputs.environment is not None:
+    if environment is not None:
         settings = EpisodeSettings(sampling, max_turns=env.max_turns, max_turn_tokens=env.max_turn_tokens or
-                                   ro.max_new_tokens, error_reward=env.error_reward, tools=inputs.tools)
-    common = dict(prompt_column=cfg.data.prompt_column, reward_fns=inputs.reward_fns, seed=cfg.seed)
-    producer = Producer(engine, inputs.tokenizer, inputs.dataset, inputs.prompt_ids, columns=inputs.columns,
-                        settings=settings, environment=inputs.environment, pool=pool, **common)
-    if not inputs.eval_prompt_ids:
-        return producer, None
-    greedy = cfg.log.eval_decoding == "greedy"  # the most likely token: top_k = 1
-    return producer, Producer(engine, inputs.tokenizer, inputs.eval_dataset, inputs.eval_prompt_ids,
-                              columns=other_columns(inputs.eval_dataset, cfg.data.prompt_column),
-                              settings=replace(settings, sampling=replace(sampling, top_k=1)) if greedy else settings,
-                              environment=inputs.environment, pool=pool, **common)
+                                   ro.max_new_tokens, error_reward=env.error_reward, tools=tools)
+    return Producer(engine, tokenizer, dataset, prompt_ids, prompt_column=cfg.data.prompt_column, columns=columns,
+                    reward_fns=reward_fns, settings=settings, seed=cfg.seed if seed is None else seed,
+                    environment=environment, pool=pool)

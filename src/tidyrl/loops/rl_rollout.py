@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -205,16 +205,20 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
                    sampler_logprobs=sampler), mismatch
 
 
-def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts: int, accelerator) -> dict:
+def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts: int, accelerator,
+                      with_episodes: bool = False) -> tuple[dict, Optional[list]]:
     """The held-out prompts, generated and scored with the current policy through the rollout path (with an
     environment: episodes with it, as in training): eval/reward_mean (the weighted sum of the raw scores, plus the
-    environment's reward: a `normalize: true` reward is not normalised, as in `tidyrl eval`), eval/reward/<name>
-    (eval/reward/env with an environment), eval/completion_length_mean, eval/truncated_fraction, time/eval_s.
+    environment's reward: a `normalize: true` reward is not normalised), eval/reward/<name> (eval/reward/env with
+    an environment), eval/completion_length_mean, eval/truncated_fraction, time/eval_s. Training's evaluation and
+    `tidyrl eval` both run this.
 
     k completions per prompt (log.eval_decoding greedy: 1, the most likely token each step; sampled:
     rollout.samples_per_prompt), keyed by (seed, EVAL_SLOT, episode) at every evaluation, so two evaluations differ
     by the policy only. Each process takes a contiguous share of the episodes and the sums are reduced by name: the
-    same numbers on any number of processes."""
+    same numbers on any number of processes. Returns (the metrics, and with `with_episodes` every episode's row
+    in episode order, gathered from every process: prompt_index, sample, completion, reward, rewards, truncated,
+    length; else None)."""
     import time
 
     from tidyrl.rollouts.producer import EVAL_SLOT
@@ -228,17 +232,28 @@ def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts
     with weights_context:  # a collective under FSDP: every process enters, even with no episode
         made = producer.round(EVAL_SLOT, list(episodes), [e // k for e in episodes])
         engine.release()
+    rows = []
     if len(episodes):
         # Each episode's reward as in training: the functions' weighted raw scores, plus the environment's (weight 1).
         env = made.episodes.env_reward
         env_sum = float(env.double().sum()) if env is not None else 0.0
         reward = sum(made.scored.total) if made.scored is not None else 0.0
         sums.add(reward=reward + env_sum, length=sum(made.completion_lengths), truncated=made.episodes.truncated.sum())
-        for name, values in (made.scored.per_function.items() if made.scored is not None else ()):
+        per_function = made.scored.per_function if made.scored is not None else {}
+        for name, values in per_function.items():
             scored = [v for v in values if v is not None]
             sums.add(**{f"{name}:sum": sum(scored), f"{name}:count": len(scored)})
         if env is not None:
             sums.add(**{"env:sum": env_sum, "env:count": len(env)})
+            per_function = {**per_function, "env": env.tolist()}
+        if with_episodes:
+            lengths = made.completion_lengths
+            rows = [{"prompt_index": e // k, "sample": e % k, "completion": made.completions[i],
+                     "reward": (made.scored.total[i] if made.scored is not None else 0.0)
+                     + (float(env[i]) if env is not None else 0.0),
+                     "rewards": {name: values[i] for name, values in per_function.items()},
+                     "truncated": bool(made.episodes.truncated[i]), "length": lengths[i]}
+                    for i, e in enumerate(episodes)]
     totals = sums.reduced(accelerator)
     metrics = {"eval/reward_mean": totals["reward"] / total}
     for name in names:
@@ -246,4 +261,10 @@ def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts
         metrics[f"eval/reward/{name}"] = totals[f"{name}:sum"] / count if count else None
     metrics.update({"eval/completion_length_mean": totals["length"] / total,
                     "eval/truncated_fraction": totals["truncated"] / total, "time/eval_s": time.perf_counter() - t0})
-    return metrics
+    if not with_episodes:
+        return metrics, None
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        rows = gather_object(rows)
+    return metrics, rows
