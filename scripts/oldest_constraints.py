@@ -7,8 +7,8 @@ is a tested version, not a guess:
     python scripts/oldest_constraints.py > oldest.txt
     pip install torch==2.13.0 && pip install -c oldest.txt -e ".[test]" && python -m pytest -q
 
-The torch floor, 2.11, is the version GPU images ship (2.11.0+cu130 on this workplace's H200s, where the suite and
-the CUDA tests passed: docs/benchmarks.md). PyPI's torch 2.11.0 for Linux is a CUDA build, which also runs on a CPU:
+The torch floor, 2.11, is the version GPU images ship (2.11.0+cu130 on this workplace's H100s and H200s, where the
+CUDA tests pass: docs/benchmarks.md). PyPI's torch 2.11.0 for Linux is a CUDA build, which also runs on a CPU:
 with these constraints pip replaces the CPU torch 2.13 installed first by it (a larger download, no other change).
 """
 

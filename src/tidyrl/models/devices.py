@@ -38,8 +38,9 @@ def phase_done(device: torch.device | str) -> None:
 
 # Devices where the rows [prompt, completion] of a forward are left-padded up to a multiple of this many columns.
 # On CUDA a shape seen for the first time costs far more than the same shape again (cuDNN's attention plans,
-# cuBLAS's heuristics, new allocator blocks): on an H200, qwen0.5b, 8-21 ms more per scoring chunk or update
-# micro-batch of the model's forward (docs/benchmarks.md, "new / again"), and a rollout's chunks have as many widths
+# cuBLAS's heuristics, new allocator blocks): on an H200, qwen0.5b, with cuDNN's attention ~0.46 s more per scoring
+# chunk and ~0.9 s more per update micro-batch of the model's forward (docs/benchmarks.md, "new / again";
+# `bench_passes.py --widths 3 --passes onepass,onepass-exact`), and a rollout's chunks have as many widths
 # as their longest prompts and completions. Padding the width to a multiple of 16 makes shapes recur, for at most
 # 15 masked columns a row (the positions and every real column's maths unchanged). Elsewhere rows keep their width.
 # (Generation's fixed-shape cache is rounded up the same way: SDPA's memory-efficient kernel wants its bias aligned.)
