@@ -283,7 +283,8 @@ def test_under_fsdp_the_lag_takes_vllm_servers_and_is_refused_with_an_in_process
     from types import SimpleNamespace
 
     from tidyrl.config import RolloutConfig
-    from tidyrl.models.sharding import ShardingError, check_supported
+    from tidyrl.loops.common import check_sharding
+    from tidyrl.models.sharding import ShardingError
 
     def cfg(engine, lag=1, top_k=0):
         return SimpleNamespace(log=SimpleNamespace(save_every=0), resume_from=None,
@@ -292,11 +293,11 @@ def test_under_fsdp_the_lag_takes_vllm_servers_and_is_refused_with_an_in_process
     for engine in ("builtin", "vllm"):
         with pytest.raises(ShardingError, match=rf"rollout\.lag=1 under FSDP needs rollout\.engine: vllm-server.*"
                                                 rf"in-process engine \({engine}\).*rollout\.lag=0"):
-            check_supported("fsdp2", cfg(engine))
-        check_supported("fsdp2", cfg(engine, lag=0))
-    check_supported("fsdp2", cfg("vllm-server"))
+            check_sharding("fsdp2", cfg(engine))
+        check_sharding("fsdp2", cfg(engine, lag=0))
+    check_sharding("fsdp2", cfg("vllm-server"))
     with pytest.raises(ShardingError, match=r"rollout\.lag=1 with top_k/top_p cannot be used under FSDP yet"):
-        check_supported("fsdp2", cfg("vllm-server", top_k=5))
+        check_sharding("fsdp2", cfg("vllm-server", top_k=5))
 
 
 def test_a_rollout_past_the_plan_is_made_when_asked_and_one_never_launched_is_an_error_not_a_hang():

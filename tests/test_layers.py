@@ -9,7 +9,7 @@
 
 A part may use the parts below it, never the ones above; the run's support modules use only each other and the
 algorithm table; and no module reaches itself through its imports (no circles). docs/architecture.md draws the
-same picture.
+same picture. Model code also tests no engine or algorithm name and takes no config: it takes arguments.
 """
 
 from __future__ import annotations
@@ -93,6 +93,53 @@ def test_a_part_imports_only_the_parts_below_it(module):
     wrong = sorted(m for m in imported_modules(MODULES[module])
                    if part_of(m) != part and part_of(m) not in ALLOWED[part])
     assert not wrong, f"{module} imports {wrong}: {WHY[part]}"
+
+
+def model_code_problems(path: Path, names: set[str]) -> list[str]:
+    """Where the code of `path` tests a name from `names` (a string literal equal to one, docstrings aside) or takes
+    the run's config (a parameter `cfg`, a read `cfg.x`, the name `Config`)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names | {"Config"}
+                and id(node) not in docstrings):  # ("Config": a quoted annotation)
+            found.append(f"line {node.lineno}: the name {node.value!r}")
+        elif isinstance(node, ast.arg) and node.arg == "cfg":
+            found.append(f"line {node.lineno}: a parameter `cfg`")
+        elif isinstance(node, ast.Name) and (node.id == "Config"
+                                             or node.id == "cfg" and isinstance(node.ctx, ast.Load)):
+            found.append(f"line {node.lineno}: `{node.id}`")
+    return sorted(set(found))
+
+
+MODEL_MODULES = sorted(m for m in MODULES if part_of(m) == "models")
+
+
+@pytest.mark.parametrize("module", MODEL_MODULES, ids=str)
+def test_model_code_takes_arguments_not_engine_or_algorithm_names_or_the_config(module):
+    """Models take arguments: which engine or algorithm a run uses, and what its config says, the caller (an engine,
+    a loop) turns into the arguments it passes. The names are read from their owners, the engine and algorithm
+    tables."""
+    from tidyrl.config import ALGORITHMS
+    from tidyrl.engines import ENGINES
+
+    found = model_code_problems(MODULES[module], set(ENGINES) | set(ALGORITHMS))
+    assert not found, (f"{module} tests an engine or algorithm name or takes the config ({'; '.join(found)}): "
+                       f"{WHY['models']}; pass what the code needs as arguments")
+
+
+def test_the_model_code_check_sees_a_name_test_and_a_config(tmp_path):
+    """The checker itself: a name compared, a config taken or read are found; the same words in a docstring are not."""
+    module = tmp_path / "m.py"
+    module.write_text('"""Runs under vllm."""\n\ndef f(engine, cfg):\n    """For grpo."""\n'
+                      '    return engine == "vllm" or cfg.rollout.lag\n\ndef g(c: "Config"):\n    return c\n')
+    assert model_code_problems(module, {"vllm", "grpo"}) == [
+        "line 3: a parameter `cfg`", "line 5: `cfg`", "line 5: the name 'vllm'", "line 7: the name 'Config'"]
+    module.write_text('def g(c: Config):\n    return c\n')
+    assert model_code_problems(module, set()) == ["line 1: `Config`"]
 
 
 def test_no_module_reaches_itself_through_its_imports():

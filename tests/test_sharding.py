@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import free_port, gloo_cpu_env
 
-from tidyrl.models.sharding import ShardingError, check_supported
+from tidyrl.loops.common import check_sharding
+from tidyrl.models.sharding import ShardingError
 
 
 def test_fsdp2_generation_gathers_once_and_matches_the_unsharded_model(tiny_model_dir, tmp_path):
@@ -35,18 +36,18 @@ def test_fsdp2_generation_gathers_once_and_matches_the_unsharded_model(tiny_mode
 
 def cfg(save_every=0, resume_from=None):
     return SimpleNamespace(log=SimpleNamespace(save_every=save_every), resume_from=resume_from,
-                           rollout=SimpleNamespace(lag=0))
+                           rollout=SimpleNamespace(lag=0, engine="builtin"))
 
 
 def test_unsupported_sharding_is_refused_with_what_to_use():
     with pytest.raises(ShardingError, match="DeepSpeed is not supported yet.*examples/accelerate/fsdp.yaml"):
-        check_supported("deepspeed", cfg())
+        check_sharding("deepspeed", cfg())
     with pytest.raises(ShardingError, match="FSDP1 is not supported.*fsdp_version: 2"):
-        check_supported("fsdp1", cfg())
+        check_sharding("fsdp1", cfg())
     with pytest.raises(ShardingError, match="log.save_every and resume_from cannot be used under FSDP"):
-        check_supported("fsdp2", cfg(save_every=5, resume_from="latest"))
-    check_supported("fsdp2", cfg())
-    check_supported("none", cfg(save_every=5, resume_from="latest"))
+        check_sharding("fsdp2", cfg(save_every=5, resume_from="latest"))
+    check_sharding("fsdp2", cfg())
+    check_sharding("none", cfg(save_every=5, resume_from="latest"))
 
 
 def test_sharding_kind_reads_accelerates_distributed_type():

@@ -1,13 +1,15 @@
 """Engines: what turns prompts into completions (`rollout.engine`), behind one interface (`engines.base`).
 
-Each engine is a module with its class, `build(cfg, policy, device, max_model_len)`, `config_problems(cfg)` and,
-where it reads the model, `input_problems(...)`; `ENGINES` names them. The learner and the rollouts call only
-the interface and read each engine's `capabilities`.
+Each engine is a module with its class, `build(cfg, policy, device, max_model_len)`, `config_problems(cfg)`,
+`fsdp_problem(cfg)` (what it refuses on a sharded policy), `resume_note(saved_state)` (what a resume from a
+checkpoint should be warned of) and, where it reads the model, `input_problems(...)`; `ENGINES` names them. The
+learner and the rollouts call only the interface and read each engine's `capabilities`.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 from tidyrl.engines.base import Capabilities, EngineError, SamplingSettings
 
@@ -29,6 +31,16 @@ def engine_problems(cfg) -> list[str]:
     return engine_module(cfg.rollout.engine).config_problems(cfg)
 
 
+def fsdp_problem(cfg) -> Optional[str]:
+    """What the configured engine refuses when the policy is sharded with FSDP2, or None."""
+    return engine_module(cfg.rollout.engine).fsdp_problem(cfg)
+
+
+def resume_note(engine: str, saved_state: dict) -> Optional[str]:
+    """What resuming from an RL checkpoint's state (`saved_state`) with `engine` should warn of, or None."""
+    return engine_module(engine).resume_note(saved_state)
+
+
 def make_engine(cfg, policy, device: str, max_model_len: int):
     """The engine `rollout.engine` names, for this process (vLLM: built now, its weights synced before each
     rollout)."""
@@ -44,4 +56,4 @@ def __getattr__(name):  # the engines' own names, from their modules (0.1's tidy
 
 
 __all__ = ["Capabilities", "ENGINES", "EngineError", "SamplingSettings", "engine_module", "engine_problems",
-           "make_engine"]
+           "fsdp_problem", "make_engine", "resume_note"]

@@ -15,7 +15,7 @@ engine's name. A new engine is one module here, a line in `engines.ENGINES`, and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 
 @dataclass
@@ -72,6 +72,17 @@ class Engine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], sample_keys: Sequence[int], settings: "SamplingSettings"): ...
 
     def release(self) -> None: ...
+
+
+def in_process_fsdp_problem(cfg) -> Optional[str]:
+    """What an engine inside the training processes (builtin, vllm) refuses on an FSDP2-sharded policy, or None:
+    rollout.lag, whose weights a version behind would be a whole copy on every process."""
+    if not cfg.rollout.lag:
+        return None
+    return (f"rollout.lag={cfg.rollout.lag} under FSDP needs rollout.engine: vllm-server: the weights a version "
+            "behind are the servers' (gathered once per launch into the first process, which syncs them); an "
+            f"in-process engine ({cfg.rollout.engine}) would need a whole copy of the weights on every process. "
+            "Start vLLM servers (docs/async.md) or set rollout.lag=0.")
 
 
 class FullWeights(dict):

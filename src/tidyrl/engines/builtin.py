@@ -3,9 +3,9 @@ step and CUDA graphs where they apply), on the policy itself: nothing to copy or
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
-from tidyrl.engines.base import Capabilities, SamplingSettings
+from tidyrl.engines.base import Capabilities, SamplingSettings, in_process_fsdp_problem
 
 
 class BuiltinEngine:
@@ -38,6 +38,19 @@ class BuiltinEngine:
 def config_problems(cfg) -> list[str]:
     """The builtin engine takes every rollout setting."""
     return []
+
+
+def fsdp_problem(cfg) -> Optional[str]:
+    """What it refuses on an FSDP2-sharded policy (`base.in_process_fsdp_problem`), or None."""
+    return in_process_fsdp_problem(cfg)
+
+
+def resume_note(saved_state: dict) -> Optional[str]:
+    """A resume's warning where the checkpoint's rollouts were drawn with another scheme than this engine's own
+    draws (`models.generation.sampler_change_note`), or None."""
+    from tidyrl.models.generation import sampler_change_note
+
+    return sampler_change_note(saved_state)
 
 
 def build(cfg, policy, device: str, max_model_len: int) -> BuiltinEngine:

@@ -347,6 +347,22 @@ def remove_older_versions(sync_dir: str, version: int) -> None:
 # --- checks ----------------------------------------------------------------------------------------------------
 
 
+def fsdp_problem(cfg) -> Optional[str]:
+    """What it refuses on an FSDP2-sharded policy, or None: top_k/top_p with rollout.lag, whose log-probs the
+    frozen copy that generated the rollout would recompute (the servers' are renormalised over the kept tokens),
+    and no such copy is kept under FSDP."""
+    if cfg.rollout.lag and cfg.rollout.filtered_sampling:
+        return (f"rollout.lag={cfg.rollout.lag} with top_k/top_p cannot be used under FSDP yet: the servers' "
+                "log-probs are renormalised over the kept tokens, and the copy of the weights that would recompute "
+                "them is not kept under FSDP. Set rollout.top_k=0 and rollout.top_p=1.0, or rollout.lag=0.")
+    return None
+
+
+def resume_note(saved_state: dict) -> None:
+    """Nothing to warn of on a resume: the servers' draws are vLLM's, whatever the checkpoint recorded."""
+    return None
+
+
 def config_problems(cfg) -> list[str]:
     """`rollout.engine: vllm-server`'s checks of the config (`key: problem` lines), before anything loads."""
     problems, ro, s = [], cfg.rollout, cfg.server

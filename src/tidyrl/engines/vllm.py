@@ -9,7 +9,8 @@ import os
 import time
 from typing import Optional, Sequence
 
-from tidyrl.engines.base import Capabilities, EngineError, SamplingSettings, policy_parameters
+from tidyrl.engines.base import (Capabilities, EngineError, SamplingSettings, in_process_fsdp_problem,
+                                 policy_parameters)
 
 
 def vllm_problem() -> Optional[str]:
@@ -186,6 +187,16 @@ def config_problems(cfg) -> list[str]:
     if not 0 < v.gpu_memory_utilization < 1:
         problems.append(f"vllm.gpu_memory_utilization: must be in (0, 1), got {v.gpu_memory_utilization}")
     return problems
+
+
+def fsdp_problem(cfg) -> Optional[str]:
+    """What it refuses on an FSDP2-sharded policy (`base.in_process_fsdp_problem`), or None."""
+    return in_process_fsdp_problem(cfg)
+
+
+def resume_note(saved_state: dict) -> None:
+    """Nothing to warn of on a resume: vLLM's draws are vLLM's, whatever the checkpoint recorded."""
+    return None
 
 
 def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int) -> list[str]:

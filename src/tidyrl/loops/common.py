@@ -96,11 +96,11 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
     process would silently train alone and all would write the same output_dir. On CUDA, more processes per
     machine than GPUs are refused first (`check_processes_fit_devices`). With `cfg`, a sharding
-    mode the launch asks for and tidyrl cannot run `cfg` under is refused here (tidyrl.models.sharding)."""
+    mode the launch asks for and tidyrl cannot run `cfg` under is refused here (`check_sharding`)."""
     import torch
     from accelerate import Accelerator
 
-    from tidyrl.models.sharding import check_supported, sharding_kind
+    from tidyrl.models.sharding import sharding_kind
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     on_cpu = not cuda_in_use()
@@ -115,8 +115,32 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
             "check the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK)."
         )
     if cfg is not None:
-        check_supported(sharding_kind(accelerator), cfg)
+        check_sharding(sharding_kind(accelerator), cfg)
     return accelerator
+
+
+def check_sharding(kind: str, cfg) -> None:
+    """Raise ShardingError before any weights load when the launch's sharding (`kind`, from
+    `models.sharding.sharding_kind`) cannot run `cfg`: DeepSpeed and FSDP1 never (`models.sharding.check_supported`);
+    under FSDP2 no exact-resume checkpoint (the sharded optimizer state is not gathered), and nothing the
+    configured engine refuses on a sharded policy (`engines.fsdp_problem`)."""
+    from tidyrl.engines import fsdp_problem
+    from tidyrl.models.sharding import ShardingError, check_supported
+
+    check_supported(kind)
+    if kind != "fsdp2":
+        return
+    refused = [key for key, value in (("log.save_every", cfg.log.save_every), ("resume_from", cfg.resume_from))
+               if value]
+    if refused:
+        raise ShardingError(
+            f"{' and '.join(refused)} cannot be used under FSDP yet: exact-resume checkpoints need the sharded "
+            "optimizer state gathered, which tidyrl does not do yet. Set log.save_every=0 (the final model is "
+            "saved in full), or run without FSDP (docs/memory.md)."
+        )
+    problem = fsdp_problem(cfg)
+    if problem:
+        raise ShardingError(problem)
 
 
 def prepare_output_dir(out: Path, overwrite: bool, accelerator) -> None:

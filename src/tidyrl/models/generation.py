@@ -73,11 +73,12 @@ not bit-exact with it; the resume says so. Checkpoints without the field drew pe
 SAMPLER_BEFORE_IT_WAS_RECORDED = "gumbel-max"
 
 
-def sampler_change_note(saved_state: dict, engine: str) -> Optional[str]:
-    """A warning for a resume whose checkpoint was sampled with another draw scheme than this version's (built-in
-    engine only: vLLM's draws are vLLM's), or None."""
+def sampler_change_note(saved_state: dict, draws_here: bool = True) -> Optional[str]:
+    """A warning for a resume whose checkpoint was sampled with another draw scheme than this version's, or None.
+    `draws_here`: the run's engine draws with this sampler (the engine decides: `tidyrl.engines.resume_note`);
+    False, its draws are its own and nothing is compared."""
     saved = saved_state.get("sampler", SAMPLER_BEFORE_IT_WAS_RECORDED)
-    if engine != "builtin" or saved == SAMPLER:
+    if not draws_here or saved == SAMPLER:
         return None
     return (f"warning: the checkpoint's rollouts were sampled with {saved!r} draws, this version of tidyrl draws "
             f"with {SAMPLER!r}: the rollouts from here on follow the same distributions, but they are not the samples "

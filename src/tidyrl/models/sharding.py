@@ -12,9 +12,9 @@ Supported: FSDP2 (torch's `fully_shard`; accelerate `fsdp_version: 2`). Refused 
 FSDP1 (its forward cannot run inside `summon_full_params`, so generation would gather per token) and DeepSpeed
 (its engine steps the optimizer inside `backward` and rescales the loss by its own accumulation count, which
 bypasses tidyrl's loss normalisation, the NaN check before each update and the once-per-step LR schedule).
-Checkpoints for exact resume under FSDP would need the sharded optimizer state gathered; until they do,
-`log.save_every` and `resume_from` are refused under FSDP (the final model is saved in full). `rollout.lag` under
-FSDP takes `rollout.engine: vllm-server` (the servers hold the weights a version behind; no copy on the trainers).
+Checkpoints for exact resume under FSDP would need the sharded optimizer state gathered; until they do, the loops
+refuse their checkpoint settings under FSDP (the final model is saved in full), and an engine refuses what it
+cannot do on a sharded policy (`tidyrl.loops.common.check_sharding`).
 """
 
 from __future__ import annotations
@@ -45,8 +45,10 @@ def sharding_kind(accelerator) -> str:
     return "none"
 
 
-def check_supported(kind: str, cfg) -> None:
-    """Raise ShardingError before any weights are loaded when `kind` (from `sharding_kind`) cannot run `cfg`."""
+def check_supported(kind: str) -> None:
+    """Raise ShardingError before any weights are loaded when tidyrl cannot run under `kind` (from
+    `sharding_kind`) at all. What a run's settings cannot do under FSDP2 its loop checks
+    (`tidyrl.loops.common.check_sharding`)."""
     if kind == "deepspeed":
         raise ShardingError(
             "DeepSpeed is not supported yet: its engine steps the optimizer inside backward() and rescales the "
@@ -59,28 +61,6 @@ def check_supported(kind: str, cfg) -> None:
             "FSDP1 is not supported: generation would all-gather every layer at every generated token. Set "
             "fsdp_version: 2 in the accelerate config (examples/accelerate/fsdp.yaml)."
         )
-    if kind == "fsdp2":
-        refused = [key for key, value in (("log.save_every", cfg.log.save_every), ("resume_from", cfg.resume_from))
-                   if value]
-        if refused:
-            raise ShardingError(
-                f"{' and '.join(refused)} cannot be used under FSDP yet: exact-resume checkpoints need the sharded "
-                "optimizer state gathered, which tidyrl does not do yet. Set log.save_every=0 (the final model is "
-                "saved in full), or run without FSDP (docs/memory.md)."
-            )
-        if cfg.rollout.lag and cfg.rollout.filtered_sampling:
-            raise ShardingError(
-                f"rollout.lag={cfg.rollout.lag} with top_k/top_p cannot be used under FSDP yet: the servers' log-probs "
-                "are renormalised over the kept tokens, and the copy of the weights that would recompute them is "
-                "not kept under FSDP. Set rollout.top_k=0 and rollout.top_p=1.0, or rollout.lag=0."
-            )
-        if cfg.rollout.lag and cfg.rollout.engine != "vllm-server":
-            raise ShardingError(
-                f"rollout.lag={cfg.rollout.lag} under FSDP needs rollout.engine: vllm-server: the weights a version "
-                "behind are the servers' (gathered once per launch into the first process, which syncs them); an "
-                f"in-process engine ({cfg.rollout.engine}) would need a whole copy of the weights on every process. "
-                "Start vLLM servers (docs/async.md) or set rollout.lag=0."
-            )
 
 
 def is_sharded(model) -> bool:
