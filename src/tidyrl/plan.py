@@ -272,9 +272,9 @@ def make_plan(
 def plan_from_config(cfg: Config, num_prompts: int | None, world_size: int = 1) -> Plan | OfflinePlan:
     """The plan of a config, for a prompt set of `num_prompts` prompts and `world_size` processes.
 
-    For sft, reward and dpo this is `offline_plan_from_config` (num_prompts = the dataset's rows; with
-    sft.packing the packed rows, tidyrl.data.offline.count_offline_examples), so no caller can print an RL plan
-    for an offline stage."""
+    For an offline stage (sft, reward, dpo, kto) this is `offline_plan_from_config` (num_prompts = the dataset's
+    rows; with sft.packing the packed rows, tidyrl.data.offline.count_offline_examples), so no caller can print an
+    RL plan for an offline stage."""
     from tidyrl.config import OFFLINE_ALGORITHMS  # config imports no torch either
 
     if cfg.algorithm in OFFLINE_ALGORITHMS:
@@ -306,7 +306,7 @@ def epochs_done(plan: Plan, rollouts_done: int) -> float | None:
 
 
 # ---------------------------------------------------------------------------
-# The offline stages (sft, reward, dpo): a fixed dataset, no rollouts.
+# The offline stages (sft, reward, dpo, kto): a fixed dataset, no rollouts.
 #
 #     N  num_examples      examples in the dataset (reward, dpo: pairs; sft with packing: packed rows)
 #     B  batch_size        examples per optimizer step (global)
@@ -325,7 +325,7 @@ def epochs_done(plan: Plan, rollouts_done: int) -> float | None:
 
 @dataclass(frozen=True)
 class OfflinePlan:
-    """Every number of an sft / reward / dpo run (see the section comment above). `to_dict()` is plan.json."""
+    """Every number of an offline stage's run (see the section comment above). `to_dict()` is plan.json."""
 
     world_size: int
     """W: number of processes."""
@@ -437,7 +437,7 @@ def make_offline_plan(
 
 
 def offline_plan_from_config(cfg: Config, num_examples: int | None, world_size: int = 1) -> OfflinePlan:
-    """The plan of an sft / reward / dpo config, for `num_examples` examples and `world_size` processes."""
+    """The plan of an offline stage's config, for `num_examples` examples and `world_size` processes."""
     t = cfg.train
     return make_offline_plan(
         batch_size=t.batch_size,

@@ -1,4 +1,4 @@
-"""Parts the offline loops (sft, reward, dpo) share: the example stream split into micro-batches, padding,
+"""Parts the offline loops (sft, reward, dpo, kto) share: the example stream split into micro-batches, padding,
 token log-probs, the optimizer step and the metrics log. Each loop stays explicit in its own module; these are
 its parts, as tidyrl.loops.common is for every loop.
 
@@ -33,7 +33,7 @@ OFFLINE_STEP_METRICS = (
     "grad_norm",  # global norm before clipping
     "time_s",  # wall-clock seconds since training started
 )
-"""The fields every metrics.jsonl row of sft, reward and dpo starts with, in this order (names are API);
+"""The fields every metrics.jsonl row of an offline stage starts with, in this order (names are API);
 each stage's own metrics follow (docs/stages.md)."""
 
 

@@ -57,10 +57,11 @@ def save_run(step: int, *, accelerator, out, trainee, tokenizer, state: RunState
 
 
 def restore_run(loaded: dict, *, accelerator, out, trainee, state: RunState, plan
-                ) -> tuple[int, float, Optional[float], Optional[tuple]]:
+                ) -> tuple[int, float, Optional[float], Optional[tuple], dict]:
     """Load a checkpoint's trainer state (`loaded`, from `training.check_resume`) into the trainee and `state`;
     drop the metrics and samples rows that the remaining steps will write again. Returns (step, elapsed seconds,
-    first reward, the unfinished rollout and its stats or None)."""
+    first reward, the unfinished rollout and its stats or None, the rollouts made ahead: `saved_made_ahead`'s
+    form, empty without rollout.lag)."""
     from tidyrl.checkpoint import set_rng_state, truncate_jsonl
 
     t = trainee
