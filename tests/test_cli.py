@@ -251,3 +251,17 @@ def test_plan_answers_a_wrong_config_without_importing_torch_transformers_or_dat
                               env=dict(os.environ), cwd=tmp_path)
         assert done.stdout.strip() == "2 []", (name, done.stdout, done.stderr[-2000:])
         assert "tidyrl: error:" in done.stderr
+
+
+def test_help_lists_every_algorithm_with_its_line_from_the_table(capsys):
+    """`tidyrl --help` reads the stages from config.SUMMARIES: the algorithm table's summaries and the offline
+    stages' lines, so a new algorithm appears with its line and none is left without one."""
+    from tidyrl.algorithms.table import ALGORITHMS as TABLE
+    from tidyrl.config import ALGORITHMS, OFFLINE_STAGES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    for name in ALGORITHMS:
+        summary = TABLE[name].summary if name in TABLE else OFFLINE_STAGES[name]
+        assert any(line.split() == [name, *summary.split()] for line in lines), (name, summary)

@@ -1,6 +1,7 @@
 """Config: YAML <-> typed dataclasses, overrides, unknown keys, types, validation (DESIGN.md §4)."""
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -363,3 +364,61 @@ def test_known_scheduler_names_are_transformers_own_and_validate_without_importi
             "print('transformers.trainer_utils' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def _field_docstring(cls, name: str) -> str:
+    """The docstring written under field `name` of config class `cls` (or of the base class that declares it)."""
+    import ast
+    import inspect
+    import textwrap
+
+    for klass in cls.__mro__:
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and node.target.id == name and isinstance(after, ast.Expr):
+                return after.value.value
+    raise AssertionError(f"{cls.__name__}.{name} has no docstring")
+
+
+def test_each_choice_list_has_one_owner_that_the_checks_and_the_reference_read():
+    """Every option with a list of values: the config refuses a value outside it with the list (the check reads the
+    owner's list), and the field's docstring, which docs/config-reference.md is generated from, names each value."""
+    from tidyrl.algorithms import choices, table
+    from tidyrl.config import (ALGORITHMS, WEIGHT_SYNC_ROUTES, DPOConfig, GRPOConfig, PPOConfig, RLOOConfig,
+                               ServerConfig, SFTConfig)
+
+    owned = [  # (section, key, its data, the owner's list)
+        (GRPOConfig, "grpo.loss_aggregation", {}, choices.LOSS_AGGREGATIONS),
+        (GRPOConfig, "grpo.kl_estimator", {}, choices.KL_ESTIMATORS),
+        (RLOOConfig, "rloo.kl_estimator", {"algorithm": "rloo"}, choices.KL_ESTIMATORS),
+        (PPOConfig, "ppo.kl_estimator", {"algorithm": "ppo"}, choices.KL_ESTIMATORS),
+        (GRPOConfig, "grpo.scale_rewards", {}, choices.GRPO_SCALES),
+        (GRPOConfig, "grpo.policy_loss", {}, table.POLICY_LOSSES),
+        (SFTConfig, "sft.loss_aggregation", None, choices.SFT_LOSS_AGGREGATIONS),
+        (DPOConfig, "dpo.loss_type", None, choices.DPO_LOSS_TYPES + choices.REFERENCE_FREE_LOSS_TYPES),
+        (ServerConfig, "server.weight_sync", {}, WEIGHT_SYNC_ROUTES),
+    ]
+    for section, key, extra, values in owned:
+        doc = _field_docstring(section, key.split(".")[1])
+        assert set(values) <= set(re.findall(r"[\w-]+", doc)), (key, values, doc)
+        data = offline(key.split(".")[0]) if extra is None else dict(minimal(), **extra)
+        found = problems(load_config, data, [f"{key}=no_such_value"])
+        assert found == [f"{key}: 'no_such_value' is not one of {', '.join(values)}"
+                         + (", or null (the algorithm's own)" if key.endswith("policy_loss") else "")], found
+    doc = _field_docstring(Config, "algorithm")
+    assert set(ALGORITHMS) <= set(re.findall(r"[\w-]+", doc)), doc
+
+
+def test_a_label_smoothing_is_refused_for_the_loss_types_that_take_none():
+    from tidyrl.algorithms.choices import DPO_LOSS_TYPES, LABEL_SMOOTHING_LOSS_TYPES
+
+    for loss_type in DPO_LOSS_TYPES:
+        data = offline("dpo")
+        data["dpo"] = {"loss_type": loss_type, "label_smoothing": 0.1}
+        if loss_type in LABEL_SMOOTHING_LOSS_TYPES:
+            assert load_config(data).dpo.label_smoothing == 0.1
+        else:
+            assert problems(load_config, data) == [
+                f"dpo.label_smoothing: only with dpo.loss_type=sigmoid or robust; set it to 0 for {loss_type}"]
