@@ -15,6 +15,10 @@ from tidyrl.models.llama_decode import LlamaDecodeStep, attention_bias, supports
 from tidyrl.models.generation import (_BufferedLayer, _buffered_cache, cache_argument, generate, left_pad,
                                       returned_cache, sample_seed)
 
+# Bit-equality between code paths, which may hold on some CPU kernels only: CI reruns these tests under
+# other kernels (pytest -m kernels; tests/conftest.py).
+pytestmark = pytest.mark.kernels
+
 
 @pytest.mark.parametrize("copy_weights", [True, False], ids=["copied-weights", "own-weights"])
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -14,6 +14,10 @@ from tidyrl.models.forward import completion_logprobs
 from tidyrl.models.generation import left_pad
 from tidyrl.rollouts import Rollout
 
+# Bit-equality between code paths, which may hold on some CPU kernels only: CI reruns these tests under
+# other kernels (pytest -m kernels; tests/conftest.py).
+pytestmark = pytest.mark.kernels
+
 K = 3  # samples per prompt
 
 

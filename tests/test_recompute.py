@@ -9,6 +9,10 @@ import torch
 from conftest import completion_batch, llama, mistral, qwen2, with_random_norms_and_biases
 from tidyrl.models import forward, recompute
 
+# Bit-equality between code paths, which may hold on some CPU kernels only: CI reruns these tests under
+# other kernels (pytest -m kernels; tests/conftest.py).
+pytestmark = pytest.mark.kernels
+
 
 def _run(model, batch, weights):
     """Log-probs, entropies and every parameter's gradient of one update-like pass; and the bytes kept for backward."""
