@@ -150,7 +150,7 @@ def test_sft_eval_split_scores_held_out_examples_and_keeps_the_best(tiny_model_d
     held = held_out_rows(10, 0.2, 3)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     loaded = tidyrl.config.load_config(cfg)
-    examples, _ = load_sft_examples(loaded, tokenizer, completion_eos_ids(str(tiny_model_dir), tokenizer), pack=False)
+    examples, _ = load_sft_examples(loaded, tokenizer, completion_eos_ids(str(tiny_model_dir), tokenizer))
     model = AutoModelForCausalLM.from_pretrained(result.final_dir).eval()
     with torch.no_grad():
         logprobs, mask = target_logprobs(model, pad_batch([examples[i] for i in held], tokenizer.pad_token_id

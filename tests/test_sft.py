@@ -175,8 +175,11 @@ def test_conversations_train_on_assistant_turns_rendered_as_the_rl_prompt(tiny_m
 def test_packing_keeps_examples_apart(tiny_model_dir, sft_file, tmp_path):
     """One step over all 10 examples, packed into rows of 24 tokens or not: the same loss and gradient, so
     packed examples neither see each other nor get shifted positions."""
-    tok, (rows, notes) = load_examples(tiny_model_dir, sft_file, data={"max_length": 24}, sft={"packing": True})
-    assert len(rows) < len(WORDS) and "packed 10 examples into" in notes[0]
+    from tidyrl.data.offline import pack_examples
+
+    tok, (examples, _) = load_examples(tiny_model_dir, sft_file, data={"max_length": 24}, sft={"packing": True})
+    rows, note = pack_examples(examples, 24)
+    assert len(rows) < len(WORDS) and "packed 10 examples into" in note
     assert rows[0].position_ids[:14] == list(range(13)) + [0]  # "apple:elppa</s>" after BOS is 13 tokens
     results = {}
     for name, extra, batch in (("plain", {}, 10), ("packed", {"sft": {"packing": True}}, len(rows))):

@@ -148,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                 from tidyrl.models.loading import load_model_config, load_tokenizer
 
                 load_model_config(cfg.model)  # the policy exists (at once, offline too)
-                # packed rows are counted with the tokenizer
-                tokenizer = load_tokenizer(cfg.tokenizer or cfg.model) if packs_rows(cfg) else None
-                num_examples, num_eval = count_offline_examples(cfg, tokenizer), count_eval_examples(cfg)
+                packing = packs_rows(cfg)  # packed rows are counted with the tokenizer
+                tokenizer = load_tokenizer(cfg.tokenizer or cfg.model) if packing else None
+                num_examples = count_offline_examples(cfg, packing=packing, tokenizer=tokenizer)
+                num_eval = count_eval_examples(cfg)
                 plan = plan_from_config(cfg, num_examples, args.num_processes)
                 extra = {"eval_examples": num_eval} if num_eval else {}
                 if cfg.algorithm == "dpo":  # what the reference costs: once per dataset, before training

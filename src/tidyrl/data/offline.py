@@ -59,10 +59,9 @@ class TokenizedPair:
 # Loading and checking
 
 
-def load_sft_examples(cfg, tokenizer, eos_ids: list[int], pack: bool = True
-                      ) -> tuple[list[TokenizedSequence], list[str]]:
-    """The SFT examples of `cfg.data`, tokenised (and packed with sft.packing, unless `pack` is False); plus notes
-    to print (truncations, packing). Uses `messages` when the data has no completion column."""
+def load_sft_examples(cfg, tokenizer, eos_ids: list[int]) -> tuple[list[TokenizedSequence], list[str]]:
+    """The SFT examples of `cfg.data`, tokenised, one per row (pack_examples packs them); plus notes to print
+    (truncations). Uses `messages` when the data has no completion column."""
     d = cfg.data
     table = load_table(d.path, d.split)
     columns = table.column_names
@@ -97,9 +96,6 @@ def load_sft_examples(cfg, tokenizer, eos_ids: list[int], pack: bool = True
     if cut:
         notes.append(f"{cut} of {len(examples)} examples are longer than data.max_length={d.max_length} tokens "
                      "and were cut at the end")
-    if cfg.sft.packing and pack:
-        examples, note = pack_examples(examples, d.max_length)
-        notes.append(note)
     return examples, notes
 
 
@@ -111,14 +107,15 @@ def pack_examples(examples: list[TokenizedSequence], max_length: int) -> tuple[l
 
 
 
-def load_preference_pairs(cfg, tokenizer, eos_ids: list[int], *, whole_text: bool
-                          ) -> tuple[list[TokenizedPair], list[str]]:
+def load_preference_pairs(cfg, tokenizer, eos_ids: list[int], *, whole_text: bool,
+                          margin_column: Optional[str] = None) -> tuple[list[TokenizedPair], list[str]]:
     """The preference pairs of `cfg.data`, tokenised; plus notes to print.
 
     `whole_text=True` (reward model): each sequence is the whole text tokenised at once, as a reward model
     reads a decoded completion (`reward_model_input_ids`), cut from the left to data.max_length; no EOS is
     appended. False (DPO): prompt and completion tokenised apart and EOS appended, as in a rollout, with the
-    completion tokens as targets, cut at the end.
+    completion tokens as targets, cut at the end. `margin_column` (the reward model's reward.margin_column):
+    the column of each pair's margin, checked to be a finite number; None reads no margin (0 for every pair).
     """
     d = cfg.data
     table = load_table(d.path, d.split)
@@ -127,7 +124,6 @@ def load_preference_pairs(cfg, tokenizer, eos_ids: list[int], *, whole_text: boo
                               ("data.chosen_column", d.chosen_column, "the preferred completion"),
                               ("data.rejected_column", d.rejected_column, "the dispreferred completion")):
         _require(columns, column, key, d.path, what)
-    margin_column = cfg.reward.margin_column if cfg.algorithm == "reward" else None
     if margin_column is not None:
         _require(columns, margin_column, "reward.margin_column", d.path, "the margin of each pair")
     prompts, chosen, rejected = table[d.prompt_column], table[d.chosen_column], table[d.rejected_column]
@@ -313,13 +309,14 @@ def count_eval_examples(cfg) -> int:
     return 0
 
 
-def count_offline_examples(cfg, tokenizer=None) -> int:
+def count_offline_examples(cfg, *, packing: bool, tokenizer=None) -> int:
     """N of an offline stage's plan, for `tidyrl plan`: rows of the data less the held-out ones
-    (data.eval_fraction), or the packed rows with sft.packing (which needs the policy's `tokenizer`)."""
-    if cfg.algorithm == "sft" and cfg.sft.packing:
+    (data.eval_fraction), or, when the stage packs examples into rows (`packing`: tidyrl.config.packs_rows),
+    the packed rows, which needs the policy's `tokenizer`."""
+    if packing:
         if tokenizer is None:
-            raise ValueError("count_offline_examples: sft.packing counts packed rows, which needs the tokenizer")
-        examples, _ = load_sft_examples(cfg, tokenizer, completion_eos_ids(cfg.model, tokenizer), pack=False)
+            raise ValueError("count_offline_examples: packed rows are counted with the tokenizer")
+        examples, _ = load_sft_examples(cfg, tokenizer, completion_eos_ids(cfg.model, tokenizer))
         train, _, _ = split_train_eval(cfg, examples, lambda c: [], sequence_key)
         return len(pack_sequences(train, cfg.data.max_length))
     rows = len(load_table(cfg.data.path, cfg.data.split))

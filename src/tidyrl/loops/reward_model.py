@@ -125,9 +125,11 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     # 1. Everything checkable before the model: tokenizer, data, eval split, plan, output folder.
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     eos_ids = completion_eos_ids(cfg.model, tokenizer)
-    pairs, notes = load_preference_pairs(cfg, tokenizer, eos_ids, whole_text=True)
+    margin_column = cfg.reward.margin_column
+    pairs, notes = load_preference_pairs(cfg, tokenizer, eos_ids, whole_text=True, margin_column=margin_column)
     pairs, held_out, eval_notes = split_train_eval(
-        cfg, pairs, lambda c: load_preference_pairs(c, tokenizer, eos_ids, whole_text=True)[0], pair_key)
+        cfg, pairs, lambda c: load_preference_pairs(c, tokenizer, eos_ids, whole_text=True,
+                                                    margin_column=margin_column)[0], pair_key)
     plan = offline_plan_from_config(cfg, len(pairs), run.world_size)
     run.open_output(eval_notes)
     pad_id = model_pad_id(tokenizer, eos_ids)

@@ -87,9 +87,9 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     # 1. Everything checkable before the model: tokenizer, data, eval split, plan, output folder.
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     eos_ids = completion_eos_ids(cfg.model, tokenizer)
-    examples, notes = load_sft_examples(cfg, tokenizer, eos_ids, pack=False)
+    examples, notes = load_sft_examples(cfg, tokenizer, eos_ids)
     examples, held_out, eval_notes = split_train_eval(
-        cfg, examples, lambda c: load_sft_examples(c, tokenizer, eos_ids, pack=False)[0], sequence_key)
+        cfg, examples, lambda c: load_sft_examples(c, tokenizer, eos_ids)[0], sequence_key)
     if cfg.sft.packing:  # after the split: a packed row never mixes train and eval examples
         examples, note = pack_examples(examples, cfg.data.max_length)
         notes.append(note)
