@@ -69,6 +69,19 @@ def test_kto_run_counts_and_its_first_step_by_hand(tiny_model_dir, kto_file, tmp
     assert (result.final_dir / "model.safetensors").exists()
 
 
+def test_plan_prints_the_reference_cost_that_plan_json_holds(tiny_model_dir, kto_file, tmp_path, capsys):
+    import yaml
+
+    from tidyrl.cli import main
+
+    path = tmp_path / "kto.yaml"
+    path.write_text(yaml.safe_dump(kto_config(tiny_model_dir, kto_file, tmp_path / "run")))
+    assert main(["plan", str(path)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["reference"] == "examples scored once before training, cached; z0's mismatched pairs every step"
+    assert (printed["reference_sequences"], printed["z0_sequences_per_step"], printed["z0_sequences"]) == (12, 4, 24)
+
+
 def test_z0_is_the_mean_log_ratio_of_the_global_batch_mismatched_pairs(tiny_model_dir, kto_file, tmp_path):
     """Recomputed outside the loop: from checkpoint-2's weights and the reference, the pairs (prompt of
     batch[i], completion of batch[i+1 mod B]) of step 3's batch give the `kl` that step logged."""

@@ -140,10 +140,12 @@ def main(argv: list[str] | None = None) -> int:
             from tidyrl.plan import plan_from_config
 
             cfg = load_config(args.config, args.overrides)
-            from tidyrl.api import check_parts
+            from tidyrl.api import LOOPS, check_parts
 
             check_parts(cfg)
             if cfg.algorithm in OFFLINE_ALGORITHMS:  # rows of examples/pairs (packed rows with sft.packing)
+                import importlib
+
                 from tidyrl.data.offline import count_eval_examples, count_offline_examples
                 from tidyrl.models.loading import load_model_config, load_tokenizer
 
@@ -154,10 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                 num_eval = count_eval_examples(cfg)
                 plan = plan_from_config(cfg, num_examples, args.num_processes)
                 extra = {"eval_examples": num_eval} if num_eval else {}
-                if cfg.algorithm == "dpo":  # what the reference costs: once per dataset, before training
-                    from tidyrl.loops.dpo import reference_cost
-
-                    extra.update(reference_cost(cfg, num_examples, num_eval))
+                loop = importlib.import_module(LOOPS[cfg.algorithm])
+                if hasattr(loop, "reference_cost"):  # a stage with a frozen reference says what it costs
+                    extra.update(loop.reference_cost(cfg, plan, num_eval))
                 print(json.dumps({**plan.to_dict(), **extra}, indent=2))
                 return 0
             from tidyrl.config import config_base_dir

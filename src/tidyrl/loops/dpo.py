@@ -66,13 +66,14 @@ def reference_logps_cache(accelerator, reference, pairs, pad_id: int, chunk: int
     return cache
 
 
-def reference_cost(cfg, num_pairs: int, num_eval: int) -> dict:
+def reference_cost(cfg, plan, num_eval: int) -> dict:
     """What the reference costs, for plan.json and `tidyrl plan`: DPO-style losses score every train and held-out
     pair's two sequences once before training (reference_logps_cache), in forward passes of up to
-    2 * micro_batch_size sequences split over the processes; simpo and orpo load no reference."""
+    2 * micro_batch_size sequences split over the processes; simpo and orpo load no reference. `plan`: the run's
+    OfflinePlan (its num_examples are the training pairs); `num_eval`: the held-out pairs."""
     if cfg.dpo.loss_type in REFERENCE_FREE_LOSS_TYPES:
         return {"reference": "none (reference-free loss)"}
-    m = cfg.train.micro_batch_size
+    m, num_pairs = cfg.train.micro_batch_size, plan.num_examples
     return {"reference": "scored once before training, cached",
             "reference_sequences": 2 * (num_pairs + num_eval),
             "reference_forward_passes": -(-num_pairs // m) + -(-num_eval // m)}
@@ -234,7 +235,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
             if held_out:
                 eval_ref_cache_N2 = reference_logps_cache(run.accelerator, reference, held_out, pad_id, m)
         ref_model = None  # no longer needed: its memory is free for training
-        cost = reference_cost(cfg, len(pairs), len(held_out))
+        cost = reference_cost(cfg, plan, len(held_out))
         run.say([f"reference: {cost['reference_sequences']} sequences scored once before training "
                  f"({cost['reference_forward_passes']} forward passes of up to {2 * m} sequences, split over {W} "
                  f"process(es)); kept as {len(pairs) + len(held_out)} x 2 floats"])
@@ -243,4 +244,4 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     stage = PreferenceStage(model, pairs, held_out, ref_cache_N2, eval_ref_cache_N2, opts, pad_id,
                             run.accelerator.device, plan.batch_size, flat)
     return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(pairs), len(held_out),
-                     header=reference_cost(cfg, len(pairs), len(held_out)))
+                     header=reference_cost(cfg, plan, len(held_out)))

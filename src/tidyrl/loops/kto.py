@@ -181,7 +181,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
             return sequence_logps_cache(run.accelerator, reference, [e.sequence for e in items], pad_id, m)
 
     ref_cache_N, eval_ref_cache_N = cache(examples), cache(held_out)
-    cost = kto_reference_cost(cfg, len(examples), len(held_out), plan.total_optimizer_steps)
+    cost = reference_cost(cfg, plan, len(held_out))
     run.say([f"reference: {len(examples) + len(held_out)} examples scored once before training; the z0 pairs: "
              f"{cost['z0_sequences_per_step']} sequences per step under the policy and the reference (no grad)"])
 
@@ -191,10 +191,11 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(examples), len(held_out), header=cost)
 
 
-def kto_reference_cost(cfg, num_examples: int, num_eval: int, steps: int) -> dict:
-    """What the reference costs, for plan.json: every example's completion scored once (cached; the reference
-    is frozen), plus each step's mismatched pairs for z0 (B sequences under the policy and the reference)."""
-    B = cfg.train.batch_size
+def reference_cost(cfg, plan, num_eval: int) -> dict:
+    """What the reference costs, for plan.json and `tidyrl plan`: every example's completion scored once (cached;
+    the reference is frozen), plus each step's mismatched pairs for z0 (B sequences under the policy and the
+    reference). `plan`: the run's OfflinePlan; `num_eval`: the held-out examples."""
+    B = plan.batch_size
     return {"reference": "examples scored once before training, cached; z0's mismatched pairs every step",
-            "reference_sequences": num_examples + num_eval, "z0_sequences_per_step": B,
-            "z0_sequences": B * steps}
+            "reference_sequences": plan.num_examples + num_eval, "z0_sequences_per_step": B,
+            "z0_sequences": B * plan.total_optimizer_steps}
