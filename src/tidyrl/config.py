@@ -53,7 +53,7 @@ class DataConfig:
     overlong_prompts: str = "error"
     """What to do with longer prompts: error (stop before training, with a count), truncate (keep each prompt's last tokens) or skip."""
     completion_column: str = "completion"
-    """sft: column holding the completion (a string, or assistant messages) that follows `prompt_column`."""
+    """sft, kto: column holding the completion (a string, or assistant messages) that follows `prompt_column`."""
     messages_column: str = "messages"
     """sft: column holding a whole conversation (a list of chat messages); used when the data has no completion column."""
     tools_column: str = "tools"
@@ -67,9 +67,9 @@ class DataConfig:
     label_column: str = "label"
     """kto: column holding each completion's label, true (desirable) or false (undesirable)."""
     max_length: Optional[int] = None
-    """sft, reward, dpo: longest tokenised example (prompt + completion) in tokens. Longer ones are cut: sft and dpo
-    at the end (the prompt kept whole), reward at the start (a reward model scores the end, as in RL). null = no
-    limit. Required by sft.packing (the packed row length)."""
+    """sft, reward, dpo, kto: longest tokenised example (prompt + completion) in tokens. Longer ones are cut: sft,
+    dpo and kto at the end (the prompt kept whole), reward at the start (a reward model scores the end, as in RL).
+    null = no limit. Required by sft.packing (the packed row length)."""
     reasoning_gym: Optional[str] = None
     """RL stages: generate the prompts with this reasoning-gym task (e.g. basic_arithmetic) instead of reading data.path; score them with the reward tidyrl.data.reasoning_gym:reasoning_gym_score. pip install 'tidyrl[gym]'."""
     reasoning_gym_size: int = 1000
@@ -77,7 +77,7 @@ class DataConfig:
     reasoning_gym_options: dict = field(default_factory=dict)
     """reasoning_gym: the task's configuration (its dataset config's keys, e.g. {min_terms: 2, max_terms: 4})."""
     eval_path: Optional[str] = None
-    """A held-out file (the format of `path`: prompts for RL stages, examples or pairs for sft, reward, dpo) scored during training: log.eval_every."""
+    """A held-out file (the format of `path`: prompts for RL stages, examples or pairs for sft, reward, dpo, kto) scored during training: log.eval_every."""
     eval_fraction: float = 0.0
     """Hold out this fraction of `path` instead (rows drawn with `seed`; at least one row); they are not trained on."""
 
@@ -256,17 +256,17 @@ class TrainConfig:
     dataset_epochs: Optional[float] = None
     """Length of training in passes over the prompt set: rollouts = ceil(dataset_epochs * N / P) (floor with drop_last)."""
     drop_last: bool = False
-    """With `dataset_epochs`: round the number of rollouts (sft/reward/dpo: optimizer steps) down instead of up."""
+    """With `dataset_epochs`: round the number of rollouts (sft, reward, dpo, kto: optimizer steps) down instead of up."""
     batch_size: Optional[int] = None
-    """sft, reward, dpo: examples (reward, dpo: pairs) per optimizer step, global. Required for these stages."""
+    """sft, reward, dpo, kto: examples (reward, dpo: pairs) per optimizer step, global. Required for these stages."""
     max_steps: Optional[int] = None
-    """sft, reward, dpo: length of training in optimizer steps. Set exactly one of `max_steps` and `dataset_epochs`."""
+    """sft, reward, dpo, kto: length of training in optimizer steps. Set exactly one of `max_steps` and `dataset_epochs`."""
     epochs_per_rollout: int = 1
     """E: passes over one rollout's episodes (PPO epochs, GRPO's mu)."""
     minibatches_per_epoch: int = 1
     """M: each pass is split into M mini-batches, one optimizer step each."""
     micro_batch_size: int = 8
-    """m: completions (sft: examples; reward, dpo: pairs) per forward/backward, per process. A memory knob:
+    """m: completions (sft, kto: examples; reward, dpo: pairs) per forward/backward, per process. A memory knob:
     gradient accumulation is derived from it."""
     learning_rate: float = 1.0e-6
     """Peak learning rate of AdamW."""
@@ -291,9 +291,9 @@ class TrainConfig:
     sync_each_microbatch: bool = False
     """Synchronise gradients on every micro-batch instead of only the last (FSDP memory). Same results either way."""
     group_by_length: bool = True
-    """sft, reward, dpo: order each process's share of a step by length before cutting it into micro-batches, so each pads little. Same examples per step, same gradient (up to summation order)."""
+    """sft, reward, dpo, kto: order each process's share of a step by length before cutting it into micro-batches, so each pads little. Same examples per step, same gradient (up to summation order)."""
     padding_free: Optional[bool] = None
-    """sft, dpo: each micro-batch as one row of its examples side by side, no padding (positions restart; the model is checked to keep examples apart). null = on where the attention has a varlen kernel (flash_attention_2/3), off otherwise (on CPU, group_by_length is faster: docs/benchmarks.md)."""
+    """sft, dpo, kto: each micro-batch as one row of its examples side by side, no padding (positions restart; the model is checked to keep examples apart). null = on where the attention has a varlen kernel (flash_attention_2/3), off otherwise (on CPU, group_by_length is faster: docs/benchmarks.md)."""
 
     def check(self, need, cfg: "Config") -> None:
         offline = cfg.algorithm in OFFLINE_ALGORITHMS
@@ -903,7 +903,7 @@ def validate(cfg: Config) -> None:
              "train.group_by_length, or null")
     else:
         need(cfg.train.padding_free is None, "train.padding_free",
-             f"only for sft and dpo; {cfg.algorithm} scores its rollouts with the rollout.forward_batch_size knob")
+             f"only for sft, dpo and kto; {cfg.algorithm} scores its rollouts with the rollout.forward_batch_size knob")
     _check_evaluation(cfg, need, offline)
     need(offline or len(cfg.rewards) > 0 or cfg.environment.factory is not None, "rewards",
          "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
