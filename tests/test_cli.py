@@ -191,8 +191,8 @@ def test_two_processes_with_torchrun_match_one_process(yaml_run, tmp_path):
 
 
 def test_the_demo_prints_one_summary(tmp_path, capsys):
-    """The demo printed its own reward summary (first/last 5 rollouts) under the run's (first/last rollout):
-    two numbers for one quantity. Now the run's summary is the only one, and the demo adds examples."""
+    """The run's reward summary (first/last rollout) is the only one the demo prints, so one quantity has one
+    number; the demo adds examples."""
     from tidyrl.demo import run_demo
 
     run_demo(tmp_path / "demo", ("train.rollouts=3", "log.progress_bar=false"))

@@ -93,8 +93,8 @@ def test_eval_errors_name_what_is_missing(tiny_model_dir, prompt_file, tmp_path,
 
 
 def test_an_evaluation_never_replaces_another(tiny_model_dir, prompt_file, tmp_path):
-    """Each call got eval-<model>/ and replaced the last one's files; now the next is eval-<model>-2, -3, and
-    an explicit --output-dir that holds an evaluation is refused."""
+    """The first evaluation of a model writes eval-<model>/, the next ones eval-<model>-2, -3, ..., so none
+    replaces another's files; an explicit --output-dir that holds an evaluation is refused."""
     import shutil
 
     from tidyrl.evaluate import EvalError, evaluate
