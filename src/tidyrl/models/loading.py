@@ -47,7 +47,13 @@ def hub_reachable() -> bool:
 def check_model_source(path: str, key: str) -> None:
     """Fail at once, before any download or retry, when `path` names neither a folder nor a hub id this machine
     can read: a path that does not exist, a string that is no hub id, or an id that is not in the local hub
-    cache while the hub cannot be reached (offline). A reachable hub answers for the rest itself (quickly)."""
+    cache while the hub cannot be reached (offline), or a GGUF file (converted once instead: `models.gguf`
+    says why). A reachable hub answers for the rest itself (quickly)."""
+    if os.path.isfile(os.path.expanduser(path)) and str(path).lower().endswith(".gguf"):
+        raise ModelLoadError(
+            f"{key}={path!r} is a GGUF file; {key} takes a Hugging Face model folder or hub id. Convert the file "
+            "once (pip install gguf): python -c \"from tidyrl.models.gguf import convert_gguf; "
+            f"convert_gguf({str(path)!r}, 'models/converted')\", then set {key}=models/converted.")
     if os.path.exists(os.path.expanduser(path)):
         return
     where = f"no folder {path!r} in the current directory {os.getcwd()} or beside the config file"

@@ -1,0 +1,56 @@
+"""A GGUF file (llama.cpp's format, quantised or not) made into an ordinary Hugging Face model folder, once.
+
+`model:` takes a Hugging Face folder or hub id, not a `.gguf` file (`models.loading.check_model_source` refuses
+one and points here): transformers dequantises a GGUF at every load (~17 s for the 135M SmolLM2 on 2 CPU cores,
+~1 s from the converted safetensors) and rebuilds its tokenizer from the file's vocabulary (~8 s); the reference
+model, reward models, the vLLM engine and every checkpoint would pay that again; and `final/` must be a folder
+anyway. So a GGUF is converted once:
+
+    from tidyrl.models.gguf import convert_gguf
+    convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2")
+
+Needs the `gguf` package (`pip install "tidyrl[gguf]"`). transformers refuses `save_pretrained` on a model loaded
+from a GGUF ("The model is quantized with gguf and is not serializable"): the config keeps a
+`quantization_config` although the weights are plain float tensors by then. The conversion drops it, builds a
+fresh model from that config, loads the dequantised weights into it and saves that.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32") -> Path:
+    """Write `out_dir`: the model of `gguf_path` as safetensors (dequantised to `dtype`), its config and
+    generation config, and its tokenizer with the chat template the file carries. Returns `out_dir`.
+
+    The tokenizer's `model_max_length`: a GGUF does not carry one, and transformers then sets ~1e30; the folder
+    gets the model's context (`max_position_embeddings`) instead, as a folder on the hub carries it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {gguf_path}")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{gguf_path}: the dequantised weights do not fit the model its config describes "
+                         f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    context = getattr(config, "max_position_embeddings", None)
+    if context and tokenizer.model_max_length > context:
+        tokenizer.model_max_length = context
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

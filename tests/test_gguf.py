@@ -1,0 +1,75 @@
+"""tidyrl.models.gguf on a tiny GGUF file written here (tests/tiny_gguf.py; no download), and the refusal of a
+`.gguf` path as `model:`. The same conversion of the real SmolLM2 file: tests/test_smollm2.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (pip install 'tidyrl[gguf]')")
+
+from tiny_gguf import SYSTEM, write_tiny_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_gguf, tmp_path_factory):
+    from tidyrl.models.gguf import convert_gguf
+
+    return convert_gguf(tiny_gguf, tmp_path_factory.mktemp("converted") / "model")
+
+
+def test_converted_folder_computes_what_the_gguf_model_computes(tiny_gguf, converted):
+    from transformers import AutoModelForCausalLM
+
+    from_gguf = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    from_folder = AutoModelForCausalLM.from_pretrained(converted)
+    ids = torch.tensor([[1, 40, 41, 42, 2, 50]])
+    assert torch.equal(from_gguf(ids).logits, from_folder(ids).logits)
+    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    # tied embeddings stay tied: one tensor in the file, the output layer is the embedding
+    assert from_folder.config.tie_word_embeddings
+    assert from_folder.lm_head.weight.data_ptr() == from_folder.model.embed_tokens.weight.data_ptr()
+    from safetensors import safe_open
+
+    with safe_open(str(converted / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+
+
+def test_converted_tokenizer_keeps_template_specials_and_gets_a_real_context(tiny_gguf, converted):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from_gguf = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    tok = AutoTokenizer.from_pretrained(converted)
+    text = "the cat <|im_end|> 12 + 7"
+    assert tok(text)["input_ids"] == from_gguf(text)["input_ids"]
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == from_gguf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>")  # the template's default system prompt
+    assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (2, 2, 1)
+    assert from_gguf.model_max_length > 1e29  # transformers' "no limit" for a GGUF
+    assert tok.model_max_length == 128  # the model's context, as a hub folder carries it
+    assert GenerationConfig.from_pretrained(converted).eos_token_id == 2
+
+
+def test_a_gguf_file_as_model_is_refused_with_the_conversion(tiny_gguf):
+    from tidyrl.models.loading import ModelLoadError, load_tokenizer
+
+    with pytest.raises(ModelLoadError, match=r"model='.*tiny\.gguf' is a GGUF file.*convert_gguf"):
+        load_tokenizer(str(tiny_gguf), "model")
+
+
+def test_missing_file_is_named(tmp_path):
+    from tidyrl.models.gguf import convert_gguf
+
+    with pytest.raises(FileNotFoundError, match="no GGUF file"):
+        convert_gguf(tmp_path / "absent.gguf", tmp_path / "out")
