@@ -182,7 +182,7 @@ def child_tidyrl(spec: dict) -> dict:
         rl.optimizer_step = trace.phase(rl.optimizer_step)
     profiler = Profiler(spec)
     if profiler.on:
-        rl.RLRun.make_rollout = profiler.starting_at_measured(rl.RLRun.make_rollout)
+        rl.RLRun.take_rollout = profiler.starting_at_measured(rl.RLRun.take_rollout)
         producer.Producer.round = profiler.phase("generate", producer.Producer.round)
         rl_rollout.score_logprobs = profiler.phase("score", rl_rollout.score_logprobs)
         rl.optimizer_step = profiler.phase("update", rl.optimizer_step)

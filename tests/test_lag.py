@@ -85,28 +85,28 @@ def test_the_weights_of_a_launch_are_copied_when_it_is_launched():
     weights = {"w": torch.tensor([0.0])}
     made_with = {}
 
-    def make(r, snapshot):
+    def make(r, version, snapshot):
         made_with[r] = float(snapshot["w"])
-        return r
+        return r, version
 
     ahead = RolloutsAhead(2, 5, make, lambda: {k: v.clone() for k, v in weights.items()}, background=False)
     for r in range(5):
         ahead.launch_due(r)
         got, _ = ahead.take(r)
-        assert (got.value, got.version) == (r, behaviour_version(r, 2))
+        assert got == (r, behaviour_version(r, 2))
         weights["w"] += 1.0  # the learner's updates of rollout r: version r + 1
     assert made_with == {0: 0.0, 1: 0.0, 2: 0.0, 3: 1.0, 4: 2.0}
 
 
 def test_an_error_while_making_ahead_is_raised_where_the_rollout_is_taken():
-    def make(r, snapshot):
+    def make(r, version, snapshot):
         if r == 1:
             raise ValueError("reward exploded")
         return r
 
     ahead = RolloutsAhead(1, 3, make, dict, background=True)
     ahead.launch_due(0)
-    assert ahead.take(0)[0].value == 0
+    assert ahead.take(0)[0] == 0
     ahead.launch_due(1)
     with pytest.raises(ValueError, match="reward exploded"):
         ahead.take(1)
@@ -128,11 +128,11 @@ def test_each_rollout_is_made_by_the_weights_the_lag_names_and_scored_by_the_lea
     per_rollout = cfg["train"]["epochs_per_rollout"] * cfg["train"]["minibatches_per_epoch"]
     cfg["log"].update({"save_every": per_rollout, "keep_last": 10})
     generated_by, critic_of = {}, []
-    make = rl.RLRun._make_episodes
+    make = rl.make_rollout
 
-    def recording(self, r, snapshot):
+    def recording(source, r, version, snapshot):
         generated_by[r] = digest(snapshot)
-        return make(self, r, snapshot)
+        return make(source, r, version, snapshot)
 
     values = scoring.score_values
 
@@ -140,7 +140,7 @@ def test_each_rollout_is_made_by_the_weights_the_lag_names_and_scored_by_the_lea
         critic_of.append(digest({n: p for n, p in critic.named_parameters()}))
         return values(critic, tokens, chunk)
 
-    monkeypatch.setattr(rl.RLRun, "_make_episodes", recording)
+    monkeypatch.setattr(rl, "make_rollout", recording)
     monkeypatch.setattr(scoring, "score_values", recording_values)
     tidyrl.train(cfg)
 
@@ -301,9 +301,9 @@ def test_under_fsdp_the_lag_takes_vllm_servers_and_is_refused_with_an_in_process
 
 
 def test_a_rollout_past_the_plan_is_made_when_asked_and_one_never_launched_is_an_error_not_a_hang():
-    ahead = RolloutsAhead(1, 2, lambda r, snapshot: r, dict, background=True)
+    ahead = RolloutsAhead(1, 2, lambda r, version, snapshot: r, dict, background=True)
     ahead.launch_due(2)  # past the run's 2 rollouts (e.g. a test asking for one more): made, no look-ahead
-    assert ahead.take(2)[0].value == 2
+    assert ahead.take(2)[0] == 2
     with pytest.raises(RuntimeError, match="rollout 5 was never launched"):
         ahead.take(4)
     ahead.close()

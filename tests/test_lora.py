@@ -116,7 +116,7 @@ def test_lora_reference_log_probs_are_the_base_models(tiny_model_dir, prompt_fil
         assert reference is policy  # the same object: no copy
     trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    rollout, _, _ = run.make_rollout(1)  # a rollout after training: the adapter is no longer zero
+    rollout, _, _ = run.take_rollout(1)  # a rollout after training: the adapter is no longer zero
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     expected = score_logprobs(base, rollout, 1.0, 64)
     mask = rollout.completion_mask.bool()

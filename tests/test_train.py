@@ -229,9 +229,9 @@ def test_old_logprobs_come_from_sampling_and_only_when_several_steps_share_a_rol
     counting = lambda *a, **k: calls.append(1) or original_score(*a, **k)  # noqa: E731
     monkeypatch.setattr(scoring, "score_logprobs", counting)
     monkeypatch.setattr(rl_rollout, "score_logprobs", counting)
-    original_make = RLRun.make_rollout
+    original_make = RLRun.take_rollout
 
-    def make_rollout(run, r):
+    def take_rollout(run, r):
         rollout, stats, samples = original_make(run, r)
         if rollout.old_logprobs is not None:
             policy = run.accelerator.unwrap_model(run.trainee.model)
@@ -241,7 +241,7 @@ def test_old_logprobs_come_from_sampling_and_only_when_several_steps_share_a_rol
             seen.append(None)
         return rollout, stats, samples
 
-    monkeypatch.setattr(RLRun, "make_rollout", make_rollout)
+    monkeypatch.setattr(RLRun, "take_rollout", take_rollout)
     one_step = {"rollouts": 2, "epochs_per_rollout": 1, "minibatches_per_epoch": 1, "micro_batch_size": 8,
                 "warmup_steps": 0}
     tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "a", train=one_step, log={"progress_bar": False}))

@@ -303,6 +303,28 @@ def test_tidyrl_eval_runs_on_the_vllm_engine(vllm_model_dir, words_file, tmp_pat
     assert sampled.summary["n"] == len(WORDS[:10]) * 4
 
 
+def test_tidyrl_eval_of_a_vllm_run_gives_its_last_eval_metrics(vllm_model_dir, words_file, tmp_path):
+    """A run on the vLLM engine evaluates its held-out prompts during training; `tidyrl eval` of its config and its
+    final/ takes the same held-out prompts through the same producer on the same engine: the run's last eval/*
+    numbers, exactly."""
+    from tidyrl.cli import main
+
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", data={"eval_fraction": 0.3},
+                      log={"eval_every": 2, "eval_decoding": "sampled"})
+    result = tidyrl.train(cfg)
+    last = read_jsonl(result.output_dir / "metrics.jsonl")[-1]
+    assert main(["eval", str(result.output_dir / "config.yaml"), "--model", str(result.final_dir),
+                 "--output-dir", str(tmp_path / "evaluated")]) == 0
+    import json
+
+    summary = json.loads((tmp_path / "evaluated" / "eval.json").read_text())
+    assert summary["n"] == 3 * 4 and summary["produced_by"]["engine"] == "vllm"
+    assert summary["reward_mean"] == last["eval/reward_mean"]
+    assert summary["rewards"] == {"reward/anagram_reward": last["eval/reward/anagram_reward"]}
+    assert summary["completion_length_mean"] == last["eval/completion_length_mean"]
+    assert summary["truncated_fraction"] == last["eval/truncated_fraction"]
+
+
 # --- rollout.engine: vllm-server, against a real vLLM server in its own process ------------------------------
 
 

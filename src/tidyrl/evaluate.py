@@ -194,14 +194,11 @@ def _held_out_evaluation(cfg, inputs, accelerator, k: int, greedy: bool, seed: i
     """The learner's held-out evaluation (`loops.rl_rollout.evaluate_held_out`) of `inputs`' prompts, with the
     policy loaded as training loads it and the producer training builds (environment and tools included), on the
     configured engine: (its metrics, every episode's row)."""
-    import contextlib
-
     from tidyrl.engines import make_engine
     from tidyrl.loops.rl_inputs import make_producer
     from tidyrl.loops.rl_rollout import evaluate_held_out
     from tidyrl.models.generation import eos_token_ids, pad_token_id
     from tidyrl.models.loading import load_causal_lm
-    from tidyrl.models.sharding import full_weights
 
     ro = cfg.rollout
     policy = load_causal_lm(cfg.model, cfg.model_dtype).eval()  # on the host until an engine samples from it
@@ -225,9 +222,7 @@ def _held_out_evaluation(cfg, inputs, accelerator, k: int, greedy: bool, seed: i
                                  columns=other_columns(inputs.dataset, cfg.data.prompt_column),
                                  reward_fns=inputs.reward_fns, environment=inputs.environment, tools=inputs.tools,
                                  pool=pool, greedy=greedy, seed=seed)
-        weights = full_weights(policy) if engine.capabilities.samples_trained_weights else contextlib.nullcontext()
-        return evaluate_held_out(producer, engine, policy, weights, k, len(inputs.prompt_ids), accelerator,
-                                 with_episodes=True)
+        return evaluate_held_out(producer, engine, policy, k, len(inputs.prompt_ids), accelerator, with_episodes=True)
     finally:
         if pool is not None:
             pool.close()

@@ -268,104 +268,110 @@ class OfflineRun:
                 every log.eval_every steps and at the last: the held-out examples scored (eval/ metrics)
                 every log.save_every steps: a checkpoint; on Ctrl-C/SIGTERM: a checkpoint, then stop
             final/: the model; the summary
+
+        The skeleton (metrics log, progress bar, stop signals, checkpoint cadence) is the RL loop's,
+        `loops.training.Steps`.
         """
-        from tidyrl.checkpoint import set_rng_state, truncate_jsonl
+        import functools
+
         from tidyrl.data import PromptStream
         from tidyrl.loops.common import TrainResult, save_pretrained_atomic, write_run_header
-        from tidyrl.loops.training import (StopSignals, Sums, TrainingInterrupted, agree, apply_update,
-                                           continue_longer, keep_if_best, no_sync)
-        from tidyrl.metrics import ProgressBar, RunLogger, format_offline_summary
+        from tidyrl.loops.training import Steps, keep_if_best
+        from tidyrl.metrics import format_offline_summary
 
-        cfg, acc, W = self.cfg, self.accelerator, self.world_size
-        step, elapsed, first, self.best = 0, 0.0, {}, None
-        if self.resumed is not None:
-            optimizer.load_state_dict(self.resumed["optimizer"])
-            scheduler.load_state_dict(self.resumed["scheduler"])
-            set_rng_state(self.resumed["rng"])
-            state = self.resumed["state"]
-            step, elapsed, first = state["step"], state["elapsed_s"], state.get("first_row") or {}
-            note = continue_longer(cfg, self.resumed, plan, self.out, acc, [scheduler])
-            if note and self.is_main:
-                print(f"tidyrl: {note}", flush=True)
-            self.best = state.get("best")
-            acc.wait_for_everyone()
-            if self.is_main:  # the rows the remaining steps write again
-                truncate_jsonl(self.out / "metrics.jsonl", lambda row: row["step"] <= step)
-            acc.wait_for_everyone()
-        else:
+        cfg, acc = self.cfg, self.accelerator
+        step, first, self.best = self._resume(optimizer, scheduler, plan) if self.resumed is not None else (0, {}, None)
+        if self.resumed is None:
+            self.start = time.perf_counter()
             write_run_header(cfg, plan, self.out, acc,
                              {**({"eval_examples": eval_examples} if eval_examples else {}), **(header or {})})
-        log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
-        bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar, initial=step)
         stream = PromptStream(num_examples, cfg.seed)
         eval_every = cfg.log.eval_every
-        self.start = time.perf_counter() - elapsed
         row: dict = {}
-        try:
-            with StopSignals() as stop:
-                while step < plan.total_optimizer_steps:
-                    t0 = time.perf_counter()
-                    batch = stream.rollout_indices(step, plan.batch_size)  # global: the same list on every process
-                    step += 1
-                    model.train()
-                    stage.begin_step(batch)
-                    parts = micro_batches(batch, plan, self.rank,
-                                          stage.length if cfg.train.group_by_length else None)
-                    sums = Sums(*stage.sums)
-                    for k, idx in enumerate(parts):
-                        with no_sync(acc, [model], cfg.train.sync_each_microbatch or k == len(parts) - 1):
-                            loss, values = stage.micro_batch(idx)
-                            # DDP averages gradients over W processes; the loss is this process's share of the
-                            # global batch loss, so scale by W to make the synchronised gradient the global one.
-                            acc.backward(loss * W)
-                        sums.add(**values)
-                    totals = sums.reduced(acc)
-                    [(lr, grad_norm)] = apply_update(
-                        acc, [(model, optimizer, scheduler)], cfg.train.max_grad_norm, step, totals["loss"], self.out,
-                        "Lower train.learning_rate, check the data, or set train.max_grad_norm.")
-                    row = {
-                        "step": step,
-                        "epoch": offline_epochs_done(plan, step),
-                        "examples": step * plan.batch_size,
-                        "lr": lr,
-                        "loss": totals["loss"],
-                        "grad_norm": grad_norm,
-                        "time_s": time.perf_counter() - self.start,
-                        **stage.metrics(totals, batch),
-                        "time/update_s": time.perf_counter() - t0,
-                    }
-                    if "real_tokens" in totals:  # what padding costs (packing lowers it), and the throughput
-                        row["padding_fraction"] = 1.0 - totals["real_tokens"] / max(totals["token_cells"], 1.0)
-                        row["tokens_per_s"] = totals["real_tokens"] / max(row["time/update_s"], 1e-9)
-                    if eval_examples and (step == plan.total_optimizer_steps or (eval_every and step % eval_every == 0)):
-                        row.update(self._evaluate(stage, model, eval_examples))
-                        self.best = keep_if_best(acc, cfg, self.out, self.best, row, model, tokenizer)
-                    if not first:  # the summary's "from" values
-                        first = {k: row[k] for k in ("loss", *stage.bar) if row.get(k) is not None}
-                    if step % cfg.log.log_every == 0 or step == plan.total_optimizer_steps:
-                        log.write(row)
-                    log.observe(row)
-                    bar.advance({"loss": f"{row['loss']:.4f}",
-                                 **{k.split("/")[-1]: f"{row[k]:.3f}" for k in stage.bar if row.get(k) is not None}})
-                    if agree(acc, stop.requested):
-                        self._save_checkpoint(model, tokenizer, optimizer, scheduler, plan, step, first)
-                        raise TrainingInterrupted(
-                            f"stopped by {stop.name} after optimizer step {step} of {plan.total_optimizer_steps}; "
-                            f"checkpoint saved to {self.out}/checkpoint-{step}. "
-                            "Resume with: tidyrl train CONFIG.yaml resume_from=latest")
-                    if cfg.log.save_every and step % cfg.log.save_every == 0 and step < plan.total_optimizer_steps:
-                        self._save_checkpoint(model, tokenizer, optimizer, scheduler, plan, step, first)
-        finally:  # whatever happens, the bar is closed and every row written so far is on disk
-            bar.close()
-            log.close()
-        if step != plan.total_optimizer_steps:
-            raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
+        with Steps(cfg, plan, self.out, acc, first_step=step) as steps:
+            while step < plan.total_optimizer_steps:
+                batch = stream.rollout_indices(step, plan.batch_size)  # global: the same list on every process
+                step += 1
+                row = self._step(stage, model, optimizer, scheduler, plan, batch, step)
+                if eval_examples and (step == plan.total_optimizer_steps or (eval_every and step % eval_every == 0)):
+                    row.update(self._evaluate(stage, model, eval_examples))
+                    self.best = keep_if_best(acc, cfg, self.out, self.best, row, model, tokenizer)
+                if not first:  # the summary's "from" values
+                    first = {k: row[k] for k in ("loss", *stage.bar) if row.get(k) is not None}
+                steps.record(row)
+                steps.bar.advance({"loss": f"{row['loss']:.4f}",
+                                   **{k.split("/")[-1]: f"{row[k]:.3f}" for k in stage.bar if row.get(k) is not None}})
+                steps.checkpoint_when_due(step, functools.partial(self._save_checkpoint, model, tokenizer, optimizer,
+                                                                  scheduler, plan, step, first))
+        steps.finished(step)
         final_dir = save_pretrained_atomic(acc, model, tokenizer, self.out / "final", merged=cfg.lora.save_merged)
         if self.is_main:
-            print(format_offline_summary(cfg.algorithm, plan, log.timings, time.perf_counter() - self.start, first,
-                                         row, self.out, final_dir, log.tracker_locations, self.best), flush=True)
+            print(format_offline_summary(cfg.algorithm, plan, steps.log.timings, time.perf_counter() - self.start,
+                                         first, row, self.out, final_dir, steps.log.tracker_locations, self.best),
+                  flush=True)
         return TrainResult(output_dir=self.out, final_dir=final_dir, plan=plan, metrics=row,
                            is_main_process=self.is_main)
+
+    def _resume(self, optimizer, scheduler, plan) -> tuple[int, dict, Optional[dict]]:
+        """The checkpoint's optimizer, schedule, random state and counters restored, the metrics rows past its step
+        dropped (the remaining steps write them again). Returns (its step, the first row's values, the best)."""
+        from tidyrl.checkpoint import set_rng_state, truncate_jsonl
+        from tidyrl.loops.training import continue_longer
+
+        acc = self.accelerator
+        optimizer.load_state_dict(self.resumed["optimizer"])
+        scheduler.load_state_dict(self.resumed["scheduler"])
+        set_rng_state(self.resumed["rng"])
+        state = self.resumed["state"]
+        step, first = state["step"], state.get("first_row") or {}
+        self.start = time.perf_counter() - state["elapsed_s"]
+        note = continue_longer(self.cfg, self.resumed, plan, self.out, acc, [scheduler])
+        if note and self.is_main:
+            print(f"tidyrl: {note}", flush=True)
+        acc.wait_for_everyone()
+        if self.is_main:  # the rows the remaining steps write again
+            truncate_jsonl(self.out / "metrics.jsonl", lambda row: row["step"] <= step)
+        acc.wait_for_everyone()
+        return step, first, state.get("best")
+
+    def _step(self, stage: OfflineStage, model, optimizer, scheduler, plan: OfflinePlan, batch: list, step: int
+              ) -> dict:
+        """One optimizer step on the global `batch`: this process's share in micro-batches of m, accumulated
+        (DDP averages over W processes; each loss is this process's share of the global batch loss, scaled by W
+        so that the synchronised gradient is the global one), the sums reduced, clipped, stepped. Its metrics
+        row."""
+        from tidyrl.loops.training import Sums, apply_update, no_sync
+
+        cfg, acc = self.cfg, self.accelerator
+        t0 = time.perf_counter()
+        model.train()
+        stage.begin_step(batch)
+        parts = micro_batches(batch, plan, self.rank, stage.length if cfg.train.group_by_length else None)
+        sums = Sums(*stage.sums)
+        for k, idx in enumerate(parts):
+            with no_sync(acc, [model], cfg.train.sync_each_microbatch or k == len(parts) - 1):
+                loss, values = stage.micro_batch(idx)
+                acc.backward(loss * self.world_size)
+            sums.add(**values)
+        totals = sums.reduced(acc)
+        [(lr, grad_norm)] = apply_update(
+            acc, [(model, optimizer, scheduler)], cfg.train.max_grad_norm, step, totals["loss"], self.out,
+            "Lower train.learning_rate, check the data, or set train.max_grad_norm.")
+        row = {
+            "step": step,
+            "epoch": offline_epochs_done(plan, step),
+            "examples": step * plan.batch_size,
+            "lr": lr,
+            "loss": totals["loss"],
+            "grad_norm": grad_norm,
+            "time_s": time.perf_counter() - self.start,
+            **stage.metrics(totals, batch),
+            "time/update_s": time.perf_counter() - t0,
+        }
+        if "real_tokens" in totals:  # what padding costs (packing lowers it), and the throughput
+            row["padding_fraction"] = 1.0 - totals["real_tokens"] / max(totals["token_cells"], 1.0)
+            row["tokens_per_s"] = totals["real_tokens"] / max(row["time/update_s"], 1e-9)
+        return row
 
     def _evaluate(self, stage: OfflineStage, model, n: int) -> dict:
         """The held-out examples 0..n-1, in micro-batches of m split over processes (chunk c on process

@@ -1,12 +1,12 @@
 """The on-policy RL learner (GRPO, RLOO, PPO, REINFORCE++, CISPO, ...), explicit from top to bottom (DESIGN §3):
 
     for each rollout:
-        episodes through the engine, rewarded        (tidyrl.rollouts: the producer; with rollout.lag, made ahead
-                                                      beside training: tidyrl.rollouts.ahead)
+        the rollout's rewarded episodes                (tidyrl.rollouts.making.make_rollout; with rollout.lag,
+                                                        made ahead beside training: tidyrl.rollouts.ahead)
         -> old / reference log-probs, values (only when needed) -> advantages       (loops.rl_rollout)
         for each of E passes, for each of M mini-batches:
             micro-batches of m with gradient accumulation -> one optimizer step   (loops.rl_update)
-            -> one LR-scheduler step -> one metrics row -> save / evaluate when due
+            -> one LR-scheduler step -> one metrics row -> save / evaluate when due   (loops.training.Steps)
 
 All counts come from the plan (tidyrl.plan); what differs between algorithms comes from the algorithm table
 (tidyrl.algorithms.table) and what differs between engines from their capabilities: nothing here tests an
@@ -15,7 +15,7 @@ algorithm's or an engine's name.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,23 +23,22 @@ from typing import Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, algorithm_section
-from tidyrl.engines.base import FullWeights
 from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_training, prepare_output_dir,
                                  save_pretrained_atomic, weights_device, write_run_header)
 from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
 from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
-from tidyrl.loops.rl_rollout import (GROUP_COUNTS, estimate_advantages, evaluate_held_out,
-                                     gather_rollout, normalised, old_from_sampler, rollout_stats, sample_row,
-                                     score_episodes, with_behaviour_logprobs)
-from tidyrl.loops.rl_update import Trainee, UpdateSettings, optimizer_step
-from tidyrl.loops.training import (StopSignals, TrainingInterrupted, agree, check_resume, continue_longer,
-                                   keep_if_best)
-from tidyrl.models.loading import load_causal_lm, load_critic, load_policy
+from tidyrl.loops.rl_rollout import (GROUP_COUNTS, environment_failure, estimate_advantages, evaluate_held_out,
+                                     gather_rollout, multi_turn_stats, old_from_sampler, rollout_rewards,
+                                     rollout_stats, sample_row, score_episodes)
+from tidyrl.loops.rl_update import Trainee, UpdateSettings, minibatch, optimizer_step, prepare_critic
+from tidyrl.loops.training import Steps, check_resume, continue_longer, keep_if_best
+from tidyrl.models.loading import load_causal_lm, load_policy
 from tidyrl.models.lora import adapter_note
-from tidyrl.models.sharding import full_weights, is_sharded
+from tidyrl.models.sharding import is_sharded
 from tidyrl.plan import epochs_done
-from tidyrl.rollouts.ahead import RolloutsAhead, behaviour_copy, load_snapshot, weight_snapshot
-from tidyrl.rollouts.producer import DynamicSamplingError, Produced, dynamic_sampling
+from tidyrl.rollouts.ahead import RolloutsAhead, behaviour_copy, weight_snapshot
+from tidyrl.rollouts.making import DynamicSampling, Rescoring, RolloutSource, make_rollout
+from tidyrl.rollouts.producer import DynamicSamplingError
 
 __all__ = ["run", "DynamicSamplingError"]
 
@@ -56,7 +55,7 @@ class RLRun:
         import torch
 
         from tidyrl.data import PromptStream
-        from tidyrl.models.generation import sampler_change_note
+        from tidyrl.engines import resume_note
         from tidyrl.rewards.reward_models import RunningMoments
 
         self.cfg, self.spec, self.algo = cfg, ALGORITHMS[cfg.algorithm], algorithm_section(cfg)
@@ -74,7 +73,7 @@ class RLRun:
             from tidyrl.environments import EnvironmentPool
 
             self.env_pool = EnvironmentPool(cfg.environment.timeout_s, cfg.environment.workers)
-        sampler_note = self.resumed and sampler_change_note(self.resumed["state"], cfg.rollout.engine)
+        sampler_note = self.resumed and resume_note(cfg.rollout.engine, self.resumed["state"])
         for line in (inputs.report, inputs.eval_report, sampler_note):
             self._say(line)
         # rewards[i].normalize: running moments of that reward's scores over the whole run (global batch).
@@ -92,7 +91,6 @@ class RLRun:
             for line in text.splitlines():
                 print(f"tidyrl: {line}", flush=True)
 
-    # ------------------------------------------------------------------ setup
     def _load_models(self) -> None:
         from tidyrl.algorithms.ppo import AdaptiveKLController, FixedKLController
         from tidyrl.models.generation import eos_token_ids, pad_token_id
@@ -122,55 +120,59 @@ class RLRun:
             # the weights that generate, a version behind: a frozen copy the launches load (under FSDP2 none: the
             # servers hold that version, synced from the snapshot gathered at its launch)
             self.behaviour = behaviour_copy(policy)
-        if self.spec.critic:  # its own learning rate and schedule, on the same step count and warmup as the policy
+        if self.spec.critic:  # PPO's value model, from the checkpoint on a resume
             critic_path = str(self.resume_path / "critic") if self.resume_path else self.inputs.critic["critic_model"]
-            critic_train = replace(cfg.train, learning_rate=cfg.critic.learning_rate
-                                   if cfg.critic.learning_rate is not None else cfg.train.learning_rate)
-            self.trainee.critic, self.trainee.critic_optimizer, self.trainee.critic_scheduler = prepare_for_training(
-                self.accelerator, load_critic(critic_path, cfg.model_dtype, weights_device(self.accelerator)),
-                critic_train, self.plan, cfg.critic.lr_scheduler)
+            prepare_critic(self.trainee, critic_path, cfg, self.plan, self.accelerator)
         if self.spec.kl_in == "reward":  # the KL coefficient of the rewards: fixed, or adaptive (Ziegler et al. 2019)
             self.state.kl_control = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
                                if getattr(a, "adaptive_kl", False) else FixedKLController(a.kl_coef))
         self._make_producers()
 
     def _make_producers(self) -> None:
-        """rollout.engine for this process, and the producers of the training and held-out episodes through it."""
+        """rollout.engine for this process, the source of the training rollouts (`rollouts.making`), the producer of
+        the held-out episodes, and the lag that makes rollouts ahead."""
         from tidyrl.engines import make_engine
 
-        cfg, ro = self.cfg, self.cfg.rollout
+        cfg, ro, plan = self.cfg, self.cfg.rollout, self.plan
         longest = max(len(p) for p in [*self.inputs.prompt_ids, *(self.inputs.eval_prompt_ids or [])])
-        generating = self.accelerator.unwrap_model(self.trainee.model) if self.behaviour is None else self.behaviour
-        self.engine = make_engine(cfg, generating, self.accelerator.device.type, longest + ro.max_new_tokens)
+        policy = self.accelerator.unwrap_model(self.trainee.model)
+        self.engine = make_engine(cfg, policy if self.behaviour is None else self.behaviour,
+                                  self.accelerator.device.type, longest + ro.max_new_tokens)
         # Truncated importance sampling (Yao et al. 2025): where rollout.tis_cap is unset, the engine's default, and
         # with a lag at least 2.0: the weights that sampled are then older than the learner's.
         default_cap = max(self.engine.capabilities.default_tis_cap, 2.0 if ro.lag else 0.0)
         self.tis_cap = ro.tis_cap if ro.tis_cap is not None else default_cap
-        self.producer, self.eval_producer = make_producers(cfg, self.inputs, self.engine, self.eos_ids, self.pad_id,
-                                                           self.env_pool)
+        producer, self.eval_producer = make_producers(cfg, self.inputs, self.engine, self.eos_ids, self.pad_id,
+                                                      self.env_pool)
+        per_proc = plan.episodes_per_rollout_per_process
+        # rollout.lag with top_k/top_p on an engine with its own weights: its log-probs are renormalised over the
+        # kept tokens, so the behaviour log-probs are recomputed by the frozen copy (`making.with_behaviour_logprobs`)
+        rescore = ro.filtered_sampling and not self.engine.capabilities.samples_trained_weights
+        self.source = RolloutSource(
+            self.engine, producer, self.stream, plan.prompts_per_rollout, plan.samples_per_prompt,
+            range(self.rank * per_proc, (self.rank + 1) * per_proc), policy, self.behaviour,
+            dynamic=DynamicSampling(ro.max_sampling_rounds, ro.on_sampling_cap) if ro.dynamic_sampling else None,
+            gather=self._gather,
+            rescore=Rescoring(self.pad_id, ro.temperature, ro.forward_batch_size, cfg.model_fast_paths)
+            if rescore else None)
+        # rollout.lag: rollouts made ahead, on a background thread beside the updates (one process, or no collective
+        # in the making: dynamic sampling gathers its counts across processes), else on this thread when taken.
+        self.ahead = RolloutsAhead(ro.lag, plan.rollouts, functools.partial(make_rollout, self.source),
+                                   functools.partial(weight_snapshot, policy),
+                                   background=self.world_size == 1 or not ro.dynamic_sampling)
         self.update_settings = UpdateSettings(
             options=self.algo, policy_loss=self.algo.policy_loss or self.spec.policy_loss,
             kl_in_loss=self.spec.kl_in == "loss", tis_cap=self.tis_cap, temperature=ro.temperature,
             max_new_tokens=ro.max_new_tokens, fast_path=cfg.model_fast_paths,
             sync_each_microbatch=cfg.train.sync_each_microbatch, max_grad_norm=cfg.train.max_grad_norm)
 
-    def _weights_for_engine(self, policy):
-        """Around generation: an engine that samples from the policy itself gets its FSDP2 shards gathered once for
-        the whole call (`full_weights`); one with its own copy needs nothing."""
-        return full_weights(policy) if self.engine.capabilities.samples_trained_weights else contextlib.nullcontext()
-
-    # ------------------------------------------------------------------ the loop
     def run(self) -> TrainResult:
-        from tidyrl.metrics import STEP_METRICS, ProgressBar, RunLogger
+        from tidyrl.metrics import STEP_METRICS
 
         self._load_models()
         cfg, plan = self.cfg, self.plan
         per_rollout = plan.optimizer_steps_per_rollout
-        step, elapsed, self.first_reward, unfinished, made_ahead = 0, 0.0, None, None, {}
-        # rollout.lag: rollouts made ahead, on a background thread beside the updates (one process, or no collective
-        # in the making: dynamic sampling gathers its counts across processes), else on this thread when taken.
-        self.ahead = RolloutsAhead(cfg.rollout.lag, plan.rollouts, self._make_episodes, self._snapshot,
-                                   background=self.world_size == 1 or not cfg.rollout.dynamic_sampling)
+        step, elapsed, self.first_reward, unfinished = 0, 0.0, None, None
         if self.resumed is not None:
             step, elapsed, self.first_reward, unfinished, made_ahead = restore_run(
                 self.resumed, accelerator=self.accelerator, out=self.out, trainee=self.trainee, state=self.state,
@@ -182,26 +184,21 @@ class RLRun:
         else:
             write_run_header(cfg, plan, self.out, self.accelerator,
                              plan_extras(cfg, self.inputs.critic, self.inputs.eval_prompt_ids))
-        # metrics.jsonl + samples.jsonl, forwarded to the trackers of log.report_to (main process only).
-        log = RunLogger(self.out, cfg, plan, enabled=self.is_main, first_step=step)
-        bar = ProgressBar(plan.total_optimizer_steps, enabled=self.is_main and cfg.log.progress_bar, initial=step)
         self.start = time.perf_counter() - elapsed
         self.env_errors = []
         row, last_reward = {}, None
-        try:
-            with StopSignals() as stop:
+        with Steps(cfg, plan, self.out, self.accelerator, first_step=step) as steps:
+            try:
                 for r in range(step // per_rollout, plan.rollouts):
                     if unfinished is not None:  # resumed inside this rollout: the saved one, not a new one
-                        rollout, stats = unfinished
-                        unfinished = None
+                        (rollout, stats), unfinished = unfinished, None
                     else:
-                        rollout, stats = self._new_rollout(r, step, log.samples)
-                    if self.first_reward is None:
-                        self.first_reward = stats["reward_mean"]
+                        rollout, stats = self._new_rollout(r, step, steps.log.samples)
+                    self.first_reward = stats["reward_mean"] if self.first_reward is None else self.first_reward
                     last_reward = stats["reward_mean"]
                     for j in range(step - r * per_rollout, per_rollout):
                         step += 1
-                        step_stats, later = optimizer_step(rollout, self._minibatch(r, j), step, trainee=self.trainee,
+                        step_stats, later = optimizer_step(rollout, minibatch(plan, cfg.seed, r, j), step, trainee=self.trainee,
                                                            settings=self.update_settings, plan=plan,
                                                            accelerator=self.accelerator, out=self.out)
                         rollout = later or rollout
@@ -214,33 +211,17 @@ class RLRun:
                         # The fixed fields of DESIGN §5 first, in their documented order, then the extras.
                         row = {k: values.pop(k) for k in STEP_METRICS} | values
                         self._evaluate_when_due(step, row)
-                        if step % cfg.log.log_every == 0 or step == plan.total_optimizer_steps:
-                            log.write(row)
-                        log.observe(row)  # every step: totals for the end-of-run summary
-                        bar.step(stats["reward_mean"], row["episodes"])
-                        self._save_when_due(step, rollout if j < per_rollout - 1 else None, stats, stop)
-        finally:  # whatever happens, the bar is closed and every row written so far is on disk
-            bar.close()
-            log.close()
-            log.samples.close()
-            self.ahead.close()
-            if self.env_pool is not None:
-                self.env_pool.close()
-        if bar.n not in (0, plan.total_optimizer_steps) or step != plan.total_optimizer_steps:
-            raise AssertionError(f"ran {step} optimizer steps, plan says {plan.total_optimizer_steps}")
-        return self._finish(row, last_reward, log)
-
-    def _minibatch(self, r: int, j: int):
-        """The global episodes of step j (0-based) of rollout r: mini-batch j % M of a fresh shuffle of the R
-        episodes for each pass, keyed by (seed, rollout, pass); the same on every process, whatever W is."""
-        import torch
-
-        from tidyrl.models.generation import sample_seed
-
-        epoch, mb = divmod(j, self.plan.minibatches_per_epoch)
-        gen = torch.Generator().manual_seed(sample_seed(self.cfg.seed, r, -1 - epoch))
-        size = self.plan.episodes_per_minibatch
-        return torch.randperm(self.plan.episodes_per_rollout, generator=gen)[mb * size: (mb + 1) * size]
+                        steps.record(row)
+                        steps.bar.step(stats["reward_mean"], row["episodes"])
+                        inside = rollout if j < per_rollout - 1 else None
+                        steps.checkpoint_when_due(step, functools.partial(self._save, step, inside, stats))
+            finally:
+                steps.log.samples.close()
+                self.ahead.close()
+                if self.env_pool is not None:
+                    self.env_pool.close()
+        steps.finished(step)
+        return self._finish(row, last_reward, steps.log)
 
     def _evaluate_when_due(self, step: int, row: dict) -> None:
         every = self.cfg.log.eval_every
@@ -249,20 +230,9 @@ class RLRun:
             self.state.best = keep_if_best(self.accelerator, self.cfg, self.out, self.state.best, row,
                                            self.trainee.model, self.tokenizer)
 
-    def _save_when_due(self, step: int, inside, stats: dict, stop) -> None:
-        """A checkpoint every log.save_every steps, and on a stop signal (then the run ends)."""
-        if agree(self.accelerator, stop.requested):
-            self._save(step, inside, stats)
-            raise TrainingInterrupted(
-                f"stopped by {stop.name} after optimizer step {step} of {self.plan.total_optimizer_steps}; "
-                f"checkpoint saved to {self.out}/checkpoint-{step}. Resume with: tidyrl train CONFIG.yaml "
-                "resume_from=latest")
-        every = self.cfg.log.save_every
-        if every and step % every == 0 and step < self.plan.total_optimizer_steps:
-            self._save(step, inside, stats)
-
     def _save(self, step: int, inside, stats: dict) -> None:
-        # The rollouts made ahead (waited for where still under way): a resume takes them instead of making them.
+        """checkpoint-<step>, with the unfinished rollout (`inside`) and the rollouts made ahead (waited for where
+        still under way): a resume takes them instead of making them."""
         ahead = saved_made_ahead(self.ahead.pending(), self.world_size)
         save_run(step, accelerator=self.accelerator, out=self.out, trainee=self.trainee, tokenizer=self.tokenizer,
                  state=self.state, plan=self.plan, cfg=self.cfg, rollout=inside, stats=stats,
@@ -282,15 +252,14 @@ class RLRun:
                                  self.state.group_totals, engine=self.engine.name), flush=True)
         return TrainResult(self.out, final_dir, self.plan, row, self.first_reward, last_reward, self.is_main)
 
-    # ------------------------------------------------------------------ one rollout
     def _new_rollout(self, r: int, step: int, samples_log):
-        """make_rollout(r), its samples.jsonl rows written and dynamic sampling's counts added up; a reward that
+        """take_rollout(r), its samples.jsonl rows written and dynamic sampling's counts added up; a reward that
         fails (raises, NaN, inf, ...) stops the run with where it stopped."""
         from tidyrl.checkpoint import last_good_checkpoint
         from tidyrl.rewards import RewardError
 
         try:
-            rollout, stats, samples = self.make_rollout(r)
+            rollout, stats, samples = self.take_rollout(r)
         except RewardError as err:
             raise RewardError(f"{err}\nStopped in rollout {r + 1}, after optimizer step {step}; "
                               f"{last_good_checkpoint(self.out)}.") from None
@@ -307,35 +276,21 @@ class RLRun:
     def _stop_on_environment_errors(self, r: int, step: int, failed: float) -> None:
         """More than environment.max_error_fraction of rollout r's episodes failed: keep the steps done (a
         checkpoint, so a resume continues exactly once the environment works) and stop with what to check."""
-        from tidyrl.environments import EnvironmentFailure
-
-        env = self.cfg.environment
-        saved = "nothing was trained yet: start the run again once the environment works"
         if step > 0:
             self._save(step, None, {})
-            saved = (f"checkpoint-{step} holds the {step} optimizer steps done; once the environment works, resume "
-                     "with: tidyrl train CONFIG.yaml resume_from=latest (the rollout is made again, the same)")
-        examples = "; ".join(self.env_errors[:3]) or "(on another process)"
-        raise EnvironmentFailure(
-            f"rollout {r + 1}: {failed:.0%} of the episodes ended on an environment error, more than "
-            f"environment.max_error_fraction = {env.max_error_fraction}; the run would learn from nothing, so it "
-            f"stopped. Environment {env.factory}, first errors: {examples}. Check that it can serve "
-            f"{self.plan.episodes_per_rollout_per_process} episodes at once per process (a server's session "
-            f"capacity), that environment.timeout_s = {env.timeout_s} s fits its calls, and that the server is up. "
-            f"{saved}.")
+        raise environment_failure(self.cfg, self.plan, r, step, failed, self.env_errors)
 
-    def make_rollout(self, r: int):
-        """Rollout `r` (0-based): its episodes produced and rewarded, scored, gathered (every process holds all R,
-        so mini-batches are the same whatever W is), and their advantages. Returns (the Rollout, its metrics,
-        its samples.jsonl rows)."""
+    def take_rollout(self, r: int):
+        """Rollout `r` (0-based), made (`rollouts.making.make_rollout`, or made ahead at rollout.lag), scored with
+        the learner's weights now, gathered (every process holds all R, so mini-batches are the same whatever W
+        is), and its advantages. Returns (the Rollout, its metrics, its samples.jsonl rows)."""
         from tidyrl.metrics import sample_episodes
-        from tidyrl.rewards.functions import weighted_sum
 
         policy = self.accelerator.unwrap_model(self.trainee.model)
         policy.eval()
         self.ahead.launch_due(r)  # with rollout.lag = L: rollout r + L, from the weights now (rollouts.ahead)
-        ahead, waited = self.ahead.take(r)
-        made, group_prompts, sampling_stats = ahead.value.made, ahead.value.group_prompts, ahead.value.sampling_stats
+        produced, waited = self.ahead.take(r)
+        made = produced.made
         t0 = time.perf_counter()
         local, mismatch = score_episodes(
             made, policy, self.pad_id, self.cfg, self.plan, tis_cap=self.tis_cap, accelerator=self.accelerator,
@@ -343,19 +298,11 @@ class RLRun:
             critic=None if self.trainee.critic is None else self.accelerator.unwrap_model(self.trainee.critic))
         t_score = time.perf_counter() - t0
         rollout = gather_rollout(self.accelerator, local, self.pad_id)
-        raw_per_fn = {name: self._gather(v) for name, v in made.per_fn.items()}  # name -> (R,), NaN = no score
-        per_fn = normalised(raw_per_fn, self.state.reward_moments)  # on the global batch: W-invariant
-        scores = weighted_sum(self.inputs.reward_fns, per_fn, per_fn.get("env"))  # (R,)
-        overlong = None
-        if self.algo.overlong_buffer:  # DAPO's soft overlong punishment, part of the reward
-            from tidyrl.algorithms.losses import overlong_penalty
-
-            overlong = overlong_penalty(rollout.completion_mask.sum(1), self.cfg.rollout.max_new_tokens,
-                                        self.algo.overlong_buffer, self.algo.overlong_penalty)
-            scores = scores + overlong
+        raw_per_fn, scores, overlong = rollout_rewards(made.per_fn, self.source.producer.reward_fns, self._gather,
+                                                       self.state.reward_moments, rollout, self.cfg.rollout, self.algo)
         kl_control = self.state.kl_control
         # The KL in the reward reads the old log-probs: the sampler's (with a lag, of older weights) or the trainer's.
-        old_version = ahead.version if old_from_sampler(self.cfg, self.plan, self.tis_cap) else r
+        old_version = produced.version if old_from_sampler(self.cfg, self.plan, self.tis_cap) else r
         estimate = estimate_advantages(self.spec, self.algo, rollout, scores, k=self.plan.samples_per_prompt,
                                        beta=kl_control.value if kl_control else self.algo.kl_coef,
                                        use_reference=self.use_reference, policy_is_reference=(old_version == 0))
@@ -363,77 +310,25 @@ class RLRun:
             kl_control.update(estimate.stats["rollout_kl"], n_steps=self.plan.episodes_per_rollout)
         rollout = replace(rollout, advantages=estimate.advantages, returns=estimate.returns)
         stats = rollout_stats(rollout, scores, raw_per_fn, overlong, estimate.stats)
-        if rollout.action_mask is not None:
-            stats["turns_mean"] = float(self._gather(made.episodes.turns).mean())
-            stats["env/error_fraction"] = float(self._gather(made.episodes.errors).mean())
-            self.env_errors = [text for text in made.episodes.error_texts if text]
-            self._say(self.env_errors and f"rollout {r + 1}: {len(self.env_errors)} episode(s) of this process ended "
-                      f"on an environment error, e.g. {self.env_errors[0]}")
-            closing = [text for text in made.episodes.close_errors if text]
-            self._say(closing and f"rollout {r + 1}: {len(closing)} environment close() call(s) failed (recorded, the "
-                      f"run goes on), e.g. {closing[0]}")
+        if rollout.action_mask is not None:  # multi-turn: turns, environment errors (said once)
+            turns, self.env_errors, notes = multi_turn_stats(r, made.episodes, self._gather)
+            stats.update(turns)
+            for note in notes:
+                self._say(note)
         stats.update(mismatch)
         if self.engine.capabilities.needs_weight_sync:
-            stats["time/weight_sync_s"] = ahead.value.sync_s
-        stats.update({"time/generate_s": ahead.value.generate_s, "time/reward_s": made.reward_s,
+            stats["time/weight_sync_s"] = produced.sync_s
+        stats.update({"time/generate_s": produced.generate_s, "time/reward_s": made.reward_s,
                       "time/score_s": t_score})
         if self.cfg.rollout.lag:  # how far behind the weights that made it, and what the learner waited for it
-            stats.update({"async/policy_lag": r - ahead.version, "time/wait_rollout_s": waited})
-        stats.update(sampling_stats)
+            stats.update({"async/policy_lag": r - produced.version, "time/wait_rollout_s": waited})
+        stats.update(produced.sampling_stats)
         k = self.plan.samples_per_prompt
         # One sample of each of the first prompts (then second samples...), by global index: the same on any W.
         shown = sample_episodes(len(rollout) // k, k, self.cfg.log.samples_per_rollout) if self.is_main else []
-        samples = [sample_row(self.tokenizer, rollout, e, k, group_prompts[e // k], scores, raw_per_fn) for e in shown]
+        samples = [sample_row(self.tokenizer, rollout, e, k, produced.group_prompts[e // k], scores, raw_per_fn)
+                   for e in shown]
         return rollout, stats, samples
-
-    def _snapshot(self) -> dict:
-        return weight_snapshot(self.accelerator.unwrap_model(self.trainee.model))
-
-    def _make_episodes(self, r: int, snapshot) -> "Produced":
-        """Rollout r's rewarded episodes, by the behaviour copy loaded with `snapshot` (rollout.lag >= 1) or by the
-        policy itself (lag 0). On the rollouts-ahead thread or this one; the engine is held (`ahead.engine_lock`)."""
-        if snapshot is None:
-            model = self.accelerator.unwrap_model(self.trainee.model)
-        elif isinstance(snapshot, FullWeights):  # FSDP2 with servers: the engine syncs from the gathered weights
-            model = snapshot
-        else:
-            model = self.behaviour
-            load_snapshot(model, snapshot)
-        # The engine holds exactly these weights before it samples (the builtin one samples the model itself:
-        # nothing to copy; vLLM's sync gathers an FSDP-sharded policy one parameter at a time).
-        t_sync = self.engine.sync(model)
-        t0 = time.perf_counter()
-        made, group_prompts, sampling_stats = self._produce(model, r)
-        self.engine.release()  # e.g. vLLM on CUDA: its memory goes to scoring and the update until the next sync
-        if snapshot is not None and self._rescore_behaviour():  # (the frozen copy: not under FSDP, refused there)
-            ro = self.cfg.rollout
-            made = with_behaviour_logprobs(made, model, self.pad_id, ro.temperature, ro.forward_batch_size,
-                                           self.cfg.model_fast_paths)
-        return Produced(made, group_prompts, sampling_stats, t_sync, time.perf_counter() - t0 - made.reward_s)
-
-    def _rescore_behaviour(self) -> bool:
-        """rollout.lag with top_k/top_p on an engine with its own weights: its log-probs are renormalised over the
-        kept tokens, so the behaviour log-probs are recomputed by the frozen copy (`with_behaviour_logprobs`)."""
-        return self.cfg.rollout.filtered_sampling and not self.engine.capabilities.samples_trained_weights
-
-    def _produce(self, policy, r: int):
-        """This process's episodes of rollout r, rewarded (with rollout.dynamic_sampling: of the chosen groups).
-        Returns (the episodes, the rollout's P group prompts, dynamic sampling's metrics)."""
-        ro, plan = self.cfg.rollout, self.plan
-        k = plan.samples_per_prompt
-        indices = self.stream.rollout_indices(r, plan.prompts_per_rollout)  # P prompt rows
-        per_proc = plan.episodes_per_rollout_per_process
-        episodes = range(self.rank * per_proc, (self.rank + 1) * per_proc)  # this process's global episode ids
-        with self._weights_for_engine(policy):  # a collective under FSDP: every process enters
-            made = self.producer.round(r, list(episodes), [indices[e // k] for e in episodes])
-            group_prompts = self.inputs.dataset[indices][self.cfg.data.prompt_column]
-            if not ro.dynamic_sampling:
-                return made, group_prompts, {}
-            chosen = dynamic_sampling(self.producer, r, indices, episodes, made,
-                                      prompts_per_rollout=plan.prompts_per_rollout, k=k,
-                                      max_rounds=ro.max_sampling_rounds, on_cap=ro.on_sampling_cap,
-                                      gather=self._gather)
-        return chosen.made, chosen.group_prompts, chosen.stats
 
     def evaluate(self) -> dict:
         """The held-out prompts through the rollout path, with the current policy (`rl_rollout.evaluate_held_out`)."""
@@ -443,8 +338,8 @@ class RLRun:
         if self.world_size > 1:  # an engine's sync may be a collective (vllm-server): the same order on every process
             self.ahead.drain()
         with self.ahead.engine_lock:  # with a lag the engine may be making a rollout ahead: it finishes first
-            return evaluate_held_out(self.eval_producer, self.engine, policy, self._weights_for_engine(policy), k,
-                                     len(self.inputs.eval_prompt_ids), self.accelerator)[0]
+            return evaluate_held_out(self.eval_producer, self.engine, policy, k, len(self.inputs.eval_prompt_ids),
+                                     self.accelerator)[0]
 
     def _gather(self, tensor):
         """Concatenate a per-process tensor over processes (rank order = global episode order)."""

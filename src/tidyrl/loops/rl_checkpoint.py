@@ -8,8 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from tidyrl.models.sharding import ShardingError, sharding_kind
-from tidyrl.rollouts.ahead import MadeAhead
-from tidyrl.rollouts.producer import Produced
+from tidyrl.rollouts.making import Produced
 from tidyrl.rollouts.record import Rollout
 
 
@@ -95,7 +94,7 @@ def restore_run(loaded: dict, *, accelerator, out, trainee, state: RunState, pla
 def saved_made_ahead(pending: dict, world_size: int) -> dict:
     """rollout.lag: the rollouts made ahead (`RolloutsAhead.pending()`) as a checkpoint holds them: rollout index
     -> every process's share in rank order, as plain values (a collective with several processes: all call it)."""
-    mine = {r: {"value": m.value.to_dict(), "version": m.version} for r, m in pending.items()}
+    mine = {r: {"value": p.to_dict(), "version": p.version} for r, p in pending.items()}
     if not mine:
         return {}
     if world_size == 1:
@@ -109,5 +108,5 @@ def saved_made_ahead(pending: dict, world_size: int) -> dict:
 def rollouts_made_ahead(saved: dict, rank: int, world_size: int) -> dict:
     """`saved_made_ahead` read back for process `rank` of `world_size`: its share of each rollout; saved by another
     number of processes, the shares are joined and cut again (`Produced.share`)."""
-    return {r: MadeAhead(Produced.share([Produced.from_dict(m["value"]) for m in shares], rank, world_size),
-                         shares[0]["version"]) for r, shares in saved.items()}
+    return {r: Produced.share([Produced.from_dict(m["value"], m["version"]) for m in shares], rank, world_size)
+            for r, shares in saved.items()}

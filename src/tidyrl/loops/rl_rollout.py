@@ -16,6 +16,8 @@ from tidyrl.algorithms.kl import kl_per_token
 from tidyrl.algorithms.losses import masked_mean, truncated_importance_weights
 from tidyrl.loops.training import Sums, reduce_max
 from tidyrl.models.sharding import full_weights
+from tidyrl.rewards.functions import weighted_sum
+from tidyrl.rollouts.making import episode_tokens, on_engine
 from tidyrl.rollouts.record import Rollout
 from tidyrl.rollouts.scoring import score_logprobs
 
@@ -46,33 +48,67 @@ def behaviour_correction(policy, local: Rollout, sampled_logprobs, *, tis_cap: f
     return trainer, is_weights, stats
 
 
-def episode_tokens(made, pad_id: int) -> Rollout:
-    """A process's episodes (`made`) as the tensors a forward takes: prompts left-padded, completions and masks."""
-    from tidyrl.models.generation import left_pad
-
-    ep = made.episodes
-    p_ids, p_mask = left_pad(made.prompt_ids, pad_id)
-    return Rollout(p_ids, p_mask, ep.completion_ids, ep.completion_mask, ep.truncated, action_mask=ep.action_mask)
-
-
-def with_behaviour_logprobs(made, behaviour, pad_id: int, temperature: float, chunk_size: int, fast_path: bool):
-    """`made` with its episodes' behaviour log-probs recomputed by `behaviour` (the frozen copy at the version that
-    generated them): rollout.lag with top_k/top_p on an engine whose own log-probs are renormalised over the kept
-    tokens (`RolloutConfig.filtered_sampling`). They are then the policy's at that version and temperature, unfiltered, as the
-    builtin engine returns them, which the truncated importance weights of the lag divide by. 0 where the engine
-    wrote none (padding, an environment's tokens)."""
-    ep = made.episodes
-    logprobs = score_logprobs(behaviour, episode_tokens(made, pad_id), temperature, chunk_size, fast_path=fast_path)
-    if ep.action_mask is not None:
-        logprobs = logprobs * ep.action_mask.to(logprobs.dtype)
-    return replace(made, episodes=replace(ep, logprobs=logprobs.to(ep.logprobs.dtype)))
-
-
 def old_from_sampler(cfg, plan, tis_cap: float) -> bool:
     """Whether the rollout's old log-probs (those the KL in the reward reads) are the sampler's own: with
     rollout.behaviour_logprobs=sampler, uncorrected or corrected inside the update (one mini-batch per epoch); else
     `score_episodes` recomputes them with the trainer (behaviour_correction)."""
     return cfg.rollout.behaviour_logprobs == "sampler" and (tis_cap == 0 or plan.minibatches_per_epoch == 1)
+
+
+def rollout_rewards(per_fn: dict, reward_fns: list, gather, moments: dict, rollout: Rollout, rollout_cfg, options):
+    """Each episode's reward (R,) of the global rollout, summed in one place (`rewards.functions.weighted_sum`):
+    this process's per-function scores (`Made.per_fn`) gathered in float32, `normalize: true` rewards normalised
+    by their running moments (`moments`, updated), the environment's reward added (weight 1), and DAPO's soft
+    overlong punishment where the algorithm's options ask for it (`overlong_buffer`). Returns (the raw scores by
+    name: reward/<name> metrics and samples, the rewards, the overlong penalties or None)."""
+    raw = {name: gather(v.float()) for name, v in per_fn.items()}  # name -> (R,), NaN = no score
+    per = normalised(raw, moments)  # on the global batch: W-invariant
+    scores = weighted_sum(reward_fns, per, per.get("env"))  # (R,)
+    overlong = None
+    if options.overlong_buffer:  # DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), part of the reward
+        from tidyrl.algorithms.losses import overlong_penalty
+
+        overlong = overlong_penalty(rollout.completion_mask.sum(1), rollout_cfg.max_new_tokens,
+                                    options.overlong_buffer, options.overlong_penalty)
+        scores = scores + overlong
+    return raw, scores, overlong
+
+
+def multi_turn_stats(r: int, episodes, gather) -> tuple[dict, list, list]:
+    """Multi-turn episodes of rollout r (0-based): (turns_mean and env/error_fraction over the global rollout,
+    this process's environment errors, the lines that say them and any failed close() calls)."""
+    errors = [text for text in episodes.error_texts if text]
+    closing = [text for text in episodes.close_errors if text]
+    notes = []
+    if errors:
+        notes.append(f"rollout {r + 1}: {len(errors)} episode(s) of this process ended on an environment error, "
+                     f"e.g. {errors[0]}")
+    if closing:
+        notes.append(f"rollout {r + 1}: {len(closing)} environment close() call(s) failed (recorded, the run goes "
+                     f"on), e.g. {closing[0]}")
+    stats = {"turns_mean": float(gather(episodes.turns).mean()),
+             "env/error_fraction": float(gather(episodes.errors).mean())}
+    return stats, errors, notes
+
+
+def environment_failure(cfg, plan, r: int, step: int, failed: float, errors: list):
+    """The error that stops a run whose rollout r had more than environment.max_error_fraction of its episodes end
+    on an environment error (`failed`): what to check, and what the checkpoint of the `step` steps done holds."""
+    from tidyrl.environments import EnvironmentFailure
+
+    env = cfg.environment
+    saved = "nothing was trained yet: start the run again once the environment works"
+    if step > 0:
+        saved = (f"checkpoint-{step} holds the {step} optimizer steps done; once the environment works, resume "
+                 "with: tidyrl train CONFIG.yaml resume_from=latest (the rollout is made again, the same)")
+    examples = "; ".join(errors[:3]) or "(on another process)"
+    return EnvironmentFailure(
+        f"rollout {r + 1}: {failed:.0%} of the episodes ended on an environment error, more than "
+        f"environment.max_error_fraction = {env.max_error_fraction}; the run would learn from nothing, so it "
+        f"stopped. Environment {env.factory}, first errors: {examples}. Check that it can serve "
+        f"{plan.episodes_per_rollout_per_process} episodes at once per process (a server's session "
+        f"capacity), that environment.timeout_s = {env.timeout_s} s fits its calls, and that the server is up. "
+        f"{saved}.")
 
 
 def normalised(per_fn: dict, moments: dict) -> dict:
@@ -205,7 +241,7 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
                    sampler_logprobs=sampler), mismatch
 
 
-def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts: int, accelerator,
+def evaluate_held_out(producer, engine, policy, k: int, prompts: int, accelerator,
                       with_episodes: bool = False) -> tuple[dict, Optional[list]]:
     """The held-out prompts, generated and scored with the current policy through the rollout path (with an
     environment: episodes with it, as in training): eval/reward_mean (the weighted sum of the raw scores, plus the
@@ -228,30 +264,27 @@ def evaluate_held_out(producer, engine, policy, weights_context, k: int, prompts
     names = [f.name for f in producer.reward_fns] + (["env"] if producer.environment is not None else [])
     sums = Sums("reward", "length", "truncated", *[f"{n}:sum" for n in names], *[f"{n}:count" for n in names])
     t0 = time.perf_counter()
-    engine.sync(policy)  # the weights of this step
-    with weights_context:  # a collective under FSDP: every process enters, even with no episode
-        made = producer.round(EVAL_SLOT, list(episodes), [e // k for e in episodes])
-        engine.release()
+    made, _ = on_engine(engine, policy, lambda: producer.round(EVAL_SLOT, list(episodes), [e // k for e in episodes]))
     rows = []
     if len(episodes):
-        # Each episode's reward as in training: the functions' weighted raw scores, plus the environment's (weight 1).
+        # Each episode's reward as in training: the functions' weighted raw scores (float64, as the functions gave
+        # them), plus the environment's (weight 1).
         env = made.episodes.env_reward
         env_sum = float(env.double().sum()) if env is not None else 0.0
-        reward = sum(made.scored.total) if made.scored is not None else 0.0
-        sums.add(reward=reward + env_sum, length=sum(made.completion_lengths), truncated=made.episodes.truncated.sum())
-        per_function = made.scored.per_function if made.scored is not None else {}
-        for name, values in per_function.items():
+        functions = [0.0] * len(episodes)
+        if producer.reward_fns:
+            functions = weighted_sum(producer.reward_fns, made.per_fn).tolist()
+        sums.add(reward=sum(functions) + env_sum, length=sum(made.completion_lengths),
+                 truncated=made.episodes.truncated.sum())
+        raw = {name: [None if math.isnan(v) else v for v in values.tolist()] for name, values in made.per_fn.items()}
+        for name, values in raw.items():
             scored = [v for v in values if v is not None]
             sums.add(**{f"{name}:sum": sum(scored), f"{name}:count": len(scored)})
-        if env is not None:
-            sums.add(**{"env:sum": env_sum, "env:count": len(env)})
-            per_function = {**per_function, "env": env.tolist()}
         if with_episodes:
             lengths = made.completion_lengths
             rows = [{"prompt_index": e // k, "sample": e % k, "completion": made.completions[i],
-                     "reward": (made.scored.total[i] if made.scored is not None else 0.0)
-                     + (float(env[i]) if env is not None else 0.0),
-                     "rewards": {name: values[i] for name, values in per_function.items()},
+                     "reward": functions[i] + (float(env[i]) if env is not None else 0.0),
+                     "rewards": {name: values[i] for name, values in raw.items()},
                      "truncated": bool(made.episodes.truncated[i]), "length": lengths[i]}
                     for i, e in enumerate(episodes)]
     totals = sums.reduced(accelerator)

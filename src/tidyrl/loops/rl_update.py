@@ -207,3 +207,28 @@ def weights_for_later_epochs(rollout: Rollout, trainer_logprobs, tis_cap: float)
     weights, _, _ = truncated_importance_weights(trainer_logprobs, rollout.sampler_logprobs, rollout.completion_mask,
                                                  tis_cap)
     return replace(rollout, is_weights=weights, old_logprobs=trainer_logprobs, sampler_logprobs=None)
+
+
+def minibatch(plan, seed: int, r: int, j: int):
+    """The global episodes of step j (0-based) of rollout r: mini-batch j % M of a fresh shuffle of the R episodes
+    for each pass, keyed by (seed, rollout, pass); the same on every process, whatever W is."""
+    from tidyrl.models.generation import sample_seed
+
+    epoch, mb = divmod(j, plan.minibatches_per_epoch)
+    gen = torch.Generator().manual_seed(sample_seed(seed, r, -1 - epoch))
+    size = plan.episodes_per_minibatch
+    return torch.randperm(plan.episodes_per_rollout, generator=gen)[mb * size: (mb + 1) * size]
+
+
+def prepare_critic(trainee: Trainee, path: str, cfg, plan, accelerator) -> None:
+    """PPO's critic loaded from `path` and prepared for training beside the policy: its own learning rate
+    (critic.learning_rate, default the policy's) and schedule (critic.lr_scheduler), on the policy's step count and
+    warm-up."""
+    from tidyrl.loops.common import prepare_for_training, weights_device
+    from tidyrl.models.loading import load_critic
+
+    train = replace(cfg.train, learning_rate=cfg.critic.learning_rate if cfg.critic.learning_rate is not None
+                    else cfg.train.learning_rate)
+    trainee.critic, trainee.critic_optimizer, trainee.critic_scheduler = prepare_for_training(
+        accelerator, load_critic(path, cfg.model_dtype, weights_device(accelerator)), train, plan,
+        cfg.critic.lr_scheduler)

@@ -259,3 +259,65 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
+
+
+class Steps:
+    """The skeleton every loop shares (the RL loop and the offline stages'): the metrics log (metrics.jsonl and the
+    trackers of log.report_to) and the progress bar from the run's first step to the plan's last, Ctrl-C/SIGTERM
+    turned into a checkpoint and a stop, the checkpoint cadence of log.save_every, and the check that the run took
+    exactly the plan's steps. The loop itself stays in its own module:
+
+        with Steps(cfg, plan, out, accelerator, first_step=step) as steps:
+            for each optimizer step:
+                ... -> row
+                steps.record(row)                      # written every log.log_every steps and at the last
+                steps.bar.step(...) / steps.bar.advance(...)
+                steps.checkpoint_when_due(step, save)  # save() every log.save_every steps; on a signal, then stop
+        steps.finished(step)
+    """
+
+    def __init__(self, cfg, plan, out: Path, accelerator, first_step: int):
+        from tidyrl.metrics import ProgressBar, RunLogger
+
+        is_main = accelerator.is_main_process
+        self.cfg, self.total, self.out, self.accelerator = cfg, plan.total_optimizer_steps, out, accelerator
+        self.log = RunLogger(out, cfg, plan, enabled=is_main, first_step=first_step)
+        self.bar = ProgressBar(self.total, enabled=is_main and cfg.log.progress_bar, initial=first_step)
+        self.stop = StopSignals()
+
+    def __enter__(self) -> "Steps":
+        self.stop.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        """Whatever happens, the signals are the process's again, the bar is closed and every row written so far
+        is on disk."""
+        self.stop.__exit__(*exc)
+        self.bar.close()
+        self.log.close()
+        return False
+
+    def record(self, row: dict) -> None:
+        """Step `row["step"]`'s metrics: written every log.log_every steps and at the last; observed every step
+        (the totals of the end-of-run summary)."""
+        step = row["step"]
+        if step % self.cfg.log.log_every == 0 or step == self.total:
+            self.log.write(row)
+        self.log.observe(row)
+
+    def checkpoint_when_due(self, step: int, save) -> None:
+        """`save()` (checkpoint-<step>) every log.save_every steps before the last, and after a stop signal, on
+        which the run then ends with how to resume."""
+        if agree(self.accelerator, self.stop.requested):
+            save()
+            raise TrainingInterrupted(
+                f"stopped by {self.stop.name} after optimizer step {step} of {self.total}; checkpoint saved to "
+                f"{self.out}/checkpoint-{step}. Resume with: tidyrl train CONFIG.yaml resume_from=latest")
+        every = self.cfg.log.save_every
+        if every and step % every == 0 and step < self.total:
+            save()
+
+    def finished(self, step: int) -> None:
+        """The run took exactly the plan's optimizer steps, and the bar says so."""
+        if self.bar.n not in (0, self.total) or step != self.total:
+            raise AssertionError(f"ran {step} optimizer steps, plan says {self.total}")

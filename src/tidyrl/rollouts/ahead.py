@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 BACKGROUND = True
@@ -41,29 +40,22 @@ def launches_due(r: int, lag: int, total: int, held) -> list[int]:
     return [q for q in range(r, max(r, min(r + lag, total - 1)) + 1) if q not in held]
 
 
-@dataclass
-class MadeAhead:
-    """A rollout made ahead: what `make(r, snapshot)` returned, and the version of the weights that made it."""
-
-    value: Any
-    version: int
-
-
 class RolloutsAhead:
     """Launches and hands over rollouts at a fixed lag (see the module docstring).
 
-    `make(r, snapshot)` makes rollout r from a weight snapshot (None at lag 0: the live weights); `snapshot()`
-    copies the weights a launch needs. `engine_lock` is held while a rollout is made: evaluation takes it too, so
-    the one engine never serves two callers at once."""
+    `make(r, version, snapshot)` makes rollout r with the weights of `version`, from a weight snapshot (None at lag
+    0: the live weights), and returns its record (`rollouts.making.make_rollout`, bound to the run's source);
+    `snapshot()` copies the weights a launch needs. `engine_lock` is held while a rollout is made: evaluation takes
+    it too, so the one engine never serves two callers at once."""
 
-    def __init__(self, lag: int, total: int, make: Callable[[int, Optional[dict]], Any],
+    def __init__(self, lag: int, total: int, make: Callable[[int, int, Optional[dict]], Any],
                  snapshot: Callable[[], dict], *, background: bool):
         self.lag, self.total, self._make, self._snapshot = lag, total, make, snapshot
         self.background = background and lag > 0 and BACKGROUND
         self.engine_lock = threading.Lock()
         # r -> (version, snapshot): launched, not started, in launch order (the order they are made in)
         self._queued: dict[int, tuple[int, Optional[dict]]] = {}
-        self._made: dict[int, MadeAhead] = {}  # r -> made, not taken
+        self._made: dict[int, Any] = {}  # r -> made, not taken
         self._errors: dict[int, BaseException] = {}
         self._done = threading.Condition()
         self._busy: Optional[int] = None
@@ -86,7 +78,7 @@ class RolloutsAhead:
             self._worker = threading.Thread(target=self._work, name="tidyrl-rollouts-ahead", daemon=True)
             self._worker.start()
 
-    def take(self, r: int) -> tuple[MadeAhead, float]:
+    def take(self, r: int) -> tuple[Any, float]:
         """Rollout r, made (waited for where it is still under way). Returns (it, seconds the learner waited)."""
         t0 = time.perf_counter()
         if not self.background:
@@ -107,7 +99,7 @@ class RolloutsAhead:
         if self.background:
             self.pending()
 
-    def pending(self) -> dict[int, MadeAhead]:
+    def pending(self) -> dict[int, Any]:
         """Every launched rollout not yet taken, made (waited for): what a checkpoint must hold."""
         if not self.background:
             self._make_next(None)
@@ -118,7 +110,7 @@ class RolloutsAhead:
                 raise next(iter(self._errors.values()))
             return dict(sorted(self._made.items()))
 
-    def restore(self, made: dict[int, MadeAhead]) -> None:
+    def restore(self, made: dict[int, Any]) -> None:
         """A resumed run: the rollouts its checkpoint made ahead."""
         self._made.update(made)
 
@@ -140,9 +132,9 @@ class RolloutsAhead:
         q = next(iter(self._queued))
         return (q, *self._queued.pop(q))
 
-    def _make_one(self, q: int, version: int, weights) -> MadeAhead:
+    def _make_one(self, q: int, version: int, weights):
         with self.engine_lock:
-            return MadeAhead(self._make(q, weights), version)
+            return self._make(q, version, weights)
 
     def _work(self) -> None:
         """The background thread: make each launched rollout in launch order; an error stops it and is raised where

@@ -11,20 +11,20 @@ e of slot s (a rollout, or `EVAL_SLOT`) samples turn t with `sample_seed(seed, s
 number of processes, the batch split or the engine's batching, and a resumed run makes them again.
 
 The producer knows no learner: it returns records (`Made`) and is handed the one collective it needs (a gather,
-for dynamic sampling) as a function.
+for dynamic sampling) as a function. A training rollout is made of these by `rollouts.making.make_rollout`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from tidyrl.models.generation import sample_seed
-from tidyrl.rewards.functions import RewardResult, compute_rewards, weighted_sum
+from tidyrl.rewards.functions import compute_rewards, weighted_sum
 from tidyrl.rollouts.episodes import EpisodeSettings, Episodes, as_episodes, build_environments, run_episodes
 
 EVAL_SLOT = -1
@@ -43,9 +43,10 @@ class Made:
     """Each episode's completion as text (decoded once, without special tokens): what the rewards read; None
     for dynamic sampling's chosen groups (gathered from every process's rounds as tensors)."""
     per_fn: dict
-    """Reward name -> (B,) raw scores, NaN where a function gave none; the environment's reward as "env"."""
-    scored: Optional[RewardResult]
-    """The reward functions' own result (raw values and their weighted total), or None without functions."""
+    """Reward name -> (B,) raw scores, NaN where a function gave none (float64 from `Producer.round`: the
+    functions' values exactly; float32 in dynamic sampling's chosen groups, as the learner sums them); the
+    environment's reward as "env". The one record of the rewards: the weighted total is
+    `rewards.functions.weighted_sum` of these, wherever it is needed."""
     reward_s: float
     """Seconds spent in the reward functions."""
 
@@ -57,13 +58,11 @@ class Made:
         """Tensors and plain values only (what a checkpoint's `weights_only` load reads back): `from_dict`."""
         return {"prompt_ids": [list(p) for p in self.prompt_ids],
                 "episodes": {f.name: getattr(self.episodes, f.name) for f in fields(Episodes)},
-                "completions": self.completions, "per_fn": dict(self.per_fn),
-                "scored": None if self.scored is None else asdict(self.scored), "reward_s": self.reward_s}
+                "completions": self.completions, "per_fn": dict(self.per_fn), "reward_s": self.reward_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Made":
-        return cls(d["prompt_ids"], Episodes(**d["episodes"]), d["completions"], d["per_fn"],
-                   None if d["scored"] is None else RewardResult(**d["scored"]), d["reward_s"])
+        return cls(d["prompt_ids"], Episodes(**d["episodes"]), d["completions"], d["per_fn"], d["reward_s"])
 
     @classmethod
     def joined(cls, parts: Sequence["Made"]) -> "Made":
@@ -73,58 +72,19 @@ class Made:
                 return None
             return torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for part in values for v in part]
 
-        scored = None
-        if parts[0].scored is not None:
-            scored = RewardResult(cat([p.scored.total for p in parts]),
-                                  {n: cat([p.scored.per_function[n] for p in parts]) for n in parts[0].scored.per_function})
         return cls(cat([p.prompt_ids for p in parts]),
                    Episodes(**{f.name: cat([getattr(p.episodes, f.name) for p in parts]) for f in fields(Episodes)}),
                    None if any(p.completions is None for p in parts) else cat([p.completions for p in parts]),
-                   {n: cat([p.per_fn[n] for p in parts]) for n in parts[0].per_fn}, scored,
-                   max(p.reward_s for p in parts))
+                   {n: cat([p.per_fn[n] for p in parts]) for n in parts[0].per_fn}, max(p.reward_s for p in parts))
 
     def rows(self, start: int, stop: int) -> "Made":
         """Episodes start .. stop - 1 (one process's share of the global episodes)."""
         def cut(value):
             return None if value is None else value[start:stop]
 
-        scored = None if self.scored is None else RewardResult(
-            cut(self.scored.total), {n: cut(v) for n, v in self.scored.per_function.items()})
         return Made(cut(self.prompt_ids), Episodes(**{f.name: cut(getattr(self.episodes, f.name))
                                                       for f in fields(Episodes)}),
-                    cut(self.completions), {n: cut(v) for n, v in self.per_fn.items()}, scored, self.reward_s)
-
-
-@dataclass
-class Produced:
-    """A training rollout's making, as the learner takes it: this process's rewarded episodes, the rollout's P
-    group prompts, dynamic sampling's metrics, and the seconds of the weight sync and the generation."""
-
-    made: Made
-    group_prompts: list
-    sampling_stats: dict
-    sync_s: float
-    generate_s: float
-
-    def to_dict(self) -> dict:
-        return {"made": self.made.to_dict(), "group_prompts": list(self.group_prompts),
-                "sampling_stats": dict(self.sampling_stats), "sync_s": self.sync_s, "generate_s": self.generate_s}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Produced":
-        return cls(Made.from_dict(d["made"]), d["group_prompts"], d["sampling_stats"], d["sync_s"], d["generate_s"])
-
-    @classmethod
-    def share(cls, shares: Sequence["Produced"], rank: int, world: int) -> "Produced":
-        """Process `rank`'s share among `world` processes of a rollout made by len(shares) processes (their shares
-        in rank order): a resume on another number of processes takes the rollouts made ahead this way."""
-        if len(shares) == world:
-            return shares[rank]
-        whole = Made.joined([p.made for p in shares])
-        per = len(whole.prompt_ids) // world
-        first = shares[0]
-        return cls(whole.rows(rank * per, (rank + 1) * per), first.group_prompts, first.sampling_stats,
-                   first.sync_s, first.generate_s)
+                    cut(self.completions), {n: cut(v) for n, v in self.per_fn.items()}, self.reward_s)
 
 
 class Columns:
@@ -188,19 +148,15 @@ class Producer:
         completion_ids = [episodes.completion_ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         t0 = time.perf_counter()
-        per_fn, scored = {}, None
+        per_fn = {}
         if self.reward_fns and len(rows):  # with an environment, the reward functions are optional
             scored = compute_rewards(self.reward_fns, prompts=prompts, completions=completions,
                                      completion_ids=completion_ids, columns=columns)
-            per_fn = {name: torch.tensor([math.nan if v is None else float(v) for v in values])
+            per_fn = {name: torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
                       for name, values in scored.per_function.items()}
         if multi_turn:  # the environment's reward, beside the reward functions' (weight 1)
             per_fn["env"] = episodes.env_reward
-        return Made(prompt_ids, episodes, completions, per_fn, scored, time.perf_counter() - t0)
-
-    def scores(self, per_fn: dict):
-        """The weighted reward of each episode (`rewards.functions.weighted_sum`) from `per_fn`."""
-        return weighted_sum(self.reward_fns, per_fn, per_fn.get("env"))
+        return Made(prompt_ids, episodes, completions, per_fn, time.perf_counter() - t0)
 
 
 class DynamicSamplingError(RuntimeError):
@@ -242,9 +198,10 @@ def dynamic_sampling(producer: Producer, r: int, indices: Sequence[int], episode
         ep = made.episodes
         every = {"ids": gather(ep.completion_ids), "mask": gather(ep.completion_mask),
                  "truncated": gather(ep.truncated), "logprobs": gather(ep.logprobs),
-                 "per_fn": {n: gather(made.per_fn[n]) for n in names}, "indices": round_indices}
+                 "per_fn": {n: gather(made.per_fn[n].float()) for n in names}, "indices": round_indices}
         rounds.append(every)
-        groups = producer.scores(every["per_fn"]).view(P, k)  # raw: before `normalize`
+        # raw: before `normalize`; in float32, as the learner sums them
+        groups = weighted_sum(producer.reward_fns, every["per_fn"], every["per_fn"].get("env")).view(P, k)
         informative = (groups.max(dim=1).values - groups.min(dim=1).values) > 0
         for p in range(P):
             (kept if informative[p] else spare).append((q, p))
@@ -273,7 +230,7 @@ def dynamic_sampling(producer: Producer, r: int, indices: Sequence[int], episode
     generated = P * len(rounds)
     stats = {"sampling/rounds": len(rounds), "groups/generated": generated, "groups/kept": P - filled,
              "groups/filled": filled, "groups/dropped": generated - P}
-    return Chosen(Made(prompt_ids, selected, None, per_fn, None, reward_s), prompts, stats)
+    return Chosen(Made(prompt_ids, selected, None, per_fn, reward_s), prompts, stats)
 
 
 def _short_prompt(prompt, limit: int = 60) -> str:
