@@ -61,6 +61,14 @@ def test_converted_tokenizer_keeps_template_specials_and_gets_a_real_context(tin
     assert GenerationConfig.from_pretrained(converted).eos_token_id == 2
 
 
+def test_special_tokens_are_the_files_own(tiny_gguf):
+    """Read from the file's metadata, not from transformers' reading of it (4.56 takes SmolLM2's eos for
+    <|im_start|> and finds no pad token); the conversion writes these."""
+    from tidyrl.models.gguf import special_token_ids
+
+    assert special_token_ids(tiny_gguf) == {"bos": 1, "eos": 2, "pad": 2, "unk": 0}
+
+
 def test_a_gguf_file_as_model_is_refused_with_the_conversion(tiny_gguf):
     from tidyrl.models.loading import ModelLoadError, load_tokenizer
 

@@ -26,7 +26,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     generation config, and its tokenizer with the chat template the file carries. Returns `out_dir`.
 
     The tokenizer's `model_max_length`: a GGUF does not carry one, and transformers then sets ~1e30; the folder
-    gets the model's context (`max_position_embeddings`) instead, as a folder on the hub carries it."""
+    gets the model's context (`max_position_embeddings`) instead, as a folder on the hub carries it.
+    The special tokens (bos, eos, pad, unk) are the file's own (`special_token_ids`), in the tokenizer, the config
+    and the generation config: transformers 4.56 reads SmolLM2's eos as <|im_start|> and no pad token."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -34,9 +36,16 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     if not gguf_path.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf_path}")
     folder, name = str(gguf_path.parent), gguf_path.name
+    special = special_token_ids(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    for role, token_id in special.items():
+        setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
     config = loaded.config
+    for role in ("bos", "eos", "pad"):
+        if role in special:
+            setattr(config, f"{role}_token_id", special[role])
+            setattr(loaded.generation_config, f"{role}_token_id", special[role])
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
@@ -54,3 +63,15 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+SPECIAL_TOKEN_KEYS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+                      "pad": "tokenizer.ggml.padding_token_id", "unk": "tokenizer.ggml.unknown_token_id"}
+
+
+def special_token_ids(gguf_path: str | os.PathLike) -> dict[str, int]:
+    """{"bos" | "eos" | "pad" | "unk": token id} as the GGUF file's metadata gives them (those it has)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    return {role: int(fields[key].contents()) for role, key in SPECIAL_TOKEN_KEYS.items() if key in fields}
