@@ -135,7 +135,8 @@ def test_unknown_keys_suggest_the_nearest_valid_key():
     data["train"]["kl_coef"] = 0.1
     found = problems(config_from_dict, data)
     assert found == [  # in the order of the input
-        "unknown key `train.kl_coef`; did you mean `grpo.kl_coef` or `rloo.kl_coef` or `ppo.kl_coef` or `reinforce_pp.kl_coef`?",
+        "unknown key `train.kl_coef`; did you mean `grpo.kl_coef` or `rloo.kl_coef` or `ppo.kl_coef` or "
+        "`reinforce_pp.kl_coef` or `distill.kl_coef`?",
         "unknown key `rollout.prompts_per_rolout`; did you mean `rollout.prompts_per_rollout`?",
         "unknown key `learning_rate`; did you mean `train.learning_rate` or `critic.learning_rate`?",
         "unknown key `prompts_per_rollout`; did you mean `rollout.prompts_per_rollout`?",

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes)
             for line in inputs.report.splitlines():
                 print(f"tidyrl: {line}", file=sys.stderr)
-            plan = {**inputs.plan.to_dict(), **plan_extras(cfg, inputs.critic, inputs.eval_prompt_ids)}
+            plan = {**inputs.plan.to_dict(), **plan_extras(cfg, inputs.plan, inputs.critic, inputs.eval_prompt_ids)}
             print(json.dumps(plan, indent=2))
         elif args.command == "train":
             from tidyrl.api import train

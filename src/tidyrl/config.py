@@ -470,6 +470,51 @@ class ReinforcePPConfig(PolicyLossConfig):
 
 
 @dataclass
+class DistillConfig(PolicyLossConfig):
+    task_reward_weight: float = 0.0
+    """Weight w of the task rewards (`rewards`, the environment's) in the advantages: each token's advantage is its
+    negative reverse KL to the teacher plus w times GRPO's group advantage of the completion's reward. 0 = pure
+    distillation (rewards, if any, are then measured, reward_mean and reward/<name>, not trained on)."""
+    scale_rewards: str = "group"
+    """With task_reward_weight > 0: scale the group-centred task rewards by the group std (group), the rollout's
+    std (batch), or not at all (none), as grpo.scale_rewards."""
+
+    def check(self, need, cfg: "Config") -> None:
+        super().check(need, cfg)
+        need(self.task_reward_weight >= 0 and math.isfinite(self.task_reward_weight), "distill.task_reward_weight",
+             f"must be a number >= 0 (0 = pure distillation), got {self.task_reward_weight}")
+        need(self.scale_rewards in GRPO_SCALES, "distill.scale_rewards",
+             f"{self.scale_rewards!r} is not one of {', '.join(GRPO_SCALES)}")
+        has_rewards = bool(cfg.rewards) or cfg.environment.factory is not None
+        need(not self.task_reward_weight or has_rewards, "distill.task_reward_weight",
+             f"{self.task_reward_weight} weighs task rewards, but there are none: add rewards (or an environment), or "
+             "set it to 0 for pure distillation")
+        need(not self.task_reward_weight or cfg.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+             "distill.task_reward_weight > 0 compares a prompt's completions (GRPO's group advantage): use >= 2")
+
+
+@dataclass
+class TeacherConfig:
+    model: Optional[str] = None
+    """algorithm distill: the teacher, a local Hugging Face causal LM folder or hub id, loaded frozen beside the
+    policy (model_dtype) and scored in chunks of rollout.forward_batch_size like the KL reference. It must have
+    the policy's tokenizer (the same vocabulary: checked before any weights load)."""
+    url: Optional[str] = None
+    """algorithm distill: a teacher served by vLLM at this address. Not available yet: use teacher.model."""
+
+    def check(self, need, cfg: "Config") -> None:
+        distilling = cfg.algorithm in RL_TABLE and RL_TABLE[cfg.algorithm].teacher
+        if not distilling:
+            need(self.model is None and self.url is None, "teacher",
+                 f"only algorithm distill has a teacher; {cfg.algorithm} takes none (remove the section)")
+            return
+        need(self.url is None, "teacher.url",
+             "a teacher served by vLLM is not available yet; load it locally with teacher.model")
+        need(self.model is not None and bool(self.model.strip()), "teacher.model",
+             "algorithm distill needs a teacher: a local model folder or hub id with the policy's tokenizer")
+
+
+@dataclass
 class CriticConfig:
     model: Optional[str] = None
     """PPO's value model: initialised from this folder (a causal LM or a sequence classifier); default: the
@@ -652,7 +697,7 @@ class LoRAConfig:
 @dataclass
 class Config:
     algorithm: str = "grpo"
-    """The algorithm: grpo, rloo, ppo, reinforce_pp, reinforce_pp_baseline or cispo (RL: the algorithm table, docs/algorithms.md), sft, reward, dpo or kto (offline stages, docs/stages.md)."""
+    """The algorithm: grpo, rloo, ppo, reinforce_pp, reinforce_pp_baseline, cispo or distill (RL: the algorithm table, docs/algorithms.md), sft, reward, dpo or kto (offline stages, docs/stages.md)."""
     model: str = ""
     """The policy: a local Hugging Face model folder or a hub id."""
     tokenizer: Optional[str] = None
@@ -690,6 +735,10 @@ class Config:
     """Options of algorithm: ppo."""
     reinforce_pp: ReinforcePPConfig = field(default_factory=ReinforcePPConfig)
     """Options of algorithms reinforce_pp and reinforce_pp_baseline."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """Options of algorithm: distill (on-policy distillation)."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher of algorithm distill."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """PPO's value model."""
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -905,8 +954,10 @@ def validate(cfg: Config) -> None:
         need(cfg.train.padding_free is None, "train.padding_free",
              f"only for sft, dpo and kto; {cfg.algorithm} scores its rollouts with the rollout.forward_batch_size knob")
     _check_evaluation(cfg, need, offline)
-    need(offline or len(cfg.rewards) > 0 or cfg.environment.factory is not None, "rewards",
+    teacher = cfg.algorithm in RL_TABLE and RL_TABLE[cfg.algorithm].teacher  # the teacher's log-probs reward
+    need(offline or teacher or len(cfg.rewards) > 0 or cfg.environment.factory is not None, "rewards",
          "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
+    cfg.teacher.check(need, cfg)
     cfg.environment.check(need, cfg)
     for i, reward in enumerate(cfg.rewards):
         reward.check(need, f"rewards.{i}")

@@ -139,3 +139,27 @@ def kl_shaped_rewards(scores_B: Tensor, kl_BT: Tensor, mask_BT: Tensor, kl_coef:
     scores_B = _as_float(scores_B)
     kl_sum_B = torch.where(mask_BT.bool(), kl_BT.to(scores_B.dtype), 0.0).sum(dim=-1)
     return scores_B - kl_coef * kl_sum_B
+
+
+def reverse_kl_advantages(teacher_BT: Tensor, student_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Per-token advantages of on-policy distillation: the negative reverse KL to the teacher on each sampled
+    token, undiscounted and without a baseline.
+
+    Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes"
+    (GKD with the reverse KL on student samples); Thinking Machines 2025, "On-Policy Distillation": the student
+    samples x ~ pi_S, the teacher scores every sampled token, and token t's reward is the single-sample (k1)
+    estimate of the negative reverse KL,
+
+        A_t = log pi_T(x_t | x_<t) - log pi_S(x_t | x_<t)
+
+    with a discount of 0 (each token's advantage is its own term: the teacher already judges every token, so no
+    credit flows back from later ones) and no baseline (the term is a per-token judgement, not a sequence outcome
+    compared within a group). Its expectation under the student is -KL(pi_S || pi_T); a policy-gradient step on
+    it lowers the reverse KL. Positions outside `mask_BT` (padding, an environment's tokens) are 0.
+
+    Args:
+        teacher_BT: [B, T] the teacher's log-probs of the sampled tokens.
+        student_BT: [B, T] the student's (the behaviour policy's) log-probs of the same tokens.
+        mask_BT: [B, T] 1 for the student's own tokens.
+    """
+    return (teacher_BT - student_BT) * mask_BT

@@ -13,6 +13,8 @@ does not change the result (DESIGN §2):
     kl          (R, T) the per-token KL to the reference where the KL goes into the reward (zeros otherwise)
     beta        the KL coefficient of this rollout
     values      (R, T) the critic's values (PPO), or None
+    teacher     (R, T) a teacher's log-probs of the sampled tokens (on-policy distillation), or None
+    student     (R, T) the behaviour policy's log-probs of the same tokens (the old log-probs), or None
     and the options of the algorithm's config section (scale_rewards, gamma, lam, ...).
 """
 
@@ -24,7 +26,8 @@ from typing import Callable, Optional
 from torch import Tensor
 
 from tidyrl.algorithms import ppo
-from tidyrl.algorithms.advantages import grpo_advantages, kl_shaped_rewards, rloo_advantages
+from tidyrl.algorithms.advantages import (grpo_advantages, kl_shaped_rewards, reverse_kl_advantages,
+                                          rloo_advantages)
 
 
 @dataclass
@@ -96,7 +99,26 @@ def group_returns(scores: Tensor, *, k: int, kl: Tensor, mask: Tensor, beta: flo
     return Estimate(ppo.masked_whiten(to_go, mask), None, stats)
 
 
+def reverse_kl(scores: Tensor, *, k: int, mask: Tensor, teacher: Tensor, student: Tensor, task_reward_weight: float,
+               scale_rewards: str, **_) -> Estimate:
+    """On-policy distillation: each token's negative reverse KL to the teacher (advantages.reverse_kl_advantages),
+    plus, with `task_reward_weight` w > 0, w times GRPO's group advantage of the task reward on every token of the
+    completion: A_t = (log pi_T - log pi_S)_t + w * A_group. Metrics: distill/reverse_kl (the mean over the
+    student's tokens of log pi_S - log pi_T, the k1 estimate of KL(pi_S || pi_T) per token) and, with task
+    rewards, distill/kl_share (the KL term's share of the advantages' absolute sum)."""
+    kl_part = reverse_kl_advantages(teacher, student, mask)
+    tokens = mask.sum().clamp(min=1)
+    stats = {"distill/reverse_kl": float(-kl_part.sum() / tokens)}
+    if not task_reward_weight:
+        return Estimate(kl_part, None, stats)
+    task_part = task_reward_weight * grpo_advantages(scores, k, scale=scale_rewards)[:, None] * mask
+    kl_abs, task_abs = float(kl_part.abs().sum()), float(task_part.abs().sum())
+    stats["distill/kl_share"] = kl_abs / (kl_abs + task_abs) if kl_abs + task_abs > 0 else 0.0
+    return Estimate(kl_part + task_part, None, stats)
+
+
 ESTIMATORS: dict[str, Callable[..., Estimate]] = {
     "group": group, "leave_one_out": leave_one_out, "gae": gae, "returns": returns, "group_returns": group_returns,
+    "reverse_kl": reverse_kl,
 }
 """`table.Algorithm.advantages` -> its estimator."""

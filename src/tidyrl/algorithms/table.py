@@ -19,10 +19,10 @@ class Algorithm:
 
     name: str
     section: str
-    """The config section holding its options (`grpo`, `rloo`, `ppo`, `reinforce_pp`)."""
+    """The config section holding its options (`grpo`, `rloo`, `ppo`, `reinforce_pp`, `distill`)."""
     advantages: str
-    """Its advantage estimator (`algorithms.estimators.ESTIMATORS`): group, leave_one_out, gae, returns, or
-    group_returns."""
+    """Its advantage estimator (`algorithms.estimators.ESTIMATORS`): group, leave_one_out, gae, returns,
+    group_returns or reverse_kl."""
     kl_in: str
     """Where the KL penalty to the reference goes: `loss` (a term of each token's loss, GRPO eq. 3) or `reward`
     (subtracted from the rewards before the advantages, RLHF-style)."""
@@ -37,6 +37,9 @@ class Algorithm:
     """Its default policy loss (`<section>.policy_loss` when unset): token, sequence (GSPO) or cispo."""
     summary: str
     """One line for docs and errors."""
+    teacher: bool = False
+    """Its advantages read a teacher's log-probs of the sampled tokens (on-policy distillation): the `teacher`
+    section names the teacher, which scores every rollout."""
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
@@ -58,6 +61,10 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("cispo", "grpo", advantages="group", kl_in="loss", critic=False, grouped=True,
               sequence_advantages=True, policy_loss="cispo",
               summary="GRPO's advantages with CISPO's clipped-weight loss (MiniMax 2025)"),
+    Algorithm("distill", "distill", advantages="reverse_kl", kl_in="loss", critic=False, grouped=False,
+              sequence_advantages=False, policy_loss="token", teacher=True,
+              summary="on-policy distillation: a teacher's per-token log-probs as the reward (Agarwal et al. "
+                      "2024), task rewards optional"),
 )}
 """Every on-policy RL algorithm, by its `algorithm:` name."""
 

@@ -107,6 +107,10 @@ class RLRun:
         if self.use_reference and not cfg.lora.enabled:
             self.ref_model = load_causal_lm(cfg.model, cfg.model_dtype, device=self.accelerator.device)
             self.ref_model.eval().requires_grad_(False)
+        self.teacher = None
+        if self.spec.teacher:  # on-policy distillation: the teacher, frozen, beside the policy
+            self.teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=self.accelerator.device)
+            self.teacher.eval().requires_grad_(False)
         self._say(adapter_note(model))
         for reward in self.inputs.reward_fns:  # reward models: weights now, on this process's device
             if isinstance(reward.fn, RewardModel):
@@ -183,7 +187,7 @@ class RLRun:
                                       [s for s in (t.scheduler, t.critic_scheduler) if s is not None]))
         else:
             write_run_header(cfg, plan, self.out, self.accelerator,
-                             plan_extras(cfg, self.inputs.critic, self.inputs.eval_prompt_ids))
+                             plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids))
         self.start = time.perf_counter() - elapsed
         self.env_errors = []
         row, last_reward = {}, None
@@ -295,7 +299,8 @@ class RLRun:
         local, mismatch = score_episodes(
             made, policy, self.pad_id, self.cfg, self.plan, tis_cap=self.tis_cap, accelerator=self.accelerator,
             use_reference=self.use_reference, reference=self.ref_model, kl_in_reward=self.spec.kl_in == "reward",
-            critic=None if self.trainee.critic is None else self.accelerator.unwrap_model(self.trainee.critic))
+            critic=None if self.trainee.critic is None else self.accelerator.unwrap_model(self.trainee.critic),
+            teacher=self.teacher)
         t_score = time.perf_counter() - t0
         rollout = gather_rollout(self.accelerator, local, self.pad_id)
         raw_per_fn, scores, overlong = rollout_rewards(made.per_fn, self.source.producer.reward_fns, self._gather,

@@ -73,12 +73,31 @@ class RLInputs:
     """The environment's tool schemas (its `tool_schemas()`), rendered into every prompt, or None."""
 
 
-def plan_extras(cfg, critic_choice: Optional[dict], eval_prompt_ids) -> dict:
+def plan_extras(cfg, plan, critic_choice: Optional[dict], eval_prompt_ids) -> dict:
     """What plan.json (and `tidyrl plan`) say beside the plan's counts: the engine that generates, the lag of the
     rollouts made ahead (rollout.lag: the counts are the same at any lag), PPO's critic and why, the held-out
     prompts."""
     return {"engine": cfg.rollout.engine, **({"lag": cfg.rollout.lag} if cfg.rollout.lag else {}),
-            **(critic_choice or {}), **({"eval_prompts": len(eval_prompt_ids)} if eval_prompt_ids else {})}
+            **(critic_choice or {}), **({"eval_prompts": len(eval_prompt_ids)} if eval_prompt_ids else {}),
+            **scoring_passes(cfg, plan)}
+
+
+def scoring_passes(cfg: Config, plan) -> dict:
+    """What the frozen models that score every rollout cost (plan.json's `scoring`): the KL reference (a KL term;
+    with LoRA the policy with its adapter off) and a teacher (on-policy distillation: teacher.model), each a
+    no-grad forward pass over each process's episodes in chunks of rollout.forward_batch_size."""
+    from tidyrl.config import algorithm_section
+
+    models = {}
+    if algorithm_section(cfg).kl_coef > 0:
+        models["reference"] = "the policy with its adapter off" if cfg.lora.enabled else cfg.model
+    if ALGORITHMS[cfg.algorithm].teacher:
+        models["teacher"] = cfg.teacher.model
+    per_process = plan.episodes_per_rollout_per_process
+    chunks = -(-per_process // cfg.rollout.forward_batch_size)
+    return {"scoring": {name: {"model": model, "episodes_per_rollout_per_process": per_process,
+                               "forward_passes_per_rollout_per_process": chunks}
+                        for name, model in models.items()}} if models else {}
 
 
 def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RLInputs:
@@ -118,6 +137,8 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
                             "training prompts; their eval metrics measure memory, not generalisation")
     check_engine_inputs(cfg, model_config, [*prompt_ids, *(eval_prompt_ids or [])],
                         plan.episodes_per_rollout_per_process)
+    if ALGORITHMS[cfg.algorithm].teacher:
+        check_teacher(cfg, tokenizer)
     critic = None
     if ALGORITHMS[cfg.algorithm].critic:
         path, why = choose_critic(cfg, tokenizer.get_vocab())
@@ -240,6 +261,27 @@ def check_engine_inputs(cfg: Config, model_config, prompt_ids: list, episodes_pe
         problems = engine.input_problems(cfg, model_config, not cuda_in_use(), episodes_per_process, longest)
         if problems:
             raise ConfigError(problems)
+
+
+def check_teacher(cfg: Config, tokenizer) -> None:
+    """teacher.model exists and reads the policy's tokens: its tokenizer's vocabulary is the policy's (the teacher
+    scores the student's sampled token ids as they are). Reads configs and tokenizer files only, no weights."""
+    from transformers import AutoTokenizer
+
+    load_model_config(cfg.teacher.model, "teacher.model")
+    problem = adapter_folder_problem(cfg.teacher.model, "teacher.model", "a teacher")
+    if problem:
+        raise ModelLoadError(problem)
+    try:
+        vocab = AutoTokenizer.from_pretrained(cfg.teacher.model).get_vocab()
+    except (OSError, ValueError):
+        return  # a folder without tokenizer files: it reads the policy's tokens by construction
+    if vocab != tokenizer.get_vocab():
+        policy_tokenizer = cfg.tokenizer or cfg.model
+        raise ConfigError([f"teacher.model: {cfg.teacher.model!r} has another tokenizer than the policy's "
+                           f"({policy_tokenizer!r}: {len(tokenizer.get_vocab())} tokens, the teacher's: {len(vocab)}); "
+                           "the teacher scores the student's sampled token ids, so both must share one vocabulary. "
+                           "Use a teacher of the policy's family (the same tokenizer)."])
 
 
 def check_template_renders_tools(tokenizer, tools: list, factory) -> None:

@@ -6,6 +6,7 @@ rollout, so the number of processes does not change it."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import fields, replace
 from typing import Any, Optional
 
@@ -64,6 +65,8 @@ def rollout_rewards(per_fn: dict, reward_fns: list, gather, moments: dict, rollo
     raw = {name: gather(v.float()) for name, v in per_fn.items()}  # name -> (R,), NaN = no score
     per = normalised(raw, moments)  # on the global batch: W-invariant
     scores = weighted_sum(reward_fns, per, per.get("env"))  # (R,)
+    if not isinstance(scores, torch.Tensor):  # no task reward at all (pure distillation): 0 for every episode
+        scores = torch.zeros(len(rollout))
     overlong = None
     if options.overlong_buffer:  # DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), part of the reward
         from tidyrl.algorithms.losses import overlong_penalty
@@ -140,6 +143,7 @@ def estimate_advantages(spec, options, rollout: Rollout, scores, *, k: int, beta
         else torch.zeros_like(mask)
     return ESTIMATORS[spec.advantages](scores, k=k, mask=mask, multi_turn=rollout.action_mask is not None,
                                        truncated=rollout.truncated, kl=kl, beta=beta, values=rollout.old_values,
+                                       teacher=rollout.teacher_logprobs, student=rollout.old_logprobs,
                                        **vars(options))
 
 
@@ -203,11 +207,12 @@ def gather_rollout(accelerator, local: Rollout, pad_id: int) -> Rollout:
 
 
 def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, accelerator, use_reference: bool,
-                   reference, kl_in_reward: bool, critic) -> tuple[Rollout, dict]:
+                   reference, kl_in_reward: bool, critic, teacher=None) -> tuple[Rollout, dict]:
     """This process's share of the rollout record, scored: the behaviour (old) log-probs and, where the sampler
     was not the trainer, the importance weights; with a KL term (`use_reference`) the reference's log-probs
     (`reference`: the frozen model, or None with LoRA: the policy with its adapter off); the critic's values
-    (`critic`, or None). Returns (the local Rollout, the mismatch metrics)."""
+    (`critic`, or None); a teacher's log-probs (`teacher`: on-policy distillation, or None). Returns (the local
+    Rollout, its metrics: the mismatch's, time/teacher_s)."""
     from tidyrl.models.lora import reference_of
     from tidyrl.rollouts.scoring import score_values
 
@@ -217,7 +222,9 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
     # Old log-probs differ from the current ones only after the rollout's first optimizer step, so they are kept
     # only when E*M > 1, or when the KL penalty sits in the reward. The sampling pass computed them with the same
     # weights (no second forward pass; equal up to rounding).
-    old = ep.logprobs if plan.optimizer_steps_per_rollout > 1 or (use_reference and kl_in_reward) else None
+    # A teacher's advantages read them too: log pi_T - log pi_S on each sampled token.
+    old = ep.logprobs if (plan.optimizer_steps_per_rollout > 1 or (use_reference and kl_in_reward)
+                          or teacher is not None) else None
     is_weights, sampler, mismatch = None, None, {}
     if old_from_sampler(cfg, plan, tis_cap):
         if tis_cap > 0:
@@ -237,8 +244,15 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
         critic.eval()
         with full_weights(critic):
             values = score_values(critic, tokens, ro.forward_batch_size)
+    teacher_lp = None
+    if teacher is not None:  # scored as the reference is: in chunks, at the rollout's temperature
+        t0 = time.perf_counter()
+        with full_weights(teacher):
+            teacher_lp = score_logprobs(teacher, tokens, ro.temperature, ro.forward_batch_size,
+                                        fast_path=cfg.model_fast_paths)
+        mismatch["time/teacher_s"] = time.perf_counter() - t0
     return replace(tokens, old_logprobs=old, ref_logprobs=ref, old_values=values, is_weights=is_weights,
-                   sampler_logprobs=sampler), mismatch
+                   sampler_logprobs=sampler, teacher_logprobs=teacher_lp), mismatch
 
 
 def evaluate_held_out(producer, engine, policy, k: int, prompts: int, accelerator,
@@ -255,8 +269,6 @@ def evaluate_held_out(producer, engine, policy, k: int, prompts: int, accelerato
     same numbers on any number of processes. Returns (the metrics, and with `with_episodes` every episode's row
     in episode order, gathered from every process: prompt_index, sample, completion, reward, rewards, truncated,
     length; else None)."""
-    import time
-
     from tidyrl.rollouts.producer import EVAL_SLOT
 
     total, rank, world = prompts * k, accelerator.process_index, accelerator.num_processes

@@ -35,6 +35,7 @@ class Rollout:
     action_mask: Optional[torch.Tensor] = None  # (R, Tc) multi-turn: 1 = the model's token, 0 = the environment's
     is_weights: Optional[torch.Tensor] = None  # (R, Tc) truncated importance weights min(pi_trainer/pi_sampler, cap)
     sampler_logprobs: Optional[torch.Tensor] = None  # (R, Tc) the engine's, when the weights are taken in the update
+    teacher_logprobs: Optional[torch.Tensor] = None  # (R, Tc) on-policy distillation: the teacher's
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
