@@ -309,8 +309,8 @@ def test_tidyrl_eval_of_a_vllm_run_gives_its_last_eval_metrics(vllm_model_dir, w
     numbers, exactly."""
     from tidyrl.cli import main
 
-    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", data={"eval_fraction": 0.3},
-                      log={"eval_every": 2, "eval_decoding": "sampled"})
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", log={"eval_every": 2, "eval_decoding": "sampled"})
+    cfg["data"]["eval_fraction"] = 0.3
     result = tidyrl.train(cfg)
     last = read_jsonl(result.output_dir / "metrics.jsonl")[-1]
     assert main(["eval", str(result.output_dir / "config.yaml"), "--model", str(result.final_dir),
