@@ -44,13 +44,48 @@ def test_unsupported_sharding_is_refused_with_what_to_use():
         check_sharding("deepspeed", cfg())
     with pytest.raises(ShardingError, match="FSDP1 is not supported.*fsdp_version: 2"):
         check_sharding("fsdp1", cfg())
-    with pytest.raises(ShardingError, match="log.save_every and resume_from cannot be used under FSDP"):
-        check_sharding("fsdp2", cfg(save_every=5, resume_from="latest"))
-    check_sharding("fsdp2", cfg())
+    check_sharding("fsdp2", cfg(save_every=5, resume_from="latest"))  # sharded checkpoints (tests/test_fsdp.py)
     check_sharding("none", cfg(save_every=5, resume_from="latest"))
 
 
-def test_sharding_kind_reads_accelerates_distributed_type():
+def test_the_launch_request_is_read_from_what_accelerate_launch_sets():
+    """On a CPU accelerate forms a plain gloo group whatever the config asks: the request is read from the
+    variables accelerate launch sets, so that FSDP is applied (fsdp2) or refused (fsdp1, deepspeed), never
+    silently replaced by DDP."""
+    from tidyrl.models.sharding import launch_sharding
+
+    fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    assert launch_sharding({"WORLD_SIZE": "2", **fsdp}) == "fsdp2"
+    assert launch_sharding({"WORLD_SIZE": "2", **fsdp, "FSDP_VERSION": "1"}) == "fsdp1"
+    assert launch_sharding({"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"}) == "deepspeed"
+    assert launch_sharding({"WORLD_SIZE": "2"}) == "none"  # torchrun, or accelerate's DDP config
+    assert launch_sharding({"WORLD_SIZE": "1", **fsdp}) == "none"  # one process: nothing to shard
+    assert launch_sharding({**fsdp}) == "none"
+
+
+def test_fsdp_settings_tidyrl_would_not_apply_are_refused():
+    from tidyrl.models.sharding import check_fsdp_settings
+
+    check_fsdp_settings({"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "ACCELERATE_MIXED_PRECISION": "no"})
+    with pytest.raises(ShardingError, match="fsdp_auto_wrap_policy SIZE_BASED_WRAP.*TRANSFORMER_BASED_WRAP"):
+        check_fsdp_settings({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"})
+    with pytest.raises(ShardingError, match="fsdp_cpu_ram_efficient_loading.*set it false"):
+        check_fsdp_settings({"FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})
+    with pytest.raises(ShardingError, match="fsdp_activation_checkpointing.*train.gradient_checkpointing"):
+        check_fsdp_settings({"FSDP_ACTIVATION_CHECKPOINTING": "true"})
+    with pytest.raises(ShardingError, match="mixed_precision bf16.*model_dtype"):
+        check_fsdp_settings({"ACCELERATE_MIXED_PRECISION": "bf16"})
+
+
+def test_a_run_says_how_its_model_is_distributed():
+    from tidyrl.models.sharding import distribution
+
+    assert distribution("fsdp2", 4) == "fsdp2, 4 shards"
+    assert distribution("none", 2) == "ddp, 2 processes"
+    assert distribution("none", 1) == distribution("fsdp2", 1) == "one process"
+
+
+def test_sharding_kind_reads_accelerates_distributed_type_then_the_launch(monkeypatch):
     from accelerate.utils import DistributedType
 
     from tidyrl.models.sharding import sharding_kind
@@ -59,11 +94,17 @@ def test_sharding_kind_reads_accelerates_distributed_type():
         return SimpleNamespace(distributed_type=kind,
                                state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version)))
 
+    for name in ("WORLD_SIZE", "ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
     assert sharding_kind(acc(DistributedType.FSDP, 2)) == "fsdp2"
     assert sharding_kind(acc(DistributedType.FSDP, 1)) == "fsdp1"
     assert sharding_kind(acc(DistributedType.DEEPSPEED)) == "deepspeed"
     assert sharding_kind(acc(DistributedType.MULTI_CPU)) == "none"
     assert sharding_kind(acc(DistributedType.NO)) == "none"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert sharding_kind(acc(DistributedType.MULTI_CPU)) == "fsdp2"  # tidyrl shards where accelerate would not
 
 
 @pytest.mark.parametrize("name", ["ddp.yaml", "fsdp.yaml"])

@@ -95,18 +95,30 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     """The one Accelerator of a run. Under torchrun / accelerate launch on a machine without CUDA,
     accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
     process would silently train alone and all would write the same output_dir. On CUDA, more processes per
-    machine than GPUs are refused first (`check_processes_fit_devices`). With `cfg`, a sharding
-    mode the launch asks for and tidyrl cannot run `cfg` under is refused here (`check_sharding`)."""
+    machine than GPUs are refused first (`check_processes_fit_devices`).
+
+    A launch that asks for FSDP2 (`models.sharding.launch_sharding`) is sharded by tidyrl (`prepare_for_training`),
+    on CPU and GPU alike: accelerate is kept out of it (it forms the process group only; on a CPU it would train
+    plain DDP and say nothing). Every process reads the weights and shards the whole model it read. With `cfg`, a sharding mode the launch asks for and
+    tidyrl cannot run `cfg` under is refused here (`check_sharding`), before any weights load."""
     import torch
     from accelerate import Accelerator
 
-    from tidyrl.models.sharding import sharding_kind
+    from tidyrl.models.sharding import check_fsdp_settings, launch_sharding, sharding_kind
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     on_cpu = not cuda_in_use()
     if launched and not on_cpu:
         check_processes_fit_devices(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
-    accelerator = Accelerator(cpu=launched and on_cpu, **kwargs)
+    tidyrl_shards = launch_sharding() == "fsdp2"
+    if tidyrl_shards:
+        check_fsdp_settings()
+        os.environ["ACCELERATE_USE_FSDP"] = "false"  # accelerate: the process group and devices, no FSDP of its own
+    try:
+        accelerator = Accelerator(cpu=launched and on_cpu, **kwargs)
+    finally:
+        if tidyrl_shards:
+            os.environ["ACCELERATE_USE_FSDP"] = "true"  # the request stays readable (launch_sharding)
     if launched:
         _destroy_process_group_at_exit()
     if launched and accelerator.num_processes == 1:
@@ -119,25 +131,24 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     return accelerator
 
 
+def distribution_of(accelerator) -> str:
+    """'fsdp2, N shards', 'ddp, N processes' or 'one process': how this run's model is distributed (plan.json's
+    `distribution`, the summary)."""
+    from tidyrl.models.sharding import distribution, sharding_kind
+
+    return distribution(sharding_kind(accelerator), accelerator.num_processes)
+
+
 def check_sharding(kind: str, cfg) -> None:
     """Raise ShardingError before any weights load when the launch's sharding (`kind`, from
     `models.sharding.sharding_kind`) cannot run `cfg`: DeepSpeed and FSDP1 never (`models.sharding.check_supported`);
-    under FSDP2 no exact-resume checkpoint (the sharded optimizer state is not gathered), and nothing the
-    configured engine refuses on a sharded policy (`engines.fsdp_problem`)."""
+    under FSDP2 nothing the configured engine refuses on a sharded policy (`engines.fsdp_problem`)."""
     from tidyrl.engines import fsdp_problem
     from tidyrl.models.sharding import ShardingError, check_supported
 
     check_supported(kind)
     if kind != "fsdp2":
         return
-    refused = [key for key, value in (("log.save_every", cfg.log.save_every), ("resume_from", cfg.resume_from))
-               if value]
-    if refused:
-        raise ShardingError(
-            f"{' and '.join(refused)} cannot be used under FSDP yet: exact-resume checkpoints need the sharded "
-            "optimizer state gathered, which tidyrl does not do yet. Set log.save_every=0 (the final model is "
-            "saved in full), or run without FSDP (docs/memory.md)."
-        )
     problem = fsdp_problem(cfg)
     if problem:
         raise ShardingError(problem)
@@ -167,11 +178,14 @@ def prepare_output_dir(out: Path, overwrite: bool, accelerator) -> None:
 
 
 def write_run_header(cfg: Config, plan: Plan, out: Path, accelerator, extra: Optional[dict] = None) -> None:
-    """config.yaml (resolved) and plan.json (with `extra`: choices the run made, e.g. PPO's critic), written
-    once by the main process."""
+    """config.yaml (resolved) and plan.json (with several processes `distribution`, how the model is spread over
+    them: `distribution_of`; and `extra`: choices the run made, e.g. PPO's critic), written once by the main
+    process. A one-process run's plan says world_size 1."""
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
-        (out / "plan.json").write_text(json.dumps({**plan.to_dict(), **(extra or {})}, indent=2) + "\n")
+        spread = {"distribution": distribution_of(accelerator)} if accelerator.num_processes > 1 else {}
+        header = {**plan.to_dict(), **spread, **(extra or {})}
+        (out / "plan.json").write_text(json.dumps(header, indent=2) + "\n")
 
 
 def build_optimizer(model, train_cfg):
@@ -217,13 +231,23 @@ def weights_device(accelerator):
 
 
 def prepare_for_training(accelerator, model, train_cfg, plan: Plan, lr_scheduler: Optional[str] = None):
-    """Gradient checkpointing (when asked), AdamW, accelerate's wrapping of both, and the LR schedule over the
-    plan's total optimizer steps (`lr_scheduler`, default train_cfg.lr_scheduler). Returns (model, optimizer,
-    scheduler); the loop steps the scheduler itself, once per optimizer step."""
+    """Gradient checkpointing (when asked), AdamW, the model's distribution, and the LR schedule over the plan's
+    total optimizer steps (`lr_scheduler`, default train_cfg.lr_scheduler). Returns (model, optimizer,
+    scheduler); the loop steps the scheduler itself, once per optimizer step.
+
+    Under FSDP2 the model is sharded here (`models.sharding.shard`: FSDP2 itself, not accelerate's wrapping) and
+    the optimizer built over the shards, so each process holds 1/W of the parameters, gradients and AdamW state;
+    otherwise accelerate wraps model and optimizer (DDP with several processes)."""
+    from tidyrl.models.sharding import offload_params, reshard_after_forward, shard, sharding_kind
+
     if train_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    optimizer = build_optimizer(model, train_cfg)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if sharding_kind(accelerator) == "fsdp2":
+        model = shard(model, accelerator.device.type, reshard_after_forward(), offload_params())
+        optimizer = build_optimizer(model, train_cfg)
+    else:
+        optimizer = build_optimizer(model, train_cfg)
+        model, optimizer = accelerator.prepare(model, optimizer)
     return model, optimizer, build_scheduler(optimizer, lr_scheduler or train_cfg.lr_scheduler, plan)
 
 

@@ -275,12 +275,13 @@ class OfflineRun:
         import functools
 
         from tidyrl.data import PromptStream
-        from tidyrl.loops.common import TrainResult, save_pretrained_atomic, write_run_header
+        from tidyrl.loops.common import TrainResult, distribution_of, save_pretrained_atomic, write_run_header
         from tidyrl.loops.training import Steps, keep_if_best
         from tidyrl.metrics import format_offline_summary
 
         cfg, acc = self.cfg, self.accelerator
-        step, first, self.best = self._resume(optimizer, scheduler, plan) if self.resumed is not None else (0, {}, None)
+        step, first, self.best = (self._resume(model, optimizer, scheduler, plan) if self.resumed is not None
+                                  else (0, {}, None))
         if self.resumed is None:
             self.start = time.perf_counter()
             write_run_header(cfg, plan, self.out, acc,
@@ -307,19 +308,20 @@ class OfflineRun:
         final_dir = save_pretrained_atomic(acc, model, tokenizer, self.out / "final", merged=cfg.lora.save_merged)
         if self.is_main:
             print(format_offline_summary(cfg.algorithm, plan, steps.log.timings, time.perf_counter() - self.start,
-                                         first, row, self.out, final_dir, steps.log.tracker_locations, self.best),
+                                         first, row, self.out, final_dir, steps.log.tracker_locations, self.best,
+                                         distribution=distribution_of(acc)),
                   flush=True)
         return TrainResult(output_dir=self.out, final_dir=final_dir, plan=plan, metrics=row,
                            is_main_process=self.is_main)
 
-    def _resume(self, optimizer, scheduler, plan) -> tuple[int, dict, Optional[dict]]:
+    def _resume(self, model, optimizer, scheduler, plan) -> tuple[int, dict, Optional[dict]]:
         """The checkpoint's optimizer, schedule, random state and counters restored, the metrics rows past its step
         dropped (the remaining steps write them again). Returns (its step, the first row's values, the best)."""
-        from tidyrl.checkpoint import set_rng_state, truncate_jsonl
+        from tidyrl.checkpoint import restore_optimizer, set_rng_state, truncate_jsonl
         from tidyrl.loops.training import continue_longer
 
         acc = self.accelerator
-        optimizer.load_state_dict(self.resumed["optimizer"])
+        restore_optimizer(self.resumed, "optimizer", model, optimizer)
         scheduler.load_state_dict(self.resumed["scheduler"])
         set_rng_state(self.resumed["rng"])
         state = self.resumed["state"]
@@ -390,19 +392,20 @@ class OfflineRun:
         return {**stage.eval_metrics(sums.reduced(self.accelerator), n), "time/eval_s": time.perf_counter() - t0}
 
     def _save_checkpoint(self, model, tokenizer, optimizer, scheduler, plan, step: int, first: dict) -> None:
-        """checkpoint-<step> (main process; atomic, tidyrl.checkpoint)."""
+        """checkpoint-<step> (atomic, tidyrl.checkpoint): written by the main process; under FSDP2 each process
+        also writes its shards."""
         from tidyrl.checkpoint import save_checkpoint
         from tidyrl.config import config_to_dict
-        from tidyrl.models.sharding import ShardingError, sharding_kind
+        from tidyrl.loops.common import distribution_of
+        from tidyrl.models.sharding import is_root_sharded
 
         acc = self.accelerator
-        if sharding_kind(acc) != "none":  # only a stop signal gets here (save_every is refused under FSDP)
-            raise ShardingError(f"stopped after optimizer step {step}; under FSDP no checkpoint can be written yet "
-                                "(docs/memory.md), so the run must start again.")
+        sharded = is_root_sharded(model)
         acc.wait_for_everyone()
-        if self.is_main:
+        if sharded or self.is_main:
             state = {"step": step, "elapsed_s": time.perf_counter() - self.start, "first_row": first, "best": self.best,
-                     "world_size": self.world_size, "plan": plan.to_dict(), "config": config_to_dict(self.cfg)}
+                     "world_size": self.world_size, "distribution": distribution_of(acc), "plan": plan.to_dict(),
+                     "config": config_to_dict(self.cfg)}
             save_checkpoint(self.out, step, model=acc.unwrap_model(model), tokenizer=tokenizer, optimizer=optimizer,
                             scheduler=scheduler, state=state, rollout=None, keep_last=self.cfg.log.keep_last)
         acc.wait_for_everyone()

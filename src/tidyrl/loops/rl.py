@@ -23,8 +23,8 @@ from typing import Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, algorithm_section
-from tidyrl.loops.common import (TrainResult, make_accelerator, prepare_for_training, prepare_output_dir,
-                                 save_pretrained_atomic, weights_device, write_run_header)
+from tidyrl.loops.common import (TrainResult, distribution_of, make_accelerator, prepare_for_training,
+                                 prepare_output_dir, save_pretrained_atomic, weights_device, write_run_header)
 from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
 from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
 from tidyrl.loops.rl_rollout import (GROUP_COUNTS, environment_failure, estimate_advantages, evaluate_held_out,
@@ -108,7 +108,11 @@ class RLRun:
             self.ref_model = load_causal_lm(cfg.model, cfg.model_dtype, device=self.accelerator.device)
             self.ref_model.eval().requires_grad_(False)
         self.teacher = None
-        if self.spec.teacher:  # on-policy distillation: the teacher, frozen, beside the policy
+        if self.spec.teacher and cfg.teacher.url:  # on-policy distillation: a teacher served by vLLM
+            from tidyrl.engines.server import ServerScorer
+
+            self.teacher = ServerScorer([cfg.teacher.url], timeout_s=cfg.server.timeout_s, retries=cfg.server.retries)
+        elif self.spec.teacher:  # ... or the teacher, frozen, beside the policy
             self.teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=self.accelerator.device)
             self.teacher.eval().requires_grad_(False)
         self._say(adapter_note(model))
@@ -253,7 +257,8 @@ class RLRun:
             print(format_summary(self.plan, log.timings, time.perf_counter() - self.start, self.first_reward,
                                  last_reward, self.out, final_dir, log.tracker_locations,
                                  {k: v for k, v in row.items() if k.startswith("eval/")}, self.state.best,
-                                 self.state.group_totals, engine=self.engine.name), flush=True)
+                                 self.state.group_totals, engine=self.engine.name,
+                                 distribution=distribution_of(self.accelerator)), flush=True)
         return TrainResult(self.out, final_dir, self.plan, row, self.first_reward, last_reward, self.is_main)
 
     def _new_rollout(self, r: int, step: int, samples_log):

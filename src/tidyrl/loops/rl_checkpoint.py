@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from tidyrl.models.sharding import ShardingError, sharding_kind
+from tidyrl.models.sharding import is_root_sharded
 from tidyrl.rollouts.making import Produced
 from tidyrl.rollouts.record import Rollout
 
@@ -25,28 +25,28 @@ class RunState:
 
 def save_run(step: int, *, accelerator, out, trainee, tokenizer, state: RunState, plan, cfg, rollout, stats: dict,
              elapsed: float, first_reward, ahead: Optional[dict] = None) -> None:
-    """checkpoint-<step> (main process), with the unfinished `rollout` (None at a rollout's end) and its stats,
+    """checkpoint-<step> (written by the main process; under FSDP2 each process also writes its shards), with the
+    unfinished `rollout` (None at a rollout's end) and its stats,
     and the rollouts made ahead (rollout.lag: rollout index -> this process's making, as plain values)."""
     from tidyrl.checkpoint import save_checkpoint
     from tidyrl.config import config_to_dict
+    from tidyrl.loops.common import distribution_of
     from tidyrl.models.generation import SAMPLER
 
-    if sharding_kind(accelerator) != "none":  # only a stop signal gets here (save_every is refused)
-        raise ShardingError(f"stopped after optimizer step {step}; under FSDP no checkpoint can be written yet "
-                            "(docs/memory.md), so the run must start again.")
+    t = trainee
+    sharded = is_root_sharded(t.model)  # then every process writes its shards (checkpoint.save_checkpoint)
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    if sharded or accelerator.is_main_process:
         saved = {"step": step, "rollouts_started": -(-step // plan.optimizer_steps_per_rollout),
                  "elapsed_s": elapsed, "first_reward_mean": first_reward,
                  "reward_moments": {name: m.state_dict() for name, m in state.reward_moments.items()},
                  "kl_control": state.kl_control.state_dict() if state.kl_control else None,
                  "best": state.best, "group_totals": state.group_totals,
-                 "world_size": accelerator.num_processes, "plan": plan.to_dict(), "config": config_to_dict(cfg),
-                 "sampler": SAMPLER}
+                 "world_size": accelerator.num_processes, "distribution": distribution_of(accelerator),
+                 "plan": plan.to_dict(), "config": config_to_dict(cfg), "sampler": SAMPLER}
         unfinished = None
         if rollout is not None:
             unfinished = {"rollout": {f.name: getattr(rollout, f.name) for f in fields(rollout)}, "stats": stats}
-        t = trainee
         save_checkpoint(out, step, model=accelerator.unwrap_model(t.model), tokenizer=tokenizer,
                         optimizer=t.optimizer, scheduler=t.scheduler, state=saved, rollout=unfinished, ahead=ahead,
                         keep_last=cfg.log.keep_last,
@@ -61,17 +61,17 @@ def restore_run(loaded: dict, *, accelerator, out, trainee, state: RunState, pla
     drop the metrics and samples rows that the remaining steps will write again. Returns (step, elapsed seconds,
     first reward, the unfinished rollout and its stats or None, the rollouts made ahead: `saved_made_ahead`'s
     form, empty without rollout.lag)."""
-    from tidyrl.checkpoint import set_rng_state, truncate_jsonl
+    from tidyrl.checkpoint import restore_optimizer, set_rng_state, truncate_jsonl
 
     t = trainee
-    t.optimizer.load_state_dict(loaded["optimizer"])
+    restore_optimizer(loaded, "optimizer", t.model, t.optimizer)
     t.scheduler.load_state_dict(loaded["scheduler"])
     set_rng_state(loaded["rng"])
     saved = loaded["state"]
     for name, moments in state.reward_moments.items():
         moments.load_state_dict(saved["reward_moments"][name])
     if t.critic is not None:
-        t.critic_optimizer.load_state_dict(loaded["critic_optimizer"])
+        restore_optimizer(loaded, "critic_optimizer", t.critic, t.critic_optimizer)
         t.critic_scheduler.load_state_dict(loaded["critic_scheduler"])
     if state.kl_control is not None and saved.get("kl_control") is not None:
         state.kl_control.load_state_dict(saved["kl_control"])

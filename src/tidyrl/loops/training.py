@@ -88,10 +88,12 @@ class Sums:
 def no_sync(accelerator, models: Iterable, sync: bool):
     """A context in which backward() accumulates gradients locally (`sync` False: not the last micro-batch of a
     step) or synchronises them over processes (`sync` True), for every model in `models` (DESIGN §2)."""
+    from tidyrl.models.sharding import gradient_sync, is_root_sharded
+
     stack = contextlib.ExitStack()
     if not sync:
-        for model in models:
-            stack.enter_context(accelerator.no_sync(model))
+        for model in models:  # FSDP2 has no no_sync: its own switch (accelerate's would sync every micro-batch)
+            stack.enter_context(gradient_sync(model, False) if is_root_sharded(model) else accelerator.no_sync(model))
     return stack
 
 
@@ -106,8 +108,12 @@ def apply_update(accelerator, parts: Sequence[tuple], max_grad_norm: float, step
     from tidyrl.checkpoint import last_good_checkpoint
     from tidyrl.models.host_memory import release_freed_memory
 
+    from tidyrl.models.sharding import clip_grad_norm, is_root_sharded
+
     max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
-    norms = [float(accelerator.clip_grad_norm_(model.parameters(), max_norm)) for model, _, _ in parts]
+    # A sharded model's norm is over every shard of every process (models.sharding.clip_grad_norm)
+    norms = [clip_grad_norm(model, max_norm) if is_root_sharded(model)
+             else float(accelerator.clip_grad_norm_(model.parameters(), max_norm)) for model, _, _ in parts]
     if not all(math.isfinite(x) for x in (loss, *norms)):
         for _, optimizer, _ in parts:
             optimizer.zero_grad(set_to_none=True)
