@@ -87,12 +87,28 @@ class FakeVLLMServer:
         ids = self.tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
 
+    def prompt_logprobs(self, prompt: list) -> dict:
+        """vLLM's answer with `prompt_logprobs: 0`: entry i (the first None) maps str(prompt[i]) to its raw log-prob
+        given prompt[:i] (temperature 1), from this server's model."""
+        from tidyrl.models.ops import gather_logprobs
+
+        with self.generate_lock, torch.no_grad():
+            logits = self.model(torch.tensor([prompt])).logits[0].float()
+        values = gather_logprobs(logits[:-1][None], torch.tensor([prompt[1:]]))[0].tolist()
+        entries = [None] + [{str(t): {"logprob": v, "rank": 1, "decoded_token": self.tokenizer.decode([t])}}
+                            for t, v in zip(prompt[1:], values)]
+        return {"id": "cmpl-fake-score", "object": "text_completion", "created": int(time.time()), "model": self.root,
+                "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length",
+                             "prompt_logprobs": entries, "prompt_token_ids": list(prompt)}]}
+
     def complete(self, body: dict) -> dict:
         from tidyrl.models.generation import generate
 
         prompt, seed = body["prompt"], int(body["seed"])
         if body.get("model") != self.root:
             raise ValueError(f"The model `{body.get('model')}` does not exist.")
+        if body.get("prompt_logprobs") is not None:  # a teacher's scoring: the prompt's own log-probs
+            return self.prompt_logprobs(prompt)
         if len(prompt) + body["max_tokens"] > self.max_model_len:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens.")
         assert body["ignore_eos"] and body["return_token_ids"] and body["logprobs"] == 0

@@ -163,8 +163,11 @@ def test_distill_settings_are_checked(tiny_model_dir, prompt_file, tmp_path):
         load_config({**base, "distill": {"task_reward_weight": 1.0}})
     with pytest.raises(ConfigError, match="teacher.model: algorithm distill needs a teacher"):
         load_config({**base, "teacher": {}})
-    with pytest.raises(ConfigError, match="teacher.url: a teacher served by vLLM is not available yet"):
-        load_config({**base, "teacher": {"url": "http://127.0.0.1:8000"}})
+    with pytest.raises(ConfigError, match="teacher: set teacher.model .* or teacher.url .*, not both"):
+        load_config({**base, "teacher": {"model": str(tiny_model_dir), "url": "http://127.0.0.1:8000"}})
+    with pytest.raises(ConfigError, match="teacher.url: a server's prompt log-probs are at temperature 1, but "
+                                          "rollout.temperature = 0.7"):
+        load_config({**base, "teacher": {"url": "http://127.0.0.1:8000"}, "rollout": {"temperature": 0.7}})
     with pytest.raises(ConfigError, match="teacher: only algorithm distill has a teacher; grpo takes none"):
         load_config({**base, "algorithm": "grpo", "rewards": [{"function": "tidyrl.demo:anagram_reward"}]})
 
@@ -202,3 +205,36 @@ def test_distill_on_two_processes_matches_one_with_a_lag_and_resumes_exactly(tin
     clock = ("time", "mismatch/")
     assert [{k: v for k, v in r.items() if not k.startswith(clock)} for r in read_jsonl(one.output_dir / "metrics.jsonl")
             ] == [{k: v for k, v in r.items() if not k.startswith(clock)} for r in rows]
+
+
+def test_a_teacher_served_by_vllm_scores_as_the_same_model_loaded_locally(tiny_model_dir, teacher_dir, prompt_file,
+                                                                         tmp_path):
+    """teacher.url: each episode's tokens sent as a prompt, the teacher's log-probs read back (vLLM's prompt_logprobs,
+    here from tests/fake_vllm_server.py serving the teacher): the same numbers as the teacher loaded locally, so
+    the same run; a server of another tokenizer is refused before any weights load."""
+    from fake_vllm_server import FakeVLLMServer
+
+    from tidyrl.config import ConfigError
+    from tidyrl.models.tiny import save_tiny_model
+
+    local = tidyrl.train(distill_config(tiny_model_dir, teacher_dir, prompt_file, tmp_path / "local",
+                                        train={"rollouts": 2}))
+    server = FakeVLLMServer(teacher_dir)
+    try:
+        cfg = distill_config(tiny_model_dir, teacher_dir, prompt_file, tmp_path / "served", train={"rollouts": 2})
+        served = tidyrl.train({**cfg, "teacher": {"url": server.url}})
+    finally:
+        server.stop()
+    a, b = (read_jsonl(r.output_dir / "metrics.jsonl") for r in (local, served))
+    assert [r["distill/reverse_kl"] for r in a] == pytest.approx([r["distill/reverse_kl"] for r in b], abs=1e-5)
+    assert read_jsonl(local.output_dir / "samples.jsonl")[0]["completion"] == \
+        read_jsonl(served.output_dir / "samples.jsonl")[0]["completion"]
+    other = FakeVLLMServer(save_tiny_model(tmp_path / "bytes", tokenizer="bytes", hidden_size=32, num_layers=1,
+                                           num_heads=2))
+    try:
+        with pytest.raises(ConfigError, match=r"teacher.url = .* another tokenizer than the policy's"):
+            cfg = distill_config(tiny_model_dir, teacher_dir, prompt_file, tmp_path / "refused")
+            tidyrl.train({**cfg, "teacher": {"url": other.url}})
+    finally:
+        other.stop()
+    assert not (tmp_path / "refused").exists()

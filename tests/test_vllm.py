@@ -424,3 +424,32 @@ def test_the_probe_tells_a_servers_raw_log_probs(vllm_server, vllm_model_dir):
 
     model = json.loads(urllib.request.urlopen(vllm_server + "/v1/models", timeout=10).read())["data"][0]["id"]
     assert returns_processed_logprobs(vllm_server, model, [5, 6, 7]) is False
+
+
+def test_a_teacher_served_by_vllm_scores_a_sequence_as_the_server_sampled_it(vllm_server, vllm_model_dir,
+                                                                             words_file, tmp_path):
+    """teacher.url's scoring (prompt_logprobs) against the same server's own sampling: the log-probs of a
+    completion's tokens given as a prompt are those the server reported when it sampled them (both raw, at
+    temperature 1, from the same weights, whatever an earlier test synced into it); then a distill run against
+    the server as its teacher."""
+    from transformers import AutoTokenizer
+
+    from tidyrl.engines import SamplingSettings
+    from tidyrl.engines.server import ServerEngine, ServerScorer
+
+    tok = AutoTokenizer.from_pretrained(vllm_model_dir)
+    prompts = [tok(w + ":")["input_ids"] for w in WORDS[:4]]
+    engine = ServerEngine([vllm_server], sync_dir=str(tmp_path / "sync"))
+    settings = SamplingSettings(max_new_tokens=6, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    ids, mask, _, sampled = engine.generate(prompts, [1, 2, 3, 4], settings)
+    lengths = mask.sum(1).long().tolist()
+    scored = ServerScorer([vllm_server]).logprobs([p + ids[i, :lengths[i]].tolist() for i, p in enumerate(prompts)],
+                                                  [len(p) for p in prompts])
+    for i, values in enumerate(scored):
+        torch.testing.assert_close(torch.tensor(values), sampled[i, :lengths[i]], atol=2e-5, rtol=0)
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run")
+    cfg.update({"algorithm": "distill", "teacher": {"url": vllm_server}, "rewards": []})
+    cfg["rollout"]["engine"] = "builtin"
+    result = tidyrl.train(cfg)
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert all(abs(r["distill/reverse_kl"]) < 10 and r["time/teacher_s"] > 0 for r in rows)

@@ -500,7 +500,11 @@ class TeacherConfig:
     policy (model_dtype) and scored in chunks of rollout.forward_batch_size like the KL reference. It must have
     the policy's tokenizer (the same vocabulary: checked before any weights load)."""
     url: Optional[str] = None
-    """algorithm distill: a teacher served by vLLM at this address. Not available yet: use teacher.model."""
+    """algorithm distill: a teacher served by vLLM at this address (e.g. http://127.0.0.1:8001), instead of
+    teacher.model: each episode's tokens are sent as a prompt and the teacher's log-probs read back (vLLM's
+    prompt_logprobs), with server.timeout_s and server.retries. Its tokenizer must be the policy's (checked before
+    any weights load by tokenising a probe string); its log-probs are at temperature 1, so rollout.temperature
+    must be 1."""
 
     def check(self, need, cfg: "Config") -> None:
         distilling = cfg.algorithm in RL_TABLE and RL_TABLE[cfg.algorithm].teacher
@@ -508,10 +512,15 @@ class TeacherConfig:
             need(self.model is None and self.url is None, "teacher",
                  f"only algorithm distill has a teacher; {cfg.algorithm} takes none (remove the section)")
             return
-        need(self.url is None, "teacher.url",
-             "a teacher served by vLLM is not available yet; load it locally with teacher.model")
-        need(self.model is not None and bool(self.model.strip()), "teacher.model",
-             "algorithm distill needs a teacher: a local model folder or hub id with the policy's tokenizer")
+        need(self.model is None or self.url is None, "teacher",
+             "set teacher.model (a local teacher) or teacher.url (a teacher served by vLLM), not both")
+        need((self.model is not None and bool(self.model.strip())) or (self.url is not None and bool(self.url.strip())),
+             "teacher.model", "algorithm distill needs a teacher: a local model folder or hub id with the policy's "
+             "tokenizer (teacher.model), or a vLLM server of one (teacher.url)")
+        need(self.url is None or cfg.rollout.temperature == 1.0, "teacher.url",
+             f"a server's prompt log-probs are at temperature 1, but rollout.temperature = {cfg.rollout.temperature}: "
+             "sample at temperature 1, or load the teacher locally with teacher.model (scored at the rollout's "
+             "temperature)")
 
 
 @dataclass

@@ -116,6 +116,96 @@ def parse_completion(answer, settings: SamplingSettings) -> tuple[list[int], lis
     return tokens, logprobs
 
 
+def served_model(url: str, timeout_s: float, who: str) -> str:
+    """The name of the model a server serves (`GET /v1/models`); EngineError naming `who` and the server if none."""
+    try:
+        answer = _request(url, "/v1/models", None, min(timeout_s, 30.0))
+        return answer["data"][0]["id"]
+    except ServerAnswerError as err:
+        raise EngineError(f"{who} {url}: {err}") from None
+    except (KeyError, IndexError, TypeError):
+        raise EngineError(f"{who} {url}: /v1/models lists no model") from None
+
+
+def prompt_logprobs_request(model: str, ids: Sequence[int]) -> dict:
+    """The body of one scoring `POST /v1/completions`: the sequence is the prompt and its tokens' log-probs come
+    back (`prompt_logprobs`: vLLM's raw log-probs, of the distribution at temperature 1); the one token it must
+    generate is discarded."""
+    return {"model": model, "prompt": [int(t) for t in ids], "n": 1, "stream": False, "max_tokens": 1,
+            "temperature": 1.0, "seed": 0, "prompt_logprobs": 0}
+
+
+def parse_prompt_logprobs(answer, ids: Sequence[int], start: int) -> list[float]:
+    """The log-probs of ids[start:] in a `prompt_logprobs` answer (entry i: {"<ids[i]>": {"logprob": x, ...}, ...},
+    the first None); ServerAnswerError when the answer is not one for `ids`."""
+    try:
+        entries = answer["choices"][0]["prompt_logprobs"]
+        if len(entries) != len(ids):
+            raise ServerAnswerError(f"an answer with {len(entries)} prompt log-probs for {len(ids)} tokens")
+        values = []
+        for i in range(start, len(ids)):
+            entry = entries[i][str(int(ids[i]))]
+            values.append(float(entry["logprob"] if isinstance(entry, dict) else entry))
+        return values
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise ServerAnswerError(f"an answer without the prompt's log-probs ({type(err).__name__}: {err})") from None
+
+
+class ServerScorer:
+    """Log-probs of given token sequences from vLLM servers: a teacher served by vLLM (`teacher.url`). Each sequence
+    is one `POST /v1/completions` with `prompt_logprobs` (`prompt_logprobs_request`), sent to the servers round
+    robin, up to `workers` at a time, each with the vllm-server engine's timeout and retries on the next server."""
+
+    def __init__(self, urls: Sequence[str], *, timeout_s: float = 300.0, retries: int = 2, workers: int = 16):
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s, self.retries, self.workers = timeout_s, retries, workers
+        self.models = [served_model(u, timeout_s, "teacher.url") for u in self.urls]
+
+    def logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        """For each sequence, the log-probs of its tokens from `starts[i]` on (each given what precedes it)."""
+        if not sequences:
+            return []
+        with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(sequences))),
+                                thread_name_prefix="tidyrl-teacher") as pool:
+            return list(pool.map(self._score, range(len(sequences)), sequences, starts))
+
+    def _score(self, index: int, ids: Sequence[int], start: int) -> list[float]:
+        errors = []
+        for attempt in range(self.retries + 1):
+            replica = (index + attempt) % len(self.urls)
+            url = self.urls[replica]
+            try:
+                answer = _request(url, "/v1/completions", prompt_logprobs_request(self.models[replica], ids),
+                                  self.timeout_s)
+                return parse_prompt_logprobs(answer, ids, start)
+            except ServerAnswerError as err:
+                errors.append(f"{url}: {err}")
+        raise EngineError(f"teacher.url: scoring sequence {index} failed on {len(errors)} attempt"
+                          f"{'s' if len(errors) > 1 else ''} (server.retries = {self.retries}): " + "; ".join(errors))
+
+
+def teacher_problems(url: str, tokenizer, key: str = "teacher.url") -> list[str]:
+    """Before any weights load: the teacher's server answers (`GET /v1/models` within a few seconds) and tokenises
+    a probe string as the policy's tokenizer does (it scores the student's token ids as they are)."""
+    try:
+        served = _request(url, "/v1/models", None, PROBE_TIMEOUT_S)["data"][0]
+    except ServerAnswerError as err:
+        return [f"{key} = {url}: {err}; is the teacher's vLLM server up?"]
+    except (KeyError, IndexError, TypeError):
+        return [f"{key} = {url}: /v1/models lists no model; is it a vLLM server?"]
+    probe = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+    try:
+        ids = _request(url, "/tokenize", {"model": served.get("id"), "prompt": PROBE_TEXT, "add_special_tokens": False},
+                       PROBE_TIMEOUT_S)["tokens"]
+    except (ServerAnswerError, KeyError, TypeError) as err:
+        return [f"{key} = {url}: /tokenize did not answer ({err}); is it a vLLM server?"]
+    if list(ids) != probe:
+        return [f"{key} = {url}: serves {served.get('root') or served.get('id')} with another tokenizer than the "
+                f"policy's: {PROBE_TEXT!r} is {ids[:12]} there, {probe[:12]} here; the teacher scores the student's "
+                "token ids, so both must share one vocabulary"]
+    return []
+
+
 def start_command(url: str, model: str, dtype: str, max_model_len: int) -> str:
     """The command that starts a server answering at `url` for this run (docs/engines.md)."""
     from urllib.parse import urlparse
@@ -151,13 +241,7 @@ class ServerEngine:
         self.group = group  # several training processes: their own gloo group (see the module docstring)
 
     def _served_model(self, url: str) -> str:
-        try:
-            answer = _request(url, "/v1/models", None, min(self.timeout_s, 30.0))
-            return answer["data"][0]["id"]
-        except ServerAnswerError as err:
-            raise EngineError(f"vllm-server {url}: {err}") from None
-        except (KeyError, IndexError, TypeError):
-            raise EngineError(f"vllm-server {url}: /v1/models lists no model") from None
+        return served_model(url, self.timeout_s, "vllm-server")
 
     # --- generation ------------------------------------------------------------------------------------------
 

@@ -92,7 +92,7 @@ def scoring_passes(cfg: Config, plan) -> dict:
     if algorithm_section(cfg).kl_coef > 0:
         models["reference"] = "the policy with its adapter off" if cfg.lora.enabled else cfg.model
     if ALGORITHMS[cfg.algorithm].teacher:
-        models["teacher"] = cfg.teacher.model
+        models["teacher"] = cfg.teacher.model or cfg.teacher.url
     per_process = plan.episodes_per_rollout_per_process
     chunks = -(-per_process // cfg.rollout.forward_batch_size)
     return {"scoring": {name: {"model": model, "episodes_per_rollout_per_process": per_process,
@@ -265,9 +265,17 @@ def check_engine_inputs(cfg: Config, model_config, prompt_ids: list, episodes_pe
 
 def check_teacher(cfg: Config, tokenizer) -> None:
     """teacher.model exists and reads the policy's tokens: its tokenizer's vocabulary is the policy's (the teacher
-    scores the student's sampled token ids as they are). Reads configs and tokenizer files only, no weights."""
+    scores the student's sampled token ids as they are); teacher.url answers and tokenises as the policy's
+    tokenizer does. Reads configs and tokenizer files only, no weights."""
     from transformers import AutoTokenizer
 
+    if cfg.teacher.url is not None:
+        from tidyrl.engines.server import teacher_problems
+
+        problems = teacher_problems(cfg.teacher.url, tokenizer)
+        if problems:
+            raise ConfigError(problems)
+        return
     load_model_config(cfg.teacher.model, "teacher.model")
     problem = adapter_folder_problem(cfg.teacher.model, "teacher.model", "a teacher")
     if problem:

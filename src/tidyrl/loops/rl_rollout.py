@@ -245,14 +245,33 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
         with full_weights(critic):
             values = score_values(critic, tokens, ro.forward_batch_size)
     teacher_lp = None
-    if teacher is not None:  # scored as the reference is: in chunks, at the rollout's temperature
+    if teacher is not None:
         t0 = time.perf_counter()
-        with full_weights(teacher):
-            teacher_lp = score_logprobs(teacher, tokens, ro.temperature, ro.forward_batch_size,
-                                        fast_path=cfg.model_fast_paths)
+        teacher_lp = teacher_logprobs(teacher, tokens, ro.temperature, ro.forward_batch_size, cfg.model_fast_paths)
         mismatch["time/teacher_s"] = time.perf_counter() - t0
     return replace(tokens, old_logprobs=old, ref_logprobs=ref, old_values=values, is_weights=is_weights,
                    sampler_logprobs=sampler, teacher_logprobs=teacher_lp), mismatch
+
+
+def teacher_logprobs(teacher, tokens: Rollout, temperature: float, chunk_size: int, fast_path: bool):
+    """A teacher's log-probs (R, Tc) of the episodes' completion tokens, 0 past each completion: a local model
+    scored as the KL reference is (no grad, in chunks, at the rollout's temperature), or a teacher served by vLLM
+    (`engines.server.ServerScorer`: each episode's prompt and completion sent as one prompt, its log-probs read
+    back at temperature 1)."""
+    if isinstance(teacher, torch.nn.Module):
+        with full_weights(teacher):
+            return score_logprobs(teacher, tokens, temperature, chunk_size, fast_path=fast_path)
+    sequences, starts, lengths = [], [], []
+    for i in range(len(tokens)):
+        prompt = tokens.prompt_ids[i][tokens.prompt_mask[i].bool()].tolist()
+        n = int(tokens.completion_mask[i].sum())
+        sequences.append(prompt + tokens.completion_ids[i, :n].tolist())
+        starts.append(len(prompt))
+        lengths.append(n)
+    out = torch.zeros(tokens.completion_ids.shape)
+    for i, values in enumerate(teacher.logprobs(sequences, starts)):
+        out[i, : lengths[i]] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def evaluate_held_out(producer, engine, policy, k: int, prompts: int, accelerator,
