@@ -238,3 +238,69 @@ def test_a_teacher_served_by_vllm_scores_as_the_same_model_loaded_locally(tiny_m
     finally:
         other.stop()
     assert not (tmp_path / "refused").exists()
+
+
+def test_spreading_a_teacher_tokens_value_over_its_characters_matches_a_character_by_character_reference():
+    from tidyrl.rollouts.teacher import spread_by_characters
+
+    # text "abcdefg": teacher tokens "ab" "cde" "fg"; student tokens "a" "bcd" "" (an end of sequence) "efg"
+    teacher_spans, values = [(0, 2), (2, 5), (5, 7)], [-1.0, -3.0, -0.5]
+    student_spans = [(0, 1), (1, 4), (4, 4), (4, 7)]
+    got = spread_by_characters(student_spans, teacher_spans, values)
+    per_char = [-0.5, -0.5, -1.0, -1.0, -1.0, -0.25, -0.25]  # each teacher token's value over its characters
+    want = [sum(per_char[a:b]) for a, b in student_spans]
+    assert got[2] is None and [got[i] for i in (0, 1, 3)] == pytest.approx([want[i] for i in (0, 1, 3)])
+    assert got[0] + got[1] + got[3] == pytest.approx(sum(values))  # the whole text's log-prob, conserved
+
+
+def test_a_teacher_of_another_tokenizer_scores_the_text_and_its_values_map_onto_the_students_tokens(
+        tiny_model_dir, prompt_file, tmp_path):
+    """The character-tokenizer student, a byte-level teacher (teacher.cross_tokenizer: true): each episode
+    re-rendered by the teacher's chat template, scored by the teacher, mapped onto the student's tokens. Checked
+    against a brute-force reference: the teacher's model on its own tokens of the same text, each token's
+    log-prob spread over its characters, summed over each student token's characters; the student's end of
+    sequence gets the teacher's end of sequence. Then a run with it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidyrl.data import encode_prompts
+    from tidyrl.models.ops import gather_logprobs
+    from tidyrl.models.tiny import save_tiny_model
+    from tidyrl.rollouts.teacher import CrossTokenizerTeacher
+
+    teacher_dir = save_tiny_model(tmp_path / "bytes", tokenizer="bytes", hidden_size=32, num_layers=1, num_heads=2)
+    s_tok, t_tok = AutoTokenizer.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(teacher_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    eos = s_tok.eos_token_id
+    prompts = [[{"role": "user", "content": "fig:"}], "kiwi:"]
+    completions = [s_tok("ab c", add_special_tokens=False)["input_ids"] + [eos],  # ended
+                   s_tok("lime", add_special_tokens=False)["input_ids"]]  # cut at max_new_tokens
+    student = [[-2.0] * len(c) for c in completions]
+    cross = CrossTokenizerTeacher(teacher, t_tok, s_tok, [eos], temperature=1.0, chunk_size=1, fast_path=False)
+    got = cross.logprobs(prompts, completions, student)
+    for prompt, completion, values in zip(prompts, completions, got):
+        text = "".join(s_tok.decode([t]) for t in completion if t != eos)
+        ended = completion[-1] == eos
+        t_prompt = encode_prompts([prompt], t_tok)[0]
+        enc = t_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        t_ids = list(enc["input_ids"]) + ([t_tok.eos_token_id] if ended else [])
+        sequence = torch.tensor([t_prompt + t_ids])
+        with torch.no_grad():
+            lp = gather_logprobs(teacher(sequence).logits[:, len(t_prompt) - 1:-1], sequence[:, len(t_prompt):])[0]
+        per_char = [0.0] * len(text)
+        for (a, b), value in zip(enc["offset_mapping"], lp.tolist()):
+            for c in range(a, b):
+                per_char[c] += value / (b - a)
+        want, at = [], 0
+        for t in completion:
+            if t == eos:
+                want.append(float(lp[-1]))
+                continue
+            n = len(s_tok.decode([t]))
+            want.append(sum(per_char[at: at + n]))
+            at += n
+        assert values == pytest.approx(want, abs=1e-5)
+    cfg = distill_config(tiny_model_dir, teacher_dir, prompt_file, tmp_path / "run", train={"rollouts": 2})
+    cfg["teacher"]["cross_tokenizer"] = True
+    tidyrl.train(cfg)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 2 and all(math.isfinite(r["distill/reverse_kl"]) and r["time/teacher_s"] > 0 for r in rows)

@@ -506,12 +506,20 @@ class TeacherConfig:
     any weights load by tokenising a probe string); its log-probs are at temperature 1, so rollout.temperature
     must be 1."""
 
+    cross_tokenizer: bool = False
+    """algorithm distill with teacher.model: the teacher has its own tokenizer and chat template. Each episode is
+    re-rendered for it (the prompt by its template, the completion as the student's decoded text), it scores its
+    own tokens, and their log-probs are mapped onto the student's tokens by characters (each teacher token's
+    spread evenly over its characters; docs/algorithms.md). Off: the teacher must share the policy's tokenizer."""
+
     def check(self, need, cfg: "Config") -> None:
         distilling = cfg.algorithm in RL_TABLE and RL_TABLE[cfg.algorithm].teacher
         if not distilling:
-            need(self.model is None and self.url is None, "teacher",
+            need(self.model is None and self.url is None and not self.cross_tokenizer, "teacher",
                  f"only algorithm distill has a teacher; {cfg.algorithm} takes none (remove the section)")
             return
+        need(not (self.cross_tokenizer and self.url is not None), "teacher.cross_tokenizer",
+             "a teacher of another tokenizer is scored locally: set teacher.model, not teacher.url")
         need(self.model is None or self.url is None, "teacher",
              "set teacher.model (a local teacher) or teacher.url (a teacher served by vLLM), not both")
         need((self.model is not None and bool(self.model.strip())) or (self.url is not None and bool(self.url.strip())),

@@ -115,6 +115,15 @@ class RLRun:
         elif self.spec.teacher:  # ... or the teacher, frozen, beside the policy
             self.teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=self.accelerator.device)
             self.teacher.eval().requires_grad_(False)
+            if cfg.teacher.cross_tokenizer:  # its own tokenizer: the episodes' text, mapped by characters
+                from tidyrl.models.loading import load_tokenizer
+                from tidyrl.rollouts.teacher import CrossTokenizerTeacher
+
+                ro = cfg.rollout
+                self.teacher = CrossTokenizerTeacher(
+                    self.teacher, load_tokenizer(cfg.teacher.model), self.tokenizer,
+                    eos_token_ids(model, self.tokenizer), temperature=ro.temperature,
+                    chunk_size=ro.forward_batch_size, fast_path=cfg.model_fast_paths)
         self._say(adapter_note(model))
         for reward in self.inputs.reward_fns:  # reward models: weights now, on this process's device
             if isinstance(reward.fn, RewardModel):
@@ -305,7 +314,8 @@ class RLRun:
             made, policy, self.pad_id, self.cfg, self.plan, tis_cap=self.tis_cap, accelerator=self.accelerator,
             use_reference=self.use_reference, reference=self.ref_model, kl_in_reward=self.spec.kl_in == "reward",
             critic=None if self.trainee.critic is None else self.accelerator.unwrap_model(self.trainee.critic),
-            teacher=self.teacher)
+            teacher=self.teacher, prompts=[produced.group_prompts[e // self.plan.samples_per_prompt]
+                                           for e in self.source.episodes])
         t_score = time.perf_counter() - t0
         rollout = gather_rollout(self.accelerator, local, self.pad_id)
         raw_per_fn, scores, overlong = rollout_rewards(made.per_fn, self.source.producer.reward_fns, self._gather,

@@ -284,12 +284,14 @@ def check_teacher(cfg: Config, tokenizer) -> None:
         vocab = AutoTokenizer.from_pretrained(cfg.teacher.model).get_vocab()
     except (OSError, ValueError):
         return  # a folder without tokenizer files: it reads the policy's tokens by construction
-    if vocab != tokenizer.get_vocab():
+    if vocab != tokenizer.get_vocab() and not cfg.teacher.cross_tokenizer:
         policy_tokenizer = cfg.tokenizer or cfg.model
         raise ConfigError([f"teacher.model: {cfg.teacher.model!r} has another tokenizer than the policy's "
                            f"({policy_tokenizer!r}: {len(tokenizer.get_vocab())} tokens, the teacher's: {len(vocab)}); "
                            "the teacher scores the student's sampled token ids, so both must share one vocabulary. "
-                           "Use a teacher of the policy's family (the same tokenizer)."])
+                           "Use a teacher of the policy's family (the same tokenizer), or set "
+                           "teacher.cross_tokenizer: true to have it score the episodes' text with its own tokenizer "
+                           "and chat template."])
 
 
 def check_template_renders_tools(tokenizer, tools: list, factory) -> None:

@@ -207,12 +207,13 @@ def gather_rollout(accelerator, local: Rollout, pad_id: int) -> Rollout:
 
 
 def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, accelerator, use_reference: bool,
-                   reference, kl_in_reward: bool, critic, teacher=None) -> tuple[Rollout, dict]:
+                   reference, kl_in_reward: bool, critic, teacher=None, prompts=None) -> tuple[Rollout, dict]:
     """This process's share of the rollout record, scored: the behaviour (old) log-probs and, where the sampler
     was not the trainer, the importance weights; with a KL term (`use_reference`) the reference's log-probs
     (`reference`: the frozen model, or None with LoRA: the policy with its adapter off); the critic's values
-    (`critic`, or None); a teacher's log-probs (`teacher`: on-policy distillation, or None). Returns (the local
-    Rollout, its metrics: the mismatch's, time/teacher_s)."""
+    (`critic`, or None); a teacher's log-probs (`teacher`: on-policy distillation, or None; `prompts`: the
+    episodes' prompts, which a teacher of another tokenizer renders itself). Returns (the local Rollout, its
+    metrics: the mismatch's, time/teacher_s)."""
     from tidyrl.models.lora import reference_of
     from tidyrl.rollouts.scoring import score_values
 
@@ -247,20 +248,34 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
     teacher_lp = None
     if teacher is not None:
         t0 = time.perf_counter()
-        teacher_lp = teacher_logprobs(teacher, tokens, ro.temperature, ro.forward_batch_size, cfg.model_fast_paths)
+        teacher_lp = teacher_logprobs(teacher, tokens, ro.temperature, ro.forward_batch_size, cfg.model_fast_paths,
+                                      prompts, old)
         mismatch["time/teacher_s"] = time.perf_counter() - t0
     return replace(tokens, old_logprobs=old, ref_logprobs=ref, old_values=values, is_weights=is_weights,
                    sampler_logprobs=sampler, teacher_logprobs=teacher_lp), mismatch
 
 
-def teacher_logprobs(teacher, tokens: Rollout, temperature: float, chunk_size: int, fast_path: bool):
+def teacher_logprobs(teacher, tokens: Rollout, temperature: float, chunk_size: int, fast_path: bool,
+                     prompts=None, student=None):
     """A teacher's log-probs (R, Tc) of the episodes' completion tokens, 0 past each completion: a local model
-    scored as the KL reference is (no grad, in chunks, at the rollout's temperature), or a teacher served by vLLM
-    (`engines.server.ServerScorer`: each episode's prompt and completion sent as one prompt, its log-probs read
-    back at temperature 1)."""
+    scored as the KL reference is (no grad, in chunks, at the rollout's temperature); a teacher of another
+    tokenizer (`rollouts.teacher.CrossTokenizerTeacher`: the episodes' `prompts` re-rendered for it, its values
+    mapped onto the student's tokens by characters; `student`: the student's log-probs, for the tokens it has no
+    value for); or a teacher served by vLLM (`engines.server.ServerScorer`: each episode's prompt and completion
+    sent as one prompt, its log-probs read back at temperature 1)."""
+    from tidyrl.rollouts.teacher import CrossTokenizerTeacher
+
     if isinstance(teacher, torch.nn.Module):
         with full_weights(teacher):
             return score_logprobs(teacher, tokens, temperature, chunk_size, fast_path=fast_path)
+    lengths = [int(n) for n in tokens.completion_mask.sum(1).tolist()]
+    if isinstance(teacher, CrossTokenizerTeacher):
+        values = teacher.logprobs(prompts, [tokens.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)],
+                                  [student[i, :n].tolist() for i, n in enumerate(lengths)])
+        out = torch.zeros(tokens.completion_ids.shape)
+        for i, row in enumerate(values):
+            out[i, : lengths[i]] = torch.tensor(row, dtype=torch.float32)
+        return out
     sequences, starts, lengths = [], [], []
     for i in range(len(tokens)):
         prompt = tokens.prompt_ids[i][tokens.prompt_mask[i].bool()].tolist()
