@@ -234,3 +234,31 @@ def test_tidyrl_eval_of_a_multiturn_tool_run_gives_its_last_eval_metrics(tmp_pat
     assert sum(s["reward"] for s in samples) / 4 == pytest.approx(summary["reward_mean"])
     assert all("<tools>" not in s["completion"] and s["completion"] for s in samples)
     assert "reward/env" in capsys.readouterr().out
+
+
+def test_tidyrl_eval_on_two_processes_writes_what_one_writes(tiny_model_dir, prompt_file, tmp_path):
+    """Under torchrun each process takes a share of the episodes; the sums are reduced and the samples gathered:
+    the same eval.json numbers and eval_samples.jsonl as one process."""
+    import subprocess
+    import sys
+
+    import yaml
+    from conftest import free_port, gloo_cpu_env
+
+    from tidyrl.evaluate import evaluate
+
+    cfg = {"algorithm": "grpo", "model": str(tiny_model_dir), "data": {"path": str(prompt_file)},
+           "rewards": [{"function": "tidyrl.demo:anagram_reward"}], "train": {"rollouts": 1},
+           "rollout": {"samples_per_prompt": 3, "max_new_tokens": 6}}
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    one = evaluate(str(path), num_prompts=5, output_dir=tmp_path / "one", quiet=True)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), "-m", "tidyrl", "eval", str(path), "--num-prompts", "5",
+                           "--output-dir", str(tmp_path / "two")], env=gloo_cpu_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "eval.json").read_text())
+    for key in ("n", "reward_mean", "rewards", "completion_length_mean", "truncated_fraction"):
+        assert two[key] == pytest.approx(one.summary[key], abs=1e-12), key
+    assert read_jsonl(tmp_path / "two" / "eval_samples.jsonl") == one.samples
