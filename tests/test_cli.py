@@ -45,6 +45,7 @@ def yaml_run(tmp_path, tiny_model_dir, prompt_file):
 def test_plan_prints_the_plan_as_json(yaml_run, capsys):
     assert main(["plan", str(yaml_run), "rollout.prompts_per_rollout=4", "--num-processes", "2"]) == 0
     printed = json.loads(capsys.readouterr().out)
+    assert set(printed.pop("memory")["per_process_bytes"]) == {"generation", "update"}  # tests/test_memory_plan.py
     assert printed == {**make_plan(prompts_per_rollout=4, samples_per_prompt=4, minibatches_per_epoch=2,
                                    micro_batch_size=4, world_size=2, rollouts=2, num_prompts=10).to_dict(),
                        "engine": "builtin"}  # and the engine that generates

@@ -1,7 +1,7 @@
 """The command line: a thin layer over the Python API.
 
     tidyrl train CONFIG.yaml [section.key=value ...]
-    tidyrl plan  CONFIG.yaml [section.key=value ...] [--num-processes W]
+    tidyrl plan  CONFIG.yaml [section.key=value ...] [--num-processes W] [--memory 24GiB] [--fsdp]
     tidyrl demo  [--output-dir DIR] [section.key=value ...]
     tidyrl eval  CONFIG.yaml|MODEL [section.key=value ...] [--model M] [--data D] [--reward SPEC] ...
     tidyrl plot  RUN_DIR [RUN_DIR ...] [--out DIR]
@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("config", help="YAML config file")
     pl.add_argument("overrides", nargs="*", help="section.key=value overrides")
     pl.add_argument("--num-processes", type=int, default=1, help="number of processes W (default 1)")
+    pl.add_argument("--memory", metavar="SIZE", type=_memory_size,
+                    help="memory each process has (e.g. 24GiB, 80GB), or `available` (the host's available memory): "
+                    "each phase's predicted peak is checked against it, and a phase that would not fit is an "
+                    "error naming what to change (RL stages; docs/memory.md)")
+    pl.add_argument("--fsdp", action="store_true",
+                    help="plan the memory as FSDP2 sharding over the --num-processes processes would use")
     d = sub.add_parser("demo", help="the built-in end-to-end example (tiny local model, CPU, minutes)")
     d.add_argument("--output-dir", default="runs/demo", help="where the demo writes (default runs/demo)")
     d.add_argument("overrides", nargs="*", help="section.key=value overrides of the demo config")
@@ -113,6 +119,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _memory_size(text: str) -> str:
+    """`available`, or a size such as 24GiB (checked here, read by tidyrl.loops.rl_memory)."""
+    from tidyrl.loops.memory_plan import parse_size
+
+    if text != "available":
+        try:
+            parse_size(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def _count_or_all(text: str):
     """`all` -> None (every prompt), else a positive integer."""
     if text == "all":
@@ -165,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
             from tidyrl.loops.rl_inputs import check_rl_inputs, plan_extras
 
             # The checks `train` makes before loading weights, the same function (tokenizer and data files only).
-            inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes)
+            inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes, memory=args.memory,
+                                     fsdp=args.fsdp or None)
             for line in inputs.report.splitlines():
                 print(f"tidyrl: {line}", file=sys.stderr)
-            plan = {**inputs.plan.to_dict(), **plan_extras(cfg, inputs.plan, inputs.critic, inputs.eval_prompt_ids)}
+            plan = {**inputs.plan.to_dict(), **plan_extras(cfg, inputs.plan, inputs.critic, inputs.eval_prompt_ids,
+                                                           inputs.memory)}
             print(json.dumps(plan, indent=2))
         elif args.command == "train":
             from tidyrl.api import train

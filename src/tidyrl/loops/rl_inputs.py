@@ -71,15 +71,17 @@ class RLInputs:
     """environment.factory, imported (multi-turn rollouts), or None."""
     tools: Optional[list] = None
     """The environment's tool schemas (its `tool_schemas()`), rendered into every prompt, or None."""
+    memory: Any = None
+    """The memory plan (tidyrl.loops.memory_plan.MemoryPlan), or None when the model's shape is unknown."""
 
 
-def plan_extras(cfg, plan, critic_choice: Optional[dict], eval_prompt_ids) -> dict:
+def plan_extras(cfg, plan, critic_choice: Optional[dict], eval_prompt_ids, memory=None) -> dict:
     """What plan.json (and `tidyrl plan`) say beside the plan's counts: the engine that generates, the lag of the
     rollouts made ahead (rollout.lag: the counts are the same at any lag), PPO's critic and why, the held-out
-    prompts."""
+    prompts, and the memory plan (`memory`: per process, each phase's predicted peak and its parts in bytes)."""
     return {"engine": cfg.rollout.engine, **({"lag": cfg.rollout.lag} if cfg.rollout.lag else {}),
             **(critic_choice or {}), **({"eval_prompts": len(eval_prompt_ids)} if eval_prompt_ids else {}),
-            **scoring_passes(cfg, plan)}
+            **scoring_passes(cfg, plan), **({"memory": memory.to_dict()} if memory is not None else {})}
 
 
 def scoring_passes(cfg: Config, plan) -> dict:
@@ -100,12 +102,15 @@ def scoring_passes(cfg: Config, plan) -> dict:
                         for name, model in models.items()}} if models else {}
 
 
-def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RLInputs:
+def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memory: Optional[str] = None,
+                    fsdp: Optional[bool] = None) -> RLInputs:
     """Everything an RL run can check before any weights load, in order: the policy and tokenizer exist (at once,
     offline too), the data file reads, every prompt fits the context with max_new_tokens, the plan's sizes
     divide, the reward functions import, the reward models exist, every argument a reward function needs is a
-    data column, and PPO's critic can read the policy's tokens. `tidyrl plan` runs the same checks, so a plan
-    that prints is a run that starts."""
+    data column, PPO's critic can read the policy's tokens, and each phase's predicted memory fits the memory a
+    process has (`memory`: a size, 'available', or None: the CUDA device's; `fsdp`: plan FSDP2's sharding, None: as
+    the launch asks; tidyrl.loops.rl_memory). `tidyrl plan`
+    runs the same checks, so a plan that prints is a run that starts."""
     from tidyrl.data import load_rl_prompts, other_columns
     from tidyrl.rewards import check_reward_columns
 
@@ -143,8 +148,13 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int) -> RL
     if ALGORITHMS[cfg.algorithm].critic:
         path, why = choose_critic(cfg, tokenizer.get_vocab())
         critic = {"critic_model": path, "critic_model_reason": why}
+    from tidyrl.loops.rl_memory import check_memory
+
+    memory_plan, line = check_memory(cfg, model_config, [*prompt_ids, *(eval_prompt_ids or [])], plan, critic, memory,
+                                     fsdp)
+    report = f"{report}\ntidyrl: {line}" if report else line
     return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic, eval_dataset,
-                    eval_prompt_ids, eval_report, environment, tools)
+                    eval_prompt_ids, eval_report, environment, tools, memory_plan)
 
 
 @dataclass

@@ -1,0 +1,365 @@
+"""The memory plan: the predicted peak of each phase of an RL run, per process, from numbers alone. Pure Python, no
+torch, no files: the shapes come from a model's config (a mapping or an object with the same attributes), the
+sizes from the batch plan. `tidyrl plan` prints it and the run checks it before any weights load
+(`tidyrl.loops.rl_memory`). Every figure is in bytes and broken into named parts; docs/memory.md gives the
+formulas with a worked example.
+
+Notation (per process):
+
+    h hidden_size   L num_hidden_layers   q = heads * head_dim   kv = kv_heads * head_dim   i intermediate_size
+    V vocab_size    b bytes per weight element (model_dtype)     W processes (FSDP2 divides by W)
+    T = longest prompt + max_new_tokens (tokens of a sequence)   C = max_new_tokens + 1 (positions with logits)
+    g, f, m = the generation, forward (scoring) and micro batch, each at most the process's episodes per rollout
+
+Parameters of a Llama-layout decoder (Llama, Qwen2/3, Mistral; other causal LMs are estimated with it):
+
+    per layer  = h*q + 2*h*kv + q*h  (+ q + 2*kv biases, Qwen2)  (+ 2*head_dim q/k norms, Qwen3)  + 3*h*i + 2*h
+    total      = V*h (embeddings) + L * per layer + h (final norm) + V*h (output layer, unless tied)
+                 (a sequence classifier's head is num_labels*h instead of V*h)
+    LoRA       = r * (in + out) per adapted linear layer (every one of q,k,v,o,gate,up,down by default), float32
+
+Phases (each = what stays resident across the run + what the phase adds):
+
+    resident     policy weights P*b (/W under FSDP2); optimizer state: AdamW's two moments, 2 * trainable bytes
+                 (/W); frozen models (reference, reward models, teacher) whole on every process; a critic's
+                 weights and its optimizer state like the policy's
+    generation   FSDP2: the full weights gathered for the call, P*b*(1 - 1/W); KV cache 2*L*kv*T*g*b; the last
+                 position's logits and float32 probabilities g*V*(b + 4); vLLM in-process: its reservation
+    scoring      per scorer, the largest: logits f*C*V*b and one sequence's float32 log-softmax C*V*4 (a value or
+                 reward head: none); hidden states in and out of a layer 2*f*T*h*b; one layer's working set
+                 f*T*(h + max(2*q + 2*kv, 3*i))*b (no grad: one layer's intermediates alive at a time)
+    update       gradients trainable bytes (/W; FSDP2 without train.sync_each_microbatch and with accumulation:
+                 whole until the last micro-batch); activations m*T*L*a*b (gradient checkpointing: m*T*(L*h + a)*b,
+                 the layer inputs and one layer recomputed); logits and their gradient 2*m*C*V*b and one sequence's
+                 float32 log-softmax C*V*4 (the chunked output layer on CUDA: two chunks of at most 256 MiB);
+                 FSDP2: two layers' gathered weights; a critic's gradients and activations beside the policy's
+
+with a = 4*h + 3*q + 2*kv + 4*i, the elements one token keeps per layer for the backward pass (two norms' input
+and output, the attention's q, k, v and output and o_proj's input, the MLP's gate, up, act(gate) and product).
+The weights, gradients, optimizer state and KV cache are exact byte counts of the tensors; activations and logits
+are the model's saved tensors by the formula above, which the allocator's rounding and the library's temporaries
+move by some percent (tests/test_memory_plan.py measures the update on a CPU).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Optional
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}
+"""Bytes per element of each model_dtype (`auto` counted as float32: the largest a checkpoint usually holds)."""
+CHUNK_BYTES = 256 * 2**20
+"""The chunked output layer's largest chunk of logits (models.chunked_head.CHUNK_BYTES)."""
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'24GiB' -> 25769803776 bytes; units B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (of 1024)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a memory size; write e.g. 24GiB, 80GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def gib(n: int) -> str:
+    """Bytes as GiB with two decimals (MiB below 1 GiB, bytes below 1 MiB): how the plan's messages print sizes."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def _read(config, *names, default=None):
+    for name in names:
+        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The numbers of a model's config that set its memory."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_labels: int = 0
+    """A sequence classifier's labels (its head is num_labels*h); 0 = a causal LM (its head is V*h)."""
+
+    @classmethod
+    def of(cls, config, classifier: bool = False) -> "Shape":
+        """The shape of a model config (a transformers config or a mapping of its keys); ValueError when a key the
+        formulas need is missing."""
+        hidden = _read(config, "hidden_size", "n_embd", "d_model")
+        layers = _read(config, "num_hidden_layers", "n_layer", "num_layers")
+        heads = _read(config, "num_attention_heads", "n_head")
+        vocab = _read(config, "vocab_size")
+        if None in (hidden, layers, heads, vocab):
+            raise ValueError("the model config has no hidden_size, num_hidden_layers, num_attention_heads or "
+                             "vocab_size; its memory cannot be planned")
+        model_type = _read(config, "model_type", default="")
+        return cls(hidden=hidden, layers=layers, heads=heads,
+                   kv_heads=_read(config, "num_key_value_heads", default=heads),
+                   head_dim=_read(config, "head_dim", default=hidden // heads),
+                   intermediate=_read(config, "intermediate_size", "n_inner", default=4 * hidden),
+                   vocab=vocab, tied=bool(_read(config, "tie_word_embeddings", default=True)),
+                   qkv_bias=model_type == "qwen2" or bool(_read(config, "attention_bias", default=False)),
+                   qk_norm=model_type == "qwen3",
+                   num_labels=_read(config, "num_labels", default=1) if classifier else 0)
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_parameters(self) -> int:
+        h, q, kv, i = self.hidden, self.q, self.kv, self.intermediate
+        return (h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+                + (2 * self.head_dim if self.qk_norm else 0) + 3 * h * i + 2 * h)
+
+    def parameters(self) -> int:
+        h, V = self.hidden, self.vocab
+        head = self.num_labels * h if self.num_labels else (0 if self.tied else V * h)
+        return V * h + self.layers * self.layer_parameters() + h + head
+
+    def lora_parameters(self, r: int, targets: Optional[tuple] = None) -> int:
+        """r*(in + out) per adapted linear layer of every decoder layer (`targets`: their names; None = all)."""
+        h, q, kv, i = self.hidden, self.q, self.kv, self.intermediate
+        sides = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+                 "up_proj": (h, i), "down_proj": (i, h)}
+        return self.layers * sum(r * (a + b) for name, (a, b) in sides.items() if targets is None or name in targets)
+
+    def working_elements(self) -> int:
+        """Elements per token of one layer's largest set of live intermediates without grad: the norm's output with
+        the attention's q, k, v and output (h + 2q + 2kv), or with the MLP's gate, up and product (h + 3i)."""
+        return self.hidden + max(2 * self.q + 2 * self.kv, 3 * self.intermediate)
+
+    def activation_elements(self) -> int:
+        """a: elements one token keeps per layer for the backward pass (see the module docstring)."""
+        return 4 * self.hidden + 3 * self.q + 2 * self.kv + 4 * self.intermediate
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A model that scores rollouts without grad (reference, teacher, reward model): its shape and bytes per
+    element. `logits`: it reads log-probs over the vocabulary (reference, teacher), not a scalar head."""
+
+    name: str
+    shape: Shape
+    dtype_bytes: int
+    logits: bool
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Everything the memory plan reads (per process unless said)."""
+
+    policy: Shape
+    dtype_bytes: int
+    prompt_tokens: int
+    """The longest prompt, in tokens."""
+    new_tokens: int
+    generation_batch_size: int
+    forward_batch_size: int
+    micro_batch_size: int
+    episodes_per_process: int
+    """Episodes per rollout per process: no chunk holds more."""
+    world_size: int = 1
+    fsdp: bool = False
+    lora_r: int = 0
+    lora_targets: Optional[tuple] = None
+    gradient_checkpointing: bool = False
+    sync_each_microbatch: bool = False
+    accumulation_steps: int = 1
+    chunked_head: bool = False
+    """The output layer applied in chunks (CUDA, bf16/fp16, a plain causal LM; not under FSDP2)."""
+    scorers: tuple = ()
+    critic: Optional[Shape] = None
+    engine_reserve: int = 0
+    """Bytes the generation engine reserves for itself (vLLM in-process: gpu_memory_utilization * device)."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    parts: dict = field(default_factory=dict)
+    """part -> bytes."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    phases: tuple
+    """Phase records: generation, scoring (when a model scores rollouts), update."""
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+    def to_dict(self) -> dict:
+        """plan.json's `memory`: per phase its total and parts in bytes, and the largest phase."""
+        return {"per_process_bytes": {p.name: {"total": p.total, **p.parts} for p in self.phases},
+                "peak_phase": self.peak.name, "peak_bytes": self.peak.total}
+
+
+def _div(n: int, w: int) -> int:
+    return -(-n // w)
+
+
+def _resident(x: MemoryInputs) -> dict:
+    s, b, W = x.policy, x.dtype_bytes, (x.world_size if x.fsdp else 1)
+    parts = {"policy_weights": _div(s.parameters() * b, W)}
+    trainable = _trainable_bytes(x)
+    parts["optimizer_state"] = _div(2 * trainable, W)
+    if x.critic is not None:
+        critic = x.critic.parameters() * b
+        parts["critic_weights"] = _div(critic, W)
+        parts["critic_optimizer_state"] = _div(2 * critic, W)
+    for scorer in x.scorers:
+        parts[f"{scorer.name}_weights"] = scorer.shape.parameters() * scorer.dtype_bytes
+    return parts
+
+
+def _trainable_bytes(x: MemoryInputs) -> int:
+    if x.lora_r:
+        return 4 * x.policy.lora_parameters(x.lora_r, x.lora_targets)  # adapters kept in float32 (peft)
+    return x.policy.parameters() * x.dtype_bytes
+
+
+def _logits(rows: int, positions: int, vocab: int, b: int, chunked: bool, both_sides: bool) -> dict:
+    """The output layer's logits (and in the update their gradient) plus one sequence's float32 log-softmax."""
+    whole = rows * positions * vocab * b
+    if chunked:
+        return {"logit_chunks": (2 if both_sides else 1) * min(CHUNK_BYTES, whole)}
+    return {"logits": (2 if both_sides else 1) * whole, "logsoftmax_one_sequence": positions * vocab * 4}
+
+
+def _generation(x: MemoryInputs, resident: dict) -> Phase:
+    s, b = x.policy, x.dtype_bytes
+    g, T = min(x.generation_batch_size, x.episodes_per_process), x.prompt_tokens + x.new_tokens
+    parts = dict(resident)
+    if x.fsdp and x.world_size > 1:
+        parts["gathered_weights"] = s.parameters() * b - resident["policy_weights"]
+    parts["kv_cache"] = 2 * s.layers * s.kv * T * g * b
+    parts["sampling_logits"] = g * s.vocab * (b + 4)
+    if x.engine_reserve:
+        parts["engine_reserve"] = x.engine_reserve
+    return Phase("generation", parts)
+
+
+def _scoring(x: MemoryInputs, resident: dict) -> Optional[Phase]:
+    f, T, C = min(x.forward_batch_size, x.episodes_per_process), x.prompt_tokens + x.new_tokens, x.new_tokens + 1
+    best = None
+    models = [(sc.name, sc.shape, sc.dtype_bytes, sc.logits) for sc in x.scorers]
+    if x.critic is not None:
+        models.append(("critic", x.critic, x.dtype_bytes, False))
+    for name, shape, b, logits in models:
+        work = {f"{name}_hidden_states": 2 * f * T * shape.hidden * b,
+                f"{name}_layer_working_set": f * T * shape.working_elements() * b}
+        if logits:
+            work.update({f"{name}_{k}": v for k, v in
+                         _logits(f, C, shape.vocab, b, x.chunked_head and b < 4, False).items()})
+        if best is None or sum(work.values()) > sum(best.values()):
+            best = work
+    return None if best is None else Phase("scoring", {**resident, **best})
+
+
+def _update(x: MemoryInputs, resident: dict) -> Phase:
+    s, b = x.policy, x.dtype_bytes
+    m, T, C = min(x.micro_batch_size, x.episodes_per_process), x.prompt_tokens + x.new_tokens, x.new_tokens + 1
+    W = x.world_size if x.fsdp else 1
+    whole_grads = x.fsdp and not x.sync_each_microbatch and x.accumulation_steps > 1
+    parts = dict(resident)
+    parts["gradients"] = _trainable_bytes(x) if whole_grads else _div(_trainable_bytes(x), W)
+    if x.fsdp and W > 1:
+        parts["gathered_layers"] = 2 * s.layer_parameters() * b
+    a = s.activation_elements()
+    kept = (s.layers * s.hidden + a) if x.gradient_checkpointing else s.layers * a
+    parts["activations"] = m * T * kept * b
+    parts.update(_logits(m, C, s.vocab, b, x.chunked_head and not x.fsdp, True))
+    if x.critic is not None:
+        c = x.critic
+        parts["critic_gradients"] = (c.parameters() * b if whole_grads else _div(c.parameters() * b, W))
+        ckept = (c.layers * c.hidden + c.activation_elements()) if x.gradient_checkpointing \
+            else c.layers * c.activation_elements()
+        parts["critic_activations"] = m * T * ckept * b
+    return Phase("update", parts)
+
+
+def memory_plan(x: MemoryInputs) -> MemoryPlan:
+    """The predicted peak of each phase, per process (see the module docstring)."""
+    resident = _resident(x)
+    phases = [_generation(x, resident), _scoring(x, resident), _update(x, resident)]
+    return MemoryPlan(tuple(p for p in phases if p is not None))
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fix(x: MemoryInputs, phase: str, budget: int, per_minibatch: int, max_processes: int) -> str:
+    """The smallest change that brings `phase` under `budget`, by name and value, or what to try when none does."""
+    def fits(y: MemoryInputs) -> bool:  # (a change may remove the phase: LoRA's reference is the policy itself)
+        return all(p.total <= budget for p in memory_plan(y).phases if p.name == phase)
+
+    if phase == "generation":
+        g = next((v for v in range(min(x.generation_batch_size, x.episodes_per_process) - 1, 0, -1)
+                  if fits(replace(x, generation_batch_size=v))), None)
+        if g:
+            return f"lower rollout.generation_batch_size to {g}"
+    elif phase == "scoring":
+        f = next((v for v in range(min(x.forward_batch_size, x.episodes_per_process) - 1, 0, -1)
+                  if fits(replace(x, forward_batch_size=v))), None)
+        if f:
+            return f"lower rollout.forward_batch_size to {f}"
+    else:
+        m = next((v for v in reversed(_divisors(per_minibatch)) if v < x.micro_batch_size
+                  and fits(replace(x, micro_batch_size=v, accumulation_steps=per_minibatch // v))), None)
+        if m:
+            return f"lower train.micro_batch_size to {m}"
+        if not x.gradient_checkpointing and fits(replace(x, gradient_checkpointing=True)):
+            return "set train.gradient_checkpointing=true"
+        if not x.gradient_checkpointing and fits(replace(x, gradient_checkpointing=True, micro_batch_size=1,
+                                                         accumulation_steps=per_minibatch)):
+            return "set train.gradient_checkpointing=true and train.micro_batch_size=1"
+    lora = replace(x, lora_r=16, scorers=tuple(s for s in x.scorers if s.name != "reference"))
+    if not x.lora_r and fits(lora):  # with LoRA the KL reference is the policy with its adapter off
+        return "train a LoRA adapter (lora.enabled=true, r=16)"
+    for w in (2, 4, 8, 16, 32, 64):
+        if w > x.world_size and w <= max_processes and fits(replace(x, world_size=w, fsdp=True)):
+            return f"shard over {w} processes with FSDP2 (examples/accelerate/fsdp.yaml)"
+    return ("no single change found: combine LoRA, gradient checkpointing, smaller batches and FSDP2 over more "
+            "processes, or use a smaller model or model_dtype=bfloat16")
+
+
+def fit_problems(x: MemoryInputs, budget: int, *, per_minibatch: int, max_processes: int = 64) -> list:
+    """One line per phase that would not fit in `budget` bytes: by how much and the smallest change that makes it
+    fit. `per_minibatch`: the episodes a process handles per mini-batch (micro_batch_size must divide it)."""
+    problems = []
+    for p in memory_plan(x).phases:
+        if p.total > budget:
+            top = sorted(p.parts.items(), key=lambda kv: -kv[1])[:3]
+            problems.append(f"the {p.name} phase needs {gib(p.total)} per process, {gib(p.total - budget)} more "
+                            f"than the {gib(budget)} it has (largest: "
+                            + ", ".join(f"{k} {gib(v)}" for k, v in top)
+                            + f"); {_fix(x, p.name, budget, per_minibatch, max_processes)}")
+    return problems

@@ -1,0 +1,120 @@
+"""An RL run's memory plan from its config, before any weights load (`check_memory`, run by `check_rl_inputs` for
+`tidyrl train` and `tidyrl plan`): the shapes from the models' configs, the sizes from the batch plan, the memory a
+process has (`tidyrl plan --memory`, else the CUDA device's own where the run uses one), and the phases that would
+not fit with what to change. The formulas are `tidyrl.loops.memory_plan`'s (pure, no torch)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+from tidyrl.algorithms.table import ALGORITHMS
+from tidyrl.config import Config, ConfigError
+from tidyrl.loops.memory_plan import (DTYPE_BYTES, MemoryInputs, MemoryPlan, Scorer, Shape, fit_problems, gib,
+                                      memory_plan, parse_size)
+from tidyrl.models.loading import load_model_config
+
+CHUNKED_HEAD_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+"""models.chunked_head.PLAIN_CAUSAL_LMS (named here so that the plan imports no torch)."""
+
+
+def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Optional[dict], *, cuda: bool,
+                  fsdp: bool, device_bytes: Optional[int] = None) -> MemoryInputs:
+    """The memory plan's numbers for this config: the policy's shape from `model_config`, the longest of
+    `prompt_ids`, the plan's per-process sizes; the frozen models' shapes read from their configs (no weights)."""
+    from tidyrl.config import algorithm_section
+
+    b = DTYPE_BYTES[cfg.model_dtype]
+    policy = Shape.of(model_config)
+    scorers = []
+    if algorithm_section(cfg).kl_coef > 0 and not cfg.lora.enabled:  # with LoRA the reference is the policy itself
+        scorers.append(Scorer("reference", policy, b, True))
+    if ALGORITHMS[cfg.algorithm].teacher and cfg.teacher.model:
+        scorers.append(Scorer("teacher", Shape.of(load_model_config(cfg.teacher.model, "teacher.model")), b, True))
+    for n, reward in enumerate(cfg.rewards):
+        if reward.model:
+            shape = Shape.of(load_model_config(reward.model, f"rewards.{n}.model"), classifier=True)
+            scorers.append(Scorer(f"reward_model_{n}", shape, b, False))
+    critic_shape = None
+    if critic:
+        critic_shape = Shape.of(load_model_config(critic["critic_model"], "critic.model"), classifier=True)
+    architectures = getattr(model_config, "architectures", None) or []
+    per_minibatch = plan.episodes_per_minibatch_per_process
+    reserve = 0
+    if cfg.rollout.engine == "vllm" and cuda and device_bytes:
+        reserve = int(cfg.vllm.gpu_memory_utilization * device_bytes)
+    return MemoryInputs(
+        policy=policy, dtype_bytes=b, prompt_tokens=max((len(p) for p in prompt_ids), default=0),
+        new_tokens=cfg.rollout.max_new_tokens, generation_batch_size=cfg.rollout.generation_batch_size,
+        forward_batch_size=cfg.rollout.forward_batch_size, micro_batch_size=cfg.train.micro_batch_size,
+        episodes_per_process=plan.episodes_per_rollout_per_process, world_size=plan.world_size, fsdp=fsdp,
+        lora_r=cfg.lora.r if cfg.lora.enabled else 0,
+        lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.enabled and cfg.lora.target_modules else None,
+        gradient_checkpointing=cfg.train.gradient_checkpointing,
+        sync_each_microbatch=cfg.train.sync_each_microbatch,
+        accumulation_steps=per_minibatch // cfg.train.micro_batch_size,
+        chunked_head=cuda and b < 4 and any(a in CHUNKED_HEAD_MODELS for a in architectures)
+        and os.environ.get("TIDYRL_CHUNKED_HEAD", "1") != "0",
+        scorers=tuple(scorers), critic=critic_shape, engine_reserve=reserve)
+
+
+def _cuda_bytes() -> Optional[int]:
+    """The CUDA device's total memory, where this run uses one and torch is already imported (`tidyrl train`);
+    None elsewhere (`tidyrl plan` imports no torch: give it --memory)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    from tidyrl.loops.common import cuda_in_use
+
+    if not cuda_in_use():
+        return None
+    device = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
+    return torch.cuda.mem_get_info(device)[1]
+
+
+def available_host_bytes() -> Optional[int]:
+    """MemAvailable of /proc/meminfo (Linux): the memory a new process may take without swapping; None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def memory_budget(memory: Optional[str]) -> tuple[Optional[int], str]:
+    """(bytes a process has, where that figure comes from) for `memory`: a size ('24GiB'), 'available' (the host's
+    available memory), or None: the CUDA device's total where the run uses one, else no budget (a CPU run is not
+    refused on a prediction)."""
+    if memory == "available":
+        return available_host_bytes(), "the host's available memory (MemAvailable)"
+    if memory is not None:
+        return parse_size(memory), f"--memory {memory}"
+    cuda = _cuda_bytes()
+    return (cuda, "the CUDA device's memory") if cuda else (None, "")
+
+
+def check_memory(cfg: Config, model_config, prompt_ids: list, plan, critic: Optional[dict],
+                 memory: Optional[str] = None, fsdp: Optional[bool] = None) -> tuple[Optional[MemoryPlan], str]:
+    """(the memory plan or None, a line for the run's report). Raises ConfigError naming each phase that would not
+    fit the memory a process has (`memory_budget`), by how much, and what to change. `fsdp`: whether the policy is
+    sharded with FSDP2 over the plan's processes (None: as the launch asks). A model config without the
+    shape keys the formulas need gives no plan (and says so)."""
+    from tidyrl.models.sharding import launch_sharding
+
+    budget, source = memory_budget(memory)
+    fsdp = plan.world_size > 1 and (launch_sharding() == "fsdp2" if fsdp is None else fsdp)
+    try:
+        inputs = memory_inputs(cfg, model_config, prompt_ids, plan, critic, cuda=source.startswith("the CUDA"),
+                               fsdp=fsdp, device_bytes=budget)
+    except ValueError as err:
+        return None, f"memory: not planned ({err})"
+    mplan = memory_plan(inputs)
+    peak = mplan.peak
+    line = f"memory: predicted peak {gib(peak.total)} per process ({peak.name})"
+    if budget:
+        problems = fit_problems(inputs, budget, per_minibatch=plan.episodes_per_minibatch_per_process)
+        if problems:
+            raise ConfigError([f"memory ({source}): {p}" for p in problems])
+        line += f", fits the {gib(budget)} of {source}"
+    return mplan, line
