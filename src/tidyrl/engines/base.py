@@ -14,6 +14,7 @@ engine's name. A new engine is one module here, a line in `engines.ENGINES`, and
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -89,14 +90,20 @@ class FullWeights(dict):
     """A policy's full weights as an engine loads them (`policy_parameters`: names, tensors) on the CPU, at
     one moment: what an engine with its own copy of the weights syncs from in place of the model (rollout.lag under
     FSDP2, where the weights of a launch are gathered on the learner's thread and synced later from another). Only
-    the process that writes them for the servers keeps them; the others hold an empty one (`gathered_weights`)."""
+    the process that writes them for the servers keeps them; the others hold an empty one (`gathered_weights`).
+    `from_adapter`: the policy carried a LoRA adapter (folded into these weights)."""
+
+    from_adapter: bool = False
 
 
 def gathered_weights(policy, keep: bool) -> FullWeights:
     """The policy's weights now, as CPU tensors (`policy_parameters`), kept where `keep` (else an empty FullWeights).
     Under FSDP2 each parameter's all-gather is a collective: every process calls this at the same point, and only
     the keeper holds the whole model (one parameter at a time on the others)."""
+    from tidyrl.models.lora import unwrap_peft
+
     weights = FullWeights()
+    weights.from_adapter = unwrap_peft(policy) is not None
     for name, tensor in policy_parameters(policy):
         if keep:
             weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
@@ -130,3 +137,94 @@ def _merged_state_dict(peft_model) -> dict:
         return state
     finally:
         peft_model.unmerge_adapter()
+
+
+# --- LoRA: the adapter alone, or the merged weights ------------------------------------------------------------
+
+ADAPTER_SYNC = True
+"""With a LoRA policy, engines that can serve an adapter load the base once and receive only the adapter at each
+sync (`lora_sync_plan`). Tests set it False to compare with the merged sync."""
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 takes for `max_lora_rank` (vllm.config.lora.MaxLoRARanks); an adapter's rank may be any
+up to the one chosen."""
+
+
+@dataclass(frozen=True)
+class LoRASync:
+    """How a policy's weights reach an engine that holds its own copy: `adapter` (the base loaded once, only the
+    LoRA adapter sent at each sync, served as a LoRA request), `merged` (the whole model with the adapter folded
+    in, every sync), or `full` (no adapter: the whole model). `why` says why, for the run's log."""
+
+    mode: str
+    why: str = ""
+    rank: int = 0
+    """adapter: the largest rank of the adapter's layers (the engine's max_lora_rank covers it)."""
+
+    @property
+    def max_lora_rank(self) -> int:
+        """The smallest of vLLM's max_lora_rank values that holds `rank`."""
+        return next(r for r in VLLM_LORA_RANKS if r >= self.rank)
+
+    def note(self, engine: str) -> str:
+        if self.mode == "adapter":
+            return (f"tidyrl: {engine}: LoRA sync: adapter only (rank {self.rank}): the base weights are loaded once, "
+                    "each sync sends the adapter")
+        return f"tidyrl: {engine}: LoRA sync: merged weights, every sync: {self.why}"
+
+
+def lora_sync_plan(policy) -> LoRASync:
+    """How `policy`'s weights should reach an engine with its own copy (`LoRASync`): the adapter alone wherever
+    vLLM's LoRA support can apply it, else the merged weights and why (`adapter_serving_problem`)."""
+    from tidyrl.models.lora import unwrap_peft
+
+    if isinstance(policy, FullWeights):
+        if not policy.from_adapter:
+            return LoRASync("full")
+        return LoRASync("merged", "the policy is FSDP2-sharded: its weights are gathered whole (LoRA folded in)")
+    peft = unwrap_peft(policy)
+    if peft is None:
+        return LoRASync("full")
+    from tidyrl.models.sharding import is_sharded
+
+    if is_sharded(peft):
+        return LoRASync("merged", "the policy is FSDP2-sharded: its weights are gathered whole (LoRA folded in)")
+    if not ADAPTER_SYNC:
+        return LoRASync("merged", "adapter-only sync is turned off (tidyrl.engines.base.ADAPTER_SYNC)")
+    problem, rank = adapter_serving_problem(peft)
+    if problem:
+        return LoRASync("merged", problem)
+    return LoRASync("adapter", rank=rank)
+
+
+def adapter_serving_problem(peft_model) -> tuple[Optional[str], int]:
+    """(why vLLM's LoRA support cannot serve this adapter beside the base weights, or None; the adapter's largest
+    rank). vLLM 0.32 applies LoRA to linear layers only (not to the embeddings or the output layer), without DoRA,
+    trained biases, modules_to_save or layer replication, and up to rank 512."""
+    from peft.tuners.lora import Embedding, LoraLayer
+
+    config = peft_model.peft_config[peft_model.active_adapter]
+    rank = max([config.r, *(config.rank_pattern or {}).values()])
+    if config.use_dora:
+        return "the adapter uses DoRA, which vLLM's LoRA does not serve", rank
+    if config.modules_to_save:
+        return f"the adapter trains whole modules (modules_to_save: {list(config.modules_to_save)})", rank
+    if config.bias != "none":
+        return f"the adapter trains biases (bias: {config.bias})", rank
+    if config.layer_replication:
+        return "the adapter replicates layers (layer_replication)", rank
+    base = peft_model.get_base_model()
+    heads = {id(m) for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and (isinstance(module, Embedding) or id(module) in heads
+                                              or id(module.get_base_layer()) in heads):
+            return (f"the adapter trains the embeddings or the output layer ({name}), which vLLM's LoRA does not "
+                    "serve", rank)
+    if rank > VLLM_LORA_RANKS[-1]:
+        return f"the adapter's rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}", rank
+    return None, rank
+
+
+def say(line: str) -> None:
+    """One line for the run's log (stderr, at once)."""
+    print(line, file=sys.stderr, flush=True)

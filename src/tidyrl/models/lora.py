@@ -127,6 +127,15 @@ def save_merged(peft_model, target: Path, tokenizer) -> Path:
     return target
 
 
+def save_adapter_only(peft_model, folder) -> int:
+    """Write the active adapter alone into `folder` (adapter_model.safetensors and adapter_config.json, as
+    `PeftModel.from_pretrained` and vLLM's LoRA loading read them; never the embeddings); returns the bytes of its
+    weights. What an engine that holds the base weights receives at each sync."""
+    folder = Path(folder)
+    peft_model.save_pretrained(str(folder), safe_serialization=True, save_embedding_layers=False)
+    return (folder / "adapter_model.safetensors").stat().st_size
+
+
 def merged_from_adapter(adapter_dir, load_base):
     """A plain model from an adapter folder: `load_base(base path)` loads the base, the adapter is folded in.
     Used when `model:` (or `tidyrl eval`) points at a LoRA run's final/ or checkpoint-N/."""
