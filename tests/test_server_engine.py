@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port, read_jsonl
-from fake_vllm_server import FakeVLLMServer
+from fake_vllm_server import FakeVLLMServer, same_weights, snapshot
 
 import tidyrl
 from tidyrl.config import ConfigError, load_config
@@ -306,6 +306,76 @@ def test_a_lora_policy_reaches_the_servers_merged(tiny_model_dir, builtin_run, t
         assert len(server.reloads) == 2
     rows = read_jsonl(result.output_dir / "metrics.jsonl")
     assert all(r["mismatch/logprob_abs_mean"] < 1e-5 for r in rows)
+
+
+def test_a_lora_policy_sends_only_its_adapter_to_servers_that_take_one(tiny_model_dir, builtin_run, tmp_path,
+                                                                      capfd):
+    """Servers started for runtime LoRA (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, --enable-lora) keep their base
+    weights: each sync writes the adapter alone and loads it under the name of its version, which the next
+    rollout's requests name; the run is the builtin LoRA run bit for bit (the stand-in applies the adapter with
+    peft, as the policy does) and samples what the merged sync does, log-probs to rounding. A server without
+    runtime LoRA gets the merged weights, and the log says why, once."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    def lora_run(out, engine, urls=()):
+        cfg = config(tiny_model_dir, builtin_run[0], out, engine, urls)
+        cfg["lora"], cfg["train"]["learning_rate"] = {"enabled": True, "r": 4}, 5e-2
+        cfg["rollout"]["generation_batch_size"] = 1
+        cfg["log"]["samples_per_rollout"] = 8
+        return tidyrl.train(cfg)
+
+    reference = lora_run(tmp_path / "builtin", "builtin")
+    capfd.readouterr()
+    with FakeVLLMServer(tiny_model_dir, runtime_lora=True) as server:
+        base = snapshot(server.model)
+        result = lora_run(tmp_path / "adapter", "vllm-server", [server.url])
+        assert server.reloads == [] and same_weights(snapshot(server.model), base)  # the base never moved
+        sync_dir = tmp_path / "adapter" / "weights-for-servers"
+        assert server.adapter_loads == [str(sync_dir / "v000001"), str(sync_dir / "v000002")]
+        assert list(server.adapters) == ["tidyrl-lora-v000002"]  # the older version unloaded
+        assert sorted(server.adapter_models) == ["tidyrl-lora-v000001"] * 8 + ["tidyrl-lora-v000002"] * 8
+        assert os.listdir(sync_dir) == ["v000002"]
+        assert not (sync_dir / "v000002" / "model.safetensors").exists()
+    err = capfd.readouterr().err
+    assert err.count("vllm-server: LoRA sync: adapter only (rank 4)") == 1
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert untimed(rows) == untimed(read_jsonl(reference.output_dir / "metrics.jsonl"))
+    final, expected = (load_file(r.final_dir / "adapter_model.safetensors") for r in (result, reference))
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+    with FakeVLLMServer(tiny_model_dir) as plain:  # no runtime LoRA: the merged weights
+        merged = lora_run(tmp_path / "merged", "vllm-server", [plain.url])
+        assert len(plain.reloads) == 2 and plain.adapter_loads == []
+    err = capfd.readouterr().err
+    assert err.count("vllm-server: LoRA sync: merged weights, every sync:") == 1
+    assert "HTTP 404" in err and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in err and "--max-lora-rank 8" in err
+    merged_rows = read_jsonl(merged.output_dir / "metrics.jsonl")
+    assert all(r["mismatch/logprob_abs_mean"] < 1e-5 for r in merged_rows + rows)
+    assert read_jsonl(merged.output_dir / "samples.jsonl") == read_jsonl(result.output_dir / "samples.jsonl")
+    for a, b in zip(merged_rows, rows):
+        assert a["reward_mean"] == b["reward_mean"] and abs(a["loss"] - b["loss"]) < 1e-5
+
+
+def test_a_lost_adapter_endpoint_takes_the_server_out_naming_what_it_needs(tiny_model_dir, tmp_path):
+    """After the first adapter sync, a server that no longer takes adapters holds a stale one: alone, the run stops
+    naming the folder, the server and VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
+    pytest.importorskip("peft")
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    policy = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                 peft.LoraConfig(r=4, target_modules="all-linear"))
+    with FakeVLLMServer(tiny_model_dir, runtime_lora=True) as server:
+        engine, *_ = engine_and_settings(tiny_model_dir, [server.url], sync_dir=str(tmp_path / "w"))
+        engine.sync(policy)
+        assert engine.adapter == "tidyrl-lora-v000001" and engine.sync_bytes > 0
+        server.runtime_lora = False
+        with pytest.raises(EngineError) as info:
+            engine.sync(policy)
+    text = str(info.value)
+    assert server.url in text and str(tmp_path / "w" / "v000002") in text
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in text and "HTTP 404" in text
 
 
 @pytest.mark.parametrize("fault", ["server-dies-mid-rollout", "sync-never-finishes"])

