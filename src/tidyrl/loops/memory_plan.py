@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}
 """Bytes per element of each model_dtype (`auto` counted as float32: the largest a checkpoint usually holds)."""

@@ -180,8 +180,11 @@ class RLRun:
         self.update_settings = UpdateSettings(
             options=self.algo, policy_loss=self.algo.policy_loss or self.spec.policy_loss,
             kl_in_loss=self.spec.kl_in == "loss", tis_cap=self.tis_cap, temperature=ro.temperature,
-            max_new_tokens=ro.max_new_tokens, fast_path=cfg.model_fast_paths,
-            sync_each_microbatch=cfg.train.sync_each_microbatch, max_grad_norm=cfg.train.max_grad_norm)
+            max_new_tokens=ro.max_new_tokens,
+            # (exact sums: the model's own forward, the same code path inside DDP as alone: loops.exact_sums)
+            fast_path=cfg.model_fast_paths and not cfg.train.exact_gradients,
+            sync_each_microbatch=cfg.train.sync_each_microbatch, max_grad_norm=cfg.train.max_grad_norm,
+            exact_gradients=cfg.train.exact_gradients)
 
     def run(self) -> TrainResult:
         from tidyrl.metrics import STEP_METRICS
@@ -200,7 +203,8 @@ class RLRun:
                                       [s for s in (t.scheduler, t.critic_scheduler) if s is not None]))
         else:
             write_run_header(cfg, plan, self.out, self.accelerator,
-                             plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids))
+                             plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids,
+                                         self.inputs.memory))
         self.start = time.perf_counter() - elapsed
         self.env_errors = []
         row, last_reward = {}, None

@@ -170,7 +170,7 @@ class EvalInputs:
     """Lines on overlong prompts and the rewards, or ""."""
     reward_fns: list
     source: str
-    """Where the prompts come from, in words (eval.json's `prompts`)."""
+    """Where the prompts come from, in words (eval.json's `data`)."""
     held_out: bool
     """They are the config's held-out prompts, as training evaluates them (log.eval_decoding applies)."""
     environment: Any = None

@@ -18,6 +18,7 @@ import torch
 from tidyrl.algorithms.kl import kl_per_token
 from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss, truncated_importance_weights
 from tidyrl.algorithms.ppo import clipped_value_loss
+from tidyrl.loops.exact_sums import ExactGradients, global_micro_batches
 from tidyrl.loops.training import Sums, apply_update, no_sync, reduce_max, reduce_sum
 from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
@@ -54,6 +55,7 @@ class UpdateSettings:
     fast_path: bool
     sync_each_microbatch: bool
     max_grad_norm: float
+    exact_gradients: bool = False
 
 
 def loss_mask(completion_mask, truncated, action_mask, mask_truncated: bool):
@@ -88,6 +90,11 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
     # split into micro-batches changes only the summation order: the normaliser is the mini-batch's.
     mine.sort(key=lambda e: e // plan.samples_per_prompt)
     micro_batches = list(chunks(mine, plan.micro_batch_size))
+    exact = None
+    if settings.exact_gradients:  # the micro-batches of the whole mini-batch first, then shared out (exact_sums)
+        everything = sorted(minibatch.tolist(), key=lambda e: e // plan.samples_per_prompt)
+        micro_batches = global_micro_batches(everything, plan.micro_batch_size, rank, accelerator.num_processes)
+        exact = ExactGradients(p for m in models for p in m.parameters())
     assert len(micro_batches) == plan.gradient_accumulation_steps
     sums = Sums(*SUMS)
     # The rollout's first step takes the importance weights from its own forward (see loops.rl).
@@ -99,10 +106,14 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
         if in_update_weights and plan.optimizer_steps_per_rollout > 1 else None
     peak = torch.zeros(())
     for i, idx in enumerate(micro_batches):
-        sync = settings.sync_each_microbatch or i == len(micro_batches) - 1
+        sync = exact is None and (settings.sync_each_microbatch or i == len(micro_batches) - 1)
         with no_sync(accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
             peak = _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator, sums, peak,
                                 trainer_logprobs, in_update_weights)
+        if exact is not None:  # this micro-batch's gradient onto the grid (no floating-point sum across them)
+            exact.add()
+    if exact is not None:  # the integer sums over every process, as the gradients
+        exact.reduce(accelerator)
     sums = sums.reduced(accelerator)
     later = None
     if trainer_logprobs is not None:  # every episode was in this step, on one process each: a sum gathers them
@@ -159,8 +170,9 @@ def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator,
         value_loss = aggregate_loss(value_BT, mask, o.loss_aggregation, normaliser)
         loss = loss + o.vf_coef * value_loss
     # DDP averages gradients over W processes; our loss is already this process's share of the global mean, so
-    # scale by W to make the synchronised gradient the global one.
-    accelerator.backward(loss * accelerator.num_processes)
+    # scale by W to make the synchronised gradient the global one. Exact sums add the processes' gradients
+    # themselves: no scale.
+    accelerator.backward(loss if settings.exact_gradients else loss * accelerator.num_processes)
     with torch.no_grad():
         sums.add(loss=loss, kl_x_tokens=(kl * mask).sum() if kl is not None else 0.0,
                  entropy_x_tokens=(entropy * mask).sum(), clipped_tokens=(clipped.float() * mask).sum(),

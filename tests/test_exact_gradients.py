@@ -1,0 +1,100 @@
+"""train.exact_gradients: micro-batch gradients summed on a fixed-point grid, as integers, so the sum does not
+depend on the order or the split; the weights of 1 and 2 processes bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import grpo_config, read_jsonl, torchrun_train
+
+import tidyrl
+from tidyrl.loops.exact_sums import GRID_EXPONENT, ExactGradients, global_micro_batches
+
+
+class One:
+    num_processes = 1
+
+
+def _accumulate(grads) -> ExactGradients:
+    """The gradients (one parameter's) added in the given order."""
+    p = torch.nn.Parameter(torch.zeros(len(grads[0])))
+    acc = ExactGradients([p])
+    for g in grads:
+        p.grad = g.clone()
+        acc.add()
+    return acc
+
+
+def _total(acc: ExactGradients):
+    acc.reduce(One())
+    return acc.parameters[0].grad
+
+
+def test_the_sum_is_the_same_in_any_order_and_within_the_grids_rounding():
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(1000, generator=g) * 10.0 ** float(torch.randint(-6, 2, (1,), generator=g)) for _ in range(16)]
+    forward, backward = _total(_accumulate(grads)), _total(_accumulate(grads[::-1]))
+    assert torch.equal(forward, backward)
+    # two processes' shares, each summed on the grid, then the integer all-reduce: the one-process integers
+    shares = _accumulate(grads[:8]).sums[0] + _accumulate(grads[8:]).sums[0]
+    assert torch.equal(shares, _accumulate(grads).sums[0])
+    # float32 sums in two orders differ; the exact ones do not
+    assert not torch.equal(sum(grads), sum(grads[::-1]))
+    exact = torch.stack([x.double() for x in grads]).sum(0)
+    # each term rounded to the nearest multiple of 2^-40: at most 16 half-units off, then one float32 rounding
+    bound = 16 * 2.0 ** -(GRID_EXPONENT + 1) + exact.abs() * torch.finfo(torch.float32).eps
+    assert ((forward.double() - exact).abs() <= bound).all()
+
+
+def test_a_diverged_gradient_is_refused():
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([0.0, 5000.0, 1.0])
+    with pytest.raises(FloatingPointError, match="a micro-batch gradient reached 5e\\+03"):
+        ExactGradients([p]).add()
+
+
+def test_micro_batches_are_formed_from_the_whole_mini_batch_then_shared_out():
+    episodes = [3, 1, 4, 0, 5, 2, 7, 6]
+    assert global_micro_batches(episodes, 2, 0, 1) == [[3, 1], [4, 0], [5, 2], [7, 6]]
+    assert global_micro_batches(episodes, 2, 0, 2) == [[3, 1], [4, 0]]
+    assert global_micro_batches(episodes, 2, 1, 2) == [[5, 2], [7, 6]]
+
+
+def test_reinforce_pp_on_two_processes_gives_the_one_process_weights_bit_for_bit(tiny_model_dir, prompt_file,
+                                                                               tmp_path):
+    """A dense reward, KL in the reward, two epochs of two mini-batches of two micro-batches per process: without
+    exact sums 1 and 2 processes differ in the last bits (tests/test_multiprocess.py bounds it); with them the
+    final weights and every logged gradient norm are identical (the scoring chunks of 2 episodes hold the same
+    episodes on 1 and 2 processes; one thread per process in both)."""
+    from safetensors.torch import load_file
+
+    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "one", rollouts=2, algorithm="reinforce_pp",
+                      reinforce_pp={"kl_coef": 0.05},
+                      train={"epochs_per_rollout": 2, "micro_batch_size": 2, "exact_gradients": True,
+                             "learning_rate": 1e-2})
+    cfg["rewards"] = [{"function": "tidyrl.demo:anagram_reward"}]
+    # the no-grad scoring (reference and old log-probs) in chunks that hold the same episodes on 1 and 2 processes
+    cfg["rollout"].update({"forward_batch_size": 2, "generation_batch_size": 2})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each torchrun process has (conftest.gloo_cpu_env): a CPU kernel may split its
+    try:                      # sums by thread, so the same kernels means the same threads per process
+        tidyrl.train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    torchrun_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world=2)
+    one, two = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("one", "two"))
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    r1, r2 = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "two"))
+    assert [r["grad_norm"] for r in r1] == [r["grad_norm"] for r in r2]
+    plan = json.loads((tmp_path / "two" / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["gradient_accumulation_steps"] == 1  # 8 / (2 mini-batches * 2 * 2)
+
+
+def test_exact_gradients_is_refused_where_it_cannot_serve(tiny_model_dir, prompt_file, tmp_path):
+    from tidyrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train.exact_gradients: only for the RL stages; sft"):
+        load_config({"algorithm": "sft", "model": "m", "data": {"path": "p"},
+                     "train": {"max_steps": 1, "exact_gradients": True}})
