@@ -172,6 +172,7 @@ def test_distill_settings_are_checked(tiny_model_dir, prompt_file, tmp_path):
         load_config({**base, "algorithm": "grpo", "rewards": [{"function": "tidyrl.demo:anagram_reward"}]})
 
 
+@pytest.mark.slow
 def test_distill_on_two_processes_matches_one_with_a_lag_and_resumes_exactly(tiny_model_dir, teacher_dir,
                                                                             prompt_file, tmp_path):
     """Distillation with a task reward mixed in and rollout.lag = 1 (rollouts made ahead by older weights, their

@@ -236,6 +236,7 @@ def test_tidyrl_eval_of_a_multiturn_tool_run_gives_its_last_eval_metrics(tmp_pat
     assert "reward/env" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_tidyrl_eval_on_two_processes_writes_what_one_writes(tiny_model_dir, prompt_file, tmp_path):
     """Under torchrun each process takes a share of the episodes; the sums are reduced and the samples gathered:
     the same eval.json numbers and eval_samples.jsonl as one process."""

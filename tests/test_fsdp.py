@@ -166,6 +166,7 @@ def test_sft_under_fsdp2_matches_one_process_with_and_without_syncing_each_micro
     assert r1[-1]["loss"] < r1[0]["loss"]
 
 
+@pytest.mark.slow
 def test_ppo_with_a_lora_policy_and_a_full_critic_under_fsdp2_matches_one_process(rl_yaml, tmp_path, tiny_model_dir):
     """Both trained models sharded: the LoRA policy (its adapters are parameters of the decoder layers' shard
     groups, so they are sharded with them; the frozen base too) and the critic (a model of its own, sharded the same

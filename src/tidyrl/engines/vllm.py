@@ -224,6 +224,12 @@ def vllm_model_problem(model_config, on_cpu: bool) -> Optional[str]:
     return architecture_problem(model_config, on_cpu, set(ModelRegistry.get_supported_archs()), sizes)
 
 
+def device_reservation(cfg, device_bytes: int) -> int:
+    """The device memory the in-process engine reserves on a training process (its KV cache and weights): the
+    share vllm.gpu_memory_utilization of the device's `device_bytes`, for the memory plan."""
+    return int(cfg.vllm.gpu_memory_utilization * device_bytes)
+
+
 def config_problems(cfg) -> list[str]:
     """`rollout.engine: vllm`'s checks of the config's values (`key: problem` lines), before anything loads."""
     problems, ro, v = [], cfg.rollout, cfg.vllm

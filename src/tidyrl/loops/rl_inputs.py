@@ -256,8 +256,9 @@ def read_rewards(cfg: Config, base_dir: Optional[str], columns: list):
 
     reward_fns = build_reward_functions(cfg.rewards, base_dir=base_dir,
                                         forward_batch_size=cfg.rollout.forward_batch_size)
+    lines = list(rewards_before_run(reward_fns))  # e.g. code_tests refused where it cannot sandbox: first
     check_reward_columns(reward_fns, columns)
-    return reward_fns, list(rewards_before_run(reward_fns))
+    return reward_fns, lines
 
 
 def check_engine_inputs(cfg: Config, model_config, prompt_ids: list, episodes_per_process: int) -> None:

@@ -11,6 +11,7 @@ from typing import Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, ConfigError
+from tidyrl.engines import engine_module
 from tidyrl.loops.memory_plan import (DTYPE_BYTES, MemoryInputs, MemoryPlan, Scorer, Shape, fit_problems, gib,
                                       memory_plan, parse_size)
 from tidyrl.models.loading import load_model_config
@@ -42,8 +43,9 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
     architectures = getattr(model_config, "architectures", None) or []
     per_minibatch = plan.episodes_per_minibatch_per_process
     reserve = 0
-    if cfg.rollout.engine == "vllm" and cuda and device_bytes:
-        reserve = int(cfg.vllm.gpu_memory_utilization * device_bytes)
+    engine = engine_module(cfg.rollout.engine)
+    if cuda and device_bytes and hasattr(engine, "device_reservation"):  # e.g. in-process vLLM's share
+        reserve = engine.device_reservation(cfg, device_bytes)
     return MemoryInputs(
         policy=policy, dtype_bytes=b, prompt_tokens=max((len(p) for p in prompt_ids), default=0),
         new_tokens=cfg.rollout.max_new_tokens, generation_batch_size=cfg.rollout.generation_batch_size,
