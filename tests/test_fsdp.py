@@ -145,6 +145,7 @@ def sft_yaml(tmp_path_factory, tiny_model_dir):
     return path
 
 
+@pytest.mark.slow
 def test_sft_under_fsdp2_matches_one_process_with_and_without_syncing_each_micro_batch(sft_yaml, tmp_path):
     """B = 4, m = 1: 2 micro-batches per process and step. Without sync_each_microbatch the first one's gradients
     stay unsharded on each process until the second is done; with it, each is reduce-scattered at once. The same
