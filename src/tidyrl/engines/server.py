@@ -445,24 +445,24 @@ class ServerEngine:
             left = max(0.1, deadline - time.perf_counter())
             _request(url, "/reset_prefix_cache", {}, left)
         except ServerAnswerError as err:
-            text = str(err)
-            if text.startswith("no answer in "):
-                text = f"no answer in {self.sync_timeout_s:g} s (server.sync_timeout_s){text.partition(' s')[2]}"
-            elif "HTTP 404" in text:
-                text += " (is the server started with VLLM_SERVER_DEV_MODE=1?)"
-            raise ServerAnswerError(text) from None
+            raise self._sync_error(err, "VLLM_SERVER_DEV_MODE=1") from None
 
     def _load_adapter(self, url: str, name: str, folder: str, deadline: float) -> None:
         left = max(0.1, deadline - time.perf_counter())
         try:
             _request(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, left, text=True)
         except ServerAnswerError as err:
-            text = str(err)
-            if text.startswith("no answer in "):
-                text = f"no answer in {self.sync_timeout_s:g} s (server.sync_timeout_s){text.partition(' s')[2]}"
-            elif "HTTP 404" in text:
-                text += " (is the server started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?)"
-            raise ServerAnswerError(text) from None
+            raise self._sync_error(err, "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True") from None
+
+    def _sync_error(self, err: ServerAnswerError, needs: str) -> ServerAnswerError:
+        """A sync's failed answer said in the sync's terms: its timeout (server.sync_timeout_s), or, for an
+        endpoint the server does not have (HTTP 404), the environment variable `needs` that turns it on."""
+        text = str(err)
+        if text.startswith("no answer in "):
+            text = f"no answer in {self.sync_timeout_s:g} s (server.sync_timeout_s){text.partition(' s')[2]}"
+        elif "HTTP 404" in text:
+            text += f" (is the server started with {needs}?)"
+        return ServerAnswerError(text)
 
     def _unload(self, name: Optional[str], replicas: Optional[Sequence[int]] = None) -> None:
         """Unload adapter `name` where it was loaded (best effort: a server that keeps it only holds memory)."""
