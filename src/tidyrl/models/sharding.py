@@ -182,7 +182,8 @@ def check_supported(kind: str) -> None:
     if kind == "fsdp1":
         raise ShardingError(
             "FSDP1 is not supported: generation would all-gather every layer at every generated token. Set "
-            "fsdp_version: 2 in the accelerate config (examples/accelerate/fsdp.yaml)."
+            "fsdp_version: 2 in the accelerate config (examples/accelerate/fsdp.yaml); accelerate before 1.6 knows "
+            "no fsdp_version and always launches FSDP1: upgrade it (pip install -U accelerate)."
         )
 
 
