@@ -269,23 +269,15 @@ def teacher_logprobs(teacher, tokens: Rollout, temperature: float, chunk_size: i
         with full_weights(teacher):
             return score_logprobs(teacher, tokens, temperature, chunk_size, fast_path=fast_path)
     lengths = [int(n) for n in tokens.completion_mask.sum(1).tolist()]
+    completions = [tokens.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)]
     if isinstance(teacher, CrossTokenizerTeacher):
-        values = teacher.logprobs(prompts, [tokens.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)],
-                                  [student[i, :n].tolist() for i, n in enumerate(lengths)])
-        out = torch.zeros(tokens.completion_ids.shape)
-        for i, row in enumerate(values):
-            out[i, : lengths[i]] = torch.tensor(row, dtype=torch.float32)
-        return out
-    sequences, starts, lengths = [], [], []
-    for i in range(len(tokens)):
-        prompt = tokens.prompt_ids[i][tokens.prompt_mask[i].bool()].tolist()
-        n = int(tokens.completion_mask[i].sum())
-        sequences.append(prompt + tokens.completion_ids[i, :n].tolist())
-        starts.append(len(prompt))
-        lengths.append(n)
+        rows = teacher.logprobs(prompts, completions, [student[i, :n].tolist() for i, n in enumerate(lengths)])
+    else:
+        prompts_ids = [tokens.prompt_ids[i][tokens.prompt_mask[i].bool()].tolist() for i in range(len(tokens))]
+        rows = teacher.logprobs([p + c for p, c in zip(prompts_ids, completions)], [len(p) for p in prompts_ids])
     out = torch.zeros(tokens.completion_ids.shape)
-    for i, values in enumerate(teacher.logprobs(sequences, starts)):
-        out[i, : lengths[i]] = torch.tensor(values, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, : lengths[i]] = torch.tensor(row, dtype=torch.float32)
     return out
 
 
