@@ -1,18 +1,15 @@
 """The memory plan (tidyrl.loops.memory_plan): its formulas on a hand-worked shape, byte for byte; the fit check
 and what it says to change; `tidyrl plan`'s `memory` and `--memory`; and the update's prediction against the
-peak a CPU process measures."""
+tensors one micro-batch keeps."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from tidyrl.cli import main
@@ -57,17 +54,21 @@ def test_each_phase_by_hand_in_bytes():
     assert plan.phase("generation").parts == {**resident,
                                                "kv_cache": 2 * 2 * 4 * 10 * 3 * 4,  # 2 L kv T g b = 1920
                                                "sampling_logits": 3 * 10 * (4 + 4)}  # g V (b + 4) = 240
+    # the layers' working set (f T 56 b = 4480) outweighs the output layer's logits and logsumexp's float32 copy of
+    # them (f C V b + f C V 4 = 800): the two are never alive together, the larger counts
     assert plan.phase("scoring").parts == {**resident,
                                             "reference_hidden_states": 2 * 2 * 10 * 8 * 4,  # 2 f T h b = 1280
-                                            "reference_layer_working_set": 2 * 10 * 56 * 4,  # 4480
-                                            "reference_logits": 2 * 5 * 10 * 4,  # f C V b = 400
-                                            "reference_logsoftmax_one_sequence": 5 * 10 * 4}
+                                            "reference_layer_working_set": 2 * 10 * 56 * 4}  # 4480
+    wide = Shape.of({**CONFIG, "vocab_size": 1000})  # here the output layer's: f C V (b + 4) = 80000
+    assert memory_plan(inputs(scorers=(Scorer("reference", wide, 4, True),))).phase("scoring").parts == {
+        **resident, "reference_weights": wide.parameters() * 4, "reference_hidden_states": 1280,
+        "reference_logits": 2 * 5 * 1000 * 4, "reference_logsumexp_temporaries": 2 * 5 * 1000 * 4}
     assert plan.phase("update").parts == {**resident, "gradients": 5088,
                                            "activations": 2 * 10 * 2 * 128 * 4,  # m T L a b = 20480
                                            "logits": 2 * 2 * 5 * 10 * 4,  # logits and their gradient, 800
-                                           "logsoftmax_one_sequence": 200}
-    assert [p.total for p in plan.phases] == [22512, 26712, 46920]
-    assert plan.to_dict()["peak_phase"] == "update" and plan.to_dict()["peak_bytes"] == 46920
+                                           "logsumexp_temporaries": 800}  # the gather's and logsumexp's, 2 m C V 4
+    assert [p.total for p in plan.phases] == [22512, 26112, 47520]
+    assert plan.to_dict()["peak_phase"] == "update" and plan.to_dict()["peak_bytes"] == 47520
     # gradient checkpointing keeps the L layer inputs and one layer's activations: m T (L h + a) b
     assert memory_plan(inputs(gradient_checkpointing=True)).phase("update").parts["activations"] == \
         2 * 10 * (2 * 8 + 128) * 4
@@ -76,6 +77,9 @@ def test_each_phase_by_hand_in_bytes():
     # the chunked output layer (CUDA, bf16): two chunks of at most 256 MiB, here the whole 2 m C V b
     chunked = memory_plan(inputs(dtype_bytes=2, chunked_head=True, scorers=())).phase("update").parts
     assert chunked["logit_chunks"] == 2 * 2 * 5 * 10 * 2 and "logits" not in chunked
+    # bf16 logits without the chunked layer: upcast to float32 one sequence at a time, C V 4
+    bf16 = memory_plan(inputs(dtype_bytes=2, scorers=())).phase("update").parts
+    assert (bf16["logits"], bf16["logsoftmax_one_sequence"]) == (2 * 2 * 5 * 10 * 2, 5 * 10 * 4)
 
 
 def test_fsdp_shards_the_policy_and_whole_gradients_wait_for_the_last_microbatch():
@@ -101,14 +105,14 @@ def test_a_critic_is_trained_beside_the_policy_and_scores_the_rollout():
 
 
 def test_what_does_not_fit_says_what_to_change():
-    x = inputs(micro_batch_size=4)  # the update: 68200 bytes; with m = 2 it is 46920
-    assert memory_plan(x).phase("update").total == 68200
+    x = inputs(micro_batch_size=4)  # the update: 69600 bytes; with m = 2 it is 47520
+    assert memory_plan(x).phase("update").total == 69600
     problems = fit_problems(x, 50_000, per_minibatch=8)
     assert len(problems) == 1 and problems[0].startswith("the update phase needs ")
     assert problems[0].endswith("lower train.micro_batch_size to 2")
     assert fit_problems(x, 70_000, per_minibatch=8) == []
     scoring = fit_problems(inputs(forward_batch_size=8), 40_000, per_minibatch=8)
-    # scoring: 20552 + 3080 f bytes, so f = 6 (39032) is the largest under 40000; the update: m = 1 (36280)
+    # scoring: 20352 + 2880 f bytes, so f = 6 (37632) is the largest under 40000; the update: m = 1 (36480)
     assert [p.rsplit("; ", 1)[1] for p in scoring] == ["lower rollout.forward_batch_size to 6",
                                                          "lower train.micro_batch_size to 1"]
     # the resident weights alone (20352 bytes) do not fit: a structural change (LoRA drops the second model)
@@ -157,45 +161,52 @@ def test_plan_prints_the_memory_plan_and_refuses_a_phase_that_does_not_fit(confi
     assert "reference_weights" not in json.loads(capsys.readouterr().out)["memory"]["per_process_bytes"]["update"]
 
 
-MEASURE = r'''
-import sys, torch
-sys.path.insert(0, sys.argv[1])
-from conftest import proc_status_bytes
-from transformers import LlamaConfig, LlamaForCausalLM
-from tidyrl.models.forward import completion_logprobs
-from tidyrl.loops.memory_plan import MemoryInputs, Shape, memory_plan
-torch.manual_seed(0)
-h, L, V, m, P, C = (int(x) for x in sys.argv[2:8])
-cfg = LlamaConfig(hidden_size=h, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=int(2.75 * h), vocab_size=V, tie_word_embeddings=False)
-model = LlamaForCausalLM(cfg)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-prompt, completion = torch.randint(0, V, (m, P)), torch.randint(0, V, (m, C))
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) starts again from the current RSS, the weights in it
-before = proc_status_bytes("VmRSS:")
-logprobs, _ = completion_logprobs(model, prompt, torch.ones_like(prompt), completion, torch.ones_like(completion), 1.0)
-logprobs.sum().backward()
-opt.step()  # the first step makes AdamW's two moments
-measured = proc_status_bytes("VmHWM:") - before
-x = MemoryInputs(policy=Shape.of(cfg.to_dict()), dtype_bytes=4, prompt_tokens=P, new_tokens=C,
-                 generation_batch_size=m, forward_batch_size=m, micro_batch_size=m, episodes_per_process=m)
-update = memory_plan(x).phase("update")
-print(measured, update.total - update.parts["policy_weights"])
-'''
+def _saved_bytes(fn, model) -> tuple:
+    """fn() under a hook that records every tensor autograd saves for backward: (its result, the bytes of their
+    distinct storages, the model's weights left out)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return result, sum(n for ptr, n in storages.items() if ptr not in weights)
 
 
-@pytest.mark.parametrize("shape", ["256 4 8000 4 32 96", "256 8 2000 8 32 96"],
-                         ids=["logits-heavy", "activation-heavy"])
-def test_the_update_prediction_is_within_15_percent_of_the_measured_cpu_peak(shape):
-    """A float32 Llama (h 256, 4 or 8 layers) on a CPU, one micro-batch's forward and backward through tidyrl's
-    training forward and AdamW's first step, in a fresh process: the peak RSS above the weights against the
-    update's predicted parts beyond them (gradients, optimizer state, activations, logits). Measured 1.01x and
-    0.90x (and 0.89x for h 512, V 16000, T 192)."""
-    if not os.path.exists("/proc/self/clear_refs"):
-        pytest.skip("resets the peak RSS through /proc/self/clear_refs (Linux)")
-    done = subprocess.run([sys.executable, "-c", MEASURE, str(Path(__file__).parent), *shape.split()],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured, predicted = (int(v) for v in done.stdout.split())
-    assert 0.85 <= measured / predicted <= 1.15, (measured, predicted)
+@pytest.mark.parametrize("shape", ["256 4 8000 4 32 96", "256 8 2000 8 32 96", "512 2 16000 2 32 160"],
+                         ids=["logits-heavy", "activation-heavy", "wide"])
+def test_the_update_prediction_counts_the_tensors_one_micro_batch_keeps(shape):
+    """A float32 Llama on a CPU, one micro-batch through tidyrl's training forward and AdamW's first step: the
+    gradients and AdamW's two moments are the predicted bytes exactly; what autograd saves for the backward pass is
+    at most the predicted activations plus one side of the logits (their gradient is written as backward starts),
+    and at least 90 % of them (measured 0.977x, 0.936x, 0.957x: the formula errs high, counting a few tensors that
+    autograd shares between operations). The peak a process reaches depends on the CPU's kernels and the allocator as well:
+    benchmarks/bench_memory_plan.py measures it against the prediction."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tidyrl.models.forward import completion_logprobs
+
+    torch.manual_seed(0)
+    h, L, V, m, P, C = (int(x) for x in shape.split())
+    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=int(2.75 * h), vocab_size=V, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    prompt, completion = torch.randint(0, V, (m, P)), torch.randint(0, V, (m, C))
+    (logprobs, _), saved = _saved_bytes(lambda: completion_logprobs(
+        model, prompt, torch.ones_like(prompt), completion, torch.ones_like(completion), 1.0), model)
+    logprobs.sum().backward()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer.step()
+    x = MemoryInputs(policy=Shape.of(cfg.to_dict()), dtype_bytes=4, prompt_tokens=P, new_tokens=C,
+                     generation_batch_size=m, forward_batch_size=m, micro_batch_size=m, episodes_per_process=m)
+    update = memory_plan(x).phase("update").parts
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert update["policy_weights"] == update["gradients"] == nbytes(model.parameters())
+    assert update["gradients"] == nbytes(p.grad for p in model.parameters())
+    assert update["optimizer_state"] == nbytes(v for state in optimizer.state.values()
+                                               for k, v in state.items() if k in ("exp_avg", "exp_avg_sq"))
+    predicted = update["activations"] + update["logits"] // 2
+    assert 0.90 <= saved / predicted <= 1.0, (saved, predicted)

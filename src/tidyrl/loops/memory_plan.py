@@ -25,20 +25,24 @@ Phases (each = what stays resident across the run + what the phase adds):
                  weights and its optimizer state like the policy's
     generation   FSDP2: the full weights gathered for the call, P*b*(1 - 1/W); KV cache 2*L*kv*T*g*b; the last
                  position's logits and float32 probabilities g*V*(b + 4); vLLM in-process: its reservation
-    scoring      per scorer, the largest: logits f*C*V*b and one sequence's float32 log-softmax C*V*4 (a value or
-                 reward head: none); hidden states in and out of a layer 2*f*T*h*b; one layer's working set
-                 f*T*(h + max(2*q + 2*kv, 3*i))*b (no grad: one layer's intermediates alive at a time)
+    scoring      per scorer, the largest: hidden states in and out of a layer 2*f*T*h*b, and the larger of one
+                 layer's working set f*T*(h + max(2*q + 2*kv, 3*i))*b (no grad: one layer's intermediates alive at a
+                 time) and the output layer's: logits f*C*V*b and the log-softmax's float32 copy, f*C*V*4 for
+                 float32 logits (logsumexp over the whole batch), C*V*4 for bf16/fp16 (upcast a sequence at a time);
+                 a value or reward head has no logits
     update       gradients trainable bytes (/W; FSDP2 without train.sync_each_microbatch and with accumulation:
                  whole until the last micro-batch); activations m*T*L*a*b (gradient checkpointing: m*T*(L*h + a)*b,
-                 the layer inputs and one layer recomputed); logits and their gradient 2*m*C*V*b and one sequence's
-                 float32 log-softmax C*V*4 (the chunked output layer on CUDA: two chunks of at most 256 MiB);
-                 FSDP2: two layers' gathered weights; a critic's gradients and activations beside the policy's
+                 the layer inputs and one layer recomputed); logits and their gradient 2*m*C*V*b and the
+                 log-softmax's float32 copies, 2*m*C*V*4 for float32 logits (the gather's and logsumexp's
+                 gradients before they sum), C*V*4 for bf16/fp16 (the chunked output layer on CUDA: two chunks of
+                 at most 256 MiB); FSDP2: two layers' gathered weights; a critic's gradients and activations
+                 beside the policy's
 
 with a = 4*h + 3*q + 2*kv + 4*i, the elements one token keeps per layer for the backward pass (two norms' input
 and output, the attention's q, k, v and output and o_proj's input, the MLP's gate, up, act(gate) and product).
 The weights, gradients, optimizer state and KV cache are exact byte counts of the tensors; activations and logits
-are the model's saved tensors by the formula above, which the allocator's rounding and the library's temporaries
-move by some percent (tests/test_memory_plan.py measures the update on a CPU).
+are the model's saved tensors by the formula above (tests/test_memory_plan.py counts them), which the kernels'
+scratch and the allocator move by some percent (benchmarks/bench_memory_plan.py measures the peaks on a CPU).
 """
 
 from __future__ import annotations
@@ -246,10 +250,15 @@ def _trainable_bytes(x: MemoryInputs) -> int:
 
 
 def _logits(rows: int, positions: int, vocab: int, b: int, chunked: bool, both_sides: bool) -> dict:
-    """The output layer's logits (and in the update their gradient) plus one sequence's float32 log-softmax."""
+    """The output layer's logits (and in the update their gradient) and the log-softmax's float32 working copies:
+    float32 logits go through logsumexp whole (its shifted copy is the logits' size; in the backward the gather's
+    and logsumexp's gradients are two more before they sum), lower precisions are upcast a sequence at a time
+    (models.ops)."""
     whole = rows * positions * vocab * b
     if chunked:
         return {"logit_chunks": (2 if both_sides else 1) * min(CHUNK_BYTES, whole)}
+    if b >= 4:
+        return {"logits": (2 if both_sides else 1) * whole, "logsumexp_temporaries": (2 if both_sides else 1) * whole}
     return {"logits": (2 if both_sides else 1) * whole, "logsoftmax_one_sequence": positions * vocab * 4}
 
 
@@ -273,11 +282,12 @@ def _scoring(x: MemoryInputs, resident: dict) -> Optional[Phase]:
     if x.critic is not None:
         models.append(("critic", x.critic, x.dtype_bytes, False))
     for name, shape, b, logits in models:
-        work = {f"{name}_hidden_states": 2 * f * T * shape.hidden * b,
-                f"{name}_layer_working_set": f * T * shape.working_elements() * b}
+        # the layers' working set is gone before the output layer runs: whichever of the two is larger
+        work = {f"{name}_layer_working_set": f * T * shape.working_elements() * b}
         if logits:
-            work.update({f"{name}_{k}": v for k, v in
-                         _logits(f, C, shape.vocab, b, x.chunked_head and b < 4, False).items()})
+            head = {f"{name}_{k}": v for k, v in _logits(f, C, shape.vocab, b, x.chunked_head and b < 4, False).items()}
+            work = head if sum(head.values()) > sum(work.values()) else work
+        work = {f"{name}_hidden_states": 2 * f * T * shape.hidden * b, **work}
         if best is None or sum(work.values()) > sum(best.values()):
             best = work
     return None if best is None else Phase("scoring", {**resident, **best})

@@ -1,0 +1,119 @@
+"""The memory plan (tidyrl.loops.memory_plan) against the peak a CPU process reaches, per phase and shape.
+
+    python benchmarks/bench_memory_plan.py        # four float32 Llama shapes, the last SmolLM2-135M's (~1.5 min)
+    python benchmarks/bench_memory_plan.py --shape "256 4 8000 4 32 96"      # one shape
+
+Each shape "h L V m P C" (hidden size, layers, vocabulary, micro/forward batch, prompt and completion tokens) runs
+in a fresh process with one thread (Linux: the peak is the process's VmHWM, reset through /proc/self/clear_refs):
+
+- scoring: one forward without grad through tidyrl's scoring path (models.forward.completion_logprobs), the peak
+  above the weights, against the plan's scoring parts beyond the resident ones (hidden states, one layer's working
+  set, logits and one sequence's log-softmax);
+- update: a second optimizer step (the first one made AdamW's moments, so they are resident as in any step after
+  it) over two micro-batches (the second's backward runs with the first's gradients held, as in any step that
+  accumulates), the peak above the weights and moments, against the plan's update parts beyond them (gradients,
+  activations, logits and their gradient).
+
+The ratio measured / predicted is printed; the target is 0.85-1.15 (docs/memory.md has the figures). What moves it
+from machine to machine: which kernels the CPU runs and their scratch buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+MEASURE = r'''
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from tidyrl.models.forward import completion_logprobs
+from tidyrl.loops.memory_plan import MemoryInputs, Scorer, Shape, memory_plan
+
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def peak_above(fn):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the current RSS
+    before = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - before
+
+
+torch.manual_seed(0)
+h, L, V, m, P, C = (int(x) for x in sys.argv[1:7])
+cfg = LlamaConfig(hidden_size=h, num_hidden_layers=L, num_attention_heads=max(h // 64, 1),
+                  num_key_value_heads=max(h // 192, 1), intermediate_size=int(2.75 * h), vocab_size=V,
+                  tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+prompt, completion = torch.randint(0, V, (m, P)), torch.randint(0, V, (m, C))
+ones = torch.ones_like(prompt), torch.ones_like(completion)
+
+
+def score():
+    with torch.no_grad():
+        completion_logprobs(model, prompt, ones[0], completion, ones[1], 1.0)
+
+
+def step():
+    for _ in range(2):  # two micro-batches: the second's backward runs with the first's gradients held
+        logprobs, _ = completion_logprobs(model, prompt, ones[0], completion, ones[1], 1.0)
+        logprobs.sum().backward()
+        del logprobs
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+score()  # the first call of each path allocates once for good (kernels' and the library's first-call state)
+scoring = peak_above(score)
+step()  # AdamW's moments now exist, as in every step after the first
+update = peak_above(step)
+shape = Shape.of(cfg.to_dict())  # the scorer: a KL reference of the policy's shape (here the policy itself)
+x = MemoryInputs(policy=shape, dtype_bytes=4, prompt_tokens=P, new_tokens=C, generation_batch_size=m,
+                 forward_batch_size=m, micro_batch_size=m, episodes_per_process=m,
+                 scorers=(Scorer("reference", shape, 4, True),))
+plan = memory_plan(x)
+resident = ("policy_weights", "optimizer_state", "reference_weights")
+for name, measured in (("scoring", scoring), ("update", update)):
+    parts = plan.phase(name).parts
+    print(name, measured, sum(v for k, v in parts.items() if k not in resident))
+'''
+
+SHAPES = ("256 4 8000 4 32 96", "256 8 2000 8 32 96", "512 2 16000 2 32 160", "576 30 49152 4 64 128")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", action="append", help='"h L V m P C"; repeatable (default: four shapes)')
+    args = parser.parse_args()
+    if not os.path.exists("/proc/self/clear_refs"):
+        sys.exit("bench_memory_plan: resets the peak RSS through /proc/self/clear_refs (Linux only)")
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    # glibc's malloc keeps freed memory for reuse (and raises its mmap threshold as large blocks are freed), so the
+    # RSS would not fall after a phase and the next phase's peak would hide in it: a fixed threshold gives every
+    # large tensor its own mapping, returned when freed.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
+           "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    print(f"{'shape (h L V m P C)':24} {'phase':8} {'measured MiB':>13} {'predicted MiB':>14} {'ratio':>6}")
+    for shape in args.shape or SHAPES:
+        done = subprocess.run([sys.executable, "-c", MEASURE, *shape.split()], capture_output=True, text=True,
+                              env=env, check=False)
+        if done.returncode:
+            sys.exit(done.stderr[-3000:])
+        for line in done.stdout.split("\n"):
+            if line:
+                phase, measured, predicted = line.split()
+                measured, predicted = int(measured), int(predicted)
+                print(f"{shape:24} {phase:8} {measured / 2**20:13.1f} {predicted / 2**20:14.1f} "
+                      f"{measured / predicted:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
