@@ -50,6 +50,7 @@ def test_bench_vs_trl_prints_the_table_and_the_run_has_the_time_split(tmp_path):
         assert all(row[f"time/{k}_s"] > 0 for k in ("generate", "update"))
 
 
+@pytest.mark.slow  # 20-30 s: a benchmark's own runs
 def test_bench_vs_trl_takes_any_model_size_and_refuses_a_bad_one_before_running(tmp_path):
     out = run("bench_vs_trl.py", "--workload", "tiny", "--repeats", "1", "--steps", "1", "--warmup", "0",
               "--libraries", "tidyrl", "--keep", str(tmp_path),
@@ -102,6 +103,7 @@ def test_bench_vs_trl_runs_in_bfloat16_and_leaves_gpu_workloads_to_a_gpu(tmp_pat
 
 
 
+@pytest.mark.slow  # 20-30 s: a benchmark's own runs
 def test_bench_vs_trl_profiles_one_measured_rollout_by_phase(tmp_path):
     """--profile: one measured rollout (and no more is run), its phases timed and its scoring and update traced by
     torch.profiler: summarised (ops or kernel launches, host synchronisations, the top ops) and split by phase (each
@@ -273,6 +275,7 @@ def bench_vs_trl_module():
     return bench
 
 
+@pytest.mark.slow  # 20-30 s: a benchmark's own runs
 def test_bench_vs_trl_goes_on_past_a_failed_run_and_says_which_failed(tmp_path, monkeypatch, capsys):
     """One library's run failing (on a GPU call: a kernel, an out-of-memory, TRL's install) leaves the others' runs
     and table whole: the failure is printed with the end of its log, that library is not run again, and the exit
@@ -329,6 +332,7 @@ def test_bench_recompute_times_each_mode_and_checks_they_agree():
     assert kept["functions"] == kept["checkpoint"] < kept["kept"]  # the same tensors kept, fewer than the model's
 
 
+@pytest.mark.slow  # 20-30 s: a benchmark's own runs
 def test_bench_loading_shows_a_copy_on_the_host_first_costs_a_model_that_placing_does_not():
     out = run("bench_loading.py", "--device", "meta", "--hidden", "512", "--intermediate", "1536", "--layers", "2",
               "--heads", "8", "--vocab", "64000", timeout=180)
