@@ -146,6 +146,29 @@ def test_grpo_under_fsdp2_matches_one_process_and_its_checkpoints_resume_exactly
             assert max_diff(cut / "final" / "model.safetensors", sharded / "final" / "model.safetensors") < TOL
 
 
+@pytest.mark.slow
+def test_grpo_with_a_kl_reference_under_fsdp2_matches_one_process(rl_yaml, tmp_path):
+    """The KL reference (no LoRA: a frozen copy of the starting model) is sharded like the policy, each of its
+    forwards gathering a layer at a time; its log-probs, and with them the KL and the update, are the 1-process
+    run's."""
+    cfg = yaml.safe_load(rl_yaml.read_text())
+    cfg["grpo"] = {"kl_coef": 0.05}
+    cfg["train"].update(rollouts=1, epochs_per_rollout=1)
+    path = tmp_path / "grpo_kl.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    one, sharded = tmp_path / "one", tmp_path / "fsdp"
+    train(path, one, 1)
+    done = train(path, sharded, 2)
+    assert "KL reference: sharded like the policy, 2 shards" in done.stdout
+    assert completions(one) == completions(sharded)
+    r1, r2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(sharded / "metrics.jsonl")
+    assert [(a["step"], a["lr"]) for a in r1] == [(b["step"], b["lr"]) for b in r2]
+    for a, b in zip(r1, r2):
+        for key in ("loss", "kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=TOL), key
+    assert max_diff(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors") < TOL
+
+
 @pytest.fixture(scope="module")
 def sft_yaml(tmp_path_factory, tiny_model_dir):
     folder = tmp_path_factory.mktemp("fsdp-sft")
@@ -217,7 +240,7 @@ def test_other_stages_under_fsdp2_match_one_process(stage, rl_yaml, tmp_path, ti
 
     if stage in ("reinforce_pp", "rloo"):
         cfg = yaml.safe_load(rl_yaml.read_text())
-        cfg.update(algorithm=stage, **{stage: {"kl_coef": 0.05}})  # a KL reference: a whole copy per process
+        cfg.update(algorithm=stage, **{stage: {"kl_coef": 0.05}})  # a KL reference, sharded like the policy
         cfg["train"]["rollouts"] = 1
         part = "model.safetensors"
     else:
@@ -239,3 +262,26 @@ def test_other_stages_under_fsdp2_match_one_process(stage, rl_yaml, tmp_path, ti
     for a, b in zip(r1, r2):
         assert a["loss"] == pytest.approx(b["loss"], abs=TOL)
     assert max_diff(one / "final" / part, sharded / "final" / part) < TOL
+
+
+def test_frozen_scorers_sharded_under_fsdp2_score_as_the_whole_model_on_uneven_shares(tiny_model_dir, tmp_path):
+    """A reference and a reward model sharded as a run shards them (`shard_frozen`): each process holds half of
+    their parameters, as DTensors; every forward all-gathers, so a process with fewer chunks to score (3 against 2
+    of a DPO cache, 3 against 1 reward-model chunks, a reward call on no samples) joins the other's extra forwards
+    instead of leaving it waiting. The scores are the unsharded models' within 1e-5."""
+    from tidyrl.models.tiny import save_tiny_reward_model
+
+    reward_dir = save_tiny_reward_model(tmp_path / "rm", seed=4)
+    report = tmp_path / "report.json"
+    child = Path(__file__).with_name("fsdp_frozen_child.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(child), str(tiny_model_dir), str(reward_dir), str(report)],
+                          capture_output=True, text=True, timeout=300, env=gloo_cpu_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        r = json.loads(Path(f"{report}.{rank}").read_text())
+        assert r["reference_dtensors"] and r["reward_dtensors"]
+        assert 0.45 < r["reference_local_fraction"] < 0.55  # half of every parameter (rows split in two)
+        assert r["logps_diff"] < TOL
+        assert r["scores"] == r["expected"] == (6 if rank == 0 else 2)
+        assert r["reward_diff"] < TOL

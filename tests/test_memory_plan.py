@@ -86,9 +86,21 @@ def test_fsdp_shards_the_policy_and_whole_gradients_wait_for_the_last_microbatch
     sharded = memory_plan(inputs(world_size=2, fsdp=True, accumulation_steps=2, sync_each_microbatch=True))
     update = sharded.phase("update").parts
     assert (update["policy_weights"], update["optimizer_state"], update["gradients"]) == (2544, 5088, 2544)
-    assert update["reference_weights"] == 5088  # frozen models are whole on every process
+    assert update["reference_weights"] == 2544  # the frozen reference is sharded like the policy
     assert update["gathered_layers"] == 2 * 592 * 4
     assert sharded.phase("generation").parts["gathered_weights"] == 5088 - 2544  # the full weights for the call
+    # each of the reference's forwards gathers its root shard group (embeddings, final norm; the head is tied) for
+    # the whole forward and two decoder layers: (V h + h + 2 * 592) b, here all of it (L = 2) ...
+    assert sharded.phase("scoring").parts["reference_gathered_weights"] == (80 + 8 + 2 * 592) * 4
+    # ... and of 4 layers, two stay sharded: (2456 - 2 * 592) * 4
+    deep = Shape.of({**CONFIG, "num_hidden_layers": 4})
+    scoring = memory_plan(inputs(world_size=2, fsdp=True, scorers=(Scorer("reference", deep, 4, True),))).phase(
+        "scoring").parts
+    assert (scoring["reference_weights"], scoring["reference_gathered_weights"]) == (2456 * 4 // 2, 1272 * 4)
+    # a teacher is not sharded: whole on every process, nothing gathered
+    teacher = memory_plan(inputs(world_size=2, fsdp=True, scorers=(Scorer("teacher", SHAPE, 4, True, sharded=False),)))
+    assert teacher.phase("scoring").parts["teacher_weights"] == 5088
+    assert "teacher_gathered_weights" not in teacher.phase("scoring").parts
     held = memory_plan(inputs(world_size=2, fsdp=True, accumulation_steps=2, sync_each_microbatch=False))
     assert held.phase("update").parts["gradients"] == 5088  # no_sync keeps them unsharded (Transformers #29425)
 
@@ -121,8 +133,12 @@ def test_what_does_not_fit_says_what_to_change():
                                  "20000 bytes it has (largest: optimizer_state 10176 bytes")
     assert generation.endswith("shard over 2 processes with FSDP2 (examples/accelerate/fsdp.yaml)")
     assert scoring.endswith("train a LoRA adapter (lora.enabled=true, r=16)")
-    assert update.endswith("no single change found: combine LoRA, gradient checkpointing, smaller batches and FSDP2 "
-                           "over more processes, or use a smaller model or model_dtype=bfloat16")
+    # the update (36480 bytes at m = 1): 8 processes shard the policy, its optimizer state and the reference down
+    # to 18956 bytes (the activations, 10240, and two gathered layers, 4736, stay whole)
+    assert update.endswith("shard over 8 processes with FSDP2 (examples/accelerate/fsdp.yaml)")
+    no_change = fit_problems(inputs(micro_batch_size=1), 15_000, per_minibatch=8)[-1]
+    assert no_change.endswith("no single change found: combine LoRA, gradient checkpointing, smaller batches and "
+                              "FSDP2 over more processes, or use a smaller model or model_dtype=bfloat16")
 
 
 def test_parse_size():

@@ -24,6 +24,7 @@ from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note, reference_of
+from tidyrl.models.sharding import forward_calls, frozen_device, place_frozen
 
 
 def sequence_logps_cache(accelerator, model, sequences, pad_id: int, chunk: int):
@@ -39,14 +40,18 @@ def sequence_logps_cache(accelerator, model, sequences, pad_id: int, chunk: int)
 
     W, rank = accelerator.num_processes, accelerator.process_index
     cache = torch.zeros(len(sequences), dtype=torch.float64)
+    mine = [start for c, start in enumerate(range(0, len(sequences), chunk)) if c % W == rank]
+    # A sharded model's forward is a collective: a process with fewer chunks scores the first one again and drops it.
+    calls = forward_calls(model, len(mine))
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for c, start in enumerate(range(0, len(sequences), chunk)):
-            if c % W == rank:
-                part = sequences[start:start + chunk]
-                inputs = pad_batch(part, pad_id, accelerator.device)
-                cache[start:start + len(part)] = sequence_logps(*target_logprobs(model, inputs)).double().cpu()
+        for k in range(calls):
+            start = mine[k] if k < len(mine) else 0
+            part = sequences[start:start + chunk]
+            logps = sequence_logps(*target_logprobs(model, pad_batch(part, pad_id, accelerator.device)))
+            if k < len(mine):
+                cache[start:start + len(part)] = logps.double().cpu()
     model.train(was_training)
     return reduce_sum(accelerator, cache).float()
 
@@ -222,8 +227,9 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     if reference_free:
         run.say([f"dpo.loss_type={opts.loss_type} is reference-free: no reference model loaded"])
     elif not cfg.lora.enabled:
-        ref_model = load_causal_lm(cfg.model, cfg.model_dtype, device=run.accelerator.device)
-        ref_model.eval().requires_grad_(False)
+        # (under FSDP2 sharded like the policy: `place_frozen`)
+        ref_model = place_frozen(load_causal_lm(cfg.model, cfg.model_dtype, device=frozen_device(run.accelerator)),
+                                 run.accelerator)
     flat, notes = choose_padding_free(cfg, model)
     run.say(notes + ([adapter_note(model)] if cfg.lora.enabled else []))
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)

@@ -28,6 +28,7 @@ from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note, reference_of
+from tidyrl.models.sharding import frozen_device, place_frozen
 
 
 class KTOStage:
@@ -167,8 +168,9 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
                         device=weights_device(run.accelerator))
     ref_model = None
     if not cfg.lora.enabled:
-        ref_model = load_causal_lm(cfg.model, cfg.model_dtype, device=run.accelerator.device)
-        ref_model.eval().requires_grad_(False)
+        # (under FSDP2 sharded like the policy: `place_frozen`)
+        ref_model = place_frozen(load_causal_lm(cfg.model, cfg.model_dtype, device=frozen_device(run.accelerator)),
+                                 run.accelerator)
     flat, pad_notes = choose_padding_free(cfg, model)
     run.say(pad_notes + ([adapter_note(model)] if cfg.lora.enabled else []))
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)

@@ -21,15 +21,17 @@ Parameters of a Llama-layout decoder (Llama, Qwen2/3, Mistral; other causal LMs 
 Phases (each = what stays resident across the run + what the phase adds):
 
     resident     policy weights P*b (/W under FSDP2); optimizer state: AdamW's two moments, 2 * trainable bytes
-                 (/W); frozen models (reference, reward models, teacher) whole on every process; a critic's
-                 weights and its optimizer state like the policy's
+                 (/W); frozen models: the KL reference and reward models /W under FSDP2 like the policy, a
+                 teacher whole on every process; a critic's weights and its optimizer state like the policy's
     generation   FSDP2: the full weights gathered for the call, P*b*(1 - 1/W); KV cache 2*L*kv*T*g*b; the last
                  position's logits and float32 probabilities g*V*(b + 4); vLLM in-process: its reservation
     scoring      per scorer, the largest: hidden states in and out of a layer 2*f*T*h*b, and the larger of one
                  layer's working set f*T*(h + max(2*q + 2*kv, 3*i))*b (no grad: one layer's intermediates alive at a
                  time) and the output layer's: logits f*C*V*b and the log-softmax's float32 copy, f*C*V*4 for
                  float32 logits (logsumexp over the whole batch), C*V*4 for bf16/fp16 (upcast a sequence at a time);
-                 a value or reward head has no logits
+                 a value or reward head has no logits; FSDP2, a sharded scorer (each forward gathers a shard group
+                 at a time): its embeddings, final norm and head for the whole forward and two decoder layers,
+                 (P - (L - 2) * per layer) * b
     update       gradients trainable bytes (/W; FSDP2 without train.sync_each_microbatch and with accumulation:
                  whole until the last micro-batch); activations m*T*L*a*b (gradient checkpointing: m*T*(L*h + a)*b,
                  the layer inputs and one layer recomputed); logits and their gradient 2*m*C*V*b and the
@@ -165,6 +167,9 @@ class Scorer:
     shape: Shape
     dtype_bytes: int
     logits: bool
+    sharded: bool = True
+    """Under FSDP2 sharded like the policy and gathered a shard group at a time in each forward (the KL reference,
+    reward models); False: whole on every process (a teacher)."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +244,8 @@ def _resident(x: MemoryInputs) -> dict:
         parts["critic_weights"] = _div(critic, W)
         parts["critic_optimizer_state"] = _div(2 * critic, W)
     for scorer in x.scorers:
-        parts[f"{scorer.name}_weights"] = scorer.shape.parameters() * scorer.dtype_bytes
+        parts[f"{scorer.name}_weights"] = _div(scorer.shape.parameters() * scorer.dtype_bytes,
+                                               W if scorer.sharded else 1)
     return parts
 
 
@@ -278,16 +284,20 @@ def _generation(x: MemoryInputs, resident: dict) -> Phase:
 def _scoring(x: MemoryInputs, resident: dict) -> Optional[Phase]:
     f, T, C = min(x.forward_batch_size, x.episodes_per_process), x.prompt_tokens + x.new_tokens, x.new_tokens + 1
     best = None
-    models = [(sc.name, sc.shape, sc.dtype_bytes, sc.logits) for sc in x.scorers]
+    gathering = x.fsdp and x.world_size > 1
+    models = [(sc.name, sc.shape, sc.dtype_bytes, sc.logits, sc.sharded and gathering) for sc in x.scorers]
     if x.critic is not None:
-        models.append(("critic", x.critic, x.dtype_bytes, False))
-    for name, shape, b, logits in models:
+        models.append(("critic", x.critic, x.dtype_bytes, False, False))
+    for name, shape, b, logits, gathered in models:
         # the layers' working set is gone before the output layer runs: whichever of the two is larger
         work = {f"{name}_layer_working_set": f * T * shape.working_elements() * b}
         if logits:
             head = {f"{name}_{k}": v for k, v in _logits(f, C, shape.vocab, b, x.chunked_head and b < 4, False).items()}
             work = head if sum(head.values()) > sum(work.values()) else work
         work = {f"{name}_hidden_states": 2 * f * T * shape.hidden * b, **work}
+        if gathered:  # the root shard group (embeddings, final norm, head) for the whole forward, and two layers
+            work[f"{name}_gathered_weights"] = (shape.parameters() - max(shape.layers - 2, 0)
+                                                * shape.layer_parameters()) * b
         if best is None or sum(work.values()) > sum(best.values()):
             best = work
     return None if best is None else Phase("scoring", {**resident, **best})

@@ -94,6 +94,7 @@ class RLRun:
     def _load_models(self) -> None:
         from tidyrl.algorithms.ppo import AdaptiveKLController, FixedKLController
         from tidyrl.models.generation import eos_token_ids, pad_token_id
+        from tidyrl.models.sharding import frozen_device, place_frozen
         from tidyrl.rewards.reward_models import RewardModel
 
         cfg, a = self.cfg, self.algo
@@ -104,9 +105,11 @@ class RLRun:
         # the policy with its adapter disabled is the starting model (`lora.reference_of`).
         self.use_reference = a.kl_coef > 0
         self.ref_model = None
-        if self.use_reference and not cfg.lora.enabled:
-            self.ref_model = load_causal_lm(cfg.model, cfg.model_dtype, device=self.accelerator.device)
-            self.ref_model.eval().requires_grad_(False)
+        if self.use_reference and not cfg.lora.enabled:  # (under FSDP2 sharded like the policy: `place_frozen`)
+            self.ref_model = place_frozen(load_causal_lm(cfg.model, cfg.model_dtype,
+                                                         device=frozen_device(self.accelerator)), self.accelerator)
+            if is_sharded(self.ref_model):
+                self._say(f"KL reference: sharded like the policy, {self.world_size} shards")
         self.teacher = None
         if self.spec.teacher and cfg.teacher.url:  # on-policy distillation: a teacher served by vLLM
             from tidyrl.engines.server import ServerScorer
@@ -125,9 +128,9 @@ class RLRun:
                     eos_token_ids(model, self.tokenizer), temperature=ro.temperature,
                     chunk_size=ro.forward_batch_size, fast_path=cfg.model_fast_paths)
         self._say(adapter_note(model))
-        for reward in self.inputs.reward_fns:  # reward models: weights now, on this process's device
+        for reward in self.inputs.reward_fns:  # reward models: weights now, placed like the reference
             if isinstance(reward.fn, RewardModel):
-                reward.fn.load(self.accelerator.device)
+                reward.fn.model = place_frozen(reward.fn.load(frozen_device(self.accelerator)).model, self.accelerator)
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.pad_id = pad_token_id(self.tokenizer, self.eos_ids)
         self.trainee = Trainee(*prepare_for_training(self.accelerator, model, cfg.train, self.plan))
@@ -149,6 +152,7 @@ class RLRun:
         """rollout.engine for this process, the source of the training rollouts (`rollouts.making`), the producer of
         the held-out episodes, and the lag that makes rollouts ahead."""
         from tidyrl.engines import make_engine
+        from tidyrl.rewards.reward_models import RewardModel
 
         cfg, ro, plan = self.cfg, self.cfg.rollout, self.plan
         longest = max(len(p) for p in [*self.inputs.prompt_ids, *(self.inputs.eval_prompt_ids or [])])
@@ -173,10 +177,13 @@ class RLRun:
             rescore=Rescoring(self.pad_id, ro.temperature, ro.forward_batch_size, cfg.model_fast_paths)
             if rescore else None)
         # rollout.lag: rollouts made ahead, on a background thread beside the updates (one process, or no collective
-        # in the making: dynamic sampling gathers its counts across processes), else on this thread when taken.
+        # in the making: dynamic sampling gathers its counts across processes, and a sharded reward model's forward
+        # all-gathers its weights), else on this thread when taken.
+        collective = ro.dynamic_sampling or any(
+            is_sharded(r.fn.model) for r in self.inputs.reward_fns if isinstance(r.fn, RewardModel))
         self.ahead = RolloutsAhead(ro.lag, plan.rollouts, functools.partial(make_rollout, self.source),
                                    functools.partial(weight_snapshot, policy),
-                                   background=self.world_size == 1 or not ro.dynamic_sampling)
+                                   background=self.world_size == 1 or not collective)
         self.update_settings = UpdateSettings(
             options=self.algo, policy_loss=self.algo.policy_loss or self.spec.policy_loss,
             kl_in_loss=self.spec.kl_in == "loss", tis_cap=self.tis_cap, temperature=ro.temperature,

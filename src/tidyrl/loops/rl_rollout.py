@@ -5,6 +5,7 @@ rollout, so the number of processes does not change it."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import fields, replace
@@ -239,7 +240,10 @@ def score_episodes(made, policy, pad_id: int, cfg, plan, *, tis_cap: float, acce
             chunk_size=ro.forward_batch_size, fast_path=cfg.model_fast_paths, accelerator=accelerator)
     ref = values = None
     if use_reference:
-        with full_weights(policy), reference_of(policy, reference) as model:
+        # The policy is gathered whole where it is the reference (LoRA, its adapter off); a frozen reference sharded
+        # under FSDP2 gathers a layer at a time in each forward, as many on every process (equal shares, equal chunks).
+        whole = full_weights(policy) if reference is None else contextlib.nullcontext()
+        with whole, reference_of(policy, reference) as model:
             ref = score_logprobs(model, tokens, ro.temperature, ro.forward_batch_size, fast_path=cfg.model_fast_paths)
     if critic is not None:
         critic.eval()

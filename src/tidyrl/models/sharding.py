@@ -142,6 +142,46 @@ def shard(model, device_type: str, reshard: bool = True, offload: bool = False):
     return model
 
 
+def shard_frozen(model, device_type: str, offload: bool = False):
+    """Shard a frozen scorer (a KL or DPO reference, a reward model) as `shard` shards the policy, in eval mode and
+    without grad, every shard group resharded after each forward whatever fsdp_reshard_after_forward says: it runs
+    no-grad forwards only, with no backward to keep the weights for, so a process holds 1/W of it plus the group
+    being run (ZeRO-3-like). Each forward is then a collective (its all-gathers): every process must make as many
+    (`forward_calls`)."""
+    model.eval().requires_grad_(False)
+    return shard(model, device_type, reshard=True, offload=offload)
+
+
+def frozen_device(accelerator):
+    """Where a frozen scorer loads: the host under FSDP2 (`place_frozen` shards it from there), else this process's
+    device."""
+    return None if sharding_kind(accelerator) == "fsdp2" else accelerator.device
+
+
+def place_frozen(model, accelerator):
+    """A frozen scorer loaded on `frozen_device`, in eval mode and without grad, placed like the policy: under
+    FSDP2 sharded over the processes (`shard_frozen`), else left where it loaded."""
+    if sharding_kind(accelerator) == "fsdp2":
+        return shard_frozen(model, accelerator.device.type, offload_params())
+    return model.eval().requires_grad_(False)
+
+
+def forward_calls(model, count: int) -> int:
+    """How many forward calls this process makes with `model` to make `count` of its own: where `model` is
+    FSDP2-sharded, each forward all-gathers, a collective that every process must join, so the most any process
+    makes (asking is itself a collective: every process asks); otherwise `count`. The caller makes the extra calls
+    on any input and drops their output."""
+    if not is_sharded(model):
+        return count
+    import torch
+    import torch.distributed as dist
+
+    cuda = next(model.parameters()).device_mesh.device_type == "cuda"  # NCCL reduces device tensors only
+    most = torch.tensor([count], device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
 @contextmanager
 def gradient_sync(model, sync: bool):
     """FSDP2's `no_sync`: within the block, backward keeps each layer's gradient unsharded and local (`sync`

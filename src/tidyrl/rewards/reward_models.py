@@ -110,13 +110,19 @@ class RewardModel:
         from tidyrl.models.devices import width_padding
         from tidyrl.models.generation import left_pad
 
+        from tidyrl.models.sharding import forward_calls
+
         self.load()
         device = next(self.model.parameters()).device
         encoded = self.encode(prompts, completions)
         scores: list[float] = []
+        starts = range(0, len(encoded), self.batch_size)
+        # Sharded under FSDP2 (`models.sharding.place_frozen`), a forward is a collective: a process with fewer
+        # chunks than another (an evaluation's uneven share) runs a one-token forward per missing chunk and drops it.
+        calls = forward_calls(self.model, len(starts))
         with torch.no_grad():
-            for start in range(0, len(encoded), self.batch_size):
-                chunk = encoded[start: start + self.batch_size]
+            for k in range(calls):
+                chunk = encoded[starts[k]: starts[k] + self.batch_size] if k < len(starts) else [[0]]
                 present = {t for seq in chunk for t in seq}
                 filler = next(i for i in range(len(present) + 1) if i not in present)
                 ids, mask = left_pad(chunk, filler)
@@ -126,7 +132,8 @@ class RewardModel:
                 self.model.config.pad_token_id = filler  # pooling: the last token that is not `filler`
                 logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
                                     position_ids=positions.to(device)).logits  # (B, 1)
-                scores += logits[:, 0].float().cpu().tolist()
+                if k < len(starts):
+                    scores += logits[:, 0].float().cpu().tolist()
         return scores
 
 

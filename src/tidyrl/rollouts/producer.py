@@ -25,6 +25,7 @@ import torch
 
 from tidyrl.models.generation import sample_seed
 from tidyrl.rewards.functions import compute_rewards, weighted_sum
+from tidyrl.rewards.reward_models import RewardModel
 from tidyrl.rollouts.episodes import EpisodeSettings, Episodes, as_episodes, build_environments, run_episodes
 
 EVAL_SLOT = -1
@@ -154,6 +155,10 @@ class Producer:
                                      completion_ids=completion_ids, columns=columns)
             per_fn = {name: torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
                       for name, values in scored.per_function.items()}
+        elif self.reward_fns:  # no episodes on this process: a sharded reward model joins the others' forwards
+            for func in self.reward_fns:
+                if isinstance(func.fn, RewardModel) and func.fn.model is not None:
+                    func.fn(prompts=[], completions=[])
         if multi_turn:  # the environment's reward, beside the reward functions' (weight 1)
             per_fn["env"] = episodes.env_reward
         return Made(prompt_ids, episodes, completions, per_fn, time.perf_counter() - t0)
