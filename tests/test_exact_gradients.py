@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import grpo_config, read_jsonl, torchrun_train
+from conftest import grpo_config, read_jsonl, torchrun_train, write_jsonl
 
 import tidyrl
 from tidyrl.loops.exact_sums import GRID_EXPONENT, ExactGradients, global_micro_batches
@@ -92,9 +92,83 @@ def test_reinforce_pp_on_two_processes_gives_the_one_process_weights_bit_for_bit
     assert plan["world_size"] == 2 and plan["gradient_accumulation_steps"] == 1  # 8 / (2 mini-batches * 2 * 2)
 
 
-def test_exact_gradients_is_refused_where_it_cannot_serve(tiny_model_dir, prompt_file, tmp_path):
-    from tidyrl.config import ConfigError, load_config
+WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach", "banana", "cherry"]
 
-    with pytest.raises(ConfigError, match="train.exact_gradients: only for the RL stages; sft"):
-        load_config({"algorithm": "sft", "model": "m", "data": {"path": "p"},
-                     "train": {"max_steps": 1, "exact_gradients": True}})
+
+def _offline(stage: str, model_dir, out, data_file) -> dict:
+    """A small run of an offline stage with exact sums: 12 examples (pairs), B = 4 in micro-batches of 1, so each
+    of 2 processes runs 2 micro-batches a step; the examples' lengths differ, so train.group_by_length (on)
+    reorders the batch before it is cut."""
+    from test_dpo import dpo_config
+    from test_kto import kto_config
+    from test_reward_training import reward_config
+    from test_sft import sft_config
+
+    make, sections = {"sft": (sft_config, {}), "dpo": (dpo_config, {}), "reward": (reward_config, {}),
+                      "orpo": (dpo_config, {"dpo": {"loss_type": "orpo"}}), "kto": (kto_config, {})}[stage]
+    train = {"batch_size": 4, "micro_batch_size": 1, "dataset_epochs": 1.0, "learning_rate": 1e-2,
+             "exact_gradients": True}
+    return make(model_dir, data_file, out, train=train, **sections)
+
+
+def _rows(stage: str) -> list[dict]:
+    if stage == "sft":
+        return [{"prompt": f"{w}:", "completion": w[::-1]} for w in WORDS]
+    if stage == "kto":
+        return [{"prompt": f"{w}:", "completion": w[::-1] if i % 3 else "zz" + w, "label": bool(i % 3)}
+                for i, w in enumerate(WORDS)]
+    return [{"prompt": f"{w}:", "chosen": w[::-1], "rejected": "zz" + w * (i % 3)} for i, w in enumerate(WORDS)]
+
+
+@pytest.mark.parametrize("stage", ["sft", "dpo", pytest.param("reward", marks=pytest.mark.slow),
+                                   pytest.param("orpo", marks=pytest.mark.slow),
+                                   pytest.param("kto", marks=pytest.mark.slow)])
+def test_an_offline_stage_on_two_processes_gives_the_one_process_weights_bit_for_bit(stage, tiny_model_dir,
+                                                                                     tmp_path):
+    """sft, dpo (its reference log-probs cached in chunks of the same pairs on any W), the reward model, orpo (its
+    SFT term a token mean over the global batch) and kto (its z0 from every position of the global batch): three
+    steps of 2 micro-batches per process on 2 processes, 4 on 1, the same final weights and gradient norms."""
+    from safetensors.torch import load_file
+
+    data = write_jsonl(tmp_path / "data.jsonl", _rows(stage))
+    cfg = _offline(stage, tiny_model_dir, tmp_path / "one", data)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread per process, as under torchrun (see above)
+    try:
+        tidyrl.train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    torchrun_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world=2)
+    one, two = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("one", "two"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    r1, r2 = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "two"))
+    assert len(r1) == 3 and [r["grad_norm"] for r in r1] == [r["grad_norm"] for r in r2]
+    assert r1[-1]["loss"] != r1[0]["loss"]  # the weights moved
+
+
+def test_offline_micro_batches_are_cut_from_the_whole_batch_with_exact_gradients():
+    from tidyrl.loops.offline import micro_batches
+    from tidyrl.plan import make_offline_plan
+
+    length = {3: 5, 1: 2, 4: 9, 0: 1, 5: 7, 2: 3, 7: 4, 6: 8}.get
+    batch = [3, 1, 4, 0, 5, 2, 7, 6]
+
+    def parts(world, rank):
+        plan = make_offline_plan(batch_size=8, micro_batch_size=2, max_steps=1, world_size=world)
+        return micro_batches(batch, plan, rank, length, whole_batch_first=True)
+
+    assert parts(1, 0) == [[0, 1], [2, 7], [3, 5], [6, 4]]  # by length, then cut
+    assert parts(2, 0) + parts(2, 1) == parts(1, 0)
+    plan = make_offline_plan(batch_size=8, micro_batch_size=2, max_steps=1, world_size=2)
+    assert micro_batches(batch, plan, 1, length) == [[2, 7], [5, 6]]  # without: each process sorts its own share
+
+
+def test_exact_gradients_is_refused_where_it_cannot_serve():
+    from tidyrl.config import load_config
+    from tidyrl.loops.common import check_sharding
+    from tidyrl.models.sharding import ShardingError
+
+    cfg = load_config({"algorithm": "sft", "model": "m", "data": {"path": "p"},
+                       "train": {"max_steps": 1, "batch_size": 2, "exact_gradients": True}})
+    with pytest.raises(ShardingError, match="train.exact_gradients cannot run under FSDP2"):
+        check_sharding("fsdp2", cfg)

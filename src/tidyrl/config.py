@@ -291,7 +291,7 @@ class TrainConfig:
     sync_each_microbatch: bool = False
     """Synchronise gradients on every micro-batch instead of only the last (FSDP memory). Same results either way."""
     exact_gradients: bool = False
-    """RL stages: sum the micro-batches' gradients exactly (each rounded onto a fixed-point grid of 2^-40 and summed as integers, the micro-batches formed from the whole mini-batch before they are shared out, the update's forward the model's own), so that the weights are the same bit for bit on 1 or N processes, for the same train.micro_batch_size and a rollout.forward_batch_size that divides each process's episodes (docs/concepts.md). Costs an int64 copy of the trained parameters and the update's fast paths; not under FSDP."""
+    """Sum the micro-batches' gradients exactly (each rounded onto a fixed-point grid of 2^-40 and summed as integers, the micro-batches formed from the whole (mini-)batch before they are shared out, the update's forward the model's own), so that the weights are the same bit for bit on 1 or N processes, for the same train.micro_batch_size; RL stages also need a rollout.forward_batch_size that divides each process's episodes. Every stage: sft, reward, dpo (all its loss types), kto and the RL algorithms (docs/concepts.md). Costs an int64 copy of the trained parameters (RL: and the update's fast paths); not under FSDP."""
     group_by_length: bool = True
     """sft, reward, dpo, kto: order each process's share of a step by length before cutting it into micro-batches, so each pads little. Same examples per step, same gradient (up to summation order)."""
     padding_free: Optional[bool] = None
@@ -299,8 +299,6 @@ class TrainConfig:
 
     def check(self, need, cfg: "Config") -> None:
         offline = cfg.algorithm in OFFLINE_ALGORITHMS
-        need(not (offline and self.exact_gradients), "train.exact_gradients",
-             f"only for the RL stages; {cfg.algorithm} sums its gradients in floating point (remove it)")
         length = "max_steps" if offline else "rollouts"
         for key, problem in length_problems(length, getattr(self, length), self.dataset_epochs, self.warmup_steps,
                                             self.warmup_ratio):

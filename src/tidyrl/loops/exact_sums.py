@@ -14,7 +14,10 @@ the micro-batches are formed from the whole mini-batch first and then shared out
 is computed from the same episodes in the same order, and the update's forward is the model's own on any number of
 processes (the fast paths of `models.forward` take another code path for a model inside DDP than for one alone,
 which rounds differently). The no-grad scoring holds the same episodes per chunk on any split where
-rollout.forward_batch_size divides each process's share of the rollout. On a CPU, a kernel may split its sums by
+rollout.forward_batch_size divides each process's share of the rollout. The offline loop (loops/offline.py: sft,
+reward, dpo, kto) uses the same two parts: its micro-batches cut from the whole batch (`micro_batches`), and
+each micro-batch's loss reading only global quantities that every process computes alike (the global batch's
+normalisers, reference log-probs cached in chunks cut by index, KTO's z0 summed in one order). On a CPU, a kernel may split its sums by
 thread: the same threads per process make the same kernels (measured: 2 threads against 1 moved the last bits).
 
 Among the known ways (Demmel & Nguyen's pre-rounded reproducible summation, ReproBLAS; a canonical summation

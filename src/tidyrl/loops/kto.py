@@ -65,13 +65,13 @@ class KTOStage:
         import torch
 
         from tidyrl.algorithms.preference import kto_reference_point
-        from tidyrl.loops.training import Sums
         from tidyrl.data.offline import mismatched_sequence
+        from tidyrl.loops.training import reduce_sum
 
         B, per, rank = len(batch), self.batch_size // self.run.world_size, self.run.rank
         m = self.run.cfg.train.micro_batch_size
         mine = range(rank * per, (rank + 1) * per)
-        sums = Sums("log_ratio")
+        log_ratios_B = torch.zeros(B, dtype=torch.float64, device=self.device)
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
@@ -82,9 +82,13 @@ class KTOStage:
                 policy_B, _ = self._logps(self.model, sequences)
                 with reference_of(self.run.accelerator.unwrap_model(self.model), self.ref_model) as reference:
                     reference_B, _ = self._logps(reference, sequences)
-                sums.add(log_ratio=(policy_B - reference_B).sum())
+                log_ratios_B[positions.start:positions.stop] = (policy_B - reference_B).double()
         self.model.train(was_training)
-        self.z0 = float(kto_reference_point(sums.reduced(self.run.accelerator)["log_ratio"], B))
+        # Each position is scored on one process (chunks of m from position 0 whatever W is; 0 elsewhere), so the
+        # sum over processes is exact, and the sum over positions, in their order, is the same on any W: z0 and
+        # with it each micro-batch's gradient do not depend on the split (train.exact_gradients).
+        log_ratios_B = reduce_sum(self.run.accelerator, log_ratios_B)
+        self.z0 = float(kto_reference_point(log_ratios_B.sum(), B))
 
     def _loss(self, examples, ref_B):
         import torch

@@ -44,11 +44,22 @@ def say(accelerator, lines: Sequence[str]) -> None:
             print(f"tidyrl: {line}", flush=True)
 
 
-def micro_batches(batch: Sequence[int], plan: OfflinePlan, rank: int, length=None) -> list[list[int]]:
+def micro_batches(batch: Sequence[int], plan: OfflinePlan, rank: int, length=None,
+                  whole_batch_first: bool = False) -> list[list[int]]:
     """This process's share of a global batch of example indices, B/W of them, in micro-batches of m. With
     `length` (train.group_by_length: example index -> tokens), the share is ordered by length first, so each
     micro-batch holds examples of similar length and pads little. The step's examples, its normaliser and so
-    its gradient are the same either way (only the summation order differs, as with another m)."""
+    its gradient are the same either way (only the summation order differs, as with another m).
+
+    `whole_batch_first` (train.exact_gradients): the whole batch ordered and cut into micro-batches first, then
+    shared out (`exact_sums.global_micro_batches`), so each micro-batch holds the same examples whatever W is."""
+    if whole_batch_first:
+        from tidyrl.loops.exact_sums import global_micro_batches
+
+        everything = sorted(batch, key=length) if length is not None else list(batch)  # stable, as below
+        parts = global_micro_batches(everything, plan.micro_batch_size, rank, plan.world_size)
+        assert len(parts) == plan.gradient_accumulation_steps
+        return parts
     per_process = plan.examples_per_process
     mine = list(batch[rank * per_process: (rank + 1) * per_process])
     if length is not None:
@@ -341,20 +352,30 @@ class OfflineRun:
         """One optimizer step on the global `batch`: this process's share in micro-batches of m, accumulated
         (DDP averages over W processes; each loss is this process's share of the global batch loss, scaled by W
         so that the synchronised gradient is the global one), the sums reduced, clipped, stepped. Its metrics
-        row."""
+        row. With train.exact_gradients the micro-batches are cut from the whole batch, each one's gradient goes
+        onto the integer grid and the processes' integer sums are all-reduced (loops/exact_sums.py): no DDP
+        synchronisation, no scale by W."""
+        from tidyrl.loops.exact_sums import ExactGradients
         from tidyrl.loops.training import Sums, apply_update, no_sync
 
         cfg, acc = self.cfg, self.accelerator
         t0 = time.perf_counter()
         model.train()
         stage.begin_step(batch)
-        parts = micro_batches(batch, plan, self.rank, stage.length if cfg.train.group_by_length else None)
+        exact = ExactGradients(model.parameters()) if cfg.train.exact_gradients else None
+        parts = micro_batches(batch, plan, self.rank, stage.length if cfg.train.group_by_length else None,
+                              whole_batch_first=exact is not None)
         sums = Sums(*stage.sums)
         for k, idx in enumerate(parts):
-            with no_sync(acc, [model], cfg.train.sync_each_microbatch or k == len(parts) - 1):
+            sync = exact is None and (cfg.train.sync_each_microbatch or k == len(parts) - 1)
+            with no_sync(acc, [model], sync):
                 loss, values = stage.micro_batch(idx)
-                acc.backward(loss * self.world_size)
+                acc.backward(loss if exact is not None else loss * self.world_size)
+            if exact is not None:  # this micro-batch's gradient onto the grid (no floating-point sum across them)
+                exact.add()
             sums.add(**values)
+        if exact is not None:  # the integer sums over every process, as the gradients
+            exact.reduce(acc)
         totals = sums.reduced(acc)
         [(lr, grad_norm)] = apply_update(
             acc, [(model, optimizer, scheduler)], cfg.train.max_grad_norm, step, totals["loss"], self.out,
