@@ -168,3 +168,32 @@ def test_two_processes_match_one(tiny_model_dir, tmp_path):
         assert [r[key] for r in rows_one] == pytest.approx([r[key] for r in rows_two], abs=1e-5), key
     a, b = load_file(one.final_dir / "model.safetensors"), load_file(tmp_path / "two" / "final" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_training_reads_the_score_at_the_last_token_also_where_pad_is_eos(tiny_model_dir):
+    """With pad == eos, a sequence that ends with its EOS is padded with another id, so the score training reads is
+    the head's output at that EOS: the same number the model gives the sequence alone (as the RL scorer reads it),
+    not the token before it. The config keeps its pad id."""
+    from tidyrl.data.offline import TokenizedPair, TokenizedSequence
+    from tidyrl.loops.reward_model import RewardStage, load_reward_model
+
+    eos = 2
+    torch.manual_seed(0)
+    model = load_reward_model(str(tiny_model_dir), pad_id=eos)
+    chosen = [5, 6, 7, 8, eos]  # ends with its EOS, the pad id
+    rejected = [5, 6, 9]  # shorter: padded in the batch
+    pair = TokenizedPair(TokenizedSequence(chosen, [1] * len(chosen)), TokenizedSequence(rejected, [1] * 3))
+    stage = RewardStage(model, [pair], [], eos, "cpu", batch_size=1, with_margin=False)
+    _, chosen_B, rejected_B, _, _ = stage._score([pair])
+
+    def alone(ids):  # one unpadded row, pooled at its last token
+        model.config.pad_token_id = 0
+        try:
+            return model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+        finally:
+            model.config.pad_token_id = eos
+
+    assert chosen_B.item() == pytest.approx(alone(chosen), abs=1e-6)
+    assert rejected_B.item() == pytest.approx(alone(rejected), abs=1e-6)
+    assert chosen_B.item() != pytest.approx(alone(chosen[:-1]), abs=1e-3)  # not the token before the EOS
+    assert model.config.pad_token_id == eos

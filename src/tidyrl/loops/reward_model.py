@@ -11,9 +11,10 @@
     final/: a sequence-classification folder (num_labels=1, pad_token_id set) that RL stages load as a
     reward model or as a critic's initialisation
 
-The score of a sequence is the head's output at its last non-padding token, as
-`*ForSequenceClassification` computes it; tidyrl pads on the right with the
-config's pad_token_id, so training reads the score where inference will.
+The score of a sequence is the head's output at its last token, as
+`*ForSequenceClassification` pools it (the last token that is not padding); tidyrl pads on the right with an
+id absent from the batch, so training reads the score where inference will, also where pad == eos and a
+sequence ends with its EOS.
 """
 
 from __future__ import annotations
@@ -70,10 +71,23 @@ class RewardStage:
         from tidyrl.algorithms.preference import bradley_terry_loss
         from tidyrl.loops.offline import pad_batch
 
+        from tidyrl.models.sharding import ddp_inner
+
         sequences = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-        inputs = pad_batch(sequences, self.pad_id, self.device)
-        rewards_2B = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                use_cache=False).logits.squeeze(-1).float()  # (2b,)
+        # The score is read at each row's last token that is not padding (the classifier's pooling). Padded with
+        # the pad id, a sequence that ends with it (pad == eos, a completion ending in its EOS) would be read one
+        # token early; padded with an id absent from the batch, it is read at its last token, as the RL scorer
+        # reads it (rewards.reward_models). The config's own pad id is put back for saving.
+        present = {t for seq in sequences for t in seq.input_ids}
+        filler = next(i for i in range(len(present) + 1) if i not in present)
+        inputs = pad_batch(sequences, filler, self.device)
+        config = ddp_inner(self.model).config
+        config.pad_token_id, pad_id = filler, config.pad_token_id
+        try:
+            rewards_2B = self.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                    use_cache=False).logits.squeeze(-1).float()  # (2b,)
+        finally:
+            config.pad_token_id = pad_id
         chosen_B, rejected_B = rewards_2B[: len(pairs)], rewards_2B[len(pairs):]
         margin_B = torch.tensor([p.margin for p in pairs], device=rewards_2B.device)
         return bradley_terry_loss(chosen_B, rejected_B, margin_B), chosen_B, rejected_B, margin_B, inputs
