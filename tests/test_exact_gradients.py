@@ -120,7 +120,8 @@ def _rows(stage: str) -> list[dict]:
     return [{"prompt": f"{w}:", "chosen": w[::-1], "rejected": "zz" + w * (i % 3)} for i, w in enumerate(WORDS)]
 
 
-@pytest.mark.parametrize("stage", ["sft", pytest.param("dpo", marks=pytest.mark.slow), pytest.param("reward", marks=pytest.mark.slow),
+@pytest.mark.parametrize("stage", ["sft", pytest.param("dpo", marks=pytest.mark.slow),
+                                   pytest.param("reward", marks=pytest.mark.slow),
                                    pytest.param("orpo", marks=pytest.mark.slow),
                                    pytest.param("kto", marks=pytest.mark.slow)])
 def test_an_offline_stage_on_two_processes_gives_the_one_process_weights_bit_for_bit(stage, tiny_model_dir,
