@@ -181,15 +181,24 @@ def prepare_output_dir(out: Path, overwrite: bool, accelerator) -> None:
     accelerator.wait_for_everyone()
 
 
-def write_run_header(cfg: Config, plan: Plan, out: Path, accelerator, extra: Optional[dict] = None) -> None:
+def write_run_header(cfg: Config, plan: Plan, out: Path, accelerator, extra: Optional[dict] = None,
+                     resumed: bool = False) -> None:
     """config.yaml (resolved) and plan.json (with several processes `distribution`, how the model is spread over
     them: `distribution_of`; and `extra`: choices the run made, e.g. PPO's critic), written once by the main
-    process. A one-process run's plan says world_size 1."""
+    process. A one-process run's plan says world_size 1. A resumed run (`resumed`) writes plan.json again for its
+    own processes, since a checkpoint resumes on any number of them (the world size, the per-process counts,
+    `distribution` and the memory plan are then this run's; the totals are the same), keeping the extensions
+    recorded (`extended`); config.yaml stays the one the run started with."""
     if accelerator.is_main_process:
-        save_config(cfg, out / "config.yaml")
+        path, kept = out / "plan.json", {}
+        if resumed:
+            previous = json.loads(path.read_text()) if path.exists() else {}
+            kept = {"extended": previous["extended"]} if "extended" in previous else {}
+        else:
+            save_config(cfg, out / "config.yaml")
         spread = {"distribution": distribution_of(accelerator)} if accelerator.num_processes > 1 else {}
-        header = {**plan.to_dict(), **spread, **(extra or {})}
-        (out / "plan.json").write_text(json.dumps(header, indent=2) + "\n")
+        header = {**plan.to_dict(), **spread, **(extra or {}), **kept}
+        path.write_text(json.dumps(header, indent=2) + "\n")
 
 
 def build_optimizer(model, train_cfg):

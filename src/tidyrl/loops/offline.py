@@ -295,8 +295,9 @@ class OfflineRun:
                                   else (0, {}, None))
         if self.resumed is None:
             self.start = time.perf_counter()
-            write_run_header(cfg, plan, self.out, acc,
-                             {**({"eval_examples": eval_examples} if eval_examples else {}), **(header or {})})
+        write_run_header(cfg, plan, self.out, acc,
+                         {**({"eval_examples": eval_examples} if eval_examples else {}), **(header or {})},
+                         resumed=self.resumed is not None)
         stream = PromptStream(num_examples, cfg.seed)
         eval_every = cfg.log.eval_every
         row: dict = {}

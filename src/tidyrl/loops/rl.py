@@ -200,6 +200,9 @@ class RLRun:
         cfg, plan = self.cfg, self.plan
         per_rollout = plan.optimizer_steps_per_rollout
         step, elapsed, self.first_reward, unfinished = 0, 0.0, None, None
+        write_run_header(cfg, plan, self.out, self.accelerator,
+                         plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids, self.inputs.memory),
+                         resumed=self.resumed is not None)
         if self.resumed is not None:
             step, elapsed, self.first_reward, unfinished, made_ahead = restore_run(
                 self.resumed, accelerator=self.accelerator, out=self.out, trainee=self.trainee, state=self.state,
@@ -208,10 +211,6 @@ class RLRun:
             t = self.trainee
             self._say(continue_longer(cfg, self.resumed, plan, self.out, self.accelerator,
                                       [s for s in (t.scheduler, t.critic_scheduler) if s is not None]))
-        else:
-            write_run_header(cfg, plan, self.out, self.accelerator,
-                             plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids,
-                                         self.inputs.memory))
         self.start = time.perf_counter() - elapsed
         self.env_errors = []
         row, last_reward = {}, None
