@@ -88,7 +88,8 @@ def test_fsdp_shards_the_policy_and_whole_gradients_wait_for_the_last_microbatch
     assert (update["policy_weights"], update["optimizer_state"], update["gradients"]) == (2544, 5088, 2544)
     assert update["reference_weights"] == 2544  # the frozen reference is sharded like the policy
     assert update["gathered_layers"] == 2 * 592 * 4
-    assert sharded.phase("generation").parts["gathered_weights"] == 5088 - 2544  # the full weights for the call
+    # the full weights for the call, a copy beside the shard
+    assert sharded.phase("generation").parts["gathered_weights"] == 5088
     # each of the reference's forwards gathers its root shard group (embeddings, final norm; the head is tied) for
     # the whole forward and two decoder layers: (V h + h + 2 * 592) b, here all of it (L = 2) ...
     assert sharded.phase("scoring").parts["reference_gathered_weights"] == (80 + 8 + 2 * 592) * 4

@@ -23,8 +23,9 @@ Phases (each = what stays resident across the run + what the phase adds):
     resident     policy weights P*b (/W under FSDP2); optimizer state: AdamW's two moments, 2 * trainable bytes
                  (/W); frozen models: the KL reference and reward models /W under FSDP2 like the policy, a
                  teacher whole on every process; a critic's weights and its optimizer state like the policy's
-    generation   FSDP2: the full weights gathered for the call, P*b*(1 - 1/W); KV cache 2*L*kv*T*g*b; the last
-                 position's logits and float32 probabilities g*V*(b + 4); vLLM in-process: its reservation
+    generation   FSDP2: the full weights gathered for the call, P*b (a copy beside the shard); KV cache
+                 2*L*kv*T*g*b; the last position's logits and float32 probabilities g*V*(b + 4); vLLM in-process: its
+                 reservation
     scoring      per scorer, the largest: hidden states in and out of a layer 2*f*T*h*b, and the larger of one
                  layer's working set f*T*(h + max(2*q + 2*kv, 3*i))*b (no grad: one layer's intermediates alive at a
                  time) and the output layer's: logits f*C*V*b and the log-softmax's float32 copy, f*C*V*4 for
@@ -273,7 +274,9 @@ def _generation(x: MemoryInputs, resident: dict) -> Phase:
     g, T = min(x.generation_batch_size, x.episodes_per_process), x.prompt_tokens + x.new_tokens
     parts = dict(resident)
     if x.fsdp and x.world_size > 1:
-        parts["gathered_weights"] = s.parameters() * b - resident["policy_weights"]
+        # a full copy: FSDP2 all-gathers into unsharded parameters of their own and keeps each process's shard
+        # beside them (measured: benchmarks/bench_fsdp_memory.py)
+        parts["gathered_weights"] = s.parameters() * b
     parts["kv_cache"] = 2 * s.layers * s.kv * T * g * b
     parts["sampling_logits"] = g * s.vocab * (b + 4)
     if x.engine_reserve:
