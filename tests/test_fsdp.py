@@ -299,6 +299,33 @@ def test_grpo_with_a_kl_reference_under_fsdp2_matches_one_process(rl_yaml, tmp_p
     assert max_diff(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors") < TOL
 
 
+@pytest.mark.slow
+def test_distill_under_fsdp2_shards_its_teacher_and_matches_one_process(rl_yaml, tiny_model_dir, tmp_path):
+    """On-policy distillation: the teacher (here another tiny model of the same tokenizer) is sharded like the
+    policy and scores the same episodes in the same chunks; its log-probs, the reverse KL and the update are the
+    1-process run's."""
+    from tidyrl.models.tiny import save_tiny_model
+
+    teacher = save_tiny_model(tmp_path / "teacher", seed=7, hidden_size=32, num_layers=2, num_heads=2)
+    cfg = yaml.safe_load(rl_yaml.read_text())
+    cfg.update(algorithm="distill", teacher={"model": str(teacher)})
+    cfg.pop("grpo", None)
+    cfg["train"].update(rollouts=1, epochs_per_rollout=1)
+    path = tmp_path / "distill.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    one, sharded = tmp_path / "one", tmp_path / "fsdp"
+    train(path, one, 1)
+    done = train(path, sharded, 2)
+    assert "teacher: sharded like the policy, 2 shards" in done.stdout
+    assert completions(one) == completions(sharded)
+    r1, r2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(sharded / "metrics.jsonl")
+    assert [(a["step"], a["lr"]) for a in r1] == [(b["step"], b["lr"]) for b in r2]
+    for a, b in zip(r1, r2):
+        for key in ("loss", "distill/reverse_kl", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=TOL), key
+    assert max_diff(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors") < TOL
+
+
 @pytest.fixture(scope="module")
 def sft_yaml(tmp_path_factory, tiny_model_dir):
     folder = tmp_path_factory.mktemp("fsdp-sft")

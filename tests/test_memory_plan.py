@@ -98,7 +98,7 @@ def test_fsdp_shards_the_policy_and_whole_gradients_wait_for_the_last_microbatch
     scoring = memory_plan(inputs(world_size=2, fsdp=True, scorers=(Scorer("reference", deep, 4, True),))).phase(
         "scoring").parts
     assert (scoring["reference_weights"], scoring["reference_gathered_weights"]) == (2456 * 4 // 2, 1272 * 4)
-    # a teacher is not sharded: whole on every process, nothing gathered
+    # a teacher of another tokenizer is not sharded: whole on every process, nothing gathered
     teacher = memory_plan(inputs(world_size=2, fsdp=True, scorers=(Scorer("teacher", SHAPE, 4, True, sharded=False),)))
     assert teacher.phase("scoring").parts["teacher_weights"] == 5088
     assert "teacher_gathered_weights" not in teacher.phase("scoring").parts

@@ -499,8 +499,8 @@ class DistillConfig(PolicyLossConfig):
 class TeacherConfig:
     model: Optional[str] = None
     """algorithm distill: the teacher, a local Hugging Face causal LM folder or hub id, loaded frozen beside the
-    policy (model_dtype) and scored in chunks of rollout.forward_batch_size like the KL reference. It must have
-    the policy's tokenizer (the same vocabulary: checked before any weights load)."""
+    policy (model_dtype; under FSDP2 sharded like it) and scored in chunks of rollout.forward_batch_size like the
+    KL reference. It must have the policy's tokenizer (the same vocabulary: checked before any weights load)."""
     url: Optional[str] = None
     """algorithm distill: a teacher served by vLLM at this address (e.g. http://127.0.0.1:8001), instead of
     teacher.model: each episode's tokens are sent as a prompt and the teacher's log-probs read back (vLLM's

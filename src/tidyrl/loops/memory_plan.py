@@ -21,8 +21,8 @@ Parameters of a Llama-layout decoder (Llama, Qwen2/3, Mistral; other causal LMs 
 Phases (each = what stays resident across the run + what the phase adds):
 
     resident     policy weights P*b (/W under FSDP2); optimizer state: AdamW's two moments, 2 * trainable bytes
-                 (/W); frozen models: the KL reference and reward models /W under FSDP2 like the policy, a
-                 teacher whole on every process; a critic's weights and its optimizer state like the policy's
+                 (/W); frozen models: the KL reference, reward models and a teacher /W under FSDP2 like the
+                 policy (a teacher of another tokenizer whole on every process); a critic's weights and its optimizer state like the policy's
     generation   FSDP2: the full weights gathered for the call, P*b (a copy beside the shard); KV cache
                  2*L*kv*T*g*b; the last position's logits and float32 probabilities g*V*(b + 4); vLLM in-process: its
                  reservation
@@ -170,7 +170,7 @@ class Scorer:
     logits: bool
     sharded: bool = True
     """Under FSDP2 sharded like the policy and gathered a shard group at a time in each forward (the KL reference,
-    reward models); False: whole on every process (a teacher)."""
+    reward models, a teacher); False: whole on every process (a teacher of another tokenizer)."""
 
 
 @dataclass(frozen=True)

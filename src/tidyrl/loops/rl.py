@@ -115,10 +115,16 @@ class RLRun:
             from tidyrl.engines.server import ServerScorer
 
             self.teacher = ServerScorer([cfg.teacher.url], timeout_s=cfg.server.timeout_s, retries=cfg.server.retries)
-        elif self.spec.teacher:  # ... or the teacher, frozen, beside the policy
+        elif self.spec.teacher and not cfg.teacher.cross_tokenizer:  # ... or the teacher, frozen, beside the policy
+            # (under FSDP2 sharded like the KL reference: it scores the same episodes in the same chunks)
+            self.teacher = place_frozen(load_causal_lm(cfg.teacher.model, cfg.model_dtype,
+                                                       device=frozen_device(self.accelerator)), self.accelerator)
+            if is_sharded(self.teacher):
+                self._say(f"teacher: sharded like the policy, {self.world_size} shards")
+        elif self.spec.teacher:  # ... or one of another tokenizer, whole on every process: it scores its own tokens
             self.teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=self.accelerator.device)
             self.teacher.eval().requires_grad_(False)
-            if cfg.teacher.cross_tokenizer:  # its own tokenizer: the episodes' text, mapped by characters
+            if cfg.teacher.cross_tokenizer:  # the episodes' text, mapped by characters
                 from tidyrl.models.loading import load_tokenizer
                 from tidyrl.rollouts.teacher import CrossTokenizerTeacher
 

@@ -32,9 +32,9 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
     if algorithm_section(cfg).kl_coef > 0 and not cfg.lora.enabled:  # with LoRA the reference is the policy itself
         scorers.append(Scorer("reference", policy, b, True))
     if ALGORITHMS[cfg.algorithm].teacher and cfg.teacher.model:
-        # (a teacher is not sharded under FSDP2: whole on every process)
+        # (sharded under FSDP2 like the reference, but one of another tokenizer: whole on every process)
         scorers.append(Scorer("teacher", Shape.of(load_model_config(cfg.teacher.model, "teacher.model")), b, True,
-                              sharded=False))
+                              sharded=not cfg.teacher.cross_tokenizer))
     for n, reward in enumerate(cfg.rewards):
         if reward.model:
             shape = Shape.of(load_model_config(reward.model, f"rewards.{n}.model"), classifier=True)

@@ -269,9 +269,8 @@ def teacher_logprobs(teacher, tokens: Rollout, temperature: float, chunk_size: i
     sent as one prompt, its log-probs read back at temperature 1)."""
     from tidyrl.rollouts.teacher import CrossTokenizerTeacher
 
-    if isinstance(teacher, torch.nn.Module):
-        with full_weights(teacher):
-            return score_logprobs(teacher, tokens, temperature, chunk_size, fast_path=fast_path)
+    if isinstance(teacher, torch.nn.Module):  # (sharded under FSDP2: a layer gathered at a time, as the reference)
+        return score_logprobs(teacher, tokens, temperature, chunk_size, fast_path=fast_path)
     lengths = [int(n) for n in tokens.completion_mask.sum(1).tolist()]
     completions = [tokens.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)]
     if isinstance(teacher, CrossTokenizerTeacher):
