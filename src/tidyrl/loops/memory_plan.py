@@ -22,7 +22,8 @@ Phases (each = what stays resident across the run + what the phase adds):
 
     resident     policy weights P*b (/W under FSDP2); optimizer state: AdamW's two moments, 2 * trainable bytes
                  (/W); frozen models: the KL reference, reward models and a teacher /W under FSDP2 like the
-                 policy (a teacher of another tokenizer whole on every process); a critic's weights and its optimizer state like the policy's
+                 policy (a teacher of another tokenizer whole on every process); a critic's weights and its
+                 optimizer state like the policy's
     generation   FSDP2: the full weights gathered for the call, P*b (a copy beside the shard); KV cache
                  2*L*kv*T*g*b; the last position's logits and float32 probabilities g*V*(b + 4); vLLM in-process: its
                  reservation
