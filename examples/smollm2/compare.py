@@ -33,11 +33,11 @@ def read_samples(folder) -> list[dict]:
 
 def main(before_dir: str, after_dir: str) -> None:
     before, after = read_samples(before_dir), read_samples(after_dir)
-    for name, samples in (("before", before), ("after", after)):
+    for name, folder, samples in (("before", before_dir, before), ("after", after_dir, after)):
         mean, half = interval([s["reward"] for s in samples])
-        print(f"{name}: {mean:.3f} ± {half:.3f} (95 %, n = {len(samples)})")
+        print(f"{name} ({folder}): {mean:.3f} ± {half:.3f} (95 %, n = {len(samples)})")
     gain, half = paired_gain(before, after)
-    print(f"gain: {gain:+.3f} ± {half:.3f} (95 %, paired)")
+    print(f"gain (after - before): {gain:+.3f} ± {half:.3f} (95 %, paired)")
 
 
 if __name__ == "__main__":
