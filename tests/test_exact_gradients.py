@@ -92,6 +92,67 @@ def test_reinforce_pp_on_two_processes_gives_the_one_process_weights_bit_for_bit
     assert plan["world_size"] == 2 and plan["gradient_accumulation_steps"] == 1  # 8 / (2 mini-batches * 2 * 2)
 
 
+def _one_and_two_processes(cfg: dict, tmp_path) -> None:
+    """`cfg` run in this process (one thread, as each torchrun process has) into tmp_path/one, and under torchrun
+    on 2 processes into tmp_path/two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tidyrl.train({**cfg, "output_dir": str(tmp_path / "one")})
+    finally:
+        torch.set_num_threads(threads)
+    torchrun_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world=2)
+
+
+def _exact_rl_config(tiny_model_dir, prompt_file, tmp_path, algorithm: str, **sections) -> dict:
+    """The REINFORCE++ test's conditions for another algorithm: 8 episodes a rollout, two epochs of two
+    mini-batches, micro-batches of 2, scoring and generation in chunks of 2."""
+    cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "one", rollouts=2, algorithm=algorithm,
+                      train={"epochs_per_rollout": 2, "micro_batch_size": 2, "exact_gradients": True,
+                             "learning_rate": 1e-2}, **sections)
+    cfg["rewards"] = [{"function": "tidyrl.demo:anagram_reward"}]
+    cfg["rollout"].update({"forward_batch_size": 2, "generation_batch_size": 2})
+    return cfg
+
+
+@pytest.mark.slow
+def test_ppo_on_two_processes_gives_the_one_process_policy_and_critic_bit_for_bit(tiny_model_dir, prompt_file,
+                                                                                 tmp_path):
+    """PPO: the critic (its own optimizer and schedule) sums its gradients on the same grid as the policy, so
+    both final weights and both logged gradient norms are identical on 1 and 2 processes."""
+    from safetensors.torch import load_file
+
+    cfg = _exact_rl_config(tiny_model_dir, prompt_file, tmp_path, "ppo", ppo={"kl_coef": 0.05},
+                           critic={"model": str(tiny_model_dir), "learning_rate": 2e-3})
+    _one_and_two_processes(cfg, tmp_path)
+    for part in ("model.safetensors", "critic/model.safetensors"):
+        one, two = (load_file(tmp_path / d / "final" / part) for d in ("one", "two"))
+        assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one), part
+    r1, r2 = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "two"))
+    assert len(r1) == 8  # 2 rollouts x 2 epochs x 2 mini-batches
+    for key in ("grad_norm", "critic_grad_norm", "value_loss"):
+        assert [r[key] for r in r1] == [r[key] for r in r2], key
+    assert r1[-1]["critic_grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_a_lora_policy_on_two_processes_gives_the_one_process_adapter_bit_for_bit(tiny_model_dir, prompt_file,
+                                                                                 tmp_path):
+    """REINFORCE++ with a LoRA policy (the KL's reference the base model, the adapter switched off): only the
+    adapter's parameters are on the grid, and its final weights are identical on 1 and 2 processes."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    cfg = _exact_rl_config(tiny_model_dir, prompt_file, tmp_path, "reinforce_pp", reinforce_pp={"kl_coef": 0.05},
+                           lora={"enabled": True, "r": 4, "alpha": 8})
+    _one_and_two_processes(cfg, tmp_path)
+    one, two = (load_file(tmp_path / d / "final" / "adapter_model.safetensors") for d in ("one", "two"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert max(w.abs().max().item() for k, w in one.items() if "lora_B" in k) > 0  # the adapter trained
+    r1, r2 = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "two"))
+    assert [r["grad_norm"] for r in r1] == [r["grad_norm"] for r in r2]
+
+
 WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach", "banana", "cherry"]
 
 
