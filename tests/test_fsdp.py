@@ -283,18 +283,24 @@ def test_grpo_with_a_kl_reference_under_fsdp2_matches_one_process(rl_yaml, tmp_p
     run's."""
     cfg = yaml.safe_load(rl_yaml.read_text())
     cfg["grpo"] = {"kl_coef": 0.05}
+    one_rollout_sharded_matches_one_process(cfg, tmp_path, "KL reference: sharded like the policy, 2 shards", "kl")
+
+
+def one_rollout_sharded_matches_one_process(cfg: dict, tmp_path, said: str, metric: str) -> None:
+    """`cfg` for one rollout of one epoch, on 1 process and sharded over 2: the sharded run says `said`, and the two
+    have the same completions and lr sequence, and their loss, `metric`, gradient norms and final weights agree."""
     cfg["train"].update(rollouts=1, epochs_per_rollout=1)
-    path = tmp_path / "grpo_kl.yaml"
+    path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     one, sharded = tmp_path / "one", tmp_path / "fsdp"
     train(path, one, 1)
     done = train(path, sharded, 2)
-    assert "KL reference: sharded like the policy, 2 shards" in done.stdout
+    assert said in done.stdout
     assert completions(one) == completions(sharded)
     r1, r2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(sharded / "metrics.jsonl")
     assert [(a["step"], a["lr"]) for a in r1] == [(b["step"], b["lr"]) for b in r2]
     for a, b in zip(r1, r2):
-        for key in ("loss", "kl", "grad_norm"):
+        for key in ("loss", metric, "grad_norm"):
             assert a[key] == pytest.approx(b[key], abs=TOL), key
     assert max_diff(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors") < TOL
 
@@ -310,20 +316,8 @@ def test_distill_under_fsdp2_shards_its_teacher_and_matches_one_process(rl_yaml,
     cfg = yaml.safe_load(rl_yaml.read_text())
     cfg.update(algorithm="distill", teacher={"model": str(teacher)})
     cfg.pop("grpo", None)
-    cfg["train"].update(rollouts=1, epochs_per_rollout=1)
-    path = tmp_path / "distill.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    one, sharded = tmp_path / "one", tmp_path / "fsdp"
-    train(path, one, 1)
-    done = train(path, sharded, 2)
-    assert "teacher: sharded like the policy, 2 shards" in done.stdout
-    assert completions(one) == completions(sharded)
-    r1, r2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(sharded / "metrics.jsonl")
-    assert [(a["step"], a["lr"]) for a in r1] == [(b["step"], b["lr"]) for b in r2]
-    for a, b in zip(r1, r2):
-        for key in ("loss", "distill/reverse_kl", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], abs=TOL), key
-    assert max_diff(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors") < TOL
+    one_rollout_sharded_matches_one_process(cfg, tmp_path, "teacher: sharded like the policy, 2 shards",
+                                            "distill/reverse_kl")
 
 
 @pytest.fixture(scope="module")
