@@ -70,7 +70,7 @@ class RewardStage:
 
         from tidyrl.algorithms.preference import bradley_terry_loss
         from tidyrl.loops.offline import pad_batch
-
+        from tidyrl.models.generation import absent_id
         from tidyrl.models.sharding import ddp_inner
 
         sequences = [p.chosen for p in pairs] + [p.rejected for p in pairs]
@@ -78,8 +78,7 @@ class RewardStage:
         # the pad id, a sequence that ends with it (pad == eos, a completion ending in its EOS) would be read one
         # token early; padded with an id absent from the batch, it is read at its last token, as the RL scorer
         # reads it (rewards.reward_models). The config's own pad id is put back for saving.
-        present = {t for seq in sequences for t in seq.input_ids}
-        filler = next(i for i in range(len(present) + 1) if i not in present)
+        filler = absent_id([seq.input_ids for seq in sequences])
         inputs = pad_batch(sequences, filler, self.device)
         config = ddp_inner(self.model).config
         config.pad_token_id, pad_id = filler, config.pad_token_id

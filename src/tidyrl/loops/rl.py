@@ -122,17 +122,15 @@ class RLRun:
             if is_sharded(self.teacher):
                 self._say(f"teacher: sharded like the policy, {self.world_size} shards")
         elif self.spec.teacher:  # ... or one of another tokenizer, whole on every process: it scores its own tokens
-            self.teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=self.accelerator.device)
-            self.teacher.eval().requires_grad_(False)
-            if cfg.teacher.cross_tokenizer:  # the episodes' text, mapped by characters
-                from tidyrl.models.loading import load_tokenizer
-                from tidyrl.rollouts.teacher import CrossTokenizerTeacher
+            from tidyrl.models.loading import load_tokenizer  # (the episodes' text, mapped by characters)
+            from tidyrl.rollouts.teacher import CrossTokenizerTeacher
 
-                ro = cfg.rollout
-                self.teacher = CrossTokenizerTeacher(
-                    self.teacher, load_tokenizer(cfg.teacher.model), self.tokenizer,
-                    eos_token_ids(model, self.tokenizer), temperature=ro.temperature,
-                    chunk_size=ro.forward_batch_size, fast_path=cfg.model_fast_paths)
+            teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=self.accelerator.device)
+            ro = cfg.rollout
+            self.teacher = CrossTokenizerTeacher(
+                teacher.eval().requires_grad_(False), load_tokenizer(cfg.teacher.model), self.tokenizer,
+                eos_token_ids(model, self.tokenizer), temperature=ro.temperature,
+                chunk_size=ro.forward_batch_size, fast_path=cfg.model_fast_paths)
         self._say(adapter_note(model))
         for reward in self.inputs.reward_fns:  # reward models: weights now, placed like the reference
             if isinstance(reward.fn, RewardModel):

@@ -97,6 +97,13 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, mask
 
 
+def absent_id(seqs: Sequence[Sequence[int]]) -> int:
+    """The smallest token id none of `seqs` holds: a padding filler that a classifier's pooling ("the last token
+    that is not padding") never mistakes for a sequence's own last token, whatever its pad/EOS ids."""
+    present = {t for s in seqs for t in s}
+    return next(i for i in range(len(present) + 1) if i not in present)
+
+
 def sample_from_logits(logits_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
     """One token per row drawn from softmax(logits) by inverse transform sampling: the first token whose cumulative
     probability exceeds u * (total probability), for u uniform in [0, 1) (float64, one per row). Tokens at -inf

@@ -108,8 +108,7 @@ class RewardModel:
         import torch.nn.functional as F
 
         from tidyrl.models.devices import width_padding
-        from tidyrl.models.generation import left_pad
-
+        from tidyrl.models.generation import absent_id, left_pad
         from tidyrl.models.sharding import forward_calls
 
         self.load()
@@ -123,8 +122,7 @@ class RewardModel:
         with torch.no_grad():
             for k in range(calls):
                 chunk = encoded[starts[k]: starts[k] + self.batch_size] if k < len(starts) else [[0]]
-                present = {t for seq in chunk for t in seq}
-                filler = next(i for i in range(len(present) + 1) if i not in present)
+                filler = absent_id(chunk)
                 ids, mask = left_pad(chunk, filler)
                 if extra := width_padding(ids.shape[1], device):  # CUDA: widths that recur
                     ids, mask = F.pad(ids, (extra, 0), value=filler), F.pad(mask, (extra, 0))
