@@ -32,7 +32,8 @@ from tidyrl.models import chunked_head, forward, recompute  # noqa: E402
 
 def saved_bytes(fn, model=None) -> tuple[object, int]:
     """fn() under a hook that records every tensor autograd saves for backward: (its result, the bytes of their
-    distinct storages, `model`'s weights left out where it is given). Also used by bench_update and bench_recompute."""
+    distinct storages, `model`'s weights left out where it is given). Also used by bench_update, bench_recompute and
+    tests/test_memory_plan.py."""
     storages: dict[int, int] = {}
 
     def pack(t):

@@ -5,7 +5,9 @@ tensors one micro-batch keeps."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -179,18 +181,12 @@ def test_plan_prints_the_memory_plan_and_refuses_a_phase_that_does_not_fit(confi
 
 
 def _saved_bytes(fn, model) -> tuple:
-    """fn() under a hook that records every tensor autograd saves for backward: (its result, the bytes of their
-    distinct storages, the model's weights left out)."""
-    storages = {}
+    """benchmarks/count_saved_bytes.py's `saved_bytes`: (fn(), the bytes of the distinct storages autograd saves
+    for backward, the model's weights left out)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from count_saved_bytes import saved_bytes
 
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        result = fn()
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return result, sum(n for ptr, n in storages.items() if ptr not in weights)
+    return saved_bytes(fn, model)
 
 
 @pytest.mark.parametrize("shape", ["256 4 8000 4 32 96", "256 8 2000 8 32 96", "512 2 16000 2 32 160"],
