@@ -4,13 +4,15 @@ depend on the order or the split; the weights of 1 and 2 processes bit for bit."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import grpo_config, read_jsonl, torchrun_train, write_jsonl
+from conftest import free_port, gloo_cpu_env, grpo_config, read_jsonl, torchrun_train, write_jsonl
 
 import tidyrl
-from tidyrl.loops.exact_sums import GRID_EXPONENT, ExactGradients, global_micro_batches
+from tidyrl.loops.exact_sums import (GRID_EXPONENT, ExactGradients, clip_exactly, exact_grad_norm,
+                                     global_micro_batches)
 
 
 class One:
@@ -51,8 +53,34 @@ def test_the_sum_is_the_same_in_any_order_and_within_the_grids_rounding():
 def test_a_diverged_gradient_is_refused():
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([0.0, 5000.0, 1.0])
+    acc = ExactGradients([p])
+    acc.add()
     with pytest.raises(FloatingPointError, match="a micro-batch gradient reached 5e\\+03"):
-        ExactGradients([p]).add()
+        acc.reduce(One())
+
+
+def test_the_exact_norm_is_the_same_on_any_split_and_near_the_float64_norm():
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) * 10.0 ** float(torch.randint(-5, 2, (1,), generator=g))
+             for n in (7, 300, 1, 64)]
+    whole = exact_grad_norm(grads)
+    flat = torch.cat(grads)
+    for cuts in ([flat], list(flat.split(5)), list(flat.flip(0).split(33))):  # other tensors, other orders
+        assert exact_grad_norm(cuts) == whole
+    reference = flat.double().norm().item()
+    assert abs(whole - reference) <= reference * 2.0 ** -50  # each square rounded to 2^-52 of the largest
+    assert exact_grad_norm([torch.tensor([3.0]), torch.tensor([[4.0]])]) == 5.0
+    assert exact_grad_norm([torch.zeros(3)]) == 0.0
+    assert exact_grad_norm([torch.tensor([1.0, float("nan")])]) != exact_grad_norm([torch.ones(1)])
+
+
+def test_exact_clipping_scales_as_torch_clip_grad_norm_does():
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([4.0])]
+    assert clip_exactly(grads, 1.0) == 5.0
+    coefficient = torch.tensor(1.0 / (5.0 + 1e-6))
+    assert torch.equal(grads[0], torch.tensor([3.0, 0.0]) * coefficient) and torch.equal(grads[1], torch.tensor([4.0]) * coefficient)
+    small = [torch.tensor([0.3])]
+    assert clip_exactly(small, 1.0) == small[0].item() == float(torch.tensor(0.3))  # below max_norm: unscaled
 
 
 def test_micro_batches_are_formed_from_the_whole_mini_batch_then_shared_out():
@@ -92,16 +120,53 @@ def test_reinforce_pp_on_two_processes_gives_the_one_process_weights_bit_for_bit
     assert plan["world_size"] == 2 and plan["gradient_accumulation_steps"] == 1  # 8 / (2 mini-batches * 2 * 2)
 
 
-def _one_and_two_processes(cfg: dict, tmp_path) -> None:
-    """`cfg` run in this process (one thread, as each torchrun process has) into tmp_path/one, and under torchrun
-    on 2 processes into tmp_path/two."""
+def _one_and_two_processes(cfg: dict, tmp_path, fsdp: bool = False, world: int = 2) -> None:
+    """`cfg` run in this process (one thread, as each torchrun process has) into tmp_path/one, and on `world`
+    processes into tmp_path/two: under torchrun (DDP), or with `fsdp` as a user launches FSDP2 (accelerate launch
+    with examples/accelerate/fsdp.yaml)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         tidyrl.train({**cfg, "output_dir": str(tmp_path / "one")})
     finally:
         torch.set_num_threads(threads)
-    torchrun_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world=2)
+    if fsdp:
+        fsdp_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world)
+    else:
+        torchrun_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world=world)
+
+
+def fsdp_train(config: dict, folder, world: int) -> None:
+    """`tidyrl train` under FSDP2 on `world` gloo processes, launched as tests/test_fsdp.py launches it."""
+    import subprocess
+    import sys
+
+    import yaml
+    from test_fsdp import FSDP_YAML
+
+    path = Path(folder) / "fsdp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_YAML),
+                           "--num_processes", str(world), "--main_process_port", str(free_port()), "-m", "tidyrl",
+                           "train", str(path)], env=gloo_cpu_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((Path(config["output_dir"]) / "plan.json").read_text())["distribution"] == \
+        f"fsdp2, {world} shards"
+
+
+def _same_weights_and_norms(tmp_path, *parts: str, norms=("grad_norm",)) -> list[dict]:
+    """tmp_path/one and tmp_path/two: each of `parts` of final/ identical, and the logged `norms` of every step.
+    Returns the one-process metrics rows."""
+    from safetensors.torch import load_file
+
+    for part in parts:
+        one, two = (load_file(tmp_path / d / "final" / part) for d in ("one", "two"))
+        assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one), part
+    r1, r2 = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "two"))
+    assert len(r1) == len(r2)
+    for key in norms:
+        assert [r[key] for r in r1] == [r[key] for r in r2], key
+    return r1
 
 
 def _exact_rl_config(tiny_model_dir, prompt_file, tmp_path, algorithm: str, **sections) -> dict:
@@ -133,6 +198,18 @@ def test_ppo_on_two_processes_gives_the_one_process_policy_and_critic_bit_for_bi
     for key in ("grad_norm", "critic_grad_norm", "value_loss"):
         assert [r[key] for r in r1] == [r[key] for r in r2], key
     assert r1[-1]["critic_grad_norm"] > 0
+
+
+def test_reinforce_pp_under_fsdp2_gives_the_one_process_weights_bit_for_bit(tiny_model_dir, prompt_file, tmp_path):
+    """Under FSDP2 each layer's gradient is reduce-scattered inside backward: with exact sums that reduce-scatter
+    sums grid integers (loops/exact_sums.py, ShardedExactGradients), every micro-batch, into an int64 sum per
+    shard, and the clipping norm is summed exactly from the shards. 1 process against 2 shards: the same final
+    weights and gradient norms (clipped: max_grad_norm below the norms), the same metrics rows."""
+    cfg = _exact_rl_config(tiny_model_dir, prompt_file, tmp_path, "reinforce_pp", reinforce_pp={"kl_coef": 0.05})
+    cfg["train"]["max_grad_norm"] = 0.05
+    _one_and_two_processes(cfg, tmp_path, fsdp=True)
+    rows = _same_weights_and_norms(tmp_path, "model.safetensors")
+    assert len(rows) == 8 and min(r["grad_norm"] for r in rows) > 0.05  # every step clipped
 
 
 @pytest.mark.slow
@@ -225,12 +302,11 @@ def test_offline_micro_batches_are_cut_from_the_whole_batch_with_exact_gradients
     assert micro_batches(batch, plan, 1, length) == [[2, 7], [5, 6]]  # without: each process sorts its own share
 
 
-def test_exact_gradients_is_refused_where_it_cannot_serve():
+def test_exact_gradients_is_accepted_under_every_sharding_tidyrl_runs():
     from tidyrl.config import load_config
     from tidyrl.loops.common import check_sharding
-    from tidyrl.models.sharding import ShardingError
 
     cfg = load_config({"algorithm": "sft", "model": "m", "data": {"path": "p"},
                        "train": {"max_steps": 1, "batch_size": 2, "exact_gradients": True}})
-    with pytest.raises(ShardingError, match="train.exact_gradients cannot run under FSDP2"):
-        check_sharding("fsdp2", cfg)
+    for kind in ("none", "fsdp2"):
+        check_sharding(kind, cfg)

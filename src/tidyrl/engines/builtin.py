@@ -54,4 +54,6 @@ def resume_note(saved_state: dict) -> Optional[str]:
 
 
 def build(cfg, policy, device: str, max_model_len: int) -> BuiltinEngine:
-    return BuiltinEngine(policy, fast_path=cfg.model_fast_paths)
+    # train.exact_gradients: the model's own decode step, the one FSDP2 runs (its sampled log-probs are the old
+    # log-probs: the same code path on any split)
+    return BuiltinEngine(policy, fast_path=cfg.model_fast_paths and not cfg.train.exact_gradients)

@@ -149,10 +149,6 @@ def check_sharding(kind: str, cfg) -> None:
     check_supported(kind)
     if kind != "fsdp2":
         return
-    if getattr(getattr(cfg, "train", None), "exact_gradients", False):
-        raise ShardingError("train.exact_gradients cannot run under FSDP2 yet: FSDP reduce-scatters each "
-                            "micro-batch's gradients inside backward, in floating point; run it with DDP "
-                            "(accelerate launch without the FSDP config, or torchrun) or set exact_gradients false")
     problem = fsdp_problem(cfg)
     if problem:
         raise ShardingError(problem)

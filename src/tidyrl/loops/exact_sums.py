@@ -48,35 +48,187 @@ def global_micro_batches(episodes: Sequence[int], micro_batch_size: int, rank: i
     return parts[rank * per: (rank + 1) * per]
 
 
+def to_grid(gradient: torch.Tensor) -> torch.Tensor:
+    """A gradient rounded onto the grid, as int64 multiples of 2^-GRID_EXPONENT (round half to even)."""
+    g = gradient.detach().double()
+    return torch.round(torch.ldexp(g, torch.tensor(GRID_EXPONENT, device=g.device))).to(torch.int64)
+
+
+def from_grid(total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float gradient an integer sum of grid points stands for."""
+    return torch.ldexp(total.double(), torch.tensor(-GRID_EXPONENT, device=total.device)).to(dtype)
+
+
+def _check_peak(peak: float, accelerator) -> None:
+    """Refuse, on every process alike, a micro-batch gradient past LIMIT (a NaN included): the largest over
+    processes decides, so no process stops alone and leaves the others waiting in a collective."""
+    from tidyrl.loops.training import reduce_max
+
+    peak = reduce_max(accelerator, peak)
+    if not peak < LIMIT:
+        raise FloatingPointError(
+            f"train.exact_gradients: a micro-batch gradient reached {peak:.3g} (the exact sum takes |g| < "
+            f"{LIMIT:g}): the run diverged; lower train.learning_rate or check the rewards")
+
+
+def exact_accumulator(models: Sequence[torch.nn.Module]):
+    """The exact sum for the trained `models` (a policy, and PPO's critic): `ShardedExactGradients` where they
+    are FSDP2-sharded, else `ExactGradients`. Either is used the same way: for each micro-batch, backward under
+    `micro_batch_sync(last)` (the synchronisation it needs), then `add()`; after the last, `reduce(accelerator)`
+    leaves the exact sums as the parameters' gradients."""
+    from tidyrl.models.sharding import is_root_sharded
+
+    if any(is_root_sharded(m) for m in models):
+        return ShardedExactGradients(models)
+    return ExactGradients(p for m in models for p in m.parameters())
+
+
 class ExactGradients:
     """Accumulates micro-batch gradients exactly (see the module docstring): `add()` after each micro-batch's
-    backward takes the parameters' gradients onto the grid and clears them; `reduce(accelerator)` sums over the
-    processes and writes the total back as the parameters' gradients."""
+    backward (run without synchronisation) takes the parameters' gradients onto the grid and clears them;
+    `reduce(accelerator)` sums over the processes and writes the total back as the parameters' gradients."""
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]):
         self.parameters = [p for p in parameters if p.requires_grad]
         self.sums = [torch.zeros(p.shape, dtype=torch.int64, device=p.device) for p in self.parameters]
+        self.peak = torch.zeros((), dtype=torch.float64)
+
+    def micro_batch_sync(self, last: bool) -> bool:
+        """Whether the next backward synchronises over processes: never, the integer all-reduce does it."""
+        return False
 
     def add(self) -> None:
-        peaks = []
         for p, total in zip(self.parameters, self.sums):
             if p.grad is None:
                 continue
-            g = p.grad.detach().double()
-            peaks.append(g.abs().max())
-            total += torch.round(torch.ldexp(g, torch.tensor(GRID_EXPONENT, device=g.device))).to(torch.int64)
+            g = p.grad.detach()
+            self.peak = torch.maximum(self.peak, g.abs().max().double().cpu())
+            total += to_grid(g)
             p.grad = None
-        peak = float(torch.stack(peaks).max()) if peaks else 0.0  # (one host read per micro-batch)
-        if not peak < LIMIT:
-            raise FloatingPointError(
-                f"train.exact_gradients: a micro-batch gradient reached {peak:.3g} (the exact sum takes |g| < "
-                f"{LIMIT:g}): the run diverged; lower train.learning_rate or check the rewards")
 
     def reduce(self, accelerator) -> None:
+        _check_peak(float(self.peak), accelerator)  # (one host read per step)
         if accelerator.num_processes > 1:
             import torch.distributed as dist
 
             for total in self.sums:
                 dist.all_reduce(total, op=dist.ReduceOp.SUM)
         for p, total in zip(self.parameters, self.sums):
-            p.grad = torch.ldexp(total.double(), torch.tensor(-GRID_EXPONENT, device=total.device)).to(p.dtype)
+            p.grad = from_grid(total, p.dtype)
+
+
+class ShardedExactGradients:
+    """The exact sum under FSDP2, whose backward reduce-scatters each layer's gradient as soon as it is computed:
+    that reduce-scatter is replaced (FSDP2's `set_custom_reduce_scatter`) by one that takes this process's
+    micro-batch gradient onto the grid, reduce-scatters the integers (each process receives the exact sum over
+    processes of its shard) and adds them to an int64 sum of the shard kept here; FSDP2 receives zeros, and on
+    the last micro-batch the whole sum, which it adds to the zeros it holds (exact) and lays out as the sharded
+    gradients. Every micro-batch therefore synchronises (as sync_each_microbatch does), and the extra memory is
+    an int64 copy of this process's shard, 2x the shard's float32 size. The same micro-batch gradients rounded
+    onto the same grid and summed as integers: the gradients of one process, bit for bit."""
+
+    def __init__(self, models: Sequence[torch.nn.Module]):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.comms = []
+        for model in models:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    comm = _exact_reduce_scatter()
+                    module.set_custom_reduce_scatter(comm)
+                    module.set_gradient_divide_factor(1.0)  # a sum (rl_update: the loss is this process's share)
+                    module.set_force_sum_reduction_for_comms(True)
+                    self.comms.append(comm)
+
+    def micro_batch_sync(self, last: bool) -> bool:
+        for comm in self.comms:
+            comm.emit = last
+        return True
+
+    def add(self) -> None:
+        """(the reduce-scatter of the backward took the micro-batch's gradient onto the grid)"""
+
+    def reduce(self, accelerator) -> None:
+        peaks = [c.peak for c in self.comms]
+        _check_peak(float(torch.stack(peaks).max()) if peaks else 0.0, accelerator)
+
+
+def _exact_reduce_scatter():
+    """FSDP2's reduce-scatter of one shard group, on the grid (`ShardedExactGradients`). (The class is made on
+    first use: its bases are FSDP2's, imported only under FSDP2.)"""
+    global _ExactReduceScatter
+    if _ExactReduceScatter is None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
+
+        class ExactReduceScatter(DefaultAllocMixin, ReduceScatter):
+            def __init__(self):
+                self.total = None
+                self.emit = False
+                self.peak = torch.zeros((), dtype=torch.float64)
+
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                self.peak = torch.maximum(self.peak, input_tensor.detach().abs().max().double().cpu())
+                shard = torch.empty(output_tensor.shape, dtype=torch.int64, device=output_tensor.device)
+                dist.reduce_scatter_tensor(shard, to_grid(input_tensor), op=dist.ReduceOp.SUM, group=group)
+                self.total = shard if self.total is None else self.total.add_(shard)
+                if self.emit:  # the whole sum, added by FSDP2 to the zeros the earlier micro-batches left
+                    output_tensor.copy_(from_grid(self.total, output_tensor.dtype))
+                    self.total = None
+                else:
+                    output_tensor.zero_()
+                return None
+
+        _ExactReduceScatter = ExactReduceScatter
+    return _ExactReduceScatter()
+
+
+_ExactReduceScatter = None
+
+
+NORM_BITS = 52
+"""Each squared gradient element is rounded to an integer below 2^NORM_BITS (`exact_grad_norm`)."""
+_SPLIT = 26
+
+
+def exact_grad_norm(grads: Sequence[torch.Tensor], sharded: bool = False) -> float:
+    """The 2-norm of `grads`, the same bit for bit however the elements are split over tensors, shards and
+    processes (`sharded`: each process holds shards, the sums are all-reduced). Each square g^2 (exact in float64
+    for a float32 g) is scaled by 2^(NORM_BITS - 2e), where 2^e bounds the largest |g| over every process, and
+    rounded to an integer r < 2^NORM_BITS; the r are summed as integers in two halves (r >> 26 and the low 26
+    bits, so up to 2^37 elements sum without overflow): exact and associative. Error: at most half a unit per
+    element, a relative error of n * 2^-(NORM_BITS+1) of the squared norm for n elements at worst; torch's
+    float32 norm is typically within the same."""
+    import math
+
+    peak = float(torch.stack([g.detach().abs().max().double().cpu() for g in grads]).max()) if grads else 0.0
+    parts = torch.zeros(2, dtype=torch.int64)
+    if sharded:
+        import torch.distributed as dist
+
+        top = torch.tensor([peak], dtype=torch.float64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        peak = float(top)
+    if peak == 0.0 or not math.isfinite(peak):
+        return peak
+    _, e = math.frexp(peak)  # peak < 2^e
+    scale = NORM_BITS - 2 * e
+    for g in grads:
+        r = torch.round(torch.ldexp(g.detach().double().square(), torch.tensor(scale))).to(torch.int64)
+        parts += torch.stack([(r >> _SPLIT).sum(), (r & ((1 << _SPLIT) - 1)).sum()]).cpu()
+    if sharded:
+        dist.all_reduce(parts, op=dist.ReduceOp.SUM)
+    high, low = (int(x) for x in parts)
+    return math.sqrt(math.ldexp(float((high << _SPLIT) + low), -scale))
+
+
+def clip_exactly(grads: Sequence[torch.Tensor], max_norm: float, sharded: bool = False) -> float:
+    """`exact_grad_norm`, and the gradients scaled by max_norm / (norm + 1e-6) where that is below 1, as
+    torch.nn.utils.clip_grad_norm_ scales them. Returns the norm before clipping."""
+    norm = exact_grad_norm(grads, sharded)
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(torch.tensor(coefficient, dtype=g.dtype, device=g.device))
+    return norm

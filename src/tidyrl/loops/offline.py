@@ -356,19 +356,20 @@ class OfflineRun:
         row. With train.exact_gradients the micro-batches are cut from the whole batch, each one's gradient goes
         onto the integer grid and the processes' integer sums are all-reduced (loops/exact_sums.py): no DDP
         synchronisation, no scale by W."""
-        from tidyrl.loops.exact_sums import ExactGradients
+        from tidyrl.loops.exact_sums import exact_accumulator
         from tidyrl.loops.training import Sums, apply_update, no_sync
 
         cfg, acc = self.cfg, self.accelerator
         t0 = time.perf_counter()
         model.train()
         stage.begin_step(batch)
-        exact = ExactGradients(model.parameters()) if cfg.train.exact_gradients else None
+        exact = exact_accumulator([model]) if cfg.train.exact_gradients else None
         parts = micro_batches(batch, plan, self.rank, stage.length if cfg.train.group_by_length else None,
                               whole_batch_first=exact is not None)
         sums = Sums(*stage.sums)
         for k, idx in enumerate(parts):
-            sync = exact is None and (cfg.train.sync_each_microbatch or k == len(parts) - 1)
+            last = k == len(parts) - 1
+            sync = exact.micro_batch_sync(last) if exact is not None else cfg.train.sync_each_microbatch or last
             with no_sync(acc, [model], sync):
                 loss, values = stage.micro_batch(idx)
                 acc.backward(loss if exact is not None else loss * self.world_size)
@@ -380,7 +381,7 @@ class OfflineRun:
         totals = sums.reduced(acc)
         [(lr, grad_norm)] = apply_update(
             acc, [(model, optimizer, scheduler)], cfg.train.max_grad_norm, step, totals["loss"], self.out,
-            "Lower train.learning_rate, check the data, or set train.max_grad_norm.")
+            "Lower train.learning_rate, check the data, or set train.max_grad_norm.", exact=exact is not None)
         row = {
             "step": step,
             "epoch": offline_epochs_done(plan, step),

@@ -92,6 +92,8 @@ class RLRun:
                 print(f"tidyrl: {line}", flush=True)
 
     def _load_models(self) -> None:
+        import torch
+
         from tidyrl.algorithms.ppo import AdaptiveKLController, FixedKLController
         from tidyrl.models.generation import eos_token_ids, pad_token_id
         from tidyrl.models.sharding import frozen_device, place_frozen
@@ -138,6 +140,12 @@ class RLRun:
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self.pad_id = pad_token_id(self.tokenizer, self.eos_ids)
         self.trainee = Trainee(*prepare_for_training(self.accelerator, model, cfg.train, self.plan))
+        if cfg.train.exact_gradients:  # every forward of these the model's own one pass, as FSDP2 runs it
+            from tidyrl.models.forward import exact_forward
+
+            for scorer in (self.trainee.model, self.ref_model, self.teacher):
+                if isinstance(scorer, torch.nn.Module):
+                    exact_forward(scorer)
         self.behaviour = None
         policy = self.accelerator.unwrap_model(self.trainee.model)
         if cfg.rollout.lag > 0 and not is_sharded(policy):

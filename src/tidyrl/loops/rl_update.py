@@ -18,7 +18,7 @@ import torch
 from tidyrl.algorithms.kl import kl_per_token
 from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss, truncated_importance_weights
 from tidyrl.algorithms.ppo import clipped_value_loss
-from tidyrl.loops.exact_sums import ExactGradients, global_micro_batches
+from tidyrl.loops.exact_sums import exact_accumulator, global_micro_batches
 from tidyrl.loops.training import Sums, apply_update, no_sync, reduce_max, reduce_sum
 from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
@@ -94,7 +94,7 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
     if settings.exact_gradients:  # the micro-batches of the whole mini-batch first, then shared out (exact_sums)
         everything = sorted(minibatch.tolist(), key=lambda e: e // plan.samples_per_prompt)
         micro_batches = global_micro_batches(everything, plan.micro_batch_size, rank, accelerator.num_processes)
-        exact = ExactGradients(p for m in models for p in m.parameters())
+        exact = exact_accumulator(models)
     assert len(micro_batches) == plan.gradient_accumulation_steps
     sums = Sums(*SUMS)
     # The rollout's first step takes the importance weights from its own forward (see loops.rl).
@@ -106,7 +106,8 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
         if in_update_weights and plan.optimizer_steps_per_rollout > 1 else None
     peak = torch.zeros(())
     for i, idx in enumerate(micro_batches):
-        sync = exact is None and (settings.sync_each_microbatch or i == len(micro_batches) - 1)
+        last = i == len(micro_batches) - 1
+        sync = exact.micro_batch_sync(last) if exact is not None else settings.sync_each_microbatch or last
         with no_sync(accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
             peak = _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator, sums, peak,
                                 trainer_logprobs, in_update_weights)
@@ -187,7 +188,8 @@ def _step_and_metrics(sums: dict, step, trainee, settings, accelerator, out, t0,
     if trainee.critic is not None:  # the critic's own optimizer and schedule, also stepped once per optimizer step
         parts.append((trainee.critic, trainee.critic_optimizer, trainee.critic_scheduler))
     updates = apply_update(accelerator, parts, settings.max_grad_norm, step, sums["loss"], out,
-                           "Lower train.learning_rate, check the rewards' scale, or set train.max_grad_norm.")
+                           "Lower train.learning_rate, check the rewards' scale, or set train.max_grad_norm.",
+                           exact=settings.exact_gradients)
     (lr, grad_norm) = updates[0]
     phase_done(accelerator.device)  # the optimizer step's kernels are the update's time (docs/benchmarks.md)
     tokens = max(sums["tokens"], 1.0)

@@ -98,22 +98,27 @@ def no_sync(accelerator, models: Iterable, sync: bool):
 
 
 def apply_update(accelerator, parts: Sequence[tuple], max_grad_norm: float, step: int, loss: float,
-                 output_dir: Path, advice: str) -> list[tuple[float, float]]:
+                 output_dir: Path, advice: str, exact: bool = False) -> list[tuple[float, float]]:
     """Clip every (model, optimizer, scheduler) of `parts` to `max_grad_norm` (<= 0: no clipping), then, if the
     loss and every gradient norm are finite, step each optimizer and its LR schedule exactly once and zero the
-    gradients. Returns (the learning rate this step used, the gradient norm before clipping) per part.
+    gradients. Returns (the learning rate this step used, the gradient norm before clipping) per part. `exact`
+    (train.exact_gradients): the norm summed exactly, the same on any split (loops.exact_sums.exact_grad_norm).
 
     A NaN or infinite loss or norm stops the run before any update (a NaN step would poison every later one):
     NonFiniteLossError names the 1-based `step`, where the run can resume from, and `advice`."""
     from tidyrl.checkpoint import last_good_checkpoint
     from tidyrl.models.host_memory import release_freed_memory
 
-    from tidyrl.models.sharding import clip_grad_norm, is_root_sharded
+    from tidyrl.loops.exact_sums import clip_exactly
+    from tidyrl.models.sharding import clip_grad_norm, is_root_sharded, local_grads
 
     max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
     # A sharded model's norm is over every shard of every process (models.sharding.clip_grad_norm)
-    norms = [clip_grad_norm(model, max_norm) if is_root_sharded(model)
-             else float(accelerator.clip_grad_norm_(model.parameters(), max_norm)) for model, _, _ in parts]
+    if exact:
+        norms = [clip_exactly(local_grads(model), max_norm, sharded=is_root_sharded(model)) for model, _, _ in parts]
+    else:
+        norms = [clip_grad_norm(model, max_norm) if is_root_sharded(model)
+                 else float(accelerator.clip_grad_norm_(model.parameters(), max_norm)) for model, _, _ in parts]
     if not all(math.isfinite(x) for x in (loss, *norms)):
         for _, optimizer, _ in parts:
             optimizer.zero_grad(set_to_none=True)

@@ -172,10 +172,29 @@ def _onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_m
         return model(**inputs, use_cache=False, logits_to_keep=completion_ids.shape[1] + 1).logits
 
 
+EXACT_FORWARD = "_tidyrl_exact_forward"
+
+
+def exact_forward(model):
+    """Mark `model` (a policy, a KL reference, a teacher) for train.exact_gradients: each of its training and
+    scoring forwards is then the model's own one pass with its own output layer, which is what runs under FSDP2
+    (it takes neither the lean nor the shared-prompt pass, nor the chunked output layer), on one process, under
+    DDP and under FSDP2 alike: the same sums in the same order on any split. Returns `model`."""
+    setattr(ddp_inner(model), EXACT_FORWARD, True)
+    return model
+
+
+def _exact(model) -> bool:
+    return getattr(ddp_inner(model), EXACT_FORWARD, False)
+
+
 def _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                           fast_path: bool) -> Optional[list[torch.Tensor]]:
     """The logits of the first layout in the device's order (LAYOUTS; the lean pass first for long repeated
-    prompts) that applies, when it is the lean or the shared-prompt pass; None where the one-pass forward is next."""
+    prompts) that applies, when it is the lean or the shared-prompt pass; None where the one-pass forward is next
+    (always for a model marked by `exact_forward`)."""
+    if _exact(model):
+        return None
     tc, device = completion_ids.shape[1], model_device(model)
     for layout in _layouts_for_batch(device, prompt_ids, prompt_mask, completion_ids, fast_path):
         if layout == "lean" and fast_path:
@@ -258,7 +277,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
     per-token entropy (computed without grad). Gradients flow when called outside no_grad. `fast_path`: see
-    `completion_logits`; off, also the model's own output layer (whole logits), not `models.chunked_head`."""
+    `completion_logits`; off, also the model's own output layer (whole logits), not `models.chunked_head` (always
+    off for a model marked by `exact_forward`)."""
+    fast_path = fast_path and not _exact(model)
     parts = _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
     # the one-pass forward, its output layer in chunks (not with `fast_path` off: the model's own output layer)
     if parts is None and fast_path and (head := head_of(model)) is not None:

@@ -208,6 +208,15 @@ def clip_grad_norm(model, max_norm: float) -> float:
     return float(total)
 
 
+def local_grads(model) -> list:
+    """The gradients this process holds of `model`'s parameters: whole tensors, or under FSDP2 its shards (the
+    local tensors of the DTensor gradients)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+
 def check_supported(kind: str) -> None:
     """Raise ShardingError before any weights are loaded when tidyrl cannot run under `kind` (from
     `sharding_kind`) at all. What a run's settings cannot do under FSDP2 its loop checks
