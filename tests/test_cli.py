@@ -105,6 +105,7 @@ def test_plan_of_an_sft_stage_counts_its_examples_even_without_a_prompt_column(t
                                     "train": {"dataset_epochs": 2, "batch_size": 2, "micro_batch_size": 1}}))
     assert main(["plan", str(path)]) == 0
     printed = json.loads(capsys.readouterr().out)
+    assert "update" in printed.pop("memory")["per_process_bytes"]  # the memory plan (tests/test_memory_plan.py)
     assert printed == make_offline_plan(num_examples=7, batch_size=2, micro_batch_size=1,
                                         dataset_epochs=2).to_dict()
     assert printed["total_optimizer_steps"] == 7  # ceil(2 * 7 / 2)

@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory", metavar="SIZE", type=_memory_size,
                     help="memory each process has (e.g. 24GiB, 80GB), or `available` (the host's available memory): "
                     "each phase's predicted peak is checked against it, and a phase that would not fit is an "
-                    "error naming what to change (RL stages; docs/memory.md)")
+                    "error naming what to change (docs/memory.md)")
     pl.add_argument("--fsdp", action="store_true",
                     help="plan the memory as FSDP2 sharding over the --num-processes processes would use")
     d = sub.add_parser("demo", help="the built-in end-to-end example (tiny local model, CPU, minutes)")
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "plan":
-            from tidyrl.config import OFFLINE_ALGORITHMS, load_config, packs_rows
+            from tidyrl.config import OFFLINE_ALGORITHMS, load_config
             from tidyrl.plan import plan_from_config
 
             cfg = load_config(args.config, args.overrides)
@@ -164,19 +164,23 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.algorithm in OFFLINE_ALGORITHMS:  # rows of examples/pairs (packed rows with sft.packing)
                 import importlib
 
-                from tidyrl.data.offline import count_eval_examples, count_offline_examples
+                from tidyrl.data.offline import load_stage_items
+                from tidyrl.loops.offline_memory import check_offline_memory
                 from tidyrl.models.loading import load_model_config, load_tokenizer
 
-                load_model_config(cfg.model)  # the policy exists (at once, offline too)
-                packing = packs_rows(cfg)  # packed rows are counted with the tokenizer
-                tokenizer = load_tokenizer(cfg.tokenizer or cfg.model) if packing else None
-                num_examples = count_offline_examples(cfg, packing=packing, tokenizer=tokenizer)
-                num_eval = count_eval_examples(cfg)
-                plan = plan_from_config(cfg, num_examples, args.num_processes)
-                extra = {"eval_examples": num_eval} if num_eval else {}
+                model_config = load_model_config(cfg.model)  # the policy exists (at once, offline too)
+                # tokenised as the loop does: the count of examples (or packed rows) and the longest sequence
+                items, held_out = load_stage_items(cfg, load_tokenizer(cfg.tokenizer or cfg.model))
+                plan = plan_from_config(cfg, len(items), args.num_processes)
+                extra = {"eval_examples": len(held_out)} if held_out else {}
                 loop = importlib.import_module(LOOPS[cfg.algorithm])
                 if hasattr(loop, "reference_cost"):  # a stage with a frozen reference says what it costs
-                    extra.update(loop.reference_cost(cfg, plan, num_eval))
+                    extra.update(loop.reference_cost(cfg, plan, len(held_out)))
+                memory, line = check_offline_memory(cfg, model_config, items, held_out, plan, args.memory,
+                                                    args.fsdp or None)
+                print(f"tidyrl: {line}", file=sys.stderr)
+                if memory is not None:
+                    extra["memory"] = memory.to_dict()
                 print(json.dumps({**plan.to_dict(), **extra}, indent=2))
                 return 0
             from tidyrl.config import config_base_dir

@@ -273,7 +273,7 @@ def plan_from_config(cfg: Config, num_prompts: int | None, world_size: int = 1) 
     """The plan of a config, for a prompt set of `num_prompts` prompts and `world_size` processes.
 
     For an offline stage (sft, reward, dpo, kto) this is `offline_plan_from_config` (num_prompts = the dataset's
-    rows; with sft.packing the packed rows, tidyrl.data.offline.count_offline_examples), so no caller can print an
+    rows; with sft.packing the packed rows, tidyrl.data.offline.load_stage_items), so no caller can print an
     RL plan for an offline stage."""
     from tidyrl.config import OFFLINE_ALGORITHMS  # config imports no torch either
 

@@ -299,28 +299,25 @@ def pair_key(pair: TokenizedPair) -> tuple:
     return tuple(pair.chosen.input_ids), tuple(pair.rejected.input_ids)
 
 
-def count_eval_examples(cfg) -> int:
-    """Held-out examples of an offline stage, for `tidyrl plan`: the rows of data.eval_path, or those
-    data.eval_fraction holds out of data.path; 0 without either."""
-    if cfg.data.eval_path:
-        return len(load_table(cfg.data.eval_path, cfg.data.split))
-    if cfg.data.eval_fraction:
-        return len(held_out_rows(len(load_table(cfg.data.path, cfg.data.split)), cfg.data.eval_fraction, cfg.seed))
-    return 0
+def load_stage_items(cfg, tokenizer) -> tuple[list, list]:
+    """(training items, held-out items) of an offline stage, tokenised as its loop tokenises them, for `tidyrl
+    plan`: sft's examples (packed into rows with sft.packing), reward's and dpo's pairs, kto's examples. Their
+    count is the plan's N; their lengths set the memory plan's longest sequence."""
+    from tidyrl.config import packs_rows
 
-
-def count_offline_examples(cfg, *, packing: bool, tokenizer=None) -> int:
-    """N of an offline stage's plan, for `tidyrl plan`: rows of the data less the held-out ones
-    (data.eval_fraction), or, when the stage packs examples into rows (`packing`: tidyrl.config.packs_rows),
-    the packed rows, which needs the policy's `tokenizer`."""
-    if packing:
-        if tokenizer is None:
-            raise ValueError("count_offline_examples: packed rows are counted with the tokenizer")
-        examples, _ = load_sft_examples(cfg, tokenizer, completion_eos_ids(cfg.model, tokenizer))
-        train, _, _ = split_train_eval(cfg, examples, lambda c: [], sequence_key)
-        return len(pack_sequences(train, cfg.data.max_length))
-    rows = len(load_table(cfg.data.path, cfg.data.split))
-    return rows - len(held_out_rows(rows, cfg.data.eval_fraction, cfg.seed)) if cfg.data.eval_fraction else rows
+    eos_ids = completion_eos_ids(cfg.model, tokenizer)
+    if cfg.algorithm == "sft":
+        load, key = (lambda c: load_sft_examples(c, tokenizer, eos_ids)[0]), sequence_key
+    elif cfg.algorithm in ("reward", "dpo"):
+        margin = cfg.reward.margin_column if cfg.algorithm == "reward" else None
+        load, key = (lambda c: load_preference_pairs(c, tokenizer, eos_ids, whole_text=cfg.algorithm == "reward",
+                                                     margin_column=margin)[0]), pair_key
+    else:
+        load, key = (lambda c: load_kto_examples(c, tokenizer, eos_ids)[0]), kto_key
+    train, held_out, _ = split_train_eval(cfg, load(cfg), load, key)
+    if packs_rows(cfg):  # after the split, as the loop packs: a row never mixes train and held-out examples
+        train = pack_sequences(train, cfg.data.max_length)
+    return train, held_out
 
 
 def completion_eos_ids(model_path: str, tokenizer) -> list[int]:

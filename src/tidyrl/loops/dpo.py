@@ -22,7 +22,7 @@ from typing import Optional
 from tidyrl.algorithms.choices import REFERENCE_FREE_LOSS_TYPES
 from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
-from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
+from tidyrl.models.loading import load_causal_lm, load_model_config, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note, reference_of
 from tidyrl.models.sharding import forward_calls, frozen_device, place_frozen
 
@@ -200,6 +200,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
     from tidyrl.data.offline import (check_distinct_pairs, completion_eos_ids, load_preference_pairs, pair_key,
                                      split_train_eval)
+    from tidyrl.loops.offline_memory import check_offline_memory, memory_header
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads
@@ -214,7 +215,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
         cfg, pairs, lambda c: load_preference_pairs(c, tokenizer, eos_ids, whole_text=False)[0], pair_key)
     check_distinct_pairs(held_out, cfg.data.eval_path or cfg.data.path, cfg.data.max_length)
     plan = offline_plan_from_config(cfg, len(pairs), W)
-    run.open_output(notes + eval_notes)
+    memory, line = check_offline_memory(cfg, load_model_config(cfg.model), pairs, held_out, plan)
+    run.open_output(notes + eval_notes + [line])
     pad_id = model_pad_id(tokenizer, eos_ids)
     torch.manual_seed(cfg.seed)
 
@@ -240,7 +242,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
             ref_cache_N2 = reference_logps_cache(run.accelerator, reference, pairs, pad_id, m)
             if held_out:
                 eval_ref_cache_N2 = reference_logps_cache(run.accelerator, reference, held_out, pad_id, m)
-        ref_model = None  # no longer needed: its memory is free for training
+        ref_model = reference = None  # no longer needed (both names held it): its memory is free for training
         cost = reference_cost(cfg, plan, len(held_out))
         run.say([f"reference: {cost['reference_sequences']} sequences scored once before training "
                  f"({cost['reference_forward_passes']} forward passes of up to {2 * m} sequences, split over {W} "
@@ -250,4 +252,4 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     stage = PreferenceStage(model, pairs, held_out, ref_cache_N2, eval_ref_cache_N2, opts, pad_id,
                             run.accelerator.device, plan.batch_size, flat)
     return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(pairs), len(held_out),
-                     header=reference_cost(cfg, plan, len(held_out)))
+                     header={**reference_cost(cfg, plan, len(held_out)), **memory_header(memory)})

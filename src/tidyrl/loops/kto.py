@@ -26,7 +26,7 @@ from typing import Optional
 
 from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
-from tidyrl.models.loading import load_causal_lm, load_policy, load_tokenizer
+from tidyrl.models.loading import load_causal_lm, load_model_config, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note, reference_of
 from tidyrl.models.sharding import frozen_device, place_frozen
 
@@ -146,6 +146,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     from tidyrl.loops.dpo import sequence_logps_cache
     from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
     from tidyrl.data.offline import completion_eos_ids, kto_key, load_kto_examples, split_train_eval
+    from tidyrl.loops.offline_memory import check_offline_memory, memory_header
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads
@@ -157,6 +158,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     examples, held_out, eval_notes = split_train_eval(
         cfg, examples, lambda c: load_kto_examples(c, tokenizer, eos_ids)[0], kto_key)
     plan = offline_plan_from_config(cfg, len(examples), run.world_size)
+    memory, line = check_offline_memory(cfg, load_model_config(cfg.model), examples, held_out, plan)
+    notes.append(line)
     n_d = sum(e.desirable for e in examples)
     ratio = cfg.kto.desirable_weight * n_d / (cfg.kto.undesirable_weight * max(len(examples) - n_d, 1))
     if not 1.0 <= ratio <= 4 / 3:  # Ethayarajh et al. 2024 §4.2: the weighted counts' ratio in [1, 4/3]
@@ -194,7 +197,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     # 3. The loop: one optimizer step per train.batch_size examples.
     stage = KTOStage(run, model, ref_model, examples, held_out, ref_cache_N, eval_ref_cache_N, cfg.kto, pad_id,
                      plan.batch_size, cfg.data.max_length, flat)
-    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(examples), len(held_out), header=cost)
+    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(examples), len(held_out),
+                     header={**cost, **memory_header(memory)})
 
 
 def reference_cost(cfg, plan, num_eval: int) -> dict:

@@ -1,8 +1,8 @@
-"""The memory plan: the predicted peak of each phase of an RL run, per process, from numbers alone. Pure Python, no
-torch, no files: the shapes come from a model's config (a mapping or an object with the same attributes), the
-sizes from the batch plan. `tidyrl plan` prints it and the run checks it before any weights load
-(`tidyrl.loops.rl_memory`). Every figure is in bytes and broken into named parts; docs/memory.md gives the
-formulas with a worked example.
+"""The memory plan: the predicted peak of each phase of an RL run or an offline stage, per process, from numbers
+alone. Pure Python, no torch, no files: the shapes come from a model's config (a mapping or an object with the same
+attributes), the sizes from the batch plan. `tidyrl plan` prints it and the run checks it before any weights load
+(`tidyrl.loops.rl_memory`, `tidyrl.loops.offline_memory`). Every figure is in bytes and broken into named parts;
+docs/memory.md gives the formulas with a worked example.
 
 Notation (per process):
 
@@ -44,6 +44,22 @@ Phases (each = what stays resident across the run + what the phase adds):
 
 with a = 4*h + 3*q + 2*kv + 4*i, the elements one token keeps per layer for the backward pass (two norms' input
 and output, the attention's q, k, v and output and o_proj's input, the MLP's gate, up, act(gate) and product).
+
+Offline stages (sft, reward, dpo, kto; `OfflineInputs`): T = the longest sequence a micro-batch holds, every
+position with logits (C = T), r = the rows of a micro-batch: m for sft and kto, 2m for reward and dpo (a pair's
+chosen and rejected sides in one forward). No generation; no chunked output layer (the stages read the model's
+whole logits).
+
+    update       as RL's with m -> r, C -> T: weights, AdamW state, gradients, logits; the activations of the
+                 model's own forward r*T*(L*e + h*(4 + 2*b)) with e = 2*h*(4 + 2*b) + (3*q + 2*kv + 4*i)*b bytes
+                 per layer (each RMSNorm keeps its input upcast to float32 and its normalised input and output;
+                 the final norm once; gradient checkpointing: r*T*(L*h*b + e + h*(4 + 2*b))); a reward model's
+                 score head: r*T*num_labels*b instead of logits (LoRA: its head trained in full); kto: its
+                 reference resident (dpo's is freed once its log-probs are cached)
+    scoring      the frozen reference's no-grad forward (dpo but its reference-free losses: 2m rows before the
+                 first step, without AdamW state; kto: m rows, every step's z0 beside AdamW state, the longest
+                 mismatched pair's tokens); with LoRA the policy with its adapter off, no second copy
+
 The weights, gradients, optimizer state and KV cache are exact byte counts of the tensors; activations and logits
 are the model's saved tensors by the formula above (tests/test_memory_plan.py counts them), which the kernels'
 scratch and the allocator move by some percent (benchmarks/bench_memory_plan.py measures the peaks on a CPU).
@@ -270,6 +286,23 @@ def _logits(rows: int, positions: int, vocab: int, b: int, chunked: bool, both_s
     return {"logits": (2 if both_sides else 1) * whole, "logsoftmax_one_sequence": positions * vocab * 4}
 
 
+def _activations(s: Shape, rows: int, T: int, b: int, checkpointing: bool) -> int:
+    """What the backward pass keeps of rows x T tokens: rows T L a b; with gradient checkpointing the L layer inputs
+    and one layer recomputed, rows T (L h + a) b."""
+    a = s.activation_elements()
+    return rows * T * ((s.layers * s.hidden + a) if checkpointing else s.layers * a) * b
+
+
+def _own_forward_activations(s: Shape, rows: int, T: int, b: int, checkpointing: bool) -> int:
+    """What the backward pass keeps of rows x T tokens through the model's own forward (the offline stages'), in
+    bytes: per layer each RMSNorm's input upcast to float32 and its normalised input and output, h (4 + 2b) twice,
+    and the attention's and MLP's (3q + 2kv + 4i) b; the final norm's h (4 + 2b) once. With gradient checkpointing
+    the L layer inputs and one layer recomputed."""
+    layer = 2 * s.hidden * (4 + 2 * b) + (3 * s.q + 2 * s.kv + 4 * s.intermediate) * b
+    kept = (s.layers * s.hidden * b + layer) if checkpointing else s.layers * layer
+    return rows * T * (kept + s.hidden * (4 + 2 * b))
+
+
 def _generation(x: MemoryInputs, resident: dict) -> Phase:
     s, b = x.policy, x.dtype_bytes
     g, T = min(x.generation_batch_size, x.episodes_per_process), x.prompt_tokens + x.new_tokens
@@ -293,18 +326,26 @@ def _scoring(x: MemoryInputs, resident: dict) -> Optional[Phase]:
     if x.critic is not None:
         models.append(("critic", x.critic, x.dtype_bytes, False, False))
     for name, shape, b, logits, gathered in models:
-        # the layers' working set is gone before the output layer runs: whichever of the two is larger
-        work = {f"{name}_layer_working_set": f * T * shape.working_elements() * b}
-        if logits:
-            head = {f"{name}_{k}": v for k, v in _logits(f, C, shape.vocab, b, x.chunked_head and b < 4, False).items()}
-            work = head if sum(head.values()) > sum(work.values()) else work
-        work = {f"{name}_hidden_states": 2 * f * T * shape.hidden * b, **work}
-        if gathered:  # the root shard group (embeddings, final norm, head) for the whole forward, and two layers
-            work[f"{name}_gathered_weights"] = (shape.parameters() - max(shape.layers - 2, 0)
-                                                * shape.layer_parameters()) * b
+        work = _no_grad_forward(name, shape, b, f, T, C if logits else 0, x.chunked_head and b < 4, gathered)
         if best is None or sum(work.values()) > sum(best.values()):
             best = work
     return None if best is None else Phase("scoring", {**resident, **best})
+
+
+def _no_grad_forward(name: str, shape: Shape, b: int, f: int, T: int, C: int, chunked: bool, gathered: bool) -> dict:
+    """What one forward without grad of f sequences of T tokens adds: the hidden states in and out of a layer, and
+    the larger of one layer's working set and the output layer's logits at C positions (C = 0: a scalar head, no
+    logits); `gathered`: FSDP2's root shard group and two decoder layers gathered for it."""
+    # the layers' working set is gone before the output layer runs: whichever of the two is larger
+    work = {f"{name}_layer_working_set": f * T * shape.working_elements() * b}
+    if C:
+        head = {f"{name}_{k}": v for k, v in _logits(f, C, shape.vocab, b, chunked, False).items()}
+        work = head if sum(head.values()) > sum(work.values()) else work
+    work = {f"{name}_hidden_states": 2 * f * T * shape.hidden * b, **work}
+    if gathered:  # the root shard group (embeddings, final norm, head) for the whole forward, and two layers
+        work[f"{name}_gathered_weights"] = (shape.parameters() - max(shape.layers - 2, 0)
+                                            * shape.layer_parameters()) * b
+    return work
 
 
 def _update(x: MemoryInputs, resident: dict) -> Phase:
@@ -316,57 +357,140 @@ def _update(x: MemoryInputs, resident: dict) -> Phase:
     parts["gradients"] = _trainable_bytes(x) if whole_grads else _div(_trainable_bytes(x), W)
     if x.fsdp and W > 1:
         parts["gathered_layers"] = 2 * s.layer_parameters() * b
-    a = s.activation_elements()
-    kept = (s.layers * s.hidden + a) if x.gradient_checkpointing else s.layers * a
-    parts["activations"] = m * T * kept * b
+    parts["activations"] = _activations(s, m, T, b, x.gradient_checkpointing)
     parts.update(_logits(m, C, s.vocab, b, x.chunked_head and not x.fsdp, True))
     if x.critic is not None:
         c = x.critic
         parts["critic_gradients"] = (c.parameters() * b if whole_grads else _div(c.parameters() * b, W))
-        ckept = (c.layers * c.hidden + c.activation_elements()) if x.gradient_checkpointing \
-            else c.layers * c.activation_elements()
-        parts["critic_activations"] = m * T * ckept * b
+        parts["critic_activations"] = _activations(c, m, T, b, x.gradient_checkpointing)
     return Phase("update", parts)
 
 
-def memory_plan(x: MemoryInputs) -> MemoryPlan:
-    """The predicted peak of each phase, per process (see the module docstring)."""
+def memory_plan(x) -> MemoryPlan:
+    """The predicted peak of each phase, per process, of an RL run (MemoryInputs: see the module docstring) or of
+    an offline stage (OfflineInputs)."""
+    if isinstance(x, OfflineInputs):
+        return _offline_plan(x)
     resident = _resident(x)
     phases = [_generation(x, resident), _scoring(x, resident), _update(x, resident)]
     return MemoryPlan(tuple(p for p in phases if p is not None))
+
+
+OFFLINE_ROWS = {"sft": 1, "kto": 1, "reward": 2, "dpo": 2}
+"""Sequences per example in one forward: a pair's chosen and rejected sides run side by side (reward, dpo)."""
+
+
+@dataclass(frozen=True)
+class OfflineInputs:
+    """Everything the memory plan of an offline stage (sft, reward, dpo, kto) reads, per process.
+
+    Rows of a micro-batch: m for sft and kto, 2m for reward and dpo. Phases: `update` (one micro-batch's forward
+    and backward, as RL's update with C = T: every position has logits; a reward model's score head has num_labels
+    outputs per position instead of V), and `scoring` where a frozen reference scores the data (dpo's DPO-style
+    losses: 2m sequences per forward, once before training, the reference freed before the update and AdamW's
+    moments not made yet; kto: m per forward, the examples once and every step's mismatched pairs for z0 under the
+    policy and the reference, which stays for the whole run). Held-out evaluation is a no-grad forward of a
+    micro-batch beside the resident parts: less than the update, not a phase of its own."""
+
+    stage: str
+    """sft, reward, dpo or kto."""
+    policy: Shape
+    """The trained model (reward: the sequence classifier, num_labels outputs)."""
+    dtype_bytes: int
+    tokens: int
+    """T: the longest sequence a micro-batch holds (after data.max_length's cut; sft.packing: the longest row)."""
+    micro_batch_size: int
+    """m: examples (reward, dpo: pairs) per forward."""
+    world_size: int = 1
+    fsdp: bool = False
+    lora_r: int = 0
+    lora_targets: Optional[tuple] = None
+    gradient_checkpointing: bool = False
+    sync_each_microbatch: bool = False
+    accumulation_steps: int = 1
+    reference: bool = False
+    """A frozen reference scores the data (dpo but its reference-free losses; kto); with LoRA it is the policy with
+    its adapter off (no second copy of the weights)."""
+    reference_tokens: int = 0
+    """The longest sequence the reference scores where longer than T (kto's mismatched pairs: a prompt of one
+    example and the completion of another); 0: T."""
+
+    @property
+    def rows(self) -> int:
+        return OFFLINE_ROWS[self.stage] * self.micro_batch_size
+
+
+def _offline_trainable_bytes(x: OfflineInputs) -> int:
+    s = x.policy
+    if not x.lora_r:
+        return s.parameters() * x.dtype_bytes
+    # adapters in float32 (peft); a reward model's new score head is trained in full (peft's modules_to_save)
+    return 4 * s.lora_parameters(x.lora_r, x.lora_targets) + s.num_labels * s.hidden * x.dtype_bytes
+
+
+def _offline_plan(x: OfflineInputs) -> MemoryPlan:
+    s, b, T = x.policy, x.dtype_bytes, x.tokens
+    W = x.world_size if x.fsdp else 1
+    gathering = x.fsdp and x.world_size > 1
+    trainable = _offline_trainable_bytes(x)
+    # (a LoRA reward model keeps the original score head beside the trained copy)
+    weights = {"policy_weights": _div((s.parameters() + (s.num_labels * s.hidden if x.lora_r else 0)) * b, W)}
+    state = {"optimizer_state": _div(2 * trainable, W)}
+    reference = {"reference_weights": _div(s.parameters() * b, W)} if x.reference and not x.lora_r else {}
+    phases = []
+    if x.reference:
+        f = x.micro_batch_size * (2 if x.stage == "dpo" else 1)
+        work = _no_grad_forward("reference", s, b, f, max(x.reference_tokens, T), max(x.reference_tokens, T), False,
+                                gathering)
+        # dpo scores before the first step (no AdamW moments yet); kto's z0 every step, beside them
+        phases.append(Phase("scoring", {**weights, **({} if x.stage == "dpo" else state), **reference, **work}))
+    parts = {**weights, **state, **({} if x.stage == "dpo" else reference)}  # dpo's reference is gone by now
+    whole_grads = x.fsdp and not x.sync_each_microbatch and x.accumulation_steps > 1
+    parts["gradients"] = trainable if whole_grads else _div(trainable, W)
+    if gathering:
+        parts["gathered_layers"] = 2 * s.layer_parameters() * b
+    parts["activations"] = _own_forward_activations(s, x.rows, T, b, x.gradient_checkpointing)
+    if s.num_labels:  # the score head's outputs at every position (pooled at the last): no vocabulary
+        parts["score_logits"] = x.rows * T * s.num_labels * b
+    else:
+        parts.update(_logits(x.rows, T, s.vocab, b, False, True))
+    phases.append(Phase("update", parts))
+    return MemoryPlan(tuple(phases))
 
 
 def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _fix(x: MemoryInputs, phase: str, budget: int, per_minibatch: int, max_processes: int) -> str:
+def _fix(x, phase: str, budget: int, per_minibatch: int, max_processes: int) -> str:
     """The smallest change that brings `phase` under `budget`, by name and value, or what to try when none does."""
-    def fits(y: MemoryInputs) -> bool:  # (a change may remove the phase: LoRA's reference is the policy itself)
+    def fits(y) -> bool:  # (a change may remove the phase: LoRA's reference is the policy itself)
         return all(p.total <= budget for p in memory_plan(y).phases if p.name == phase)
 
+    offline = isinstance(x, OfflineInputs)
     if phase == "generation":
         g = next((v for v in range(min(x.generation_batch_size, x.episodes_per_process) - 1, 0, -1)
                   if fits(replace(x, generation_batch_size=v))), None)
         if g:
             return f"lower rollout.generation_batch_size to {g}"
-    elif phase == "scoring":
+    elif phase == "scoring" and not offline:
         f = next((v for v in range(min(x.forward_batch_size, x.episodes_per_process) - 1, 0, -1)
                   if fits(replace(x, forward_batch_size=v))), None)
         if f:
             return f"lower rollout.forward_batch_size to {f}"
-    else:
+    else:  # the update; offline also the reference's scoring, which runs in chunks of a micro-batch
         m = next((v for v in reversed(_divisors(per_minibatch)) if v < x.micro_batch_size
                   and fits(replace(x, micro_batch_size=v, accumulation_steps=per_minibatch // v))), None)
         if m:
             return f"lower train.micro_batch_size to {m}"
-        if not x.gradient_checkpointing and fits(replace(x, gradient_checkpointing=True)):
+        if phase == "update" and not x.gradient_checkpointing and fits(replace(x, gradient_checkpointing=True)):
             return "set train.gradient_checkpointing=true"
-        if not x.gradient_checkpointing and fits(replace(x, gradient_checkpointing=True, micro_batch_size=1,
-                                                         accumulation_steps=per_minibatch)):
+        if phase == "update" and not x.gradient_checkpointing and fits(
+                replace(x, gradient_checkpointing=True, micro_batch_size=1, accumulation_steps=per_minibatch)):
             return "set train.gradient_checkpointing=true and train.micro_batch_size=1"
-    lora = replace(x, lora_r=16, scorers=tuple(s for s in x.scorers if s.name != "reference"))
-    if not x.lora_r and fits(lora):  # with LoRA the KL reference is the policy with its adapter off
+    lora = replace(x, lora_r=16) if offline else replace(x, lora_r=16, scorers=tuple(s for s in x.scorers
+                                                                                     if s.name != "reference"))
+    if not x.lora_r and fits(lora):  # with LoRA the reference is the policy with its adapter off
         return "train a LoRA adapter (lora.enabled=true, r=16)"
     for w in (2, 4, 8, 16, 32, 64):
         if w > x.world_size and w <= max_processes and fits(replace(x, world_size=w, fsdp=True)):
@@ -375,9 +499,10 @@ def _fix(x: MemoryInputs, phase: str, budget: int, per_minibatch: int, max_proce
             "processes, or use a smaller model or model_dtype=bfloat16")
 
 
-def fit_problems(x: MemoryInputs, budget: int, *, per_minibatch: int, max_processes: int = 64) -> list:
-    """One line per phase that would not fit in `budget` bytes: by how much and the smallest change that makes it
-    fit. `per_minibatch`: the episodes a process handles per mini-batch (micro_batch_size must divide it)."""
+def fit_problems(x, budget: int, *, per_minibatch: int, max_processes: int = 64) -> list:
+    """One line per phase of `x` (MemoryInputs or OfflineInputs) that would not fit in `budget` bytes: by how much
+    and the smallest change that makes it fit. `per_minibatch`: the episodes (offline: the examples) a process
+    handles per mini-batch (optimizer step), which micro_batch_size must divide."""
     problems = []
     for p in memory_plan(x).phases:
         if p.total > budget:

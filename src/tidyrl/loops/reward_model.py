@@ -23,7 +23,7 @@ from typing import Optional
 
 from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
-from tidyrl.models.loading import load_tokenizer, placed, torch_dtype, without_dropout
+from tidyrl.models.loading import load_model_config, load_tokenizer, placed, torch_dtype, without_dropout
 
 
 def load_reward_model(path: str, pad_id: int, dtype: str = "float32", device=None):
@@ -131,6 +131,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     from tidyrl.loops.offline import OfflineRun, model_pad_id
     from tidyrl.data.offline import completion_eos_ids, load_preference_pairs, pair_key, split_train_eval
+    from tidyrl.loops.offline_memory import check_offline_memory, memory_header
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads
@@ -144,7 +145,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
         cfg, pairs, lambda c: load_preference_pairs(c, tokenizer, eos_ids, whole_text=True,
                                                     margin_column=margin_column)[0], pair_key)
     plan = offline_plan_from_config(cfg, len(pairs), run.world_size)
-    run.open_output(eval_notes)
+    memory, line = check_offline_memory(cfg, load_model_config(cfg.model), pairs, held_out, plan)
+    run.open_output(eval_notes + [line])
     pad_id = model_pad_id(tokenizer, eos_ids)
     torch.manual_seed(cfg.seed)  # the new score head's initialisation
 
@@ -165,4 +167,5 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     # 3. The loop: one optimizer step per train.batch_size pairs.
     stage = RewardStage(model, pairs, held_out, pad_id, run.accelerator.device, plan.batch_size,
                         cfg.reward.margin_column is not None)
-    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(pairs), len(held_out))
+    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(pairs), len(held_out),
+                     header=memory_header(memory))

@@ -18,7 +18,7 @@ from typing import Optional
 
 from tidyrl.config import Config
 from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
-from tidyrl.models.loading import load_policy, load_tokenizer
+from tidyrl.models.loading import load_model_config, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note
 
 
@@ -80,6 +80,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
     from tidyrl.data.offline import (completion_eos_ids, load_sft_examples, pack_examples, sequence_key,
                                      split_train_eval)
+    from tidyrl.loops.offline_memory import check_offline_memory, memory_header
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads
@@ -94,7 +95,8 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
         examples, note = pack_examples(examples, cfg.data.max_length)
         notes.append(note)
     plan = offline_plan_from_config(cfg, len(examples), run.world_size)
-    run.open_output(notes + eval_notes)
+    memory, line = check_offline_memory(cfg, load_model_config(cfg.model), examples, held_out, plan)
+    run.open_output(notes + eval_notes + [line])
     pad_id = model_pad_id(tokenizer, eos_ids)
     torch.manual_seed(cfg.seed)
 
@@ -107,4 +109,5 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 3. The loop: one optimizer step per train.batch_size examples; the stream crosses epoch boundaries.
     stage = SFTStage(model, examples, held_out, pad_id, run.accelerator.device, cfg.sft.loss_aggregation, flat)
-    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(examples), len(held_out))
+    return run.train(stage, model, optimizer, scheduler, tokenizer, plan, len(examples), len(held_out),
+                     header=memory_header(memory))

@@ -1,0 +1,97 @@
+"""An offline stage's memory plan (sft, reward, dpo, kto) from its config and its tokenised data, before any weights
+load (`check_offline_memory`, run by each offline loop and by `tidyrl plan`): the policy's shape from its config,
+the longest sequence from the data as the stage cuts, packs and pads it, the memory a process has, and the phases
+that would not fit with what to change. The formulas are `tidyrl.loops.memory_plan`'s (pure, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from tidyrl.algorithms.choices import REFERENCE_FREE_LOSS_TYPES
+from tidyrl.config import Config, ConfigError
+from tidyrl.loops.memory_plan import DTYPE_BYTES, MemoryPlan, OfflineInputs, Shape, fit_problems, gib, memory_plan
+from tidyrl.loops.rl_memory import memory_budget
+
+CUDA_WIDTH_MULTIPLE = 16
+"""models.devices.WIDTH_MULTIPLE["cuda"] (named here so that the plan imports no torch): on CUDA a micro-batch's
+width is rounded up to it."""
+
+
+def _sequences(stage: str, item) -> list:
+    """The token sequences one example runs as: a pair's two sides (reward, dpo), a KTO example's one."""
+    if stage in ("reward", "dpo"):
+        return [item.chosen, item.rejected]
+    return [item.sequence] if stage == "kto" else [item]
+
+
+def longest_tokens(stage: str, items: list, held_out: list, max_length: Optional[int]) -> tuple[int, int]:
+    """(T: the longest sequence of the training and held-out items, as the loop forms them (after data.max_length's
+    cut; sft.packing: its packed rows); the longest sequence the reference scores: kto's mismatched pairs, a
+    prompt of one training example and the completion of another, at most the longest prompt and the longest
+    completion, cut to data.max_length; else T)."""
+    T = max((len(s.input_ids) for item in [*items, *held_out] for s in _sequences(stage, item)), default=0)
+    if stage != "kto" or not items:
+        return T, T
+    prompt = max(e.prompt_length for e in items)
+    completion = max(len(e.sequence.input_ids) - e.prompt_length for e in items)
+    mismatched = prompt + completion if max_length is None else min(prompt + completion, max_length)
+    return T, max(T, mismatched)
+
+
+def has_reference(cfg: Config) -> bool:
+    """Whether a frozen reference scores the data: kto, and dpo but its reference-free losses."""
+    return cfg.algorithm == "kto" or (cfg.algorithm == "dpo" and cfg.dpo.loss_type not in REFERENCE_FREE_LOSS_TYPES)
+
+
+def offline_memory_inputs(cfg: Config, model_config, tokens: int, reference_tokens: int, plan, *, cuda: bool,
+                          fsdp: bool) -> OfflineInputs:
+    """The memory plan's numbers for this offline config: the policy's shape from `model_config` (a reward model:
+    one output, as the reward stage loads it), T and the reference's longest sequence (`longest_tokens`; on CUDA
+    rounded up as pad_batch pads), the plan's micro-batch and accumulation."""
+    policy = Shape.of(model_config)
+    if cfg.algorithm == "reward":
+        policy = replace(policy, num_labels=1)  # reward_model.load_reward_model: a score head of one output
+    widen = (lambda n: n + -n % CUDA_WIDTH_MULTIPLE) if cuda else (lambda n: n)
+    return OfflineInputs(
+        stage=cfg.algorithm, policy=policy, dtype_bytes=DTYPE_BYTES[cfg.model_dtype], tokens=widen(tokens),
+        micro_batch_size=cfg.train.micro_batch_size, world_size=plan.world_size, fsdp=fsdp,
+        lora_r=cfg.lora.r if cfg.lora.enabled else 0,
+        lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.enabled and cfg.lora.target_modules else None,
+        gradient_checkpointing=cfg.train.gradient_checkpointing, sync_each_microbatch=cfg.train.sync_each_microbatch,
+        accumulation_steps=plan.gradient_accumulation_steps, reference=has_reference(cfg),
+        reference_tokens=widen(reference_tokens) if reference_tokens > tokens else 0)
+
+
+def memory_header(memory: Optional[MemoryPlan]) -> dict:
+    """plan.json's `memory` (per process, each phase's predicted peak and its parts in bytes), or nothing."""
+    return {"memory": memory.to_dict()} if memory is not None else {}
+
+
+def check_offline_memory(cfg: Config, model_config, items: list, held_out: list, plan, memory: Optional[str] = None,
+                         fsdp: Optional[bool] = None) -> tuple[Optional[MemoryPlan], str]:
+    """(the memory plan or None, a line for the run's notes) of an offline stage on its tokenised `items` and
+    `held_out` (the loop's own: pairs, examples or packed rows). Raises ConfigError naming each phase that would
+    not fit the memory a process has (`memory`: a size, 'available', or None: the CUDA device's where the run uses
+    one), by how much, and what to change. `fsdp`: whether the policy is sharded with FSDP2 over the plan's
+    processes (None: as the launch asks). A model config without the shape keys the formulas need gives no plan."""
+    from tidyrl.models.sharding import launch_sharding
+
+    budget, source = memory_budget(memory)
+    fsdp = plan.world_size > 1 and (launch_sharding() == "fsdp2" if fsdp is None else fsdp)
+    tokens, reference_tokens = longest_tokens(cfg.algorithm, items, held_out, cfg.data.max_length)
+    try:
+        inputs = offline_memory_inputs(cfg, model_config, tokens, reference_tokens, plan,
+                                       cuda=source.startswith("the CUDA"), fsdp=fsdp)
+    except ValueError as err:
+        return None, f"memory: not planned ({err})"
+    mplan = memory_plan(inputs)
+    peak = mplan.peak
+    line = (f"memory: predicted peak {gib(peak.total)} per process ({peak.name}; sequences of up to "
+            f"{inputs.tokens} tokens)")
+    if budget:
+        problems = fit_problems(inputs, budget, per_minibatch=plan.examples_per_process)
+        if problems:
+            raise ConfigError([f"memory ({source}): {p}" for p in problems])
+        line += f", fits the {gib(budget)} of {source}"
+    return mplan, line
