@@ -1,7 +1,9 @@
 """The memory plan (tidyrl.loops.memory_plan) against the peak a CPU process reaches, per phase and shape.
 
-    python benchmarks/bench_memory_plan.py        # four float32 Llama shapes, the last SmolLM2-135M's (~1.5 min)
+    python benchmarks/bench_memory_plan.py        # four float32 Llama shapes, the last SmolLM2-135M's, and three
+                                                  # sft shapes (~3 min)
     python benchmarks/bench_memory_plan.py --shape "256 4 8000 4 32 96"      # one shape
+    python benchmarks/bench_memory_plan.py --sft                            # the first sft shape alone
 
 Each shape "h L V m P C" (hidden size, layers, vocabulary, micro/forward batch, prompt and completion tokens) runs
 in a fresh process with one thread (Linux: the peak is the process's VmHWM, reset through /proc/self/clear_refs):
@@ -13,6 +15,9 @@ in a fresh process with one thread (Linux: the peak is the process's VmHWM, rese
   it) over two micro-batches (the second's backward runs with the first's gradients held, as in any step that
   accumulates), the peak above the weights and moments, against the plan's update parts beyond them (gradients,
   activations, logits and their gradient).
+
+- sft update (`--sft "h L V m T"`): the same, through the offline stages' forward (the model's own, m rows of T
+  tokens padded as pad_batch pads), against the offline plan's update parts beyond the weights and moments.
 
 The ratio measured / predicted is printed; the target is 0.85-1.15 (docs/memory.md has the figures). What moves it
 from machine to machine: which kernels the CPU runs and their scratch buffers.
@@ -86,12 +91,63 @@ for name, measured in (("scoring", scoring), ("update", update)):
     print(name, measured, sum(v for k, v in parts.items() if k not in resident))
 '''
 
+MEASURE_SFT = r'''
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from tidyrl.data.offline import TokenizedSequence
+from tidyrl.loops.offline import pad_batch, target_logprobs
+from tidyrl.loops.memory_plan import OfflineInputs, Shape, memory_plan
+
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def peak_above(fn):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - before
+
+
+torch.manual_seed(0)
+h, L, V, m, T = (int(x) for x in sys.argv[1:6])
+cfg = LlamaConfig(hidden_size=h, num_hidden_layers=L, num_attention_heads=max(h // 64, 1),
+                  num_key_value_heads=max(h // 192, 1), intermediate_size=int(2.75 * h), vocab_size=V,
+                  tie_word_embeddings=False, pad_token_id=0)
+model = LlamaForCausalLM(cfg)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+batch = pad_batch([TokenizedSequence(torch.randint(1, V, (T,)).tolist(), [0] + [1] * (T - 1)) for _ in range(m)],
+                  0, "cpu")
+
+
+def step():
+    for _ in range(2):  # two micro-batches, as in bench's RL update
+        logprobs, mask = target_logprobs(model, batch)
+        (logprobs * mask).sum().backward()
+        del logprobs, mask
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+step()
+update = peak_above(step)
+parts = memory_plan(OfflineInputs("sft", Shape.of(cfg.to_dict()), 4, T, m)).phase("update").parts
+print("update", update, sum(v for k, v in parts.items() if k not in ("policy_weights", "optimizer_state")))
+'''
+
 SHAPES = ("256 4 8000 4 32 96", "256 8 2000 8 32 96", "512 2 16000 2 32 160", "576 30 49152 4 64 128")
+SFT_SHAPES = ("256 4 8000 4 128", "256 8 2000 8 128", "576 30 49152 4 192")
+"""sft shapes "h L V m T": the model's own forward over m rows of T tokens (the offline stages' update)."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", action="append", help='"h L V m P C"; repeatable (default: four shapes)')
+    parser.add_argument("--sft", action="append", metavar="SHAPE", nargs="?", const=SFT_SHAPES[0],
+                        help=f'an sft update "h L V m T" (alone: {SFT_SHAPES[0]!r}); repeatable')
     args = parser.parse_args()
     if not os.path.exists("/proc/self/clear_refs"):
         sys.exit("bench_memory_plan: resets the peak RSS through /proc/self/clear_refs (Linux only)")
@@ -102,8 +158,10 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
            "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     print(f"{'shape (h L V m P C)':24} {'phase':8} {'measured MiB':>13} {'predicted MiB':>14} {'ratio':>6}")
-    for shape in args.shape or SHAPES:
-        done = subprocess.run([sys.executable, "-c", MEASURE, *shape.split()], capture_output=True, text=True,
+    runs = [(MEASURE, shape) for shape in args.shape or ([] if args.sft else SHAPES)]
+    runs += [(MEASURE_SFT, shape) for shape in args.sft or ([] if args.shape else SFT_SHAPES)]
+    for script, shape in runs:
+        done = subprocess.run([sys.executable, "-c", script, *shape.split()], capture_output=True, text=True,
                               env=env, check=False)
         if done.returncode:
             sys.exit(done.stderr[-3000:])
@@ -111,6 +169,7 @@ def main() -> None:
             if line:
                 phase, measured, predicted = line.split()
                 measured, predicted = int(measured), int(predicted)
+                phase = phase if script is MEASURE else f"sft {phase}"
                 print(f"{shape:24} {phase:8} {measured / 2**20:13.1f} {predicted / 2**20:14.1f} "
                       f"{measured / predicted:6.2f}", flush=True)
 
