@@ -124,16 +124,22 @@ def _one_and_two_processes(cfg: dict, tmp_path, fsdp: bool = False, world: int =
     """`cfg` run in this process (one thread, as each torchrun process has) into tmp_path/one, and on `world`
     processes into tmp_path/two: under torchrun (DDP), or with `fsdp` as a user launches FSDP2 (accelerate launch
     with examples/accelerate/fsdp.yaml)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tidyrl.train({**cfg, "output_dir": str(tmp_path / "one")})
-    finally:
-        torch.set_num_threads(threads)
+    one_process(cfg, tmp_path / "one")
     if fsdp:
         fsdp_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world)
     else:
         torchrun_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world=world)
+
+
+def one_process(cfg: dict, out: Path) -> None:
+    """`cfg` run in this process into `out`, with one thread, as each torchrun process has: a CPU kernel may split
+    its sums by thread, so the same kernels means the same threads per process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tidyrl.train({**cfg, "output_dir": str(out)})
+    finally:
+        torch.set_num_threads(threads)
 
 
 def fsdp_train(config: dict, folder, world: int) -> None:
@@ -212,7 +218,7 @@ def test_reinforce_pp_under_fsdp2_gives_the_one_process_weights_bit_for_bit(tiny
     assert len(rows) == 8 and min(r["grad_norm"] for r in rows) > 0.05  # every step clipped
 
 
-CLOCK = ("time_s", "time/generate_s", "time/reward_s", "time/score_s", "time/update_s")
+CLOCK = ("time_s", "time/generate_s", "time/reward_s", "time/score_s", "time/update_s", "tokens_per_s")
 
 
 def _rows_without_clock(out: Path) -> list[dict]:
@@ -237,8 +243,8 @@ def test_thirty_rollouts_on_1_2_and_4_processes_ddp_or_fsdp2_and_a_resume_on_ano
     """GRPO with a KL reference (sharded under FSDP2) and clipping, 30 rollouts (60 optimizer steps). Without exact
     sums, 1 process and 2 FSDP2 shards end with 99 % of the parameters different (by up to 8.8e-6, 1.2e-5 relative;
     measured). With them, 1 process, 2 and 4 FSDP2 shards and 4 DDP processes write the same final weights
-    (sha256) and the same metrics rows, clock fields aside; the 2-shard run's checkpoint at step 30, resumed on 4
-    shards, ends the same too."""
+    (sha256) and the same metrics rows, clock fields aside; the checkpoints at step 30 of the 1-process and the
+    2-shard runs, each resumed on 4 shards, end the same too."""
     import shutil
 
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "one", rollouts=30, grpo={"kl_coef": 0.05},
@@ -246,24 +252,20 @@ def test_thirty_rollouts_on_1_2_and_4_processes_ddp_or_fsdp2_and_a_resume_on_ano
                              "max_grad_norm": 0.05})
     cfg["rewards"] = [{"function": "tidyrl.demo:anagram_reward"}]
     cfg["rollout"].update({"forward_batch_size": 2, "generation_batch_size": 2})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tidyrl.train(cfg)
-    finally:
-        torch.set_num_threads(threads)
-    fsdp_train({**cfg, "output_dir": str(tmp_path / "fsdp2"), "log": {**cfg["log"], "save_every": 30}}, tmp_path, 2)
+    saving = {"log": {**cfg["log"], "save_every": 30}}
+    one_process({**cfg, **saving}, tmp_path / "one")
+    fsdp_train({**cfg, **saving, "output_dir": str(tmp_path / "fsdp2")}, tmp_path, 2)
     fsdp_train({**cfg, "output_dir": str(tmp_path / "fsdp4")}, tmp_path, 4)
     torchrun_train({**cfg, "output_dir": str(tmp_path / "ddp4")}, tmp_path, world=4)
-    cut = tmp_path / "resumed4"
-    shutil.copytree(tmp_path / "fsdp2", cut)
-    shutil.rmtree(cut / "final")
-    for later in cut.glob("checkpoint-*"):
-        if later.name != "checkpoint-30":
-            shutil.rmtree(later)
-    fsdp_train({**cfg, "output_dir": str(cut), "log": {**cfg["log"], "save_every": 30}, "resume_from": "latest"},
-               tmp_path, 4)
-    runs = ["one", "fsdp2", "fsdp4", "ddp4", "resumed4"]
+    for saved, resumed in (("fsdp2", "fsdp2-on-4"), ("one", "one-on-4")):  # checkpoint-30 resumed on 4 shards
+        cut = tmp_path / resumed
+        shutil.copytree(tmp_path / saved, cut)
+        shutil.rmtree(cut / "final")
+        for later in cut.glob("checkpoint-*"):
+            if later.name != "checkpoint-30":
+                shutil.rmtree(later)
+        fsdp_train({**cfg, **saving, "output_dir": str(cut), "resume_from": "latest"}, tmp_path, 4)
+    runs = ["one", "fsdp2", "fsdp4", "ddp4", "fsdp2-on-4", "one-on-4"]
     digests = {run: _sha256(tmp_path / run / "final" / "model.safetensors") for run in runs}
     assert len(set(digests.values())) == 1, digests
     rows = {run: _rows_without_clock(tmp_path / run) for run in runs}
@@ -271,6 +273,55 @@ def test_thirty_rollouts_on_1_2_and_4_processes_ddp_or_fsdp2_and_a_resume_on_ano
     assert sum(r["grad_norm"] > 0.05 for r in rows["one"]) >= 50  # most steps clipped
     for run in runs[1:]:
         assert rows[run] == rows["one"], run
+
+
+@pytest.mark.slow
+def test_ppo_under_fsdp2_gives_the_one_process_policy_and_critic_bit_for_bit(tiny_model_dir, prompt_file, tmp_path):
+    """PPO under FSDP2: the policy, its sharded KL reference and the critic (sharded, its own optimizer): both
+    models' final weights, both gradient norms and every metrics row as on one process."""
+    cfg = _exact_rl_config(tiny_model_dir, prompt_file, tmp_path, "ppo", ppo={"kl_coef": 0.05},
+                           critic={"model": str(tiny_model_dir), "learning_rate": 2e-3})
+    _one_and_two_processes(cfg, tmp_path, fsdp=True)
+    rows = _same_weights_and_norms(tmp_path, "model.safetensors", "critic/model.safetensors",
+                                   norms=("grad_norm", "critic_grad_norm"))
+    assert rows[-1]["critic_grad_norm"] > 0
+    assert _rows_without_clock(tmp_path / "one") == _rows_without_clock(tmp_path / "two")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["grpo", "ppo", "reinforce_pp", "sft", "dpo", "reward"])
+def test_every_stage_on_four_fsdp2_shards_gives_the_one_process_run_bit_for_bit(stage, tiny_model_dir, prompt_file,
+                                                                                tmp_path):
+    """Each stage with its policy (and reference, critic) sharded over 4 gloo processes, one micro-batch of 1 per
+    process per step: the final weights and every metrics row (clock fields aside) as on one process."""
+    if stage in ("sft", "dpo", "reward"):
+        cfg = _offline(stage, tiny_model_dir, tmp_path / "one", write_jsonl(tmp_path / "data.jsonl", _rows(stage)))
+        parts = ["model.safetensors"]
+    else:
+        extra = {"critic": {"model": str(tiny_model_dir), "learning_rate": 2e-3}} if stage == "ppo" else {}
+        cfg = _exact_rl_config(tiny_model_dir, prompt_file, tmp_path, stage, **{stage: {"kl_coef": 0.05}}, **extra)
+        cfg["train"]["micro_batch_size"] = 1  # 4 episodes a mini-batch: one per process
+        cfg["rollout"]["forward_batch_size"] = 2  # 2 episodes of the rollout per process
+        parts = ["model.safetensors"] + (["critic/model.safetensors"] if stage == "ppo" else [])
+    _one_and_two_processes(cfg, tmp_path, fsdp=True, world=4)
+    _same_weights_and_norms(tmp_path, *parts)
+    assert _rows_without_clock(tmp_path / "one") == _rows_without_clock(tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_process_give_the_one_process_weights_bit_for_bit(tiny_model_dir, prompt_file, tmp_path):
+    """`torchrun --nnodes 2 --nproc_per_node 1` (two node ranks on this host, as tests/test_multiprocess.py runs
+    them): GRPO with a KL reference, the same final weights and metrics rows as one process."""
+    import yaml
+    from test_multiprocess import launch_two_nodes
+
+    cfg = _exact_rl_config(tiny_model_dir, prompt_file, tmp_path, "grpo", grpo={"kl_coef": 0.05})
+    one_process(cfg, tmp_path / "one")
+    path = tmp_path / "two-nodes.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    launch_two_nodes(path, tmp_path / "two")
+    _same_weights_and_norms(tmp_path, "model.safetensors")
+    assert _rows_without_clock(tmp_path / "one") == _rows_without_clock(tmp_path / "two")
 
 
 @pytest.mark.slow
@@ -319,31 +370,25 @@ def _rows(stage: str) -> list[dict]:
     return [{"prompt": f"{w}:", "chosen": w[::-1], "rejected": "zz" + w * (i % 3)} for i, w in enumerate(WORDS)]
 
 
-@pytest.mark.parametrize("stage", ["sft", pytest.param("dpo", marks=pytest.mark.slow),
-                                   pytest.param("reward", marks=pytest.mark.slow),
-                                   pytest.param("orpo", marks=pytest.mark.slow),
-                                   pytest.param("kto", marks=pytest.mark.slow)])
-def test_an_offline_stage_on_two_processes_gives_the_one_process_weights_bit_for_bit(stage, tiny_model_dir,
+@pytest.mark.parametrize("stage, fsdp", [("sft", False), pytest.param("dpo", False, marks=pytest.mark.slow),
+                                         pytest.param("reward", False, marks=pytest.mark.slow),
+                                         pytest.param("orpo", False, marks=pytest.mark.slow),
+                                         pytest.param("kto", False, marks=pytest.mark.slow),
+                                         pytest.param("sft", True, marks=pytest.mark.slow),
+                                         pytest.param("dpo", True, marks=pytest.mark.slow),
+                                         pytest.param("reward", True, marks=pytest.mark.slow)])
+def test_an_offline_stage_on_two_processes_gives_the_one_process_weights_bit_for_bit(stage, fsdp, tiny_model_dir,
                                                                                      tmp_path):
     """sft, dpo (its reference log-probs cached in chunks of the same pairs on any W), the reward model, orpo (its
     SFT term a token mean over the global batch) and kto (its z0 from every position of the global batch): three
-    steps of 2 micro-batches per process on 2 processes, 4 on 1, the same final weights and gradient norms."""
-    from safetensors.torch import load_file
-
+    steps of 2 micro-batches per process on 2 processes (DDP, or FSDP2 shards: dpo's reference sharded too), 4 on
+    1, the same final weights, gradient norms and metrics rows (clock fields aside)."""
     data = write_jsonl(tmp_path / "data.jsonl", _rows(stage))
     cfg = _offline(stage, tiny_model_dir, tmp_path / "one", data)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread per process, as under torchrun (see above)
-    try:
-        tidyrl.train(cfg)
-    finally:
-        torch.set_num_threads(threads)
-    torchrun_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world=2)
-    one, two = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("one", "two"))
-    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
-    r1, r2 = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("one", "two"))
-    assert len(r1) == 3 and [r["grad_norm"] for r in r1] == [r["grad_norm"] for r in r2]
-    assert r1[-1]["loss"] != r1[0]["loss"]  # the weights moved
+    _one_and_two_processes(cfg, tmp_path, fsdp=fsdp)
+    rows = _same_weights_and_norms(tmp_path, "model.safetensors")
+    assert len(rows) == 3 and rows[-1]["loss"] != rows[0]["loss"]  # the weights moved
+    assert _rows_without_clock(tmp_path / "one") == _rows_without_clock(tmp_path / "two")
 
 
 def test_offline_micro_batches_are_cut_from_the_whole_batch_with_exact_gradients():

@@ -8,12 +8,14 @@ associative: the sum is the same in any order, on any number of processes (an in
 absolute, 2^-40 (~9.1e-13), the same for every micro-batch whatever its values or the split, so the same
 micro-batch gradient always rounds to the same integers; a gradient element must stay below 2^11 = 2048 per
 micro-batch, so that a sum of up to 2^12 micro-batches fits int64 (2^11 * 2^40 * 2^12 = 2^63; a gradient that
-large means a diverged run: it is refused). The cost: one int64 copy of the trained parameters (2x their float32 size) and a
-rounding per micro-batch. What else makes the per-micro-batch gradients the same on any split is the learner's:
+large means a diverged run: it is refused). The cost: one int64 copy of the trained parameters (2x their float32
+size; under FSDP2 of each shard) and a rounding per micro-batch. What else makes the per-micro-batch gradients the same on any split is the learner's:
 the micro-batches are formed from the whole mini-batch first and then shared out (`global_micro_batches`), so each
-is computed from the same episodes in the same order, and the update's forward is the model's own on any number of
-processes (the fast paths of `models.forward` take another code path for a model inside DDP than for one alone,
-which rounds differently). The no-grad scoring holds the same episodes per chunk on any split where
+is computed from the same episodes in the same order, and every forward of the policy, the KL reference and a
+teacher, and the built-in engine's decode, is the model's own on any number of processes (`models.forward.
+exact_forward`: the fast paths of `models.forward` take other code paths inside DDP and are not taken under FSDP2,
+and they round differently). Under FSDP2 the integer sum happens inside FSDP2's reduce-scatter
+(`ShardedExactGradients`), and clipping reads a norm summed exactly from any split (`exact_grad_norm`). The no-grad scoring holds the same episodes per chunk on any split where
 rollout.forward_batch_size divides each process's share of the rollout. The offline loop (loops/offline.py: sft,
 reward, dpo, kto) uses the same two parts: its micro-batches cut from the whole batch (`micro_batches`), and
 each micro-batch's loss reading only global quantities that every process computes alike (the global batch's
@@ -99,7 +101,7 @@ class ExactGradients:
 
     def add(self) -> None:
         for p, total in zip(self.parameters, self.sums):
-            if p.grad is None:
+            if p.grad is None or not p.grad.numel():
                 continue
             g = p.grad.detach()
             self.peak = torch.maximum(self.peak, g.abs().max().double().cpu())
@@ -160,6 +162,9 @@ def _exact_reduce_scatter():
     if _ExactReduceScatter is None:
         import torch.distributed as dist
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+        # (torch 2.13 renamed reduce_scatter_tensor, which it deprecates)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
         class ExactReduceScatter(DefaultAllocMixin, ReduceScatter):
@@ -169,9 +174,10 @@ def _exact_reduce_scatter():
                 self.peak = torch.zeros((), dtype=torch.float64)
 
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-                self.peak = torch.maximum(self.peak, input_tensor.detach().abs().max().double().cpu())
+                if input_tensor.numel():
+                    self.peak = torch.maximum(self.peak, input_tensor.detach().abs().max().double().cpu())
                 shard = torch.empty(output_tensor.shape, dtype=torch.int64, device=output_tensor.device)
-                dist.reduce_scatter_tensor(shard, to_grid(input_tensor), op=dist.ReduceOp.SUM, group=group)
+                reduce_scatter(shard, to_grid(input_tensor), op=dist.ReduceOp.SUM, group=group)
                 self.total = shard if self.total is None else self.total.add_(shard)
                 if self.emit:  # the whole sum, added by FSDP2 to the zeros the earlier micro-batches left
                     output_tensor.copy_(from_grid(self.total, output_tensor.dtype))
@@ -202,6 +208,7 @@ def exact_grad_norm(grads: Sequence[torch.Tensor], sharded: bool = False) -> flo
     float32 norm is typically within the same."""
     import math
 
+    grads = [g for g in grads if g.numel()]  # (a shard may hold no rows of a small parameter)
     peak = float(torch.stack([g.detach().abs().max().double().cpu() for g in grads]).max()) if grads else 0.0
     parts = torch.zeros(2, dtype=torch.int64)
     if sharded:
