@@ -8,9 +8,10 @@
 Each shape "h L V m P C" (hidden size, layers, vocabulary, micro/forward batch, prompt and completion tokens) runs
 in a fresh process with one thread (Linux: the peak is the process's VmHWM, reset through /proc/self/clear_refs):
 
-- scoring: one forward without grad through tidyrl's scoring path (models.forward.completion_logprobs), the peak
-  above the weights, against the plan's scoring parts beyond the resident ones (hidden states, one layer's working
-  set, logits and one sequence's log-softmax);
+- scoring: one forward without grad through tidyrl's scoring path (models.forward.completion_logprobs: on a CPU
+  the lean pass), the peak above the weights, against the plan's scoring parts beyond the resident ones (the lean
+  pass's largest moment: the layer outputs its loop holds with a layer's working set or the output layer, or the
+  logits and the log-softmax's float32 copy);
 - update: a second optimizer step (the first one made AdamW's moments, so they are resident as in any step after
   it) over two micro-batches (the second's backward runs with the first's gradients held, as in any step that
   accumulates), the peak above the weights and moments, against the plan's update parts beyond them (gradients,
@@ -83,7 +84,7 @@ update = peak_above(step)
 shape = Shape.of(cfg.to_dict())  # the scorer: a KL reference of the policy's shape (here the policy itself)
 x = MemoryInputs(policy=shape, dtype_bytes=4, prompt_tokens=P, new_tokens=C, generation_batch_size=m,
                  forward_batch_size=m, micro_batch_size=m, episodes_per_process=m,
-                 scorers=(Scorer("reference", shape, 4, True),))
+                 scorers=(Scorer("reference", shape, 4, True, lean=True),))  # a CPU with fast paths: the lean pass
 plan = memory_plan(x)
 resident = ("policy_weights", "optimizer_state", "reference_weights")
 for name, measured in (("scoring", scoring), ("update", update)):

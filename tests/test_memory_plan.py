@@ -114,6 +114,62 @@ def test_lora_trains_float32_adapters_only():
     assert (update["policy_weights"], update["optimizer_state"], update["gradients"]) == (5088, 2 * 512 * 4, 512 * 4)
 
 
+def test_the_lean_pass_holds_a_layers_outputs_by_hand():
+    """A scorer through the lean pass (models.llama_forward, a CPU): its loop's names hold the last layer's outputs
+    besides the working set of the moment; SHAPE with f = 2, P = 6, T = 10, C = 5, b = 4."""
+    lean = (Scorer("reference", SHAPE, 4, True, lean=True),)
+    resident = {"policy_weights": 1272 * 4, "optimizer_state": 2 * 1272 * 4, "reference_weights": 1272 * 4}
+    # linear weights L (2hq + 2h kv + 3hi) + V h = 2 * (128 + 64 + 384) + 80 = 1232 elements, 4928 bytes <= 32 MiB:
+    # q/k/v as one product (q + 2kv = 16) roped as one (q + kv = 12), 28 per token
+    assert SHAPE.linear_weight_elements() == 1232
+    # held per token: x h 8 + gate and up 2i 32 + 28 + keys/values with their prompt's 2kv 8 + the attention's two
+    # outputs and their concatenation 2q 16 + cos and sin 2 head_dim 8 = 100; f T 100 b = 2 * 10 * 100 * 4 = 8000
+    # masks (additive float32): prompts f P P 4 = 2*36*4 = 288, completions f (C - 2)(T - 1) 4 = 2*3*9*4 = 216
+    # scores, their float32 masked sum and softmax, b + 8 = 12 bytes each: prompts f H P P = 144 -> 1728 (the
+    # larger), completions 2*2*3*9 = 108 -> 1296
+    # the layer moment: the norm output f T h b = 640 and the larger of SwiGLU's two products 2 f T i b = 2560 and
+    # the scores 1728: 11704, more than the output layer's (8000 + 504 + 2 f C h b 640 + f C V b 400 = 9544) and the
+    # returned logits' (f C V (b + 4) = 800)
+    assert memory_plan(inputs(scorers=lean)).phase("scoring").parts == {
+        **resident, "reference_held_layer": 8000, "reference_attention_masks": 288 + 216,
+        "reference_layer_working_set": 640 + 2560}
+    # a 30-token prompt (T = 34): the prompts' scores f H 30 30 12 = 43200 outweigh SwiGLU's 2 f T i b = 8704
+    long = memory_plan(inputs(scorers=lean, prompt_tokens=30)).phase("scoring").parts
+    assert long["reference_layer_working_set"] == 2 * 34 * 8 * 4 + 2 * 2 * 30 * 30 * 12
+    assert long["reference_attention_masks"] == 2 * 30 * 30 * 4 + 2 * 3 * 33 * 4
+    # a 2048-token prompt: its probabilities f H P P 4 = 64 MiB > 32 MiB go to torch's fused kernel (boolean mask, 1
+    # byte, no scores held); the completions' (3 x 2051 keys) stay matmul attention, their scores 24612 * 12 = 295344
+    # less than SwiGLU's 2 f T i b = 2 * 2 * 2052 * 16 * 4 = 525312
+    huge = memory_plan(inputs(scorers=lean, prompt_tokens=2048)).phase("scoring").parts
+    assert huge["reference_attention_masks"] == 2 * 2048 * 2048 * 1 + 2 * 3 * 2051 * 4
+    assert huge["reference_layer_working_set"] == 2 * 2052 * 8 * 4 + 525312
+    # linear weights above 32 MiB (i = 2^18: 2 * 3 * 8 * 2^18 * 4 bytes): q, k, v apart, q + 2kv = 16 per token,
+    # held h + 2i + 16 + 8 + 16 + 8 = 2^19 + 56
+    wide_mlp = Shape.of({**CONFIG, "intermediate_size": 2**18})
+    parts = memory_plan(inputs(scorers=(Scorer("reference", wide_mlp, 4, True, lean=True),))).phase("scoring").parts
+    assert parts["reference_held_layer"] == 2 * 10 * (2**19 + 56) * 4
+    # a wide vocabulary: once the pass returns only its logits and log-softmax's copy remain, f C V (b + 4) = 80000,
+    # more than the output layer's moment (8000 + 504 + 640 + f C V b 40000)
+    wide = Shape.of({**CONFIG, "vocab_size": 1000})
+    assert {k: v for k, v in memory_plan(inputs(scorers=(Scorer("reference", wide, 4, True, lean=True),))).phase(
+        "scoring").parts.items() if k.startswith("reference_") and k != "reference_weights"} == {
+        "reference_logits": 40000, "reference_logsumexp_temporaries": 40000}
+    # FSDP2 shards the scorer, and a one-token completion is the model's ordinary forward: the model's own
+    assert "reference_held_layer" not in memory_plan(inputs(scorers=lean, world_size=2, fsdp=True)).phase(
+        "scoring").parts
+    assert "reference_hidden_states" in memory_plan(inputs(scorers=lean, new_tokens=1)).phase("scoring").parts
+
+
+def test_the_plan_scores_with_the_lean_pass_where_it_runs(config, capsys):
+    # the tiny Llama on a CPU: the lean pass (no hidden states part); model_fast_paths off: the model's own forward
+    def scoring(*overrides):
+        assert main(["plan", str(config), *overrides]) == 0
+        return json.loads(capsys.readouterr().out)["memory"]["per_process_bytes"]["scoring"]
+
+    assert "reference_hidden_states" not in scoring()
+    assert "reference_hidden_states" in scoring("model_fast_paths=false")
+
+
 def test_a_critic_is_trained_beside_the_policy_and_scores_the_rollout():
     plan = memory_plan(inputs(scorers=(), critic=Shape.of({**CONFIG, "num_labels": 1}, classifier=True)))
     assert plan.phase("update").parts["critic_gradients"] == 1280 * 4

@@ -33,7 +33,18 @@ Phases (each = what stays resident across the run + what the phase adds):
                  float32 logits (logsumexp over the whole batch), C*V*4 for bf16/fp16 (upcast a sequence at a time);
                  a value or reward head has no logits; FSDP2, a sharded scorer (each forward gathers a shard group
                  at a time): its embeddings, final norm and head for the whole forward and two decoder layers,
-                 (P - (L - 2) * per layer) * b
+                 (P - (L - 2) * per layer) * b. That is the model's own forward (CUDA, model_fast_paths off,
+                 train.exact_gradients, FSDP2, other layouts); a Llama-layout scorer on a CPU runs the lean pass
+                 (models.llama_forward), whose local names hold one layer's outputs until the next layer rebinds
+                 them, the last layer's until the output layer has run: f*T*k*b held, k = h + 2*i + 4*q + 5*kv +
+                 2*head_dim (x, gate and up, q/k/v fused and roped, the keys/values with their prompt's, the two
+                 attention outputs and their concatenation, rope's cos and sin; q + 2*kv in place of 2*q + 3*kv
+                 where the linear weights exceed 32 MiB and q/k/v run apart) and the attention masks, then the
+                 largest of: a layer's norm output and SwiGLU's two products f*T*(h + 2*i)*b, or the norm output
+                 and the scores, their masked float32 sum and softmax f*H*Q*K*(b + 8) of the larger attention call
+                 (prompts P x P, completions (C - 2) x (T - 1); while f*H*Q*K*4 <= 32 MiB, else torch's fused
+                 kernel); the output layer's input, its norm and logits f*C*(2*h + V)*b; or, the pass returned,
+                 the logits and the log-softmax's as above
     update       gradients trainable bytes (/W; FSDP2 without train.sync_each_microbatch and with accumulation:
                  whole until the last micro-batch); activations m*T*L*a*b (gradient checkpointing: m*T*(L*h + a)*b,
                  the layer inputs and one layer recomputed); logits and their gradient 2*m*C*V*b and the
@@ -75,6 +86,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}
 """Bytes per element of each model_dtype (`auto` counted as float32: the largest a checkpoint usually holds)."""
 CHUNK_BYTES = 256 * 2**20
 """The chunked output layer's largest chunk of logits (models.chunked_head.CHUNK_BYTES)."""
+LEAN_COPY_MAX_BYTES = 32 * 2**20
+"""The most bytes of linear weights for which the lean pass runs q/k/v as one product (llama_decode.COPY_MAX_BYTES)."""
+MATH_ATTENTION_MAX_BYTES = 32 * 2**20
+"""The largest float32 probabilities of one attention call that the lean pass computes as matmul-softmax-matmul on a
+CPU (llama_forward.MATH_ATTENTION_MAX_BYTES); above it torch's fused kernel, which never holds them all."""
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -166,6 +182,12 @@ class Shape:
                  "up_proj": (h, i), "down_proj": (i, h)}
         return self.layers * sum(r * (a + b) for name, (a, b) in sides.items() if targets is None or name in targets)
 
+    def linear_weight_elements(self) -> int:
+        """Elements of every nn.Linear weight (the decoder layers' projections and the output layer, tied or not):
+        what decides whether the lean pass fuses q/k/v."""
+        h, q, kv, i = self.hidden, self.q, self.kv, self.intermediate
+        return self.layers * (2 * h * q + 2 * h * kv + 3 * h * i) + self.vocab * h
+
     def working_elements(self) -> int:
         """Elements per token of one layer's largest set of live intermediates without grad: the norm's output with
         the attention's q, k, v and output (h + 2q + 2kv), or with the MLP's gate, up and product (h + 3i)."""
@@ -188,6 +210,9 @@ class Scorer:
     sharded: bool = True
     """Under FSDP2 sharded like the policy and gathered a shard group at a time in each forward (the KL reference,
     reward models, a teacher); False: whole on every process (a teacher of another tokenizer)."""
+    lean: bool = False
+    """Scores through tidyrl's lean pass (models.llama_forward: a Llama layout on a CPU, model_fast_paths on, not
+    train.exact_gradients; not while FSDP2 shards it), not the model's own forward."""
 
 
 @dataclass(frozen=True)
@@ -322,11 +347,15 @@ def _scoring(x: MemoryInputs, resident: dict) -> Optional[Phase]:
     f, T, C = min(x.forward_batch_size, x.episodes_per_process), x.prompt_tokens + x.new_tokens, x.new_tokens + 1
     best = None
     gathering = x.fsdp and x.world_size > 1
-    models = [(sc.name, sc.shape, sc.dtype_bytes, sc.logits, sc.sharded and gathering) for sc in x.scorers]
+    models = [(sc.name, sc.shape, sc.dtype_bytes, sc.logits, sc.sharded and gathering,
+               sc.lean and sc.logits and not (sc.sharded and gathering) and C >= 3) for sc in x.scorers]
     if x.critic is not None:
-        models.append(("critic", x.critic, x.dtype_bytes, False, False))
-    for name, shape, b, logits, gathered in models:
-        work = _no_grad_forward(name, shape, b, f, T, C if logits else 0, x.chunked_head and b < 4, gathered)
+        models.append(("critic", x.critic, x.dtype_bytes, False, False, False))
+    for name, shape, b, logits, gathered, lean in models:
+        if lean:  # (completions of at most one read token take the model's own forward)
+            work = _lean_forward(name, shape, b, f, x.prompt_tokens, T, C)
+        else:
+            work = _no_grad_forward(name, shape, b, f, T, C if logits else 0, x.chunked_head and b < 4, gathered)
         if best is None or sum(work.values()) > sum(best.values()):
             best = work
     return None if best is None else Phase("scoring", {**resident, **best})
@@ -346,6 +375,31 @@ def _no_grad_forward(name: str, shape: Shape, b: int, f: int, T: int, C: int, ch
         work[f"{name}_gathered_weights"] = (shape.parameters() - max(shape.layers - 2, 0)
                                             * shape.layer_parameters()) * b
     return work
+
+
+def _lean_forward(name: str, s: Shape, b: int, f: int, P: int, T: int, C: int) -> dict:
+    """What the lean pass (models.llama_forward) adds without grad for f sequences of P prompt and T tokens, C
+    positions with logits: the largest of its three moments. Its loop's local names keep one layer's outputs alive
+    until the next layer rebinds them, and the last layer's until the output layer has run (f*T*k*b, see the module
+    docstring); with them a layer's norm output and SwiGLU's two products or the attention's scores (the previous
+    layer's gate and up still held), or the output layer's input, its norm and logits. Once the pass returns only
+    its logits remain, with the log-softmax's working copies (as the model's own forward)."""
+    h, q, kv, i, D = s.hidden, s.q, s.kv, s.intermediate, s.head_dim
+    # q/k/v as one product and roped as one (q + 2kv, then q + kv), or three products roped apart (q + 2kv)
+    projections = 2 * q + 3 * kv if s.linear_weight_elements() * b <= LEAN_COPY_MAX_BYTES else q + 2 * kv
+    held = {f"{name}_held_layer": f * T * (h + 2 * i + projections + 2 * kv + 2 * q + 2 * D) * b}
+    scores, masks = 0, 0
+    for queries, keys in ((P, P), (C - 2, T - 1)):  # the prompts' attention call, the completions'
+        n = f * s.heads * queries * keys
+        math = n * 4 <= MATH_ATTENTION_MAX_BYTES  # matmul-softmax-matmul: additive float32 masks, all scores held
+        masks += f * queries * keys * (4 if math else 1)
+        # the scores (b), their float32 sum with the mask, and its softmax (float32): b + 8 bytes each
+        scores = max(scores, n * (b + 8) if math else 0)
+    held[f"{name}_attention_masks"] = masks
+    layer = {**held, f"{name}_layer_working_set": f * T * h * b + max(2 * f * T * i * b, scores)}
+    head = {**held, f"{name}_head_input": 2 * f * C * h * b, f"{name}_logits": f * C * s.vocab * b}
+    returned = {f"{name}_{k}": v for k, v in _logits(f, C, s.vocab, b, False, False).items()}
+    return max((layer, head, returned), key=lambda parts: sum(parts.values()))
 
 
 def _update(x: MemoryInputs, resident: dict) -> Phase:

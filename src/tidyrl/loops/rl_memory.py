@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import Mapping, Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, ConfigError
@@ -18,6 +18,14 @@ from tidyrl.models.loading import load_model_config
 
 CHUNKED_HEAD_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 """models.chunked_head.PLAIN_CAUSAL_LMS (named here so that the plan imports no torch)."""
+LEAN_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+"""The architectures tidyrl's lean pass computes (models.llama_decode's _ARCHITECTURES)."""
+
+
+def _architectures(model_config) -> list:
+    architectures = (model_config.get("architectures") if isinstance(model_config, Mapping)
+                     else getattr(model_config, "architectures", None))
+    return architectures or []
 
 
 def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Optional[dict], *, cuda: bool,
@@ -28,13 +36,19 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
 
     b = DTYPE_BYTES[cfg.model_dtype]
     policy = Shape.of(model_config)
+
+    def lean(config) -> bool:  # the lean pass scores on a CPU (models.forward.LAYOUTS; on CUDA the model's forward)
+        return (not cuda and cfg.model_fast_paths and not cfg.train.exact_gradients
+                and any(a in LEAN_MODELS for a in _architectures(config)))
+
     scorers = []
     if algorithm_section(cfg).kl_coef > 0 and not cfg.lora.enabled:  # with LoRA the reference is the policy itself
-        scorers.append(Scorer("reference", policy, b, True))
+        scorers.append(Scorer("reference", policy, b, True, lean=lean(model_config)))
     if ALGORITHMS[cfg.algorithm].teacher and cfg.teacher.model:
         # (sharded under FSDP2 like the reference, but one of another tokenizer: whole on every process)
-        scorers.append(Scorer("teacher", Shape.of(load_model_config(cfg.teacher.model, "teacher.model")), b, True,
-                              sharded=not cfg.teacher.cross_tokenizer))
+        teacher = load_model_config(cfg.teacher.model, "teacher.model")
+        scorers.append(Scorer("teacher", Shape.of(teacher), b, True, sharded=not cfg.teacher.cross_tokenizer,
+                              lean=lean(teacher)))
     for n, reward in enumerate(cfg.rewards):
         if reward.model:
             shape = Shape.of(load_model_config(reward.model, f"rewards.{n}.model"), classifier=True)
@@ -42,7 +56,7 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
     critic_shape = None
     if critic:
         critic_shape = Shape.of(load_model_config(critic["critic_model"], "critic.model"), classifier=True)
-    architectures = getattr(model_config, "architectures", None) or []
+    architectures = _architectures(model_config)
     per_minibatch = plan.episodes_per_minibatch_per_process
     reserve = 0
     engine = engine_module(cfg.rollout.engine)
