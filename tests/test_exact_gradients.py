@@ -142,6 +142,22 @@ def one_process(cfg: dict, out: Path) -> None:
         torch.set_num_threads(threads)
 
 
+def subprocess_train(config: dict, folder) -> None:
+    """`tidyrl train` of `config` in a process of its own, with the environment of the multi-process runs (one
+    OpenMP thread in every thread: torch.set_num_threads in this process sets the calling thread's only, and a run
+    with rollout.lag computes on a thread of its own)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = Path(folder) / "one-process.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "tidyrl", "train", str(path)], env=gloo_cpu_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def fsdp_train(config: dict, folder, world: int) -> None:
     """`tidyrl train` under FSDP2 on `world` gloo processes, launched as tests/test_fsdp.py launches it."""
     import subprocess

@@ -596,3 +596,26 @@ def test_the_fsdp_path_of_a_lagged_run_is_the_lagged_run(tiny_model_dir, builtin
     assert copies == [] and snapshots and all(isinstance(s, FullWeights) and len(s) > 0 for s in snapshots)
     assert untimed(read_jsonl(gathered_path.output_dir / "metrics.jsonl")) == \
         untimed(read_jsonl(copy_path.output_dir / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_lagged_run_on_servers_under_fsdp2_is_the_one_process_run_bit_for_bit(tiny_model_dir, builtin_run, tmp_path):
+    """rollout.lag = 1 on a server, with the policy sharded over 2 FSDP2 processes (launched as a user launches
+    it): each launch's weights gathered into the first process and synced from there. With exact sums
+    (train.exact_gradients) the run is the one-process run bit for bit: the same metrics rows (clock fields aside)
+    and final weights."""
+    from safetensors.torch import load_file
+    from test_exact_gradients import fsdp_train, subprocess_train
+
+    cfg = config(tiny_model_dir, builtin_run[0], tmp_path / "one", "vllm-server")
+    cfg["rollout"].update(lag=1, generation_batch_size=1, forward_batch_size=2)
+    cfg["train"].update(rollouts=3, micro_batch_size=2, exact_gradients=True)
+    with FakeVLLMServer(tiny_model_dir) as server:
+        subprocess_train({**cfg, "server": {"urls": [server.url]}}, tmp_path)
+    with FakeVLLMServer(tiny_model_dir) as server:
+        fsdp_train({**cfg, "server": {"urls": [server.url]}, "output_dir": str(tmp_path / "two")}, tmp_path, 2)
+    rows = [untimed(read_jsonl(tmp_path / d / "metrics.jsonl")) for d in ("one", "two")]
+    assert rows[0] == rows[1] and len(rows[0]) == 6
+    assert [r["async/policy_lag"] for r in rows[0][::2]] == [0, 1, 1]
+    one, two = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("one", "two"))
+    assert all(torch.equal(one[k], two[k]) for k in one)
