@@ -213,6 +213,29 @@ def test_two_processes_with_their_own_engines_sample_what_one_does(vllm_model_di
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
 
 
+def test_an_fsdp2_run_with_in_process_engines_samples_what_one_process_does(vllm_model_dir, words_file, tmp_path):
+    """The policy sharded over 2 processes with FSDP2 (launched as a user launches it), each process with its own
+    engine synced from the shards before each rollout, one parameter gathered at a time: the same completions as
+    one process and the same run up to the update's float rounding (the gradient halves reduce-scattered)."""
+    from safetensors.torch import load_file
+    from test_exact_gradients import fsdp_train
+
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "one", train={"micro_batch_size": 2,
+                                                                            "learning_rate": 1e-3})
+    tidyrl.train(cfg)
+    fsdp_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, 2)
+    assert read_jsonl(tmp_path / "two" / "samples.jsonl") == read_jsonl(tmp_path / "one" / "samples.jsonl")
+    one, two = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        for key, value in a.items():
+            if isinstance(value, float) and not key.startswith("time"):
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    w1 = load_file(tmp_path / "one" / "final" / "model.safetensors")
+    w2 = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4  # (a real mistake moves them by ~lr = 1e-3)
+
+
 def test_a_lagged_run_makes_its_rollouts_ahead_on_the_vllm_engine_as_on_the_learners_thread(
         vllm_model_dir, words_file, tmp_path, monkeypatch):
     """rollout.lag = 1 on the in-process vLLM engine: rollout 3 is generated on the background thread (synced to the
