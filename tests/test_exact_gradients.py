@@ -432,3 +432,31 @@ def test_exact_gradients_is_accepted_under_every_sharding_tidyrl_runs():
                        "train": {"max_steps": 1, "batch_size": 2, "exact_gradients": True}})
     for kind in ("none", "fsdp2"):
         check_sharding(kind, cfg)
+
+
+def test_scoring_and_generation_chunks_that_would_hold_other_episodes_on_another_split_are_refused():
+    from tidyrl.config import load_config
+    from tidyrl.loops.rl_inputs import check_exact_chunks
+    from tidyrl.plan import PlanError, plan_from_config
+
+    def config(forward: int, generation: int):
+        return load_config({"algorithm": "grpo", "model": "m", "data": {"path": "p"},
+                            "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+                            "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4,
+                                        "forward_batch_size": forward, "generation_batch_size": generation},
+                            "train": {"rollouts": 1, "micro_batch_size": 1, "exact_gradients": True}})
+
+    cfg = config(2, 4)
+    for world in (1, 2):  # 8 and 4 episodes a process: 2 and 4 divide both
+        check_exact_chunks(cfg, plan_from_config(cfg, 10, world))
+    with pytest.raises(PlanError, match="generation_batch_size=4 does not divide each process's 2 episodes"):
+        check_exact_chunks(cfg, plan_from_config(cfg, 10, 4))
+    cfg = config(3, 4)
+    with pytest.raises(PlanError) as refused:
+        check_exact_chunks(cfg, plan_from_config(cfg, 10, 1))
+    assert refused.value.problems == [
+        "train.exact_gradients: rollout.forward_batch_size=3 does not divide each process's 8 episodes (8 a rollout "
+        "over 1 process(es)), so its chunks would hold other episodes on another number of processes and round "
+        "otherwise; set it to a divisor of 8 (of R/W for every W you compare)"]
+    cfg = config(2, 2)
+    check_exact_chunks(cfg, plan_from_config(cfg, 10, 4))  # 2 episodes a process: 2 divides them

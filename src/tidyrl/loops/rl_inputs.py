@@ -102,6 +102,26 @@ def scoring_passes(cfg: Config, plan) -> dict:
                         for name, model in models.items()}} if models else {}
 
 
+def check_exact_chunks(cfg: Config, plan) -> None:
+    """train.exact_gradients promises the weights of any number of processes, which holds where each no-grad
+    chunk holds the same episodes on any split: rollout.forward_batch_size (and, on the built-in engine, whose
+    sampled log-probs are read, rollout.generation_batch_size) must divide each process's episodes. A batch of
+    other episodes is another matmul shape, other padding, other last bits. Raises PlanError naming the fix."""
+    if not cfg.train.exact_gradients:
+        return
+    from tidyrl.plan import PlanError
+
+    share = plan.episodes_per_rollout_per_process
+    knobs = ["forward_batch_size"] + (["generation_batch_size"] if cfg.rollout.engine == "builtin" else [])
+    problems = [f"train.exact_gradients: rollout.{knob}={getattr(cfg.rollout, knob)} does not divide each "
+                f"process's {share} episodes ({plan.episodes_per_rollout} a rollout over {plan.world_size} "
+                f"process(es)), so its chunks would hold other episodes on another number of processes and round "
+                f"otherwise; set it to a divisor of {share} (of R/W for every W you compare)"
+                for knob in knobs if share % getattr(cfg.rollout, knob)]
+    if problems:
+        raise PlanError(problems)
+
+
 def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memory: Optional[str] = None,
                     fsdp: Optional[bool] = None) -> RLInputs:
     """Everything an RL run can check before any weights load, in order: the policy and tokenizer exist (at once,
@@ -119,6 +139,7 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
     environment, tools = read_environment(cfg, base_dir, tokenizer)
     dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
     plan = plan_from_config(cfg, len(dataset), world_size)
+    check_exact_chunks(cfg, plan)
     if plan.prompts_per_rollout > len(dataset):  # correct by the plan's formula, rarely what was meant
         report = "\n".join(filter(None, [report, repeated_prompts_warning(plan, len(dataset))]))
     columns = other_columns(dataset, cfg.data.prompt_column)
