@@ -61,6 +61,21 @@ def from_grid(total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(total.double(), torch.tensor(-GRID_EXPONENT, device=total.device)).to(dtype)
 
 
+class _Peak:
+    """The largest |gradient element| seen, kept where the gradients are (no host read per micro-batch)."""
+
+    def __init__(self):
+        self.peak = None
+
+    def add(self, gradient: torch.Tensor) -> None:
+        if gradient.numel():
+            top = gradient.detach().abs().max().double()
+            self.peak = top if self.peak is None else torch.maximum(self.peak, top)
+
+    def value(self) -> float:
+        return 0.0 if self.peak is None else float(self.peak)
+
+
 def _check_peak(peak: float, accelerator) -> None:
     """Refuse, on every process alike, a micro-batch gradient past LIMIT (a NaN included): the largest over
     processes decides, so no process stops alone and leaves the others waiting in a collective."""
@@ -93,7 +108,7 @@ class ExactGradients:
     def __init__(self, parameters: Iterable[torch.nn.Parameter]):
         self.parameters = [p for p in parameters if p.requires_grad]
         self.sums = [torch.zeros(p.shape, dtype=torch.int64, device=p.device) for p in self.parameters]
-        self.peak = torch.zeros((), dtype=torch.float64)
+        self.peak = _Peak()
 
     def micro_batch_sync(self, last: bool) -> bool:
         """Whether the next backward synchronises over processes: never, the integer all-reduce does it."""
@@ -104,12 +119,12 @@ class ExactGradients:
             if p.grad is None or not p.grad.numel():
                 continue
             g = p.grad.detach()
-            self.peak = torch.maximum(self.peak, g.abs().max().double().cpu())
+            self.peak.add(g)
             total += to_grid(g)
             p.grad = None
 
     def reduce(self, accelerator) -> None:
-        _check_peak(float(self.peak), accelerator)  # (one host read per step)
+        _check_peak(self.peak.value(), accelerator)  # (one host read per step)
         if accelerator.num_processes > 1:
             import torch.distributed as dist
 
@@ -151,8 +166,7 @@ class ShardedExactGradients:
         """(the reduce-scatter of the backward took the micro-batch's gradient onto the grid)"""
 
     def reduce(self, accelerator) -> None:
-        peaks = [c.peak for c in self.comms]
-        _check_peak(float(torch.stack(peaks).max()) if peaks else 0.0, accelerator)
+        _check_peak(max((c.peak.value() for c in self.comms), default=0.0), accelerator)
 
 
 def _exact_reduce_scatter():
@@ -171,11 +185,10 @@ def _exact_reduce_scatter():
             def __init__(self):
                 self.total = None
                 self.emit = False
-                self.peak = torch.zeros((), dtype=torch.float64)
+                self.peak = _Peak()
 
             def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-                if input_tensor.numel():
-                    self.peak = torch.maximum(self.peak, input_tensor.detach().abs().max().double().cpu())
+                self.peak.add(input_tensor)
                 shard = torch.empty(output_tensor.shape, dtype=torch.int64, device=output_tensor.device)
                 reduce_scatter(shard, to_grid(input_tensor), op=dist.ReduceOp.SUM, group=group)
                 self.total = shard if self.total is None else self.total.add_(shard)
@@ -209,25 +222,32 @@ def exact_grad_norm(grads: Sequence[torch.Tensor], sharded: bool = False) -> flo
     import math
 
     grads = [g for g in grads if g.numel()]  # (a shard may hold no rows of a small parameter)
-    peak = float(torch.stack([g.detach().abs().max().double().cpu() for g in grads]).max()) if grads else 0.0
-    parts = torch.zeros(2, dtype=torch.int64)
+    # (one host read for the peak, one for the sums: the reductions stay on the gradients' device until then)
+    peak = float(torch.stack([g.detach().abs().max().double() for g in grads]).max()) if grads else 0.0
     if sharded:
         import torch.distributed as dist
 
-        top = torch.tensor([peak], dtype=torch.float64)
+        top = torch.tensor([peak], dtype=torch.float64, device=_comm_device(grads))
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         peak = float(top)
     if peak == 0.0 or not math.isfinite(peak):
         return peak
     _, e = math.frexp(peak)  # peak < 2^e
     scale = NORM_BITS - 2 * e
+    halves = []
     for g in grads:
-        r = torch.round(torch.ldexp(g.detach().double().square(), torch.tensor(scale))).to(torch.int64)
-        parts += torch.stack([(r >> _SPLIT).sum(), (r & ((1 << _SPLIT) - 1)).sum()]).cpu()
+        r = torch.round(torch.ldexp(g.detach().double().square(), torch.tensor(scale, device=g.device))).long()
+        halves.append(torch.stack([(r >> _SPLIT).sum(), (r & ((1 << _SPLIT) - 1)).sum()]))
+    parts = torch.stack(halves).sum(0) if halves else torch.zeros(2, dtype=torch.int64, device=_comm_device(grads))
     if sharded:
         dist.all_reduce(parts, op=dist.ReduceOp.SUM)
     high, low = (int(x) for x in parts)
     return math.sqrt(math.ldexp(float((high << _SPLIT) + low), -scale))
+
+
+def _comm_device(grads) -> torch.device:
+    """Where the norm's collectives run: the gradients' device (NCCL reduces device tensors), the host if none."""
+    return grads[0].device if grads else torch.device("cpu")
 
 
 def clip_exactly(grads: Sequence[torch.Tensor], max_norm: float, sharded: bool = False) -> float:
