@@ -1,7 +1,7 @@
 """The memory plan (tidyrl.loops.memory_plan) against the peak a CPU process reaches, per phase and shape.
 
-    python benchmarks/bench_memory_plan.py        # four float32 Llama shapes, the last SmolLM2-135M's, and three
-                                                  # sft shapes (~3 min)
+    python benchmarks/bench_memory_plan.py        # five float32 Llama shapes (the fourth SmolLM2-135M's, the
+                                                  # fifth 512-token rows) and three sft shapes (~4 min)
     python benchmarks/bench_memory_plan.py --shape "256 4 8000 4 32 96"      # one shape
     python benchmarks/bench_memory_plan.py --sft                            # the first sft shape alone
 
@@ -83,7 +83,7 @@ step()  # AdamW's moments now exist, as in every step after the first
 update = peak_above(step)
 shape = Shape.of(cfg.to_dict())  # the scorer: a KL reference of the policy's shape (here the policy itself)
 x = MemoryInputs(policy=shape, dtype_bytes=4, prompt_tokens=P, new_tokens=C, generation_batch_size=m,
-                 forward_batch_size=m, micro_batch_size=m, episodes_per_process=m,
+                 forward_batch_size=m, micro_batch_size=m, episodes_per_process=m, lean_update=True,
                  scorers=(Scorer("reference", shape, 4, True, lean=True),))  # a CPU with fast paths: the lean pass
 plan = memory_plan(x)
 resident = ("policy_weights", "optimizer_state", "reference_weights")
@@ -139,14 +139,17 @@ parts = memory_plan(OfflineInputs("sft", Shape.of(cfg.to_dict()), 4, T, m)).phas
 print("update", update, sum(v for k, v in parts.items() if k not in ("policy_weights", "optimizer_state")))
 '''
 
-SHAPES = ("256 4 8000 4 32 96", "256 8 2000 8 32 96", "512 2 16000 2 32 160", "576 30 49152 4 64 128")
+SHAPES = ("256 4 8000 4 32 96", "256 8 2000 8 32 96", "512 2 16000 2 32 160", "576 30 49152 4 64 128",
+          "256 4 2000 2 32 480")
+"""RL shapes "h L V m P C"; the last one's 512-token rows make the attention's probabilities a quarter of the
+update's activations."""
 SFT_SHAPES = ("256 4 8000 4 128", "256 8 2000 8 128", "576 30 49152 4 192")
 """sft shapes "h L V m T": the model's own forward over m rows of T tokens (the offline stages' update)."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", action="append", help='"h L V m P C"; repeatable (default: four shapes)')
+    parser.add_argument("--shape", action="append", help='"h L V m P C"; repeatable (default: five shapes)')
     parser.add_argument("--sft", action="append", metavar="SHAPE", nargs="?", const=SFT_SHAPES[0],
                         help=f'an sft update "h L V m T" (alone: {SFT_SHAPES[0]!r}); repeatable')
     args = parser.parse_args()

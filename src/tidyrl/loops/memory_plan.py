@@ -46,8 +46,12 @@ Phases (each = what stays resident across the run + what the phase adds):
                  kernel); the output layer's input, its norm and logits f*C*(2*h + V)*b; or, the pass returned,
                  the logits and the log-softmax's as above
     update       gradients trainable bytes (/W; FSDP2 without train.sync_each_microbatch and with accumulation:
-                 whole until the last micro-batch); activations m*T*L*a*b (gradient checkpointing: m*T*(L*h + a)*b,
-                 the layer inputs and one layer recomputed); logits and their gradient 2*m*C*V*b and the
+                 whole until the last micro-batch); activations: the lean pass (MemoryInputs.lean_update) m*T*L*a*b
+                 and per layer its attention's probabilities, m*H*Q*K*4 (+ b below float32: their cast) for each
+                 call of float32 probabilities <= 32 MiB (prompts P x P, completions (C - 2) x (T - 1)), else the
+                 fused kernel's mask cast from boolean, m*Q*K*b; elsewhere the model's own forward, as the offline
+                 stages' below with r = m, and per layer SDPA's mask cast from boolean, m*T*T*b (gradient
+                 checkpointing: the layer inputs and one layer recomputed); logits and their gradient 2*m*C*V*b and the
                  log-softmax's float32 copies, 2*m*C*V*4 for float32 logits (the gather's and logsumexp's
                  gradients before they sum), C*V*4 for bf16/fp16 (the chunked output layer on CUDA: two chunks of
                  at most 256 MiB); FSDP2: two layers' gathered weights; a critic's gradients and activations
@@ -62,7 +66,7 @@ chosen and rejected sides in one forward). No generation; no chunked output laye
 whole logits).
 
     update       as RL's with m -> r, C -> T: weights, AdamW state, gradients, logits; the activations of the
-                 model's own forward r*T*(L*e + h*(4 + 2*b)) with e = 2*h*(4 + 2*b) + (3*q + 2*kv + 4*i)*b bytes
+                 model's own forward r*T*(L*e + h*(4 + 2*b)) and SDPA's masks L*r*T*T*b, with e = 2*h*(4 + 2*b) + (3*q + 2*kv + 4*i)*b bytes
                  per layer (each RMSNorm keeps its input upcast to float32 and its normalised input and output;
                  the final norm once; gradient checkpointing: r*T*(L*h*b + e + h*(4 + 2*b))); a reward model's
                  score head: r*T*num_labels*b instead of logits (LoRA: its head trained in full); kto: its
@@ -238,6 +242,10 @@ class MemoryInputs:
     accumulation_steps: int = 1
     chunked_head: bool = False
     """The output layer applied in chunks (CUDA, bf16/fp16, a plain causal LM; not under FSDP2)."""
+    lean_update: bool = False
+    """The policy's update runs tidyrl's lean pass (models.llama_forward: a Llama layout on a CPU, model_fast_paths
+    on, not train.exact_gradients, one process, no LoRA adapter, no gradient checkpointing), not the model's own
+    forward: their attention keeps different tensors for the backward pass."""
     scorers: tuple = ()
     critic: Optional[Shape] = None
     engine_reserve: int = 0
@@ -311,21 +319,39 @@ def _logits(rows: int, positions: int, vocab: int, b: int, chunked: bool, both_s
     return {"logits": (2 if both_sides else 1) * whole, "logsoftmax_one_sequence": positions * vocab * 4}
 
 
-def _activations(s: Shape, rows: int, T: int, b: int, checkpointing: bool) -> int:
-    """What the backward pass keeps of rows x T tokens: rows T L a b; with gradient checkpointing the L layer inputs
-    and one layer recomputed, rows T (L h + a) b."""
-    a = s.activation_elements()
-    return rows * T * ((s.layers * s.hidden + a) if checkpointing else s.layers * a) * b
+def _activations(s: Shape, rows: int, T: int, b: int) -> int:
+    """What the lean pass's backward keeps of rows x T tokens besides the attention's probabilities: rows T L a b."""
+    return rows * T * s.layers * s.activation_elements() * b
 
 
 def _own_forward_activations(s: Shape, rows: int, T: int, b: int, checkpointing: bool) -> int:
-    """What the backward pass keeps of rows x T tokens through the model's own forward (the offline stages'), in
-    bytes: per layer each RMSNorm's input upcast to float32 and its normalised input and output, h (4 + 2b) twice,
+    """What the backward pass keeps of rows x T tokens through the model's own forward (the offline stages', and RL's
+    where the lean pass does not run), in bytes: per layer each RMSNorm's input upcast to float32 and its normalised input and output, h (4 + 2b) twice,
     and the attention's and MLP's (3q + 2kv + 4i) b; the final norm's h (4 + 2b) once. With gradient checkpointing
     the L layer inputs and one layer recomputed."""
     layer = 2 * s.hidden * (4 + 2 * b) + (3 * s.q + 2 * s.kv + 4 * s.intermediate) * b
     kept = (s.layers * s.hidden * b + layer) if checkpointing else s.layers * layer
     return rows * T * (kept + s.hidden * (4 + 2 * b))
+
+
+def _own_attention(b: int, rows: int, T: int) -> int:
+    """Bytes one layer's attention keeps for the backward pass beyond the q, k, v and output that `a` and `e` count,
+    in the model's own forward (SDPA, transformers' default): its (rows, 1, T, T) mask, boolean as given and cast to
+    the queries' dtype by each layer's call, rows T T b (a CPU batch without padding passes no mask: less)."""
+    return rows * T * T * b
+
+
+def _lean_attention(s: Shape, b: int, rows: int, P: int, T: int, C: int) -> int:
+    """Bytes one layer's attention keeps for the backward pass in the lean pass, beyond what `a` counts, over its
+    two calls (prompts P x P, completions (C - 2) x (T - 1)): matmul attention (float32 probabilities of at most
+    32 MiB) the softmax's float32 output, and below float32 its cast to b that the second matmul reads, rows H Q K
+    (4 + b) (4 in float32: the cast is the same tensor); torch's fused kernel its mask, cast from boolean to the
+    queries' dtype in each call, rows Q K b."""
+    total = 0
+    for queries, keys in ((P, P), (C - 2, T - 1)):
+        n = rows * s.heads * queries * keys
+        total += n * (4 + (b if b < 4 else 0)) if n * 4 <= MATH_ATTENTION_MAX_BYTES else rows * queries * keys * b
+    return total
 
 
 def _generation(x: MemoryInputs, resident: dict) -> Phase:
@@ -411,12 +437,20 @@ def _update(x: MemoryInputs, resident: dict) -> Phase:
     parts["gradients"] = _trainable_bytes(x) if whole_grads else _div(_trainable_bytes(x), W)
     if x.fsdp and W > 1:
         parts["gathered_layers"] = 2 * s.layer_parameters() * b
-    parts["activations"] = _activations(s, m, T, b, x.gradient_checkpointing)
+    # the lean pass reads completions of at least two tokens (C >= 3); shorter ones take the model's own forward, as
+    # do the changes `_fix` tries that wrap the policy (several processes, LoRA, gradient checkpointing)
+    if x.lean_update and x.world_size == 1 and not x.lora_r and not x.gradient_checkpointing and C >= 3:
+        parts["activations"] = _activations(s, m, T, b)
+        parts["attention"] = s.layers * _lean_attention(s, b, m, x.prompt_tokens, T, C)
+    else:  # gradient checkpointing: the one layer recomputed holds its attention's tensors
+        parts["activations"] = _own_forward_activations(s, m, T, b, x.gradient_checkpointing)
+        parts["attention"] = (1 if x.gradient_checkpointing else s.layers) * _own_attention(b, m, T)
     parts.update(_logits(m, C, s.vocab, b, x.chunked_head and not x.fsdp, True))
-    if x.critic is not None:
+    if x.critic is not None:  # the critic's own forward (models.forward.completion_values)
         c = x.critic
         parts["critic_gradients"] = (c.parameters() * b if whole_grads else _div(c.parameters() * b, W))
-        parts["critic_activations"] = _activations(c, m, T, b, x.gradient_checkpointing)
+        parts["critic_activations"] = _own_forward_activations(c, m, T, b, x.gradient_checkpointing)
+        parts["critic_attention"] = (1 if x.gradient_checkpointing else c.layers) * _own_attention(b, m, T)
     return Phase("update", parts)
 
 
@@ -504,6 +538,7 @@ def _offline_plan(x: OfflineInputs) -> MemoryPlan:
     if gathering:
         parts["gathered_layers"] = 2 * s.layer_parameters() * b
     parts["activations"] = _own_forward_activations(s, x.rows, T, b, x.gradient_checkpointing)
+    parts["attention"] = (1 if x.gradient_checkpointing else s.layers) * _own_attention(b, x.rows, T)
     if s.num_labels:  # the score head's outputs at every position (pooled at the last): no vocabulary
         parts["score_logits"] = x.rows * T * s.num_labels * b
     else:

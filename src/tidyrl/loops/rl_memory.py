@@ -74,6 +74,9 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
         accumulation_steps=per_minibatch // cfg.train.micro_batch_size,
         chunked_head=cuda and b < 4 and any(a in CHUNKED_HEAD_MODELS for a in architectures)
         and os.environ.get("TIDYRL_CHUNKED_HEAD", "1") != "0",
+        # (llama_forward.can_run: DDP and FSDP2 wrap the policy, LoRA and gradient checkpointing wrap its modules)
+        lean_update=lean(model_config) and plan.world_size == 1 and not cfg.lora.enabled
+        and not cfg.train.gradient_checkpointing,
         scorers=tuple(scorers), critic=critic_shape, engine_reserve=reserve)
 
 
