@@ -124,6 +124,8 @@ def _one_and_two_processes(cfg: dict, tmp_path, fsdp: bool = False, world: int =
     """`cfg` run in this process (one thread, as each torchrun process has) into tmp_path/one, and on `world`
     processes into tmp_path/two: under torchrun (DDP), or with `fsdp` as a user launches FSDP2 (accelerate launch
     with examples/accelerate/fsdp.yaml)."""
+    if fsdp:
+        skip_without_fsdp2()
     one_process(cfg, tmp_path / "one")
     if fsdp:
         fsdp_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, world)
@@ -158,6 +160,14 @@ def subprocess_train(config: dict, folder) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def skip_without_fsdp2() -> None:
+    """accelerate before 1.6 launches FSDP1 only, which tidyrl refuses (tests/test_fsdp.py)."""
+    from test_fsdp import _accelerate_launches_fsdp2
+
+    if not _accelerate_launches_fsdp2():
+        pytest.skip("this accelerate has no fsdp_version: it launches FSDP1 only (1.6+ needed)")
+
+
 def fsdp_train(config: dict, folder, world: int) -> None:
     """`tidyrl train` under FSDP2 on `world` gloo processes, launched as tests/test_fsdp.py launches it."""
     import subprocess
@@ -166,6 +176,7 @@ def fsdp_train(config: dict, folder, world: int) -> None:
     import yaml
     from test_fsdp import FSDP_YAML
 
+    skip_without_fsdp2()
     path = Path(folder) / "fsdp.yaml"
     path.write_text(yaml.safe_dump(config))
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_YAML),
@@ -263,6 +274,7 @@ def test_thirty_rollouts_on_1_2_and_4_processes_ddp_or_fsdp2_and_a_resume_on_ano
     2-shard runs, each resumed on 4 shards, end the same too."""
     import shutil
 
+    skip_without_fsdp2()
     cfg = grpo_config(tiny_model_dir, prompt_file, tmp_path / "one", rollouts=30, grpo={"kl_coef": 0.05},
                       train={"micro_batch_size": 1, "exact_gradients": True, "learning_rate": 1e-2,
                              "max_grad_norm": 0.05})

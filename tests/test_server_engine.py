@@ -605,7 +605,9 @@ def test_a_lagged_run_on_servers_under_fsdp2_is_the_one_process_run_bit_for_bit(
     (train.exact_gradients) the run is the one-process run bit for bit: the same metrics rows (clock fields aside)
     and final weights."""
     from safetensors.torch import load_file
-    from test_exact_gradients import fsdp_train, subprocess_train
+    from test_exact_gradients import fsdp_train, skip_without_fsdp2, subprocess_train
+
+    skip_without_fsdp2()
 
     cfg = config(tiny_model_dir, builtin_run[0], tmp_path / "one", "vllm-server")
     cfg["rollout"].update(lag=1, generation_batch_size=1, forward_batch_size=2)

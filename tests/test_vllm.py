@@ -218,7 +218,9 @@ def test_an_fsdp2_run_with_in_process_engines_samples_what_one_process_does(vllm
     engine synced from the shards before each rollout, one parameter gathered at a time: the same completions as
     one process and the same run up to the update's float rounding (the gradient halves reduce-scattered)."""
     from safetensors.torch import load_file
-    from test_exact_gradients import fsdp_train
+    from test_exact_gradients import fsdp_train, skip_without_fsdp2
+
+    skip_without_fsdp2()
 
     cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "one", train={"micro_batch_size": 2,
                                                                             "learning_rate": 1e-3})
