@@ -342,3 +342,83 @@ def test_bench_loading_shows_a_copy_on_the_host_first_costs_a_model_that_placing
     assert times_model["imports"] == 0
     assert times_model["host"] > 2.5 and times_model["copy-then-move"] > 2.5  # two held, the third being copied
     assert times_model["placed"] < 0.5  # (meta reads no page: on a GPU, ~1 model of the file's mapped pages)
+
+
+def learning_bench():
+    sys.path.insert(0, str(BENCH))
+    import bench_learning
+
+    return bench_learning
+
+
+def test_bench_learning_gives_trl_the_tidyrl_configs_numbers_and_prompt_order_without_trl(tmp_path, monkeypatch):
+    """bench_learning.py's TRL settings are read off the tidyrl config (no TRL import, nothing trained): the batch,
+    sampling, loss, clipping, optimizer and schedule; its prompts are tidyrl's prompt stream in order, across an
+    epoch's end; a config with no TRL counterpart, a reused run of other settings and bad options are refused."""
+    from argparse import Namespace
+
+    from tidyrl.config import config_to_dict
+    from tidyrl.data import PromptStream
+
+    bench = learning_bench()
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+                                         "answer": str(i + 1)}) + "\n" for i in range(10)))
+    args = Namespace(config=str(bench.EXAMPLE / "grpo.yaml"), model=str(tmp_path / "model"), train=str(train),
+                     rollouts=5, output=str(tmp_path / "out"))
+    cfg = bench.tidyrl_config(args)
+    trl = bench.trl_settings(cfg)
+    r, t = cfg.rollout, cfg.train
+    assert (trl["num_generations"], trl["per_device_train_batch_size"], trl["gradient_accumulation_steps"]) == (
+        r.samples_per_prompt, t.micro_batch_size, r.prompts_per_rollout * r.samples_per_prompt // t.micro_batch_size)
+    assert (trl["temperature"], trl["top_p"], trl["top_k"], trl["max_completion_length"]) == (0.7, 1.0, 0, 32)
+    assert (trl["learning_rate"], trl["lr_scheduler_type"], trl["warmup_steps"], trl["max_grad_norm"]) == (
+        1e-5, t.lr_scheduler, 2, t.max_grad_norm)
+    assert (trl["weight_decay"], trl["adam_beta1"], trl["adam_beta2"], trl["adam_epsilon"]) == (
+        t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_epsilon)
+    assert (trl["max_steps"], trl["num_iterations"], trl["beta"], trl["epsilon"]) == (5, 1, 0.0, 0.2)
+    assert (trl["loss_type"], trl["scale_rewards"], trl["shuffle_dataset"], trl["use_vllm"]) == (
+        "dapo", "group", False, False)
+    assert trl["gradient_checkpointing"] is False and trl["model_init_kwargs"] == {"dtype": "float32"}
+
+    other = bench.trl_settings(bench.load_config_with(args, ["train.micro_batch_size=8", "grpo.kl_coef=0.04",
+                                                             "train.epochs_per_rollout=2", "train.warmup_steps=0",
+                                                             "train.warmup_ratio=0.15"]))
+    assert (other["gradient_accumulation_steps"], other["beta"], other["num_iterations"], other["max_steps"],
+            other["warmup_steps"]) == (4, 0.04, 2, 10, 2)  # warm-up: ceil(0.15 * 10 steps)
+    for setting, says in (("grpo.loss_aggregation=sequence_mean", "grpo.loss_aggregation='sequence_mean'"),
+                          ("rollout.min_new_tokens=4", "rollout.min_new_tokens=4"),
+                          ("train.micro_batch_size=12", "does not divide a rollout's 32 episodes")):
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            bench.trl_settings(bench.load_config_with(args, [setting]))
+
+    rows = bench.stream_rows(cfg)  # 5 rollouts of 4 prompts: 20 stream positions, two epochs of 10
+    stream = PromptStream(10, cfg.seed)
+    expected = [i for e in (0, 1) for i in stream.epoch_order(e)]
+    assert [row["answer"] for row in rows] == [str(i + 1) for i in expected]
+
+    run = tmp_path / "reused"
+    (run / "final").mkdir(parents=True)
+    import yaml
+
+    (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg)))
+    bench.check_reused_run(run, cfg)
+    (run / "config.yaml").write_text(yaml.safe_dump(config_to_dict(bench.load_config_with(
+        args, ["rollout.temperature=1.0"]))))
+    with pytest.raises(SystemExit, match="made from other settings than asked \\(rollout\\)"):
+        bench.check_reused_run(run, cfg)
+
+    evaluation = tmp_path / "eval"
+    evaluation.mkdir()
+    (evaluation / "eval_samples.jsonl").write_text("")
+    (evaluation / "eval.json").write_text(json.dumps({"model": str(run / "final"), "settings": {"greedy": True},
+                                                      "data": f"held out: data.eval_path = '{train}'"}))
+    assert bench.evaluation_of(evaluation, str(run / "final"), str(train))
+    assert not bench.evaluation_of(evaluation, str(tmp_path / "model"), str(train))
+
+    for bad, says in ((["--libraries", "tidyrl,vllm"], "--libraries: unknown vllm"),
+                      (["--reuse-eval", "after=x"], "--reuse-eval: unknown after"),
+                      (["--trl-python", str(tmp_path / "none"), "--train", str(train)], "cannot import trl")):
+        done = subprocess.run([sys.executable, str(BENCH / "bench_learning.py"), "--output", str(tmp_path / "o"),
+                               *bad], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
