@@ -281,3 +281,15 @@ def test_grpo_raises_held_out_accuracy_and_final_keeps_tied_weights(tmp_path, sm
     assert gain > half, (scores["before"].summary["reward_mean"], scores["after"].summary["reward_mean"], half)
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert final.lm_head.weight is final.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("script", ["run.sh", "distill.sh", "lora.sh"])
+def test_the_examples_scripts_parse(script):
+    import shutil
+    import subprocess
+
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    done = subprocess.run(["bash", "-n", str(Path(__file__).resolve().parents[1] / "examples" / "smollm2" / script)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
