@@ -56,6 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "smollm2"
 LIBRARIES = ("tidyrl", "trl")
+NAMES = {"tidyrl": "tidyrl", "trl": "TRL"}
 MATCHED = {"algorithm": "grpo", "rollout.engine": "builtin", "rollout.lag": 0, "rollout.min_new_tokens": 0,
            "rollout.dynamic_sampling": False, "train.minibatches_per_epoch": 1, "grpo.loss_aggregation": "token_mean",
            "grpo.policy_loss": "token", "grpo.kl_estimator": "k3", "grpo.mask_truncated": False,
@@ -74,9 +75,14 @@ def tidyrl_config(args):
 def load_config_with(args, overrides: list[str]):
     from tidyrl.config import load_config
 
-    return load_config(args.config, [f"model={args.model}", f"data.path={args.train}", "data.eval_path=null",
-                                     f"train.rollouts={args.rollouts}", f"output_dir={Path(args.output) / 'tidyrl'}",
-                                     *overrides])
+    return load_config(args.config, [*settings(args), *overrides])
+
+
+def settings(args) -> list[str]:
+    """The overrides of --config that make the asked run (the same for `tidyrl train` and for TRL's settings)."""
+    seed = [] if getattr(args, "seed", None) is None else [f"seed={args.seed}"]
+    return [f"model={args.model}", f"data.path={args.train}", "data.eval_path=null", f"train.rollouts={args.rollouts}",
+            f"output_dir={Path(args.output) / 'tidyrl'}", *seed]
 
 
 def lookup(cfg, dotted: str):
@@ -262,9 +268,8 @@ def train_tidyrl(args, cfg, out: Path) -> dict:
         run = out
         print(f"tidyrl: training {cfg.train.rollouts} rollouts (log: {out}.log) ...", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        run_logged([sys.executable, "-m", "tidyrl", "train", str(args.config), f"model={args.model}",
-                    f"data.path={args.train}", "data.eval_path=null", f"train.rollouts={args.rollouts}",
-                    f"output_dir={out}"], Path(f"{out}.log"), child_env(args.threads))
+        run_logged([sys.executable, "-m", "tidyrl", "train", str(args.config), *settings(args)], Path(f"{out}.log"),
+                   child_env(args.threads))
     return {**tidyrl_timing(run), "final": str(run / "final")}
 
 
@@ -300,6 +305,7 @@ def report(args, cfg, timings: dict, evals: dict) -> dict:
     from compare import interval, paired_gain, read_samples
 
     samples = {name: read_samples(folder) for name, folder in evals.items()}
+    made = {name: json.loads((Path(folder) / "eval.json").read_text()) for name, folder in evals.items()}
     accuracy = {name: interval([s["reward"] for s in rows]) for name, rows in samples.items()}
     libs = [lib for lib in LIBRARIES if lib in timings]
     r = cfg.rollout
@@ -308,9 +314,10 @@ def report(args, cfg, timings: dict, evals: dict) -> dict:
           f"lr {cfg.train.learning_rate:g}; greedy accuracy on {len(samples['before'])} held-out prompts "
           f"({args.eval}), 95 % intervals ==")
     before = accuracy["before"]
-    print(f"{'':24}{'accuracy':>16}{'gain (paired)':>18}{'s / rollout':>14}{'train reward':>22}")
-    print(f"{'before':24}{before[0]:>9.3f} ± {before[1]:.3f}")
-    out = {"before": before, "versions": timings.get("trl", {}).get("versions", {})}
+    print(f"{'':16}{'accuracy':>16}{'truncated':>11}{'gain (paired)':>18}{'s / rollout':>13}{'train reward, first -> last third':>36}")
+    print(f"{'before':16}{before[0]:>9.3f} ± {before[1]:.3f}{made['before']['truncated_fraction']:>11.3f}")
+    out = {"before": {"accuracy": before, "truncated": made["before"]["truncated_fraction"]},
+           "versions": timings.get("trl", {}).get("versions", {})}
     for lib in libs:
         acc, gain = accuracy[lib], paired_gain(samples["before"], samples[lib])
         t = timings[lib]
@@ -318,9 +325,10 @@ def report(args, cfg, timings: dict, evals: dict) -> dict:
         rw = t["reward_mean"]
         third = max(len(rw) // 3, 1)
         first, last = sum(rw[:third]) / third, sum(rw[-third:]) / third
-        print(f"{'after, ' + lib:24}{acc[0]:>9.3f} ± {acc[1]:.3f}{gain[0]:>+11.3f} ± {gain[1]:.3f}"
-              f"{per_rollout:>14.1f}{first:>13.2f} -> {last:.2f}")
-        out[lib] = {"accuracy": acc, "gain": gain, "s_per_rollout": per_rollout, "rollout_s": t["rollout_s"],
+        print(f"{'after, ' + NAMES[lib]:16}{acc[0]:>9.3f} ± {acc[1]:.3f}{made[lib]['truncated_fraction']:>11.3f}"
+              f"{gain[0]:>+11.3f} ± {gain[1]:.3f}{per_rollout:>13.1f}{first:>27.2f} -> {last:.2f}")
+        out[lib] = {"accuracy": acc, "truncated": made[lib]["truncated_fraction"], "gain": gain,
+                    "s_per_rollout": per_rollout, "rollout_s": t["rollout_s"],
                     "train_reward_first_third": first, "train_reward_last_third": last}
     if len(libs) == 2:
         diff = paired_gain(samples["trl"], samples["tidyrl"])
@@ -354,6 +362,8 @@ def main(argv=None) -> None:
     default_trl = ROOT / ".venv-trl" / "bin" / "python"
     parser.add_argument("--trl-python", default=str(default_trl) if default_trl.exists() else sys.executable,
                         help="the Python of TRL's environment (default .venv-trl/bin/python where it exists)")
+    parser.add_argument("--seed", type=int, help="both libraries' seed (default: the config's); it also picks tidyrl's "
+                        "prompt order, which TRL is given")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each training (default 1)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
