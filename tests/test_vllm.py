@@ -187,18 +187,26 @@ def test_one_update_per_rollout_takes_the_importance_weights_from_the_update(vll
     assert all(r["mismatch/logprob_abs_mean"] < 1e-4 and r["mismatch/capped_fraction"] == 0.0 for r in rows)
 
 
-def test_two_processes_with_their_own_engines_sample_what_one_does(vllm_model_dir, words_file, tmp_path):
+@pytest.mark.parametrize("launch", ["ddp", "fsdp2"])
+def test_two_processes_with_their_own_engines_sample_what_one_does(launch, vllm_model_dir, words_file, tmp_path):
     """Each process holds its own in-process engine and generates its share with the samples' own keys: the
     same completions as one process (measured: identical), and the same run up to float rounding in the
     update (two halves of each mini-batch's gradient summed; measured 1e-5 after 4 steps). Launched with torchrun
-    on gloo."""
+    on gloo (DDP), and as a user launches FSDP2 (the policy sharded, each engine synced from the shards one
+    parameter gathered at a time)."""
     from conftest import torchrun_train
     from safetensors.torch import load_file
+    from test_exact_gradients import fsdp_train, skip_without_fsdp2
 
+    if launch == "fsdp2":
+        skip_without_fsdp2()
     cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "one", train={"micro_batch_size": 2,
                                                                             "learning_rate": 1e-3})
     tidyrl.train(cfg)
-    torchrun_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path)
+    if launch == "fsdp2":
+        fsdp_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, 2)
+    else:
+        torchrun_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path)
     assert read_jsonl(tmp_path / "two" / "samples.jsonl") == read_jsonl(tmp_path / "one" / "samples.jsonl")
     one, two = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert len(one) == len(two) == 4
@@ -211,31 +219,6 @@ def test_two_processes_with_their_own_engines_sample_what_one_does(vllm_model_di
     # Rounding only: the trainer's log-probs (old log-probs of epoch 2, from epoch 1's forward) come from other
     # micro-batch shapes, and AdamW turns such noise into steps far below lr = 1e-3, the size of a real mistake.
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4
-
-
-def test_an_fsdp2_run_with_in_process_engines_samples_what_one_process_does(vllm_model_dir, words_file, tmp_path):
-    """The policy sharded over 2 processes with FSDP2 (launched as a user launches it), each process with its own
-    engine synced from the shards before each rollout, one parameter gathered at a time: the same completions as
-    one process and the same run up to the update's float rounding (the gradient halves reduce-scattered)."""
-    from safetensors.torch import load_file
-    from test_exact_gradients import fsdp_train, skip_without_fsdp2
-
-    skip_without_fsdp2()
-
-    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "one", train={"micro_batch_size": 2,
-                                                                            "learning_rate": 1e-3})
-    tidyrl.train(cfg)
-    fsdp_train({**cfg, "output_dir": str(tmp_path / "two")}, tmp_path, 2)
-    assert read_jsonl(tmp_path / "two" / "samples.jsonl") == read_jsonl(tmp_path / "one" / "samples.jsonl")
-    one, two = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
-    assert len(one) == len(two) == 4
-    for a, b in zip(one, two):
-        for key, value in a.items():
-            if isinstance(value, float) and not key.startswith("time"):
-                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
-    w1 = load_file(tmp_path / "one" / "final" / "model.safetensors")
-    w2 = load_file(tmp_path / "two" / "final" / "model.safetensors")
-    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-4  # (a real mistake moves them by ~lr = 1e-3)
 
 
 def test_a_lagged_run_makes_its_rollouts_ahead_on_the_vllm_engine_as_on_the_learners_thread(

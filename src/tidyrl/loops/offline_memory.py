@@ -9,9 +9,9 @@ from dataclasses import replace
 from typing import Optional
 
 from tidyrl.algorithms.choices import REFERENCE_FREE_LOSS_TYPES
-from tidyrl.config import Config, ConfigError
-from tidyrl.loops.memory_plan import DTYPE_BYTES, MemoryPlan, OfflineInputs, Shape, fit_problems, gib, memory_plan
-from tidyrl.loops.rl_memory import memory_budget
+from tidyrl.config import Config
+from tidyrl.loops.memory_plan import DTYPE_BYTES, MemoryPlan, OfflineInputs, Shape
+from tidyrl.loops.rl_memory import memory_budget, planned
 
 CUDA_WIDTH_MULTIPLE = 16
 """models.devices.WIDTH_MULTIPLE["cuda"] (named here so that the plan imports no torch): on CUDA a micro-batch's
@@ -85,13 +85,4 @@ def check_offline_memory(cfg: Config, model_config, items: list, held_out: list,
                                        cuda=source.startswith("the CUDA"), fsdp=fsdp)
     except ValueError as err:
         return None, f"memory: not planned ({err})"
-    mplan = memory_plan(inputs)
-    peak = mplan.peak
-    line = (f"memory: predicted peak {gib(peak.total)} per process ({peak.name}; sequences of up to "
-            f"{inputs.tokens} tokens)")
-    if budget:
-        problems = fit_problems(inputs, budget, per_minibatch=plan.examples_per_process)
-        if problems:
-            raise ConfigError([f"memory ({source}): {p}" for p in problems])
-        line += f", fits the {gib(budget)} of {source}"
-    return mplan, line
+    return planned(inputs, budget, source, plan.examples_per_process, f"; sequences of up to {inputs.tokens} tokens")

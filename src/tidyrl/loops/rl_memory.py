@@ -130,11 +130,19 @@ def check_memory(cfg: Config, model_config, prompt_ids: list, plan, critic: Opti
                                fsdp=fsdp, device_bytes=budget)
     except ValueError as err:
         return None, f"memory: not planned ({err})"
+    return planned(inputs, budget, source, plan.episodes_per_minibatch_per_process)
+
+
+def planned(inputs, budget: Optional[int], source: str, per_minibatch: int, detail: str = ""
+            ) -> tuple[MemoryPlan, str]:
+    """The memory plan of `inputs` and its line for the run's report (`detail` added to the peak's phase). Raises
+    ConfigError naming each phase that would not fit `budget` (from `source`), by how much, and what to change
+    (`fit_problems`, with `per_minibatch` examples or episodes a process per optimizer step)."""
     mplan = memory_plan(inputs)
     peak = mplan.peak
-    line = f"memory: predicted peak {gib(peak.total)} per process ({peak.name})"
+    line = f"memory: predicted peak {gib(peak.total)} per process ({peak.name}{detail})"
     if budget:
-        problems = fit_problems(inputs, budget, per_minibatch=plan.episodes_per_minibatch_per_process)
+        problems = fit_problems(inputs, budget, per_minibatch=per_minibatch)
         if problems:
             raise ConfigError([f"memory ({source}): {p}" for p in problems])
         line += f", fits the {gib(budget)} of {source}"
