@@ -1,15 +1,15 @@
 """tidyrl vs TRL's GRPOTrainer on a real pretrained model: the same GRPO run in each library, then both final models
 scored by the same evaluator on held-out prompts. What each learned, and how fast.
 
-    python benchmarks/bench_learning.py                                    # both libraries train (about 40 min)
+    python benchmarks/bench_learning.py                     # both train and are evaluated: about 16 min on 2 cores
     python benchmarks/bench_learning.py --tidyrl-run runs/smollm2/grpo12 \\
         --reuse-eval before=runs/smollm2/eval-before,tidyrl=runs/smollm2/eval-grpo12   # only TRL trains
 
 The defaults are examples/smollm2's (`python examples/smollm2/prepare.py runs/smollm2` makes the model and prompts):
 SmolLM2-135M-Instruct, two-digit arithmetic, the reward `rewards.py:last_number`, the settings of
 examples/smollm2/grpo.yaml at --rollouts (default 12). TRL runs in its own environment (--trl-python, default
-.venv-trl/bin/python: `python -m venv .venv-trl && .venv-trl/bin/pip install torch -e ".[bench]"`, with the
-transformers of tidyrl's environment pinned).
+.venv-trl/bin/python: `python3 -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 && .venv-trl/bin/pip
+install -e ".[bench]" transformers==X`, X the transformers of tidyrl's environment, so that both load the model alike).
 
 Prints the greedy held-out accuracy of the starting model and of each library's final model (`tidyrl eval` on
 --eval, one completion per prompt, as examples/smollm2/run.sh), each with its 95 % interval, each library's gain
@@ -34,7 +34,9 @@ What is the same in both (the rules of benchmarks/bench_vs_trl.py, read from the
   (transformers' `get_scheduler` in both, the same warm-up steps over the same number of steps);
 - threads: each training runs in a fresh process with OMP_NUM_THREADS=MKL_NUM_THREADS=--threads.
 What differs: the random streams (the sampled completions, and so the updates, are not the same; the seed is);
-tidyrl's engine and training forward are its own (the work the same, the arithmetic's order not).
+tidyrl's engine and training forward are its own (the work the same, the arithmetic's order not). The intervals
+are over the held-out prompts of one training run each; how much a run's outcome depends on its random draws is
+seen only across runs: --seed N runs both libraries again on another seed (and prompt order).
 
 Wall time per rollout is each library's own clock of its training loop, loading excluded: tidyrl's metrics.jsonl
 `time_s` at its last step over the rollouts, TRL's from the start of `train` to its last optimizer step. A
