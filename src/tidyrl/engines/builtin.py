@@ -8,12 +8,16 @@ from typing import Optional, Sequence
 from tidyrl.engines.base import Capabilities, SamplingSettings, in_process_fsdp_problem
 
 
+CAPABILITIES = Capabilities(samples_trained_weights=True, needs_weight_sync=False, can_sleep=False,
+                            default_tis_cap=0.0)
+"""What the engine declares, known before it is built (the config's checks read it)."""
+
+
 class BuiltinEngine:
     """tidyrl's decode loop on the policy (no copy of the weights, nothing to sync)."""
 
     name = "builtin"
-    capabilities = Capabilities(samples_trained_weights=True, needs_weight_sync=False, can_sleep=False,
-                                default_tis_cap=0.0)
+    capabilities = CAPABILITIES
 
     def __init__(self, policy, fast_path: bool = True):
         self.policy, self.fast_path = policy, fast_path

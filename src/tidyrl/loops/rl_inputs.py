@@ -104,15 +104,19 @@ def scoring_passes(cfg: Config, plan) -> dict:
 
 def check_exact_chunks(cfg: Config, plan) -> None:
     """train.exact_gradients promises the weights of any number of processes, which holds where each no-grad
-    chunk holds the same episodes on any split: rollout.forward_batch_size (and, on the built-in engine, whose
-    sampled log-probs are read, rollout.generation_batch_size) must divide each process's episodes. A batch of
+    chunk holds the same episodes on any split: rollout.forward_batch_size (and, on an engine that samples from the
+    policy itself, whose sampled log-probs are read, rollout.generation_batch_size) must divide each process's episodes. A batch of
     other episodes is another matmul shape, other padding, other last bits. Raises PlanError naming the fix."""
     if not cfg.train.exact_gradients:
         return
     from tidyrl.plan import PlanError
 
+    from tidyrl.engines import engine_module
+
     share = plan.episodes_per_rollout_per_process
-    knobs = ["forward_batch_size"] + (["generation_batch_size"] if cfg.rollout.engine == "builtin" else [])
+    declared = getattr(engine_module(cfg.rollout.engine), "CAPABILITIES", None)  # (an engine known when built: not)
+    sampled_here = declared is not None and declared.samples_trained_weights  # its chunks are the policy's forward
+    knobs = ["forward_batch_size"] + (["generation_batch_size"] if sampled_here else [])
     problems = [f"train.exact_gradients: rollout.{knob}={getattr(cfg.rollout, knob)} does not divide each "
                 f"process's {share} episodes ({plan.episodes_per_rollout} a rollout over {plan.world_size} "
                 f"process(es)), so its chunks would hold other episodes on another number of processes and round "
