@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "plan":
-            from tidyrl.config import OFFLINE_ALGORITHMS, load_config
+            from tidyrl.config import OFFLINE_ALGORITHMS, load_config, packs_rows
             from tidyrl.plan import plan_from_config
 
             cfg = load_config(args.config, args.overrides)
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 model_config = load_model_config(cfg.model)  # the policy exists (at once, offline too)
                 # tokenised as the loop does: the count of examples (or packed rows) and the longest sequence
-                items, held_out = load_stage_items(cfg, load_tokenizer(cfg.tokenizer or cfg.model))
+                items, held_out = load_stage_items(cfg, load_tokenizer(cfg.tokenizer or cfg.model),
+                                                   packing=packs_rows(cfg))
                 plan = plan_from_config(cfg, len(items), args.num_processes)
                 extra = {"eval_examples": len(held_out)} if held_out else {}
                 loop = importlib.import_module(LOOPS[cfg.algorithm])

@@ -299,12 +299,10 @@ def pair_key(pair: TokenizedPair) -> tuple:
     return tuple(pair.chosen.input_ids), tuple(pair.rejected.input_ids)
 
 
-def load_stage_items(cfg, tokenizer) -> tuple[list, list]:
+def load_stage_items(cfg, tokenizer, *, packing: bool) -> tuple[list, list]:
     """(training items, held-out items) of an offline stage, tokenised as its loop tokenises them, for `tidyrl
-    plan`: sft's examples (packed into rows with sft.packing), reward's and dpo's pairs, kto's examples. Their
-    count is the plan's N; their lengths set the memory plan's longest sequence."""
-    from tidyrl.config import packs_rows
-
+    plan`: sft's examples (packed into rows where `packing`: tidyrl.config.packs_rows), reward's and dpo's pairs,
+    kto's examples. Their count is the plan's N; their lengths set the memory plan's longest sequence."""
     eos_ids = completion_eos_ids(cfg.model, tokenizer)
     if cfg.algorithm == "sft":
         load, key = (lambda c: load_sft_examples(c, tokenizer, eos_ids)[0]), sequence_key
@@ -315,7 +313,7 @@ def load_stage_items(cfg, tokenizer) -> tuple[list, list]:
     else:
         load, key = (lambda c: load_kto_examples(c, tokenizer, eos_ids)[0]), kto_key
     train, held_out, _ = split_train_eval(cfg, load(cfg), load, key)
-    if packs_rows(cfg):  # after the split, as the loop packs: a row never mixes train and held-out examples
+    if packing:  # after the split, as the loop packs: a row never mixes train and held-out examples
         train = pack_sequences(train, cfg.data.max_length)
     return train, held_out
 

@@ -79,9 +79,8 @@ class _Peak:
 def _check_peak(peak: float, accelerator) -> None:
     """Refuse, on every process alike, a micro-batch gradient past LIMIT (a NaN included): the largest over
     processes decides, so no process stops alone and leaves the others waiting in a collective."""
-    from tidyrl.loops.training import reduce_max
-
-    peak = reduce_max(accelerator, peak)
+    if accelerator.num_processes > 1:  # (loops.training imports this module: its reduce_max is not used here)
+        peak = float(accelerator.reduce(torch.tensor([peak], device=accelerator.device), reduction="max").cpu())
     if not peak < LIMIT:
         raise FloatingPointError(
             f"train.exact_gradients: a micro-batch gradient reached {peak:.3g} (the exact sum takes |g| < "
