@@ -280,8 +280,9 @@ def split_train_eval(cfg, items: list, load_eval, key) -> tuple[list, list, list
     else:
         return items, [], []
     source = f"data.eval_path = {d.eval_path!r}" if d.eval_path else f"data.eval_fraction = {d.eval_fraction}"
-    notes = [f"eval: {len(eval_items)} held-out examples ({source}), scored every "
-             f"{cfg.log.eval_every or 'last'} optimizer step{'s' if cfg.log.eval_every != 1 else ''}"]
+    every = cfg.log.eval_every
+    notes = [f"eval: {len(eval_items)} held-out examples ({source}), scored "
+             + (f"every {every} optimizer step{'s' if every != 1 else ''}" if every else "after the last optimizer step")]
     seen = {key(x) for x in train_items}
     shared = sum(key(x) in seen for x in eval_items)
     if shared:

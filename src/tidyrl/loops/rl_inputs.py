@@ -157,8 +157,9 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
         check_reward_columns(reward_fns, other_columns(eval_dataset, cfg.data.prompt_column))
         k = 1 if cfg.log.eval_decoding == "greedy" else cfg.rollout.samples_per_prompt
         eval_report = (f"eval: {len(eval_dataset)} held-out prompts ({held_out_source(cfg)}), {k} "
-                       f"{cfg.log.eval_decoding} completion(s) each, after every {cfg.log.eval_every or 'last'} "
-                       f"optimizer step{'s' if cfg.log.eval_every != 1 else ''}"
+                       f"{cfg.log.eval_decoding} completion(s) each, "
+                       + (f"after every {cfg.log.eval_every} optimizer step{'s' if cfg.log.eval_every != 1 else ''}"
+                          if cfg.log.eval_every else "after the last optimizer step")
                        + (f"; held-out {fit_report}" if fit_report else ""))
         trained = {tuple(ids) for ids in prompt_ids}
         shared = sum(tuple(ids) in trained for ids in eval_prompt_ids)
