@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # LoRA for RL on the real model: the GRPO run of run.sh (12 rollouts) with a LoRA adapter on every linear layer
-# (the MLP included) of rank 1 and of rank 16, each at learning rates around 10x full fine-tuning's (1e-5), against
+# (the MLP included) of rank 1 and of rank 16, each at 10x and 100x full fine-tuning's learning rate (1e-5), against
 # full fine-tuning's greedy held-out accuracy (docs/memory.md has the figures and the advice).
 #
 #     bash examples/smollm2/run.sh [WORK_DIR]       # first: the model, the task, the base model's evaluation
-#     bash examples/smollm2/lora.sh [WORK_DIR] [RANK:LR ...]   # default: 1:1e-4 1:3e-4 16:1e-4 16:3e-4
+#     bash examples/smollm2/lora.sh [WORK_DIR] [RANK:LR ...]   # default: 1:1e-4 1:1e-3 16:1e-4 16:1e-3
 #
 # Each run writes WORK_DIR/lora-r<RANK>-lr<LR>/ and its evaluation WORK_DIR/eval-lora-r<RANK>-lr<LR>/; full fine-tuning
 # at the same length is WORK_DIR/grpo12/ (made here if missing).
@@ -13,7 +13,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 WORK="${1:-runs/smollm2}"
 shift || true
 RUNS=("$@")
-[ ${#RUNS[@]} -gt 0 ] || RUNS=(1:1e-4 1:3e-4 16:1e-4 16:3e-4)
+[ ${#RUNS[@]} -gt 0 ] || RUNS=(1:1e-4 1:1e-3 16:1e-4 16:1e-3)
 [ -e "$WORK/eval-before" ] || { echo "lora.sh: $WORK/eval-before is missing: run bash examples/smollm2/run.sh $WORK first" >&2; exit 2; }
 SETTINGS=(model="$WORK/model" data.path="$WORK/train.jsonl" data.eval_path="$WORK/eval.jsonl" train.rollouts=12)
 
