@@ -200,8 +200,8 @@ class RLRun:
             options=self.algo, policy_loss=self.algo.policy_loss or self.spec.policy_loss,
             kl_in_loss=self.spec.kl_in == "loss", tis_cap=self.tis_cap, temperature=ro.temperature,
             max_new_tokens=ro.max_new_tokens,
-            # (exact sums: the model's own forward, the same code path inside DDP as alone: loops.exact_sums)
-            fast_path=cfg.model_fast_paths and not cfg.train.exact_gradients,
+            # (exact sums: the policy is marked by models.forward.exact_forward, which turns its fast paths off)
+            fast_path=cfg.model_fast_paths,
             sync_each_microbatch=cfg.train.sync_each_microbatch, max_grad_norm=cfg.train.max_grad_norm,
             exact_gradients=cfg.train.exact_gradients)
 
