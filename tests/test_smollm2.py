@@ -120,7 +120,7 @@ def test_pairs_put_a_right_answer_before_a_wrong_one_of_the_same_prompt():
     prompt = [{"role": "user", "content": "What is 2 + 1?"}]
 
     def sample(index, k, text, reward, truncated=False):
-        return {"prompt_index": index, "sample": k, "prompt": json.dumps(prompt), "completion": text,
+        return {"prompt_index": index, "sample": k, "prompt": prompt, "completion": text,
                 "reward": reward, "truncated": truncated}
 
     samples = [sample(0, 0, "2 + 1 = 3 and more", 1.0, truncated=True), sample(0, 1, "2 + 1 = 2", 0.0),

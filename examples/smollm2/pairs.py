@@ -22,8 +22,7 @@ def make_pairs(samples: list[dict]) -> list[dict]:
         group = sorted(by_prompt[index], key=lambda s: s["sample"])
         right = sorted({s["completion"]: s for s in group if s["reward"] >= 1.0}.values(), key=lambda s: s["truncated"])
         wrong = list({s["completion"]: s for s in group if s["reward"] <= 0.0}.values())
-        prompt = json.loads(group[0]["prompt"]) if isinstance(group[0]["prompt"], str) else group[0]["prompt"]
-        pairs += [{"prompt": prompt, "chosen": r["completion"], "rejected": w["completion"]}
+        pairs += [{"prompt": group[0]["prompt"], "chosen": r["completion"], "rejected": w["completion"]}
                   for r, w in zip(right, wrong)]
     return pairs
 
