@@ -7,7 +7,8 @@
 #     bash examples/smollm2/lora.sh [WORK_DIR] [RANK:LR ...]   # default: 1:1e-4 1:1e-3 16:1e-4 16:1e-3
 #
 # Each run writes WORK_DIR/lora-r<RANK>-lr<LR>/ and its evaluation WORK_DIR/eval-lora-r<RANK>-lr<LR>/; full fine-tuning
-# at the same length is WORK_DIR/grpo12/ (made here if missing).
+# at the same length is WORK_DIR/grpo12/ (made here if missing). RANK `full` is full fine-tuning at another learning
+# rate (WORK_DIR/full-lr<LR>/). SEED (default 0) is the run's seed; another seed writes <name>-seed<SEED>/.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 WORK="${1:-runs/smollm2}"
@@ -16,23 +17,32 @@ RUNS=("$@")
 [ ${#RUNS[@]} -gt 0 ] || RUNS=(1:1e-4 1:1e-3 16:1e-4 16:1e-3)
 [ -e "$WORK/eval-before" ] || { echo "lora.sh: $WORK/eval-before is missing: run bash examples/smollm2/run.sh $WORK first" >&2; exit 2; }
 SETTINGS=(model="$WORK/model" data.path="$WORK/train.jsonl" data.eval_path="$WORK/eval.jsonl" train.rollouts=12)
+SEED="${SEED:-0}"
+SUFFIX=""
+[ "$SEED" = 0 ] || SUFFIX="-seed$SEED"
+
+name_of() {  # RANK:LR -> the run's folder name
+  local rank="${1%%:*}" lr="${1##*:}"
+  if [ "$rank" = full ]; then echo "full-lr$lr$SUFFIX"; else echo "lora-r$rank-lr$lr$SUFFIX"; fi
+}
 
 if [ ! -e "$WORK/eval-grpo12" ]; then
   tidyrl train "$HERE/grpo.yaml" "${SETTINGS[@]}" output_dir="$WORK/grpo12"
   tidyrl eval "$HERE/grpo.yaml" "${SETTINGS[@]}" --model "$WORK/grpo12/final" --output-dir "$WORK/eval-grpo12"
 fi
 for run in "${RUNS[@]}"; do
-  rank="${run%%:*}" lr="${run##*:}"
-  name="lora-r$rank-lr$lr"
+  rank="${run%%:*}" lr="${run##*:}" name="$(name_of "$run")"
+  adapter=(lora.enabled=true lora.r="$rank")
+  [ "$rank" != full ] || adapter=()
   rm -rf "$WORK/eval-$name"
-  tidyrl train "$HERE/grpo.yaml" "${SETTINGS[@]}" output_dir="$WORK/$name" lora.enabled=true lora.r="$rank" \
-    train.learning_rate="$lr"
+  tidyrl train "$HERE/grpo.yaml" "${SETTINGS[@]}" output_dir="$WORK/$name" "${adapter[@]}" \
+    train.learning_rate="$lr" seed="$SEED"
   tidyrl eval "$HERE/grpo.yaml" "${SETTINGS[@]}" --model "$WORK/$name/final" --output-dir "$WORK/eval-$name"
 done
 for run in "${RUNS[@]}"; do
-  rank="${run%%:*}" lr="${run##*:}"
-  echo "LoRA r=$rank, lr $lr, against full fine-tuning (lr 1e-5), both 12 rollouts:"
-  python "$HERE/compare.py" "$WORK/eval-grpo12" "$WORK/eval-lora-r$rank-lr$lr"
-  grep -h '"time_s"' "$WORK/lora-r$rank-lr$lr/metrics.jsonl" | tail -1 | python -c \
+  rank="${run%%:*}" lr="${run##*:}" name="$(name_of "$run")"
+  echo "$name (rank $rank, lr $lr, seed $SEED) against full fine-tuning (lr 1e-5, seed 0), both 12 rollouts:"
+  python "$HERE/compare.py" "$WORK/eval-grpo12" "$WORK/eval-$name"
+  grep -h '"time_s"' "$WORK/$name/metrics.jsonl" | tail -1 | python -c \
     "import json, sys; print(f\"  wall time {json.loads(sys.stdin.read())['time_s']:.0f} s\")"
 done
