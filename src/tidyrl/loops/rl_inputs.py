@@ -166,8 +166,13 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
         if shared:
             eval_report += (f"\ntidyrl: warning: {shared} of {len(eval_prompt_ids)} held-out prompts are also "
                             "training prompts; their eval metrics measure memory, not generalisation")
+    # An engine generates a rollout's share in one call, and the held-out evaluation's share in one call too.
+    eval_share = 0
+    if eval_prompt_ids:
+        k = 1 if cfg.log.eval_decoding == "greedy" else cfg.rollout.samples_per_prompt
+        eval_share = -(-len(eval_prompt_ids) * k // plan.world_size)
     check_engine_inputs(cfg, model_config, [*prompt_ids, *(eval_prompt_ids or [])],
-                        plan.episodes_per_rollout_per_process)
+                        max(plan.episodes_per_rollout_per_process, eval_share))
     if ALGORITHMS[cfg.algorithm].teacher:
         check_teacher(cfg, tokenizer)
     critic = None
@@ -204,12 +209,14 @@ class EvalInputs:
 
 
 def check_eval_inputs(cfg: Config, base_dir: Optional[str], *, data: Optional[str] = None,
-                      num_prompts: Optional[int] = None) -> EvalInputs:
+                      num_prompts: Optional[int] = None, samples_per_prompt: Optional[int] = None) -> EvalInputs:
     """What `tidyrl eval` reads and checks before any weights load, by the learner's own checks (the policy and
     tokenizer, the environment and its tools, the prompts' fit in the context, the rewards and their columns, the
     engine's own). The prompts: those of `data` (a file or saved folder; its first `num_prompts`, None = all);
     else the config's held-out prompts (data.eval_path, or data.eval_fraction of data.path: the very prompts
-    training evaluates, all of them unless `num_prompts`); else the first `num_prompts` of data.path (None = all)."""
+    training evaluates, all of them unless `num_prompts`); else the first `num_prompts` of data.path (None = all).
+    `samples_per_prompt`: the completions asked of each prompt (None: rollout.samples_per_prompt), which the engine
+    generates in one call."""
     from tidyrl.data import load_prompt_dataset, load_rl_prompts, other_columns
 
     model_config, tokenizer = read_policy(cfg)
@@ -227,7 +234,8 @@ def check_eval_inputs(cfg: Config, base_dir: Optional[str], *, data: Optional[st
     environment, tools = read_environment(cfg, base_dir, tokenizer)
     dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
     reward_fns, lines = read_rewards(cfg, base_dir, other_columns(dataset, cfg.data.prompt_column))
-    check_engine_inputs(cfg, model_config, prompt_ids, len(prompt_ids) * cfg.rollout.samples_per_prompt)
+    k = cfg.rollout.samples_per_prompt if samples_per_prompt is None else samples_per_prompt
+    check_engine_inputs(cfg, model_config, prompt_ids, len(prompt_ids) * k)
     return EvalInputs(tokenizer, dataset, prompt_ids, "\n".join(filter(None, [report, *lines])), reward_fns, source,
                       held_out, environment, tools)
 
