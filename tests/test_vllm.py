@@ -479,7 +479,7 @@ def test_the_probe_tells_a_servers_raw_log_probs(vllm_server, vllm_model_dir):
     from tidyrl.engines.server import returns_processed_logprobs
 
     model = json.loads(urllib.request.urlopen(vllm_server + "/v1/models", timeout=10).read())["data"][0]["id"]
-    assert returns_processed_logprobs(vllm_server, model, [5, 6, 7]) is False
+    assert returns_processed_logprobs(vllm_server, model, [5, 6, 7], 60.0) is False
 
 
 def test_a_teacher_served_by_vllm_scores_a_sequence_as_the_server_sampled_it(vllm_server, vllm_model_dir,

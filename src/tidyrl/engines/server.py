@@ -567,12 +567,13 @@ def config_problems(cfg) -> list[str]:
     return problems
 
 
-def returns_processed_logprobs(url: str, model: str, prompt: Sequence[int]) -> bool:
+def returns_processed_logprobs(url: str, model: str, prompt: Sequence[int], timeout: float) -> bool:
     """Whether a server returns log-probs after its sampling processors (`--logprobs-mode processed_logprobs`):
     the one token kept by top_k = 1 then has log-prob 0 exactly; a raw log-prob (temperature 1, all tokens) is
-    below 0 (one probe request)."""
+    below 0 (one probe request). `timeout`: a completion's (server.timeout_s), not a probe's few seconds: a
+    server's first completion warms it up, which on a busy CPU took over 5 s."""
     settings = SamplingSettings(max_new_tokens=1, eos_ids=[], pad_id=0, top_k=1)
-    answer = _request(url, "/v1/completions", completion_request(model, prompt, 0, settings), PROBE_TIMEOUT_S)
+    answer = _request(url, "/v1/completions", completion_request(model, prompt, 0, settings), timeout)
     return float(answer["choices"][0]["logprobs"]["token_logprobs"][0]) == 0.0
 
 
@@ -649,7 +650,7 @@ def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int
         ro = cfg.rollout
         if ro.behaviour_logprobs == "sampler" and ro.temperature != 1.0:
             try:
-                processed = returns_processed_logprobs(url, name, probe or [0])
+                processed = returns_processed_logprobs(url, name, probe or [0], s.timeout_s)
             except (ServerAnswerError, KeyError, IndexError, TypeError, ValueError) as err:
                 problems.append(f"{key}: a probe completion failed ({err}); is it a vLLM server?")
                 continue
