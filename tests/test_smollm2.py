@@ -339,7 +339,8 @@ def test_grpo_raises_held_out_accuracy_and_final_keeps_tied_weights(tmp_path, sm
     assert final.lm_head.weight is final.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("script", ["run.sh", "distill.sh", "lora.sh", "format.sh", "preferences.sh", "engines.sh"])
+@pytest.mark.parametrize("script", ["run.sh", "distill.sh", "lora.sh", "format.sh", "preferences.sh", "engines.sh",
+                                    "tools.sh"])
 def test_the_examples_scripts_parse(script):
     import shutil
     import subprocess
