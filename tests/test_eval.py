@@ -233,6 +233,9 @@ def test_tidyrl_eval_of_a_multiturn_tool_run_gives_its_last_eval_metrics(tmp_pat
     assert len(samples) == 4 and all(s["rewards"]["env"] == s["reward"] for s in samples)
     assert sum(s["reward"] for s in samples) / 4 == pytest.approx(summary["reward_mean"])
     assert all("<tools>" not in s["completion"] and s["completion"] for s in samples)
+    # each episode's model turns (1 to max_turns), and their mean in eval.json
+    assert all(1 <= s["turns"] <= 3 for s in samples)
+    assert summary["turns_mean"] == sum(s["turns"] for s in samples) / 4
     assert "reward/env" in capsys.readouterr().out
 
 

@@ -196,3 +196,8 @@ def test_summary_counts_accuracy_and_tool_calls(tmp_path):
     (tmp_path / "eval_samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     s = summary(tmp_path)
     assert s["n"] == 4 and s["accuracy"][0] == 0.25 and s["calls"][0] == 0.5 and s["results"][0] == 0.25
+    # eval_samples.jsonl with each episode's turns (tidyrl eval writes them with an environment): read from them
+    for sample, turns in zip(samples, (2, 3, 1, 2)):
+        sample["turns"] = turns  # the last one: a second turn without <tool_call> in its text still counts
+    (tmp_path / "eval_samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    assert summary(tmp_path)["calls"][0] == 0.75

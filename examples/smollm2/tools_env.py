@@ -58,9 +58,9 @@ class Multiply(ToolEnvironment):
 
 def summary(folder) -> dict:
     """One evaluation (`tidyrl eval ... --output-dir FOLDER`, with this environment): accuracy and the share of
-    episodes that call the tool, each (mean, half-width of its 95 % interval), from eval_samples.jsonl. An episode's
-    completion is its whole trajectory decoded without special tokens, so it holds `<tool_call>` where the model
-    wrote one; `results`: the share whose call came back with a result (not an error)."""
+    episodes that call the tool, each (mean, half-width of its 95 % interval), from eval_samples.jsonl: an episode
+    calls it when it took more than one turn (`turns`; where a file has none, when its trajectory, decoded without
+    special tokens, holds `<tool_call>`); `results`: the share whose call came back with a result (not an error)."""
     import json
     import math
     from pathlib import Path
@@ -74,7 +74,8 @@ def summary(folder) -> dict:
         return mean, 1.96 * math.sqrt(var / n)
 
     return {"n": len(samples), "accuracy": interval([s["reward"] for s in samples]),
-            "calls": interval([float("<tool_call>" in s["completion"]) for s in samples]),
+            "calls": interval([float(s["turns"] > 1 if "turns" in s else "<tool_call>" in s["completion"])
+                               for s in samples]),
             "results": interval([float('"result":' in s["completion"]) for s in samples])}
 
 

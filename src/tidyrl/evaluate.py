@@ -166,6 +166,9 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
         | ({"reward/env": 1.0} if inputs.environment is not None else {}),
         "completion_length_mean": metrics["eval/completion_length_mean"],
         "truncated_fraction": metrics["eval/truncated_fraction"],
+        # With an environment: the model's turns per episode (1 + its tool calls, for a tool environment)
+        **({"turns_mean": sum(row["turns"] for row in episodes) / len(episodes)}
+           if inputs.environment is not None and episodes else {}),
         # Training normalises a `normalize: true` reward with the moments of its own run, which a model folder
         # does not carry; normalising on this evaluation's own scores would centre them at 0 for every model
         # and hide the difference an evaluation is for. So eval reports raw scores, and says so.
@@ -178,7 +181,8 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     }
     samples = [{"prompt_index": row["prompt_index"], "sample": row["sample"], "prompt": prompts[row["prompt_index"]],
                 "completion": row["completion"], "reward": row["reward"], "rewards": row["rewards"],
-                "truncated": row["truncated"]} for row in episodes]
+                "truncated": row["truncated"], **({"turns": row["turns"]} if "turns" in row else {})}
+               for row in episodes]
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -255,7 +259,8 @@ def format_eval(summary: dict, samples: list[dict], output_dir: Path) -> str:
                      "(training normalises with its run's moments), so reward_mean is the weighted total of raw "
                      "scores, not training's reward_mean")
     lines.append(f"  completion_length_mean: {summary['completion_length_mean']:.1f} tokens, "
-                 f"truncated_fraction: {summary['truncated_fraction']:.3f}")
+                 f"truncated_fraction: {summary['truncated_fraction']:.3f}"
+                 + (f", turns_mean: {summary['turns_mean']:.3f}" if "turns_mean" in summary else ""))
     for s in samples:
         prompt = s["prompt"] if isinstance(s["prompt"], str) else json.dumps(s["prompt"], ensure_ascii=False)
         lines.append(f"  e.g. {_clip(prompt)!r} -> {_clip(s['completion'])!r}  (reward {s['reward']:.3f})")

@@ -297,7 +297,7 @@ def evaluate_held_out(producer, engine, policy, k: int, prompts: int, accelerato
     by the policy only. Each process takes a contiguous share of the episodes and the sums are reduced by name: the
     same numbers on any number of processes. Returns (the metrics, and with `with_episodes` every episode's row
     in episode order, gathered from every process: prompt_index, sample, completion, reward, rewards, truncated,
-    length; else None)."""
+    length, and with an environment turns (the model's turns); else None)."""
     from tidyrl.rollouts.producer import EVAL_SLOT
 
     total, rank, world = prompts * k, accelerator.process_index, accelerator.num_processes
@@ -323,10 +323,12 @@ def evaluate_held_out(producer, engine, policy, k: int, prompts: int, accelerato
             sums.add(**{f"{name}:sum": sum(scored), f"{name}:count": len(scored)})
         if with_episodes:
             lengths = made.completion_lengths
+            turns = made.episodes.turns  # model turns, with an environment
             rows = [{"prompt_index": e // k, "sample": e % k, "completion": made.completions[i],
                      "reward": functions[i] + (float(env[i]) if env is not None else 0.0),
                      "rewards": {name: values[i] for name, values in raw.items()},
-                     "truncated": bool(made.episodes.truncated[i]), "length": lengths[i]}
+                     "truncated": bool(made.episodes.truncated[i]), "length": lengths[i],
+                     **({"turns": int(turns[i])} if turns is not None else {})}
                     for i, e in enumerate(episodes)]
     totals = sums.reduced(accelerator)
     metrics = {"eval/reward_mean": totals["reward"] / total}
