@@ -296,3 +296,29 @@ def test_samples_jsonl_shows_different_prompts(tiny_model_dir, prompt_file, tmp_
         shown = [row for row in rows if row["rollout"] == r]
         assert len({row["prompt"] for row in shown[:4]}) == 4  # P = 4 prompts, one sample of each first
         assert [row["sample"] for row in shown] == [0, 0, 0, 0, 1, 1]
+
+
+def never_solved(completions, **_):
+    """A task the model never solves: 0 for every completion."""
+    return [0.0] * len(completions)
+
+
+def test_a_rollout_without_signal_is_said_once_and_changes_no_weight(tiny_model_dir, prompt_file, tmp_path, capsys):
+    """Every reward equal: GRPO's advantages are all 0, the gradient is 0 and (no weight decay) the weights stay the
+    starting ones; the run says so once, with what to do, instead of training in silence."""
+    from safetensors.torch import load_file
+
+    cfg = base_config(tiny_model_dir, prompt_file, tmp_path / "flat", rewards=[{"function": never_solved}],
+                      log={"progress_bar": False})
+    result = tidyrl.train(cfg)
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == 12 and all(r["advantage_abs_mean"] == 0.0 and r["grad_norm"] == 0.0 for r in rows)
+    start, end = load_file(tiny_model_dir / "model.safetensors"), load_file(result.final_dir / "model.safetensors")
+    assert all(torch.equal(start[k], end[k]) for k in start)
+    out = capsys.readouterr().out
+    assert out.count("every advantage is 0") == 1
+    assert ("tidyrl: warning: rollout 1: every advantage is 0 (its 16 episodes all scored 0), so its update changes "
+            "nothing.") in out and "SFT first" in out
+    capsys.readouterr()
+    tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "learns", log={"progress_bar": False}))
+    assert "every advantage is 0" not in capsys.readouterr().out

@@ -29,7 +29,7 @@ from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
 from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
 from tidyrl.loops.rl_rollout import (GROUP_COUNTS, environment_failure, estimate_advantages, evaluate_held_out,
                                      gather_rollout, multi_turn_stats, old_from_sampler, rollout_rewards,
-                                     rollout_stats, sample_row, score_episodes)
+                                     no_signal_note, rollout_stats, sample_row, score_episodes)
 from tidyrl.loops.rl_update import Trainee, UpdateSettings, minibatch, optimizer_step, prepare_critic
 from tidyrl.loops.training import Steps, check_resume, continue_longer, keep_if_best
 from tidyrl.models.loading import load_causal_lm, load_policy
@@ -225,6 +225,7 @@ class RLRun:
                                       [s for s in (t.scheduler, t.critic_scheduler) if s is not None]))
         self.start = time.perf_counter() - elapsed
         self.env_errors = []
+        self.said_no_signal = False
         row, last_reward = {}, None
         with Steps(cfg, plan, self.out, self.accelerator, first_step=step) as steps:
             try:
@@ -352,6 +353,9 @@ class RLRun:
             kl_control.update(estimate.stats["rollout_kl"], n_steps=self.plan.episodes_per_rollout)
         rollout = replace(rollout, advantages=estimate.advantages, returns=estimate.returns)
         stats = rollout_stats(rollout, scores, raw_per_fn, overlong, estimate.stats)
+        if stats["advantage_abs_mean"] == 0.0 and not self.said_no_signal:  # said once: a flat reward teaches nothing
+            self.said_no_signal = True
+            self._say(no_signal_note(r, len(rollout), scores))
         if rollout.action_mask is not None:  # multi-turn: turns, environment errors (said once)
             turns, self.env_errors, notes = multi_turn_stats(r, made.episodes, self._gather)
             stats.update(turns)

@@ -148,6 +148,16 @@ def estimate_advantages(spec, options, rollout: Rollout, scores, *, k: int, beta
                                        **vars(options))
 
 
+def no_signal_note(r: int, episodes: int, scores) -> str:
+    """The warning for a rollout whose advantages are all 0 (rollout `r`, 0-based): its update changes nothing."""
+    low, high = float(scores.min()), float(scores.max())
+    scored = f"all scored {low:g}" if low == high else f"scored {low:g} to {high:g}, equal within each prompt's samples"
+    return (f"warning: rollout {r + 1}: every advantage is 0 (its {episodes} episodes {scored}), so its update "
+            "changes nothing. A task the model never (or always) solves gives no signal: start from a model that "
+            "sometimes solves it (SFT first), add partial credit (e.g. a format reward), or give easier prompts. "
+            "Said once; advantage_abs_mean in metrics.jsonl shows every rollout.")
+
+
 def rollout_stats(rollout: Rollout, scores, raw_per_fn: dict, overlong, algo_stats: dict) -> dict:
     """The rollout's metrics, the same in every metrics row of its optimizer steps."""
     lengths = rollout.completion_mask.sum(1)
