@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # LoRA for RL on the real model: the GRPO run of run.sh (12 rollouts) with a LoRA adapter on every linear layer
-# (the MLP included) of rank 1 and of rank 16, each at 10x and 100x full fine-tuning's learning rate (1e-5), against
-# full fine-tuning's greedy held-out accuracy (docs/memory.md has the figures and the advice).
+# (the MLP included) of the ranks and at the learning rates given (by default rank 1 and rank 16, each at 10x and 100x
+# full fine-tuning's 1e-5), against full fine-tuning's greedy held-out accuracy (docs/memory.md has the sweep and the
+# advice).
 #
 #     bash examples/smollm2/run.sh [WORK_DIR]       # first: the model, the task, the base model's evaluation
 #     bash examples/smollm2/lora.sh [WORK_DIR] [RANK:LR ...]   # default: 1:1e-4 1:1e-3 16:1e-4 16:1e-3
