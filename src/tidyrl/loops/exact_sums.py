@@ -33,6 +33,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from tidyrl.loops.collectives import reduce_max
+
 GRID_EXPONENT = 40
 """Each micro-batch gradient is rounded to a multiple of 2^-GRID_EXPONENT."""
 LIMIT = 2.0 ** 11
@@ -79,8 +81,7 @@ class _Peak:
 def _check_peak(peak: float, accelerator) -> None:
     """Refuse, on every process alike, a micro-batch gradient past LIMIT (a NaN included): the largest over
     processes decides, so no process stops alone and leaves the others waiting in a collective."""
-    if accelerator.num_processes > 1:  # (loops.training imports this module: its reduce_max is not used here)
-        peak = float(accelerator.reduce(torch.tensor([peak], device=accelerator.device), reduction="max").cpu())
+    peak = reduce_max(accelerator, peak)
     if not peak < LIMIT:
         raise FloatingPointError(
             f"train.exact_gradients: a micro-batch gradient reached {peak:.3g} (the exact sum takes |g| < "

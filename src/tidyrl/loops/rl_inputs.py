@@ -150,12 +150,14 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
     reward_fns, lines = read_rewards(cfg, base_dir, columns)
     for line in lines:
         report = f"{report}\ntidyrl: {line}" if report else line
-    eval_prompt_ids, eval_report = None, ""
+    # An engine generates a rollout's share in one call, and the held-out evaluation's share in one call too.
+    eval_prompt_ids, eval_report, eval_share = None, "", 0
     if eval_dataset is not None:
         eval_dataset, eval_prompt_ids, fit_report = encode_prompt_set(cfg, eval_dataset, tokenizer, model_config,
                                                                       tools)
         check_reward_columns(reward_fns, other_columns(eval_dataset, cfg.data.prompt_column))
         k = 1 if cfg.log.eval_decoding == "greedy" else cfg.rollout.samples_per_prompt
+        eval_share = -(-len(eval_prompt_ids) * k // plan.world_size)
         eval_report = (f"eval: {len(eval_dataset)} held-out prompts ({held_out_source(cfg)}), {k} "
                        f"{cfg.log.eval_decoding} completion(s) each, "
                        + (f"after every {cfg.log.eval_every} optimizer step{'s' if cfg.log.eval_every != 1 else ''}"
@@ -166,11 +168,6 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
         if shared:
             eval_report += (f"\ntidyrl: warning: {shared} of {len(eval_prompt_ids)} held-out prompts are also "
                             "training prompts; their eval metrics measure memory, not generalisation")
-    # An engine generates a rollout's share in one call, and the held-out evaluation's share in one call too.
-    eval_share = 0
-    if eval_prompt_ids:
-        k = 1 if cfg.log.eval_decoding == "greedy" else cfg.rollout.samples_per_prompt
-        eval_share = -(-len(eval_prompt_ids) * k // plan.world_size)
     check_engine_inputs(cfg, model_config, [*prompt_ids, *(eval_prompt_ids or [])],
                         max(plan.episodes_per_rollout_per_process, eval_share))
     if ALGORITHMS[cfg.algorithm].teacher:

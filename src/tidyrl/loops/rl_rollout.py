@@ -16,7 +16,8 @@ import torch
 from tidyrl.algorithms.estimators import ESTIMATORS, Estimate
 from tidyrl.algorithms.kl import kl_per_token
 from tidyrl.algorithms.losses import masked_mean, truncated_importance_weights
-from tidyrl.loops.training import Sums, reduce_max
+from tidyrl.loops.collectives import reduce_max
+from tidyrl.loops.training import Sums
 from tidyrl.models.sharding import full_weights
 from tidyrl.rewards.functions import weighted_sum
 from tidyrl.rollouts.making import episode_tokens, on_engine

@@ -19,7 +19,8 @@ from tidyrl.algorithms.kl import kl_per_token
 from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss, truncated_importance_weights
 from tidyrl.algorithms.ppo import clipped_value_loss
 from tidyrl.loops.exact_sums import exact_accumulator, global_micro_batches
-from tidyrl.loops.training import Sums, apply_update, no_sync, reduce_max, reduce_sum
+from tidyrl.loops.collectives import reduce_max, reduce_sum
+from tidyrl.loops.training import Sums, apply_update, no_sync
 from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
 from tidyrl.rollouts.record import Rollout, chunks

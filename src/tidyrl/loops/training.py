@@ -5,7 +5,9 @@
     apply_update    clip -> stop on NaN/inf -> optimizer step -> one LR-scheduler step -> zero the gradients
     StopSignals     Ctrl-C / SIGTERM: stop after the current optimizer step, with a checkpoint
     check_resume    the checkpoint `resume_from` names, read and compared with the current config
-    agree, reduce_sum   the small collectives
+
+The small collectives (reduce_sum, reduce_max, agree) are in loops/collectives.py, below this module and
+loops/exact_sums.py alike.
 
 The loops themselves stay explicit in their modules (loops/rl.py, loops/offline.py); these are their parts.
 """
@@ -17,6 +19,8 @@ import math
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from tidyrl.loops.collectives import agree, reduce_sum
+
 
 class TrainingInterrupted(RuntimeError):
     """Ctrl-C or SIGTERM: the run stopped cleanly after an optimizer step and saved a checkpoint."""
@@ -24,31 +28,6 @@ class TrainingInterrupted(RuntimeError):
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN or infinite; the update was not applied."""
-
-
-def reduce_sum(accelerator, tensor):
-    """Sum a small per-process tensor over processes (on one process: the tensor itself)."""
-    if accelerator.num_processes == 1:
-        return tensor
-    return accelerator.reduce(tensor.to(accelerator.device), reduction="sum").cpu()
-
-
-def reduce_max(accelerator, value: float) -> float:
-    """The largest of a per-process number over processes (metrics only)."""
-    if accelerator.num_processes == 1:
-        return value
-    import torch
-
-    return float(accelerator.reduce(torch.tensor([value], device=accelerator.device), reduction="max").cpu())
-
-
-def agree(accelerator, flag: bool) -> bool:
-    """True in every process if it is true in any (so that all stop at the same step)."""
-    if accelerator.num_processes == 1:
-        return flag
-    import torch
-
-    return bool(reduce_sum(accelerator, torch.tensor([float(flag)])).item() > 0)
 
 
 class Sums:
