@@ -83,18 +83,20 @@ def test_the_engine_checks_the_sequences_of_each_generate_call_training_and_eval
     from tidyrl.loops import rl_inputs
 
     seen = []
-    monkeypatch.setattr(rl_inputs, "check_engine_inputs", lambda cfg, model_config, ids, sequences: seen.append(sequences))
+    monkeypatch.setattr(rl_inputs, "check_engine_inputs",
+                        lambda cfg, model_config, ids, sequences, training=True: seen.append((sequences, training)))
     base = config(tiny_model_dir, prompt_file, tmp_path / "run")  # 2 prompts x 4 samples = 8 episodes a rollout
     greedy = load_config({**base, "data": {**base["data"], "eval_path": str(prompt_file)}})  # 10 held-out prompts
     sampled = load_config({**base, "data": {**base["data"], "eval_path": str(prompt_file)},
                            "log": {"progress_bar": False, "eval_decoding": "sampled"}})
     for cfg, world in ((load_config(base), 1), (greedy, 1), (sampled, 1), (sampled, 2)):
         rl_inputs.check_rl_inputs(cfg, None, world_size=world)
-    assert seen == [8, 10, 40, 20]  # the rollout's 8 (4 a process on 2); the held-out 10 x 1 greedy, 10 x 4 sampled
+    # the rollout's 8 (4 a process on 2); the held-out 10 x 1 greedy, 10 x 4 sampled
+    assert seen == [(8, True), (10, True), (40, True), (20, True)]
     seen.clear()
     for k in (None, 1, 3):  # `tidyrl eval`: all the prompts' completions in one call
         rl_inputs.check_eval_inputs(load_config(base), None, data=str(prompt_file), samples_per_prompt=k)
-    assert seen == [40, 10, 30]
+    assert seen == [(40, False), (10, False), (30, False)]  # an evaluation trains on no log-probs
 
 
 def test_with_one_update_per_rollout_the_weights_come_from_the_update_itself(tiny_model_dir, prompt_file, tmp_path):

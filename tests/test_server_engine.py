@@ -531,6 +531,24 @@ def test_tidyrl_eval_on_servers_keeps_the_policy_on_the_host(tiny_model_dir, pro
     assert result.summary["n"] == 4
 
 
+def test_tidyrl_eval_at_a_temperature_needs_no_log_probs_mode_of_the_servers(tiny_model_dir, prompt_file, tmp_path):
+    """An evaluation reads the completions alone: a server that returns raw log-probs (started without
+    --logprobs-mode processed_logprobs) evaluates a sampled config at temperature 0.7 with no probe completion,
+    though training with the same config is refused before the run."""
+    from tidyrl.evaluate import evaluate
+
+    with FakeVLLMServer(tiny_model_dir) as raw:
+        cfg = config(tiny_model_dir, prompt_file, tmp_path / "run", "vllm-server", [raw.url])
+        cfg["rollout"].update(temperature=0.7, lag=1)
+        with pytest.raises(ConfigError, match="returns raw log-probs"):
+            tidyrl.train(cfg)
+        probes = raw.completions  # training's check asked for one
+        result = evaluate(cfg, num_prompts=2, samples_per_prompt=2, greedy=False, output_dir=tmp_path / "eval",
+                          quiet=True)
+        assert probes == 1 and raw.completions - probes == 4  # the 4 samples, and no probe
+    assert result.summary["n"] == 4
+
+
 def test_an_fsdp2_sharded_policy_reaches_the_servers_at_lag_0_and_as_a_lag_s_snapshot(tiny_model_dir, tmp_path):
     """Two gloo processes with a `fully_shard` policy: at lag 0 every process walks the parameters (each one's
     all-gather is a collective) and the first writes them; with a lag the snapshot of a launch is gathered on the

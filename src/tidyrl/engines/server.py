@@ -602,10 +602,12 @@ def served_model_problem(root: str, model_config) -> Optional[str]:
     return None
 
 
-def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int) -> list[str]:
+def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int, *, sampler_logprobs: bool
+                   ) -> list[str]:
     """Before any weights load: every server answers (`GET /v1/models` within a few seconds), serves a model of
     the policy's architecture and shapes (its folder's config.json, when readable here) and tokenizer (the ids of
-    a probe string by `POST /tokenize`), and takes `longest` tokens (its max_model_len)."""
+    a probe string by `POST /tokenize`), and takes `longest` tokens (its max_model_len). `sampler_logprobs`: the
+    run trains on the servers' log-probs, so at a temperature they must be those at it (one probe completion)."""
     from tidyrl.models.loading import load_tokenizer
 
     problems, s = [], cfg.server
@@ -648,7 +650,7 @@ def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int
                                 f" {PROBE_TEXT!r} is {ids[:12]} there, {probe[:12]} here")
                 continue
         ro = cfg.rollout
-        if ro.behaviour_logprobs == "sampler" and ro.temperature != 1.0:
+        if sampler_logprobs and ro.temperature != 1.0:
             try:
                 processed = returns_processed_logprobs(url, name, probe or [0], s.timeout_s)
             except (ServerAnswerError, KeyError, IndexError, TypeError, ValueError) as err:

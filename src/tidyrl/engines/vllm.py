@@ -261,9 +261,11 @@ def resume_note(saved_state: dict) -> None:
     return None
 
 
-def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int) -> list[str]:
+def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int, *, sampler_logprobs: bool
+                   ) -> list[str]:
     """Checks that read the model's config (no weights): vLLM implements the architecture, and the key/value cache
-    holds a generate call's `sequences` of up to `longest` tokens at once (or the run would stop)."""
+    holds a generate call's `sequences` of up to `longest` tokens at once (or the run would stop).
+    `sampler_logprobs` needs no check here: the engine starts vLLM in the log-probs mode the run needs."""
     problem = vllm_model_problem(model_config, on_cpu=on_cpu) or \
         kv_cache_problem(model_config, cfg.model_dtype, cfg.vllm.kv_cache_gb, sequences, longest)
     return [problem] if problem else []

@@ -232,7 +232,7 @@ def check_eval_inputs(cfg: Config, base_dir: Optional[str], *, data: Optional[st
     dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
     reward_fns, lines = read_rewards(cfg, base_dir, other_columns(dataset, cfg.data.prompt_column))
     k = cfg.rollout.samples_per_prompt if samples_per_prompt is None else samples_per_prompt
-    check_engine_inputs(cfg, model_config, prompt_ids, len(prompt_ids) * k)
+    check_engine_inputs(cfg, model_config, prompt_ids, len(prompt_ids) * k, training=False)
     return EvalInputs(tokenizer, dataset, prompt_ids, "\n".join(filter(None, [report, *lines])), reward_fns, source,
                       held_out, environment, tools)
 
@@ -292,15 +292,18 @@ def read_rewards(cfg: Config, base_dir: Optional[str], columns: list):
     return reward_fns, lines
 
 
-def check_engine_inputs(cfg: Config, model_config, prompt_ids: list, episodes_per_process: int) -> None:
+def check_engine_inputs(cfg: Config, model_config, prompt_ids: list, episodes_per_process: int, *,
+                        training: bool = True) -> None:
     """The engine's own checks of the model and the longest sequence (e.g. vLLM: the architecture, the key/value
-    cache's size)."""
+    cache's size). `training`: whether the run trains on the sampler's log-probs (rollout.behaviour_logprobs:
+    sampler); an evaluation reads the completions alone, so a server's log-probs mode is no concern of it."""
     engine = engine_module(cfg.rollout.engine)
     if hasattr(engine, "input_problems"):
         from tidyrl.loops.common import cuda_in_use
 
         longest = max(len(p) for p in prompt_ids) + cfg.rollout.max_new_tokens
-        problems = engine.input_problems(cfg, model_config, not cuda_in_use(), episodes_per_process, longest)
+        problems = engine.input_problems(cfg, model_config, not cuda_in_use(), episodes_per_process, longest,
+                                         sampler_logprobs=training and cfg.rollout.behaviour_logprobs == "sampler")
         if problems:
             raise ConfigError(problems)
 
