@@ -108,6 +108,14 @@ def test_format_task_asks_for_boxed_and_its_sft_set_answers_in_it(tmp_path):
     assert rewards.boxed([row["completion"] for row in sft], [row["answer"] for row in plain["train"]]) == [1.0] * 300
     assert sft[0]["completion"].endswith(f"The answer is \\boxed{{{plain['train'][0]['answer']}}}.")
     assert not {r["prompt"][0]["content"] for r in sft} & {r["prompt"][0]["content"] for r in plain["eval"]}
+    # the halves: 50 problems' worked answers (3 phrasings each) for SFT, the other 50 problems' prompts for GRPO
+    half = [json.loads(line) for line in open(tmp_path / "boxed" / "sft_half.jsonl")]
+    other = [json.loads(line) for line in open(tmp_path / "boxed" / "train_other_half.jsonl")]
+    assert len(half) == len(other) == 150
+    assert all(row in sft for row in half) and all(row in plain["train"] for row in other)
+    problem = lambda row: prepare.NUMBERS.search(row["prompt"][0]["content"]).groups()  # noqa: E731
+    assert len({problem(r) for r in half}) == len({problem(r) for r in other}) == 50
+    assert not {problem(r) for r in half} & {problem(r) for r in other}
 
 
 def test_boxed_reward_reads_only_the_last_box():
@@ -363,7 +371,7 @@ def test_sft_teaches_the_boxed_format_the_base_model_never_writes(tmp_path, smol
 
 
 @pytest.mark.parametrize("script", ["run.sh", "distill.sh", "lora.sh", "format.sh", "preferences.sh", "engines.sh",
-                                    "tools.sh"])
+                                    "tools.sh", "after_sft.sh"])
 def test_the_examples_scripts_parse(script):
     import shutil
     import subprocess

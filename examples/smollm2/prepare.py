@@ -7,7 +7,8 @@
     WORK_DIR/eval.jsonl   held-out prompts: other problems, never trained on
     WORK_DIR/boxed/       the same problems asking for the answer in \\boxed{} (a format the base model never
                           writes): train.jsonl, eval.jsonl, and sft.jsonl (the training prompts with a worked
-                          answer in that format: the small chat set SFT teaches the format with)
+                          answer in that format: the small chat set SFT teaches the format with; sft_half.jsonl
+                          and train_other_half.jsonl: half the problems' worked answers, the other half's prompts)
 
 The task: addition and multiplication of two digits and the subtraction that inverts the addition, 300
 problems; 200 are held out, the other 100 are trained on in three phrasings each (300 prompts). The answer is the last number of the completion
@@ -89,7 +90,9 @@ def write_task(work: Path, seed: int = 0) -> tuple[int, int]:
 def write_format_task(work: Path, seed: int = 0) -> tuple[int, int]:
     """WORK/boxed/{train,eval,sft}.jsonl: write_task's problems and split, each prompt ending with the instruction
     to put the answer in \\boxed{} (rewards.py:boxed scores only that), and for every training prompt a worked
-    answer in that format ("4 * 9 = 36. The answer is \\boxed{36}."); returns the held-out and training counts."""
+    answer in that format ("4 * 9 = 36. The answer is \\boxed{36}."); sft_half.jsonl and train_other_half.jsonl:
+    the worked answers of every other training problem, and the prompts of the rest. Returns the held-out and
+    training counts."""
     folder = work / "boxed"
     folder.mkdir(parents=True, exist_ok=True)
     counts = write_task(folder, seed)
@@ -98,15 +101,24 @@ def write_format_task(work: Path, seed: int = 0) -> tuple[int, int]:
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         for row in rows:
             row["prompt"][0]["content"] += BOXED
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        write_jsonl(path, rows)
         if name == "train":
-            with open(folder / "sft.jsonl", "w") as f:
-                for row in rows:
-                    question = row["prompt"][0]["content"]
-                    a, op, b = NUMBERS.search(question).groups()
-                    completion = f"{a} {op} {b} = {row['answer']}. The answer is \\boxed{{{row['answer']}}}."
-                    f.write(json.dumps({"prompt": row["prompt"], "completion": completion}) + "\n")
+            worked = []
+            for row in rows:
+                a, op, b = NUMBERS.search(row["prompt"][0]["content"]).groups()
+                completion = f"{a} {op} {b} = {row['answer']}. The answer is \\boxed{{{row['answer']}}}."
+                worked.append({"prompt": row["prompt"], "completion": completion})
+            write_jsonl(folder / "sft.jsonl", worked)
+            # The split by problem (the rows are each problem's phrasings in turn): SFT on one half, GRPO on
+            # prompts SFT never saw
+            half = [i // len(PHRASINGS) % 2 for i in range(len(rows))]
+            write_jsonl(folder / "sft_half.jsonl", [w for w, h in zip(worked, half) if h == 0])
+            write_jsonl(folder / "train_other_half.jsonl", [r for r, h in zip(rows, half) if h == 1])
     return counts
+
+
+def write_jsonl(path: Path, rows: list) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def main(argv=None) -> None:
