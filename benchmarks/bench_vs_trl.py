@@ -96,7 +96,8 @@ runs what the device's entry of LAYOUTS says."""
 SWITCHED_OFF = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}, "tidyrl-whole-head": {"TIDYRL_CHUNKED_HEAD": "0"},
                 "tidyrl-unfused-decode": {"TIDYRL_FUSED_DECODE": "0"},
                 "tidyrl-sdpa-decode": {"TIDYRL_DECODE_ATTENTION": "sdpa"},
-                "tidyrl-recompute": {"TIDYRL_RECOMPUTE": "1"}}
+                "tidyrl-recompute": {"TIDYRL_RECOMPUTE": "1"},
+                "tidyrl-liger": {"TIDYRL_LAYER_KERNELS": "liger"}, "tidyrl-compile": {"TIDYRL_LAYER_KERNELS": "compile"}}
 """The shipped config with one CUDA path switched off (or, for `tidyrl-recompute`, on) in the child's environment, to
 measure what it gains:
 `tidyrl-rows` the row-by-row float32 log-probs instead of the fused kernels (models.fused_logprobs),
@@ -105,7 +106,9 @@ measure what it gains:
 `tidyrl-sdpa-decode` those kernels but the attention SDPA over the whole cache (not the kernel over the positions
 written),
 `tidyrl-recompute` the norms' and MLP products' intermediates recomputed in backward, not kept (models.recompute;
-off by default)."""
+off by default),
+`tidyrl-liger` / `tidyrl-compile` the decoder layers' elementwise parts in fused kernels, Liger Kernel's or
+torch.compile's (models.layer_kernels; TIDYRL_LAYER_KERNELS)."""
 MEMORY_TRACE = ("tidyrl-memtrace",)
 """`tidyrl-memtrace`: the shipped config with the update's GPU allocations recorded (torch's memory history, Python
 stacks): its line then lists what is alive at the update's peak above what was held as it started, by the code that
@@ -113,7 +116,12 @@ allocated it (`transient_at_peak`). Recording slows allocations: its timings are
 EXACT_WIDTHS = ("tidyrl-exact-widths",)
 """`tidyrl-exact-widths`: the shipped config with each forward's rows at their own width, not left-padded to a multiple
 of 16 as on CUDA (models.devices.WIDTH_MULTIPLE), to measure what recurring shapes gain."""
-LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *SWITCHED_OFF, *EXACT_WIDTHS, *MEMORY_TRACE, "trl")
+TRLS = ("trl", "trl-liger")
+"""TRL's GRPOTrainer as shipped (`trl`), and with its fast option that runs without a model hub (`trl-liger`:
+use_liger_kernel=True, Liger Kernel's RMSNorm, SwiGLU and rotary embedding on the policy; `pip install
+liger-kernel`). TRL 1.16's GRPO computes its log-probs in chunks, without the whole logits, in both (its fused
+output layer: what `use_liger_loss` did in TRL 0.x, which 1.x no longer has)."""
+LIBRARIES = ("tidyrl", "tidyrl-vllm", *FORCED_LAYOUTS, *SWITCHED_OFF, *EXACT_WIDTHS, *MEMORY_TRACE, *TRLS)
 LEARNING_RATE = 1e-5
 WORDS = ("apple pear fig kiwi lime plum date lemon mango peach grape melon cherry olive berry guava papaya "
          "quince lychee banana orange apricot").split()
@@ -170,7 +178,8 @@ def child_tidyrl(spec: dict) -> dict:
     # The update's clock stops after the optimizer step is queued, not run: synchronised here, so that the step's
     # kernels are billed to the update, not to the next rollout's generation (generation and scoring end with host
     # reads, which wait for the device anyway).
-    rl_update.apply_update = synchronised(rl_update.apply_update)
+    optimizer_clock: list[float] = []
+    rl_update.apply_update = optimizer_step_timed(rl_update.apply_update, optimizer_clock)
     peaks = PhasePeaks()  # (outside the profiler's wrappers: its phases' clocks stay as they were)
     producer.Producer.round = peaks.phase("generate", producer.Producer.round)
     inside = InsideGeneration()
@@ -200,6 +209,7 @@ def child_tidyrl(spec: dict) -> dict:
                              "generate_s": steps[0]["time/generate_s"], "reward_s": steps[0]["time/reward_s"],
                              "score_s": steps[0]["time/score_s"],
                              "update_s": sum(s["time/update_s"] for s in steps),
+                             "optimizer_s": sum(optimizer_clock[len(rollouts_out) * len(steps):][:len(steps)]),
                              "completion_tokens": steps[0]["completion_length_mean"] * w["prompts"] * w["k"],
                              **inside.of(i)})
         previous_end = end
@@ -360,6 +370,31 @@ def synchronised(fn):
         result = fn(*a, **kw)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
+        return result
+    return wrapper
+
+
+def optimizer_step_timed(fn, clock: list[float]):
+    """`fn` (the update's optimizer step: clipping, AdamW and the LR schedule, `loops.training.apply_update`) with the
+    device waited for before and after it, its seconds appended to `clock`: the update's time splits into its
+    micro-batches' forward and backward passes and this. (The wait after it also bills the step's kernels to the
+    update, not to the next rollout's generation; the wait before costs only the overlap of the step's first
+    launches with the last backward's kernels.)"""
+    import functools
+
+    import torch
+
+    def sync():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        sync()
+        start = time.perf_counter()
+        result = fn(*a, **kw)
+        sync()
+        clock.append(time.perf_counter() - start)
         return result
     return wrapper
 
@@ -606,6 +641,7 @@ def child_trl(spec: dict) -> dict:
         max_grad_norm=1.0, max_steps=total_steps, logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
         gradient_checkpointing=False,  # TRL's default is True; tidyrl's is False: the same work for both
+        use_liger_kernel=bool(spec.get("liger")),
     )
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=vowel_fraction, args=args,
                           train_dataset=datasets.Dataset.from_list([{"prompt": t} for t in texts]),
@@ -839,6 +875,37 @@ def phase_flops(w: dict, facts: dict) -> dict[str, float]:
     return {"generate": forward, "score": scoring * forward, "update": 3 * w["epochs"] * forward}
 
 
+def phase_floors(w: dict, facts: dict, flops: dict[str, float], peak: float, bandwidth: float,
+                 dtype_bytes: int) -> dict[str, float]:
+    """The hardware's floor of each phase of a rollout, in seconds: what its work would take at the GEMM peak, and
+    for generation at least the time to read the weights once per new token at `bandwidth` (bytes/s; each decoding
+    step reads every matmul weight, the output layer's included, whatever the batch). Scoring and the update are
+    FLOP-bound (6 x parameters x tokens for the update: forward and backward). The nominal FLOPs (phase_flops)
+    count every prompt token, as TRL runs them."""
+    weights = facts["matmul_params"] * dtype_bytes * w["max_new_tokens"] / bandwidth
+    floors = {"generate": max(flops["generate"] / peak, weights), "score": flops["score"] / peak,
+              "update": flops["update"] / peak}
+    return {**floors, "rollout": sum(floors.values())}
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device memory bandwidth (bytes/s): the best of a few 1 GiB device-to-device copies, bytes read and written."""
+    import torch
+
+    if device != "cuda":
+        return float("nan")
+    a = torch.empty(2**29, dtype=torch.float16, device=device)
+    b = torch.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        best = max(best, 2 * a.numel() * a.element_size() / (time.perf_counter() - t0))
+    return best
+
+
 def gemm_peak(threads: int, device: str = "cpu", dtype: str = "float32") -> float:
     """Best GEMM rate (FLOP/s) of torch.matmul in `dtype` on `device` (CPU: with `threads` threads)."""
     import torch
@@ -875,7 +942,7 @@ def summarise(result: dict, w: dict, warmup: int, flops: dict[str, float]) -> di
         "reward_s": statistics.median(r["reward_s"] for r in rs),
         "score_s": statistics.median(r["score_s"] for r in rs),
         "update_s": statistics.median(r["update_s"] for r in rs),
-        **{key: statistics.median(r[key] for r in rs) for key in ("engine_s", "decoding_s")
+        **{key: statistics.median(r[key] for r in rs) for key in ("engine_s", "decoding_s", "optimizer_s")
            if rs and all(key in r for r in rs)},
         "rollout_s": statistics.median(r["wall_s"] for r in rs),
         "flops_per_s": sum(flops.values()) * len(rs) / wall,
@@ -892,7 +959,8 @@ def median_of(runs: list[dict]) -> dict:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
-def print_table(name: str, w: dict, facts: dict, figures: dict[str, dict], peak: float, runs: int) -> None:
+def print_table(name: str, w: dict, facts: dict, figures: dict[str, dict], peak: float, runs: int,
+                floors: dict[str, float] | None = None) -> None:
     print(f"\n== {name}: {facts['params'] / 1e6:.2f}M-parameter Llama (hidden {w['hidden']}, {w['layers']} layers, "
           f"{w['heads']}/{w.get('kv_heads', w['heads'])} query/key-value heads, vocabulary {facts['vocab']}), "
           f"{w['prompts']} prompts x {w['k']} samples, {w['max_new_tokens']} new tokens, E={w['epochs']}, "
@@ -938,9 +1006,19 @@ def print_table(name: str, w: dict, facts: dict, figures: dict[str, dict], peak:
     for phase in ("generate", "score", "update"):  # where each phase stands against the GEMM peak
         key = f"{phase}_flops_per_s"
         print(f"{phase + ' / GEMM peak':28}" + "".join(f"{figures[c][key] / peak:>{width}.1%}" for c in cols))
+    for c in cols:  # (tidyrl's clock of its optimizer step, optimizer_step_timed)
+        if "optimizer_s" in figures[c]:
+            print(f"{c}: update = micro-batches {figures[c]['update_s'] - figures[c]['optimizer_s']:.3f} s + "
+                  f"optimizer step (clip, AdamW, schedule) {figures[c]['optimizer_s']:.3f} s")
+    if floors:  # (GPU runs) each phase against the hardware's floor for its work (phase_floors)
+        print("floor s (GEMM peak; weights read once a token): " + ", ".join(
+            f"{phase} {floors[phase]:.3f}" for phase in ("generate", "score", "update", "rollout")))
+        for phase in ("generate", "score", "update", "rollout"):
+            print(f"{phase + ' / its floor':28}" + "".join(
+                f"{figures[c][phase + '_s'] / floors[phase]:>{width - 1}.2f}x" for c in cols))
     for lib in cols:
-        for other in ("TRL", "tidyrl"):
-            if lib != other and other in cols and not (lib == "TRL" and other == "tidyrl"):
+        for other in ("TRL", "TRL+liger", "tidyrl"):  # (tidyrl's columns against TRL's and tidyrl's)
+            if lib != other and other in cols and not lib.startswith("TRL"):
                 speed = figures[lib]["episodes_per_s"] / figures[other]["episodes_per_s"]
                 rss = figures[lib]["peak_rss_mib"] / figures[other]["peak_rss_mib"]
                 print(f"-> {lib} is {speed:.2f}x {other}'s episodes/s, with {rss:.2f}x its peak RSS")
@@ -958,9 +1036,10 @@ def main(argv=None) -> None:
                         help="comma-separated subset of tidyrl, tidyrl-vllm (rollout.engine: vllm), tidyrl-lean, "
                              "tidyrl-hf-forward, tidyrl-onepass (one layout of the training forward forced: "
                              "FORCED_LAYOUTS), tidyrl-rows, tidyrl-whole-head, tidyrl-unfused-decode, "
-                             "tidyrl-sdpa-decode, tidyrl-recompute (a CUDA path switched off or on: SWITCHED_OFF), "
-                             "tidyrl-memtrace (the update's memory at its peak, by allocation site), "
-                             "tidyrl-exact-widths (rows not padded to a multiple of 16 on CUDA) and trl")
+                             "tidyrl-sdpa-decode, tidyrl-recompute, tidyrl-liger, tidyrl-compile (a CUDA path "
+                             "switched off or on: SWITCHED_OFF), tidyrl-memtrace (the update's memory at its peak, "
+                             "by allocation site), tidyrl-exact-widths (rows not padded to a multiple of 16 on CUDA), "
+                             "trl and trl-liger (TRLS)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the children train (cuda: accelerate's GPU; the GEMM peak is then not measured)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -988,7 +1067,7 @@ def main(argv=None) -> None:
 
         torch.set_num_threads(args.threads)
         spec = json.loads(Path(args.spec).read_text())
-        result = child_trl(spec) if args.child == "trl" else child_tidyrl(spec)
+        result = child_trl(spec) if args.child in TRLS else child_tidyrl(spec)
         (Path(spec["out"]) / "result.json").write_text(json.dumps(result))
         return
 
@@ -1002,10 +1081,14 @@ def main(argv=None) -> None:
     if "tidyrl-vllm" in libraries and importlib.util.find_spec("vllm") is None:
         print("vLLM is not installed: leaving out tidyrl-vllm (docs/engines.md says how to install it)", flush=True)
         libraries = [x for x in libraries if x != "tidyrl-vllm"]
-    if "trl" in libraries and importlib.util.find_spec("trl") is None:
+    if set(TRLS) & set(libraries) and importlib.util.find_spec("trl") is None:
         print("TRL is not installed: running tidyrl alone, no ratios. For the comparison: "
               "pip install -e '.[bench]'  (trl==1.16.0)", flush=True)
-        libraries = [x for x in libraries if x != "trl"]
+        libraries = [x for x in libraries if x not in TRLS]
+    if {"trl-liger", "tidyrl-liger"} & set(libraries) and importlib.util.find_spec("liger_kernel") is None:
+        print("Liger Kernel is not installed: leaving out trl-liger and tidyrl-liger (pip install liger-kernel)",
+              flush=True)
+        libraries = [x for x in libraries if x not in ("trl-liger", "tidyrl-liger")]
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]  # GPU workloads: skipped below on CPU
     overrides = parse_overrides(args.overrides, parser)
     for name in names:
@@ -1019,7 +1102,7 @@ def main(argv=None) -> None:
     import tidyrl
 
     versions = f"torch {torch.__version__}, transformers {transformers.__version__}, tidyrl {tidyrl.__version__}"
-    if "trl" in libraries:
+    if set(TRLS) & set(libraries):
         import trl
 
         versions += f", trl {trl.__version__}"
@@ -1027,6 +1110,7 @@ def main(argv=None) -> None:
                "unknown CPU")
     print(f"{os.cpu_count()} CPUs ({cpu}); {args.threads} torch threads per library; {versions}", flush=True)
     peaks: dict[str, float] = {}
+    bandwidth = None
     failed: dict[str, dict[str, str]] = {}  # workload -> library -> what failed and how (ChildFailed.summary)
     for name in names:
         w = WORKLOADS[name]
@@ -1037,6 +1121,9 @@ def main(argv=None) -> None:
         if dtype not in peaks:
             peaks[dtype] = gemm_peak(args.threads, args.device, dtype)
             print(f"measured {dtype} GEMM peak ({args.device}): {peaks[dtype] / 1e9:.1f} GFLOP/s", flush=True)
+            if args.device == "cuda" and bandwidth is None:
+                bandwidth = copy_bandwidth(args.device)
+                print(f"measured copy bandwidth (cuda, read + written): {bandwidth / 1e12:.2f} TB/s", flush=True)
         peak = peaks[dtype]
         folder = base / name
         model_dir, prompts, facts = build_workload(name, folder, dtype, args.device)
@@ -1054,7 +1141,8 @@ def main(argv=None) -> None:
                         "warmup": warmup, "rollouts": rollouts, "out": str(folder / f"{lib}-{rep}"),
                         "engine": ENGINES.get(lib, "builtin"), "device": args.device, "dtype": dtype,
                         "profile": args.profile, "layouts": FORCED_LAYOUTS.get(lib),
-                        "exact_widths": lib in EXACT_WIDTHS, "memory_trace": lib in MEMORY_TRACE}
+                        "exact_widths": lib in EXACT_WIDTHS, "memory_trace": lib in MEMORY_TRACE,
+                        "liger": lib == "trl-liger"}
                 t0, load = time.perf_counter(), os.getloadavg()[0]
                 try:
                     result = run_child(lib, spec, args.threads, args.run_timeout)
@@ -1072,6 +1160,7 @@ def main(argv=None) -> None:
                       + (f" [{', '.join(split)}]" if split else "")
                       + f", score "
                       f"{figures['score_s']:.3f}, update {figures['update_s']:.3f} s"
+                      + (f" [optimizer step {figures['optimizer_s']:.3f}]" if "optimizer_s" in figures else "")
                       + (f", peak GPU {figures['peak_gpu_mib']:.0f} MiB" if "peak_gpu_mib" in figures else "")
                       + "".join(f" ({phase} {figures[f'peak_gpu_{phase}_mib']:.0f}, held at its start "
                                 f"{figures[f'held_gpu_{phase}_mib']:.0f})" for phase in PHASES
@@ -1086,11 +1175,14 @@ def main(argv=None) -> None:
                     print_trace(result["update_trace"])
                 if args.profile:
                     print_profile(name, lib, Path(spec["out"]))
-        labels = {lib: lib for lib in LIBRARIES} | {"trl": "TRL"}
-        shown = sorted((lib for lib in per_lib if per_lib[lib]), key=lambda lib: lib == "trl")  # TRL's column last
+        labels = {lib: lib for lib in LIBRARIES} | {"trl": "TRL", "trl-liger": "TRL+liger"}
+        shown = sorted((lib for lib in per_lib if per_lib[lib]), key=lambda lib: lib in TRLS)  # TRL's columns last
         if shown:
+            floors = None
+            if args.device == "cuda":
+                floors = phase_floors(w, facts, flops, peak, bandwidth, 2 if dtype in ("bfloat16", "float16") else 4)
             print_table(name, w, facts, {labels[lib]: median_of(per_lib[lib]) for lib in shown}, peak,
-                        args.repeats)
+                        args.repeats, floors)
         # each tidyrl run against the TRL run after it: the machine's drift
         if set(per_lib) == {"tidyrl", "trl"} and name not in failed:
             pairs = [a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(per_lib["tidyrl"], per_lib["trl"])]

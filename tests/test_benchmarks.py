@@ -39,7 +39,11 @@ def test_bench_vs_trl_prints_the_table_and_the_run_has_the_time_split(tmp_path):
     assert re.search(r"measured float32 GEMM peak \(cpu\): [0-9.]+ GFLOP/s", out)
     for phase in ("generate", "score", "update"):  # each phase against the peak (score: 0 FLOPs without KL, E=1)
         assert re.search(rf"^{phase} / GEMM peak\s+[0-9.]+%", out, re.MULTILINE)
-    assert "peak GPU MiB" not in out  # CUDA runs only
+    assert "peak GPU MiB" not in out and "its floor" not in out  # CUDA runs only
+    # the update's split: its micro-batches and its optimizer step, which is a small part of it
+    split = re.search(r"tidyrl: update = micro-batches ([0-9.]+) s \+ optimizer step \(clip, AdamW, schedule\) "
+                      r"([0-9.]+) s", out)
+    assert split and 0 < float(split.group(2)) < float(split.group(1)), out
     # the generate phase split: inside the builtin engine's generate, a part of the phase (no fixed-shape decoding
     # loop on a CPU)
     split = re.search(r"\(generate ([0-9.]+) \[in the engine ([0-9.]+)\]", out)
@@ -213,6 +217,37 @@ def test_phase_peaks_keep_what_each_phase_holds_and_reaches_and_the_table_shows_
     out = capsys.readouterr().out
     assert re.search(r"update: held / peak MiB\s+1100 / 2100\s+900 / 1800", out), out
     assert "generate: held / peak" not in out  # (not recorded for either: no row)
+
+
+def test_each_phase_has_its_floor_at_the_gemm_peak_and_decoding_at_the_weights_read_once_a_token(capsys):
+    """phase_floors by hand, Qwen2.5-0.5B's shape: 494.03 M matmul parameters (bf16: 2 bytes), 16 x 8 rows of
+    17 + 256 tokens, KL on, E = 1, a 700 TFLOP/s GEMM peak and 3.3 TB/s. One forward's FLOPs are
+    128 x (2 x 494.03e6 x 273 + 2 x 24 x 896 x 273^2) = 128 x (269.74e9 + 3.205e9) = 34.94e12: generation one
+    (0.0499 s of GEMM, less than 256 reads of 988.06 MB at 3.3 TB/s: 0.0766 s), scoring one (0.0499 s), the update
+    three (0.1497 s); the rollout's floor 0.2763 s. The table then gives each phase over its floor."""
+    sys.path.insert(0, str(BENCH))
+    import bench_vs_trl as bench
+
+    w = dict(bench.WORKLOADS["qwen0.5b"])
+    facts = {"matmul_params": 494.03e6, "prompt_len": 17, "params": 494.03e6, "vocab": 151936}
+    flops = bench.phase_flops(w, facts)
+    assert flops["generate"] == pytest.approx(128 * (2 * 494.03e6 * 273 + 2 * 24 * 896 * 273 ** 2))
+    assert flops["score"] == flops["generate"] and flops["update"] == 3 * flops["generate"]
+    floors = bench.phase_floors(w, facts, flops, 700e12, 3.3e12, 2)
+    assert floors["generate"] == pytest.approx(494.03e6 * 2 * 256 / 3.3e12)  # the weights' reads: 0.0766 s
+    assert floors["generate"] == pytest.approx(0.07665, abs=1e-4)
+    assert floors["score"] == pytest.approx(flops["score"] / 700e12) == pytest.approx(0.04991, abs=1e-4)
+    assert floors["update"] == pytest.approx(0.14974, abs=1e-4)
+    assert floors["rollout"] == pytest.approx(floors["generate"] + floors["score"] + floors["update"])
+    figures = {"episodes_per_s": 1.0, "tokens_per_s": 1.0, "s_per_step": 1.0, "generate_s": 0.4, "reward_s": 0.1,
+               "score_s": 0.2, "update_s": 0.75, "rollout_s": 1.45, "peak_rss_mib": 1.0, "flops_per_s": 1.0,
+               "generate_flops_per_s": 1.0, "score_flops_per_s": 1.0, "update_flops_per_s": 1.0}
+    bench.print_table("qwen0.5b", w, facts, {"tidyrl": figures}, 700e12, 1, floors)
+    out = capsys.readouterr().out
+    assert "floor s (GEMM peak; weights read once a token): generate 0.077, score 0.050, update 0.150, " \
+           "rollout 0.276" in out, out
+    for phase, ratio in (("generate", 0.4 / 0.07665), ("update", 0.75 / 0.14974), ("rollout", 1.45 / 0.27630)):
+        assert re.search(rf"^{phase} / its floor\s+{ratio:.2f}x", out, re.MULTILINE), out
 
 
 def test_transient_at_peak_finds_what_is_alive_at_the_peak_by_allocation_site():

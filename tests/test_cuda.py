@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import bf16_grpo_metrics, free_port, llama, load_measuring_host_peak, read_jsonl, within_bf16_units
+from conftest import (bf16_grpo_metrics, bf16_units, free_port, llama, load_measuring_host_peak, read_jsonl,
+                      within_bf16_units)
 
 import tidyrl
 
@@ -433,3 +434,45 @@ def test_on_cuda_the_recompute_functions_give_autograds_gradients_bit_for_bit(dt
     from test_recompute import functions_match_autograd
 
     functions_match_autograd(dtype, "cuda")
+
+
+@pytest.mark.parametrize("mode", ["liger", "compile"])
+def test_fused_layer_kernels_keep_the_model_s_log_probs_and_gradients_to_bf16_rounding(mode, monkeypatch):
+    """TIDYRL_LAYER_KERNELS (models.layer_kernels): Liger Kernel's or torch.compile's fused norms, rotary embedding
+    and MLP product in the one-pass forward give the model's own log-probs and gradients to bf16 rounding, forward
+    and backward, and are applied once per model."""
+    import copy
+
+    from transformers.models.llama import modeling_llama
+
+    from tidyrl.models import forward, layer_kernels
+
+    if mode == "liger":
+        pytest.importorskip("liger_kernel")
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):  # (Liger patches these: restored after)
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+    prompts = torch.tensor([[0, 0, 5, 6], [0, 0, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10]])
+    pmask = (prompts != 0).long()
+    completions = torch.tensor([[11, 12, 2, 0, 0, 0], [13, 14, 15, 16, 17, 18]] * 2)
+    cmask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]] * 2).float()
+    plain = llama(num_attention_heads=4, num_key_value_heads=2, hidden_size=128, intermediate_size=256).to(
+        "cuda", torch.bfloat16).train()
+    fused = copy.deepcopy(plain)
+    monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "none")
+    assert layer_kernels.prepare(plain) == "none"
+    monkeypatch.setenv("TIDYRL_LAYER_KERNELS", mode)
+    assert layer_kernels.prepare(fused) == mode
+    results = []
+    for model in (fused, plain):
+        logprobs, _ = forward.completion_logprobs(model, prompts, pmask, completions, cmask, 1.0)
+        (logprobs * cmask.cuda()).sum().backward()
+        results.append((logprobs.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (lp, grads), (want_lp, want_grads) = results
+    read = cmask.cuda()
+    units = bf16_units(lp * read, want_lp * read)
+    assert units <= 4, units
+    worst = max((bf16_units(grads[n], want_grads[n]), n) for n in want_grads)
+    assert worst[0] <= 8, worst
+    assert layer_kernels.prepare(fused) == mode  # (once: the second call finds it applied)
+    if mode == "compile":
+        assert all(layer._compiled_call_impl is not None for layer in fused.model.layers)

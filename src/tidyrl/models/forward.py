@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tidyrl.models import layer_kernels
 from tidyrl.models.chunked_head import head_logprobs, head_of, passed_through
 from tidyrl.models.devices import to_device
 from tidyrl.models.generation import _plain_kv_cache, cache_argument, model_device, returned_cache
@@ -168,6 +169,7 @@ def _onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_m
     """The model's forward over [prompt, completion]: (B, Tc + 1, V), position t predicting completion token t, the
     last one nothing."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    layer_kernels.prepare(model)  # (TIDYRL_LAYER_KERNELS: fused layer kernels on CUDA)
     with cheap_parts_recomputed(model):  # (with gradients: norms and MLP products recomputed in backward)
         return model(**inputs, use_cache=False, logits_to_keep=completion_ids.shape[1] + 1).logits
 
@@ -217,6 +219,7 @@ def _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, comple
     `head` passing its input through."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     tc = completion_ids.shape[1]
+    layer_kernels.prepare(model)  # (TIDYRL_LAYER_KERNELS: fused layer kernels on CUDA)
     # (with gradients: norms and MLP products recomputed in backward)
     with cheap_parts_recomputed(model), passed_through(head):
         hidden = model(**inputs, use_cache=False, logits_to_keep=tc + 1).logits  # (B, Tc + 1, H)
