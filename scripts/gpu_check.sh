@@ -17,7 +17,11 @@
 #     (rollout.lag 0 vs 1 with the in-process engine).
 # Prints one summary at the end (the tables) and leaves every log in OUT_DIR/logs.tgz (the profiles' tables too).
 # TRL is taken where it is importable (pip install trl==1.16.0; without it the benchmarks run tidyrl alone).
-# PARTS, LIBS, LIBS15, SET05, SET15, PASSES_ARGS, TEST_PATHS, RUN_TIMEOUT, BUDGET choose what a call runs (see below).
+# PARTS, LIBS, LIBS15, SET05, SET15, PASSES_ARGS, TEST_PATHS, CUDA_TESTS_ARGS, RUN_TIMEOUT, BUDGET choose what a call
+# runs (see below).
+# On a machine without registry access, TRL and Liger Kernel travel as wheels (pip download them where pip works):
+#   pip install --no-index --no-deps --target /tmp/site WHEELS/*.whl && PYTHONPATH=/tmp/site scripts/gpu_check.sh OUT
+#   (trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5: 2.7 MB)
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-gpu-check-out}}
@@ -84,7 +88,8 @@ TESTS=""
 # "cudatests") then the rest of the suite in the background, on the CPU (its runs pin themselves there) and cores of
 # its own
 if has tests || has cudatests; then
-  part cuda-tests ${CUDA_TESTS_LIMIT:-150} "$TEST_CORES" $PY -m pytest -q -m cuda tests/test_cuda.py -rfEs -p no:cacheprovider
+  part cuda-tests ${CUDA_TESTS_LIMIT:-150} "$TEST_CORES" $PY -m pytest -q -m cuda tests/test_cuda.py -rfEs -p no:cacheprovider \
+    ${CUDA_TESTS_ARGS:-}  # (e.g. CUDA_TESTS_ARGS="-k layer_kernels": some of them)
 fi
 if has tests; then
   (
@@ -121,7 +126,7 @@ has decode && part decode-$W05 ${DECODE_LIMIT:-60} "$BENCH_CORES" $PY benchmarks
 # generation beside training: lag 0 vs 1, the in-process engine, on the GPU
 has lag && part lag ${LAG_LIMIT:-90} "$BENCH_CORES" $PY benchmarks/bench_lag.py --device $DEVICE \
   --hidden ${LAG_HIDDEN:-1024} --layers ${LAG_LAYERS:-8} --lags ${LAGS:-0,1} --rollouts ${LAG_ROLLOUTS:-6}
-has profile && part profile-$W05 60 "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
+has profile && part profile-$W05 ${PROFILE_LIMIT:-60} "$BENCH_CORES" $PY benchmarks/bench_vs_trl.py --device $DEVICE --workload $W05 \
   --libraries ${PROFILE_LIBS:-tidyrl} --repeats 1 --profile $PSET --keep "$WORK/prof"
 rm -rf "$WORK"/prof/*/model
 has passes15 && part passes-$W15 60 "$BENCH_CORES" $PY benchmarks/bench_passes.py --device $DEVICE --workload $W15 \
