@@ -97,7 +97,8 @@ SWITCHED_OFF = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}, "tidyrl-whole-hea
                 "tidyrl-unfused-decode": {"TIDYRL_FUSED_DECODE": "0"},
                 "tidyrl-sdpa-decode": {"TIDYRL_DECODE_ATTENTION": "sdpa"},
                 "tidyrl-recompute": {"TIDYRL_RECOMPUTE": "1"},
-                "tidyrl-liger": {"TIDYRL_LAYER_KERNELS": "liger"}, "tidyrl-compile": {"TIDYRL_LAYER_KERNELS": "compile"}}
+                "tidyrl-eager-layers": {"TIDYRL_LAYER_KERNELS": "none"},
+                "tidyrl-graphs": {"TIDYRL_LAYER_KERNELS": "compile-graphs"}}
 """The shipped config with one CUDA path switched off (or, for `tidyrl-recompute`, on) in the child's environment, to
 measure what it gains:
 `tidyrl-rows` the row-by-row float32 log-probs instead of the fused kernels (models.fused_logprobs),
@@ -107,8 +108,8 @@ measure what it gains:
 written),
 `tidyrl-recompute` the norms' and MLP products' intermediates recomputed in backward, not kept (models.recompute;
 off by default),
-`tidyrl-liger` / `tidyrl-compile` the decoder layers' elementwise parts in fused kernels, Liger Kernel's or
-torch.compile's (models.layer_kernels; TIDYRL_LAYER_KERNELS)."""
+`tidyrl-eager-layers` the trained model's decoder layers as the model runs them, not compiled (models.layer_kernels),
+`tidyrl-graphs` those layers compiled with CUDA graphs (torch.compile's mode="reduce-overhead"; not the default)."""
 MEMORY_TRACE = ("tidyrl-memtrace",)
 """`tidyrl-memtrace`: the shipped config with the update's GPU allocations recorded (torch's memory history, Python
 stacks): its line then lists what is alive at the update's peak above what was held as it started, by the code that
@@ -1036,7 +1037,7 @@ def main(argv=None) -> None:
                         help="comma-separated subset of tidyrl, tidyrl-vllm (rollout.engine: vllm), tidyrl-lean, "
                              "tidyrl-hf-forward, tidyrl-onepass (one layout of the training forward forced: "
                              "FORCED_LAYOUTS), tidyrl-rows, tidyrl-whole-head, tidyrl-unfused-decode, "
-                             "tidyrl-sdpa-decode, tidyrl-recompute, tidyrl-liger, tidyrl-compile (a CUDA path "
+                             "tidyrl-sdpa-decode, tidyrl-recompute, tidyrl-eager-layers, tidyrl-graphs (a CUDA path "
                              "switched off or on: SWITCHED_OFF), tidyrl-memtrace (the update's memory at its peak, "
                              "by allocation site), tidyrl-exact-widths (rows not padded to a multiple of 16 on CUDA), "
                              "trl and trl-liger (TRLS)")
@@ -1085,10 +1086,9 @@ def main(argv=None) -> None:
         print("TRL is not installed: running tidyrl alone, no ratios. For the comparison: "
               "pip install -e '.[bench]'  (trl==1.16.0)", flush=True)
         libraries = [x for x in libraries if x not in TRLS]
-    if {"trl-liger", "tidyrl-liger"} & set(libraries) and importlib.util.find_spec("liger_kernel") is None:
-        print("Liger Kernel is not installed: leaving out trl-liger and tidyrl-liger (pip install liger-kernel)",
-              flush=True)
-        libraries = [x for x in libraries if x not in ("trl-liger", "tidyrl-liger")]
+    if "trl-liger" in libraries and importlib.util.find_spec("liger_kernel") is None:
+        print("Liger Kernel is not installed: leaving out trl-liger (pip install liger-kernel)", flush=True)
+        libraries = [x for x in libraries if x != "trl-liger"]
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]  # GPU workloads: skipped below on CPU
     overrides = parse_overrides(args.overrides, parser)
     for name in names:

@@ -436,43 +436,45 @@ def test_on_cuda_the_recompute_functions_give_autograds_gradients_bit_for_bit(dt
     functions_match_autograd(dtype, "cuda")
 
 
-@pytest.mark.parametrize("mode", ["liger", "compile"])
-def test_fused_layer_kernels_keep_the_model_s_log_probs_and_gradients_to_bf16_rounding(mode, monkeypatch):
-    """TIDYRL_LAYER_KERNELS (models.layer_kernels): Liger Kernel's or torch.compile's fused norms, rotary embedding
-    and MLP product in the one-pass forward give the model's own log-probs and gradients to bf16 rounding, forward
-    and backward, and are applied once per model."""
+@pytest.mark.parametrize("mode", ["compile", "compile-graphs"])
+def test_compiled_layers_keep_the_model_s_log_probs_and_accumulated_gradients_to_bf16_rounding(mode, monkeypatch):
+    """The trained model's decoder layers compiled (models.layer_kernels; `compile-graphs`: replayed from CUDA
+    graphs): the model's own log-probs and gradients to bf16 rounding, over two optimizer steps of three
+    micro-batches of two widths each (gradients accumulated across them, a CUDA graph's outputs reused between
+    replays), compiled once per model."""
     import copy
-
-    from transformers.models.llama import modeling_llama
 
     from tidyrl.models import forward, layer_kernels
 
-    if mode == "liger":
-        pytest.importorskip("liger_kernel")
-    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):  # (Liger patches these: restored after)
-        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
-    prompts = torch.tensor([[0, 0, 5, 6], [0, 0, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10]])
-    pmask = (prompts != 0).long()
-    completions = torch.tensor([[11, 12, 2, 0, 0, 0], [13, 14, 15, 16, 17, 18]] * 2)
-    cmask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]] * 2).float()
     plain = llama(num_attention_heads=4, num_key_value_heads=2, hidden_size=128, intermediate_size=256).to(
         "cuda", torch.bfloat16).train()
-    fused = copy.deepcopy(plain)
+    compiled = copy.deepcopy(plain)
     monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "none")
     assert layer_kernels.prepare(plain) == "none"
     monkeypatch.setenv("TIDYRL_LAYER_KERNELS", mode)
-    assert layer_kernels.prepare(fused) == mode
-    results = []
-    for model in (fused, plain):
-        logprobs, _ = forward.completion_logprobs(model, prompts, pmask, completions, cmask, 1.0)
-        (logprobs * cmask.cuda()).sum().backward()
-        results.append((logprobs.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (lp, grads), (want_lp, want_grads) = results
-    read = cmask.cuda()
-    units = bf16_units(lp * read, want_lp * read)
-    assert units <= 4, units
-    worst = max((bf16_units(grads[n], want_grads[n]), n) for n in want_grads)
-    assert worst[0] <= 8, worst
-    assert layer_kernels.prepare(fused) == mode  # (once: the second call finds it applied)
-    if mode == "compile":
-        assert all(layer._compiled_call_impl is not None for layer in fused.model.layers)
+    assert layer_kernels.prepare(compiled) == mode
+    worst_lp, worst_grad = 0.0, (0.0, "")
+    for step in range(2):
+        results = []
+        for model in (compiled, plain):
+            model.zero_grad(set_to_none=True)
+            logprobs = []
+            for width in (4, 9, 4):
+                gen = torch.Generator().manual_seed(step * 10 + width)
+                prompts = torch.randint(3, 40, (4, width), generator=gen)
+                pmask = torch.ones_like(prompts)
+                pmask[0, :2] = 0
+                completions = torch.randint(3, 40, (4, 6), generator=gen)
+                cmask = torch.ones(4, 6)
+                cmask[1, 4:] = 0
+                weights = torch.randn(4, 6, generator=gen).cuda() * cmask.cuda()
+                lp, _ = forward.completion_logprobs(model, prompts, pmask, completions, cmask, 1.0)
+                (lp * weights).sum().backward()
+                logprobs.append(lp.detach() * cmask.cuda())
+            results.append((logprobs, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (lps, grads), (want_lps, want_grads) = results
+        worst_lp = max(worst_lp, *(bf16_units(a, b) for a, b in zip(lps, want_lps)))
+        worst_grad = max(worst_grad, *((bf16_units(grads[n], want_grads[n]), n) for n in want_grads))
+    assert worst_lp <= 4 and worst_grad[0] <= 8, (worst_lp, worst_grad)
+    assert layer_kernels.prepare(compiled) == mode  # (once: the second call finds it applied)
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)

@@ -11,7 +11,8 @@ are copied to its rows: for Llama layouts in one lean pass of our own (`models.l
 (`_shared_prompt_logits`): the same maths with fewer FLOPs. Which of these a device takes is decided per device
 type by measurement (`LAYOUTS`): on CUDA the model's own forward over whole rows, measured faster there, its output
 layer applied in chunks by `models.chunked_head` where the model allows (`head_of`): the whole logits are never made;
-and with gradients its norms and MLP products recomputed in the backward pass (`models.recompute`).
+its decoder layers compiled where the model trains (`models.layer_kernels`); and with `TIDYRL_RECOMPUTE=1` its norms
+and MLP products recomputed in the backward pass (`models.recompute`).
 """
 
 from __future__ import annotations
@@ -169,9 +170,20 @@ def _onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_m
     """The model's forward over [prompt, completion]: (B, Tc + 1, V), position t predicting completion token t, the
     last one nothing."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    layer_kernels.prepare(model)  # (TIDYRL_LAYER_KERNELS: fused layer kernels on CUDA)
     with cheap_parts_recomputed(model):  # (with gradients: norms and MLP products recomputed in backward)
-        return model(**inputs, use_cache=False, logits_to_keep=completion_ids.shape[1] + 1).logits
+        return _own_forward(model, inputs, completion_ids.shape[1] + 1).logits
+
+
+def _own_forward(model, inputs: dict, keep: int):
+    """The model's own forward over whole rows, its last `keep` positions projected; on CUDA with its decoder layers
+    compiled where `models.layer_kernels` applies, and where compiling them fails, with its own layers instead."""
+    layer_kernels.prepare(model, exact=_exact(model))
+    try:
+        return model(**inputs, use_cache=False, logits_to_keep=keep)
+    except Exception as err:
+        if not layer_kernels.give_up(model, err):
+            raise
+    return model(**inputs, use_cache=False, logits_to_keep=keep)
 
 
 EXACT_FORWARD = "_tidyrl_exact_forward"
@@ -219,10 +231,9 @@ def _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, comple
     `head` passing its input through."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
     tc = completion_ids.shape[1]
-    layer_kernels.prepare(model)  # (TIDYRL_LAYER_KERNELS: fused layer kernels on CUDA)
     # (with gradients: norms and MLP products recomputed in backward)
     with cheap_parts_recomputed(model), passed_through(head):
-        hidden = model(**inputs, use_cache=False, logits_to_keep=tc + 1).logits  # (B, Tc + 1, H)
+        hidden = _own_forward(model, inputs, tc + 1).logits  # (B, Tc + 1, H)
     return hidden[:, :tc]
 
 

@@ -1,85 +1,97 @@
-"""Fewer, fused kernels in the model's own forward and backward pass on CUDA (the one-pass layout of
-`models.forward`): the same maths, the elementwise parts of each decoder layer in fewer kernels.
+"""The trained model's decoder layers compiled on CUDA (`torch.compile`): the update's forward and backward pass in
+fewer, fused kernels, the same maths to bf16 rounding.
 
-Why: at the sizes RL post-training runs on one GPU (Qwen2.5-0.5B/1.5B, update micro-batches of 16 x ~270 tokens)
-the update waits on the host's kernel launches as much as on the GPU: the model's own Llama layer runs its RMSNorms
-(~7 elementwise kernels each way), rotary embedding (~10) and silu(gate) * up (2-4) as separate kernels, ~155 per
-layer forward and backward, where the matmuls are 7. Two ways to run those parts in fewer kernels, chosen by
-`TIDYRL_LAYER_KERNELS`:
-- `liger`: Liger Kernel's Triton RMSNorm, SwiGLU MLP and rotary embedding (forward and backward each one kernel),
-  applied to the model instance (`pip install liger-kernel`; its output layer is left alone: `models.chunked_head`
-  applies it). Its rotary embedding replaces the function of the model's `transformers` modeling module, which
-  every model of that family in the process then calls (on CUDA tensors only).
-- `compile`: each decoder layer `torch.compile`d with dynamic shapes (inductor fuses the elementwise parts of its
-  forward and backward into Triton kernels; every layer and width shares one compilation per grad mode: a training
-  run compiles about four graphs, on a CPU run of the tiny model 4, in ~20 s on 2 cores).
-- `none` (the default): the model's own modules.
-Each one equals the model's own forward to bf16 rounding (tests/test_cuda.py). Applied once per model, in place, on
-its first one-pass forward (`prepare`), to plain causal LMs of `chunked_head.PLAIN_CAUSAL_LMS` on CUDA, not sharded
-and without LoRA adapters; anything else runs the model's own modules.
+Why: at the sizes RL post-training runs on one GPU the update waits on the host's kernel launches more than on the
+GPU. On an H200 the model's own forward and backward of Qwen2.5-0.5B's update (8 micro-batches of 16 x ~273
+tokens) launched 28 967 kernels a rollout, ~150 per layer and micro-batch, where the matmuls are 21: the RMSNorms,
+rotary embedding, residual adds, casts and silu(gate) * up each run as a few elementwise kernels both ways, and the
+GPU was busy 385 ms of the update's 853 (`bench_vs_trl.py --profile`, docs/benchmarks.md). Compiled, inductor fuses
+those parts into a few Triton kernels a layer each way; the matmuls and attention stay cuBLAS's and cuDNN's. Measured
+on that H200: the update 0.586 s a rollout against 0.861 s, its peak 10 228 MiB against 12 027 (the fused backward
+keeps fewer intermediates). Not taken: Liger Kernel's RMSNorm, SwiGLU and rotary embedding (update 0.837 s: a Triton
+launch costs the host more than an ATen one, and fusing within each part leaves the rest as it was).
+
+Each layer is compiled with dynamic shapes: every layer of the model and every width shares one compilation per
+grad mode (layers differ only in their parameters, which dynamo takes as inputs), about 20 s once per run on that
+GPU. Applied once per model, in place, on its first one-pass forward (`prepare`), where it is safe and pays:
+- a plain causal LM of `chunked_head.PLAIN_CAUSAL_LMS` on CUDA whose parameters train (the policy, not a frozen
+  reference or teacher: their no-grad scoring measured no faster compiled), alone or inside DDP;
+- not under LoRA (peft's wrappers), FSDP2 (sharded parameters), gradient checkpointing (checkpoints around the
+  layers), `models.recompute` (it swaps the norms' forwards on every call) or train.exact_gradients (the model's own
+  forward, the same kernels on any split).
+If compiling fails (a missing compiler, an op dynamo cannot trace), the model's own layers run instead, with a
+warning (`give_up`). `TIDYRL_LAYER_KERNELS` chooses: `compile` (the default), `none` (the model's own layers), or
+`compile-graphs` (compiled with `mode="reduce-overhead"`: each layer's kernels replayed from CUDA graphs; measured,
+not the default).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
-MODES = ("none", "liger", "compile")
+MODES = ("compile", "none", "compile-graphs")
 DEVICES = ("cuda",)
 _APPLIED = "_tidyrl_layer_kernels"
 
 
 def chosen() -> str:
-    """The mode TIDYRL_LAYER_KERNELS names (default `none`); another value is an error that lists the modes."""
-    mode = os.environ.get("TIDYRL_LAYER_KERNELS", "none").strip().lower() or "none"
+    """The mode TIDYRL_LAYER_KERNELS names (default `compile`); another value is an error that lists the modes."""
+    mode = os.environ.get("TIDYRL_LAYER_KERNELS", "compile").strip().lower() or "compile"
     if mode not in MODES:
         raise ValueError(f"TIDYRL_LAYER_KERNELS={mode!r}: expected one of {', '.join(MODES)} "
                          "(models/layer_kernels.py says what each does)")
     return mode
 
 
-def prepare(model) -> str:
-    """Apply the chosen mode to `model` (a policy, reference or teacher about to run its one-pass forward) once, in
-    place, where it applies; returns the mode the model runs ("none" where it does not apply)."""
-    from tidyrl.models.chunked_head import PLAIN_CAUSAL_LMS
-    from tidyrl.models.llama_decode import base_of
-    from tidyrl.models.sharding import ddp_inner, is_sharded
-
-    peft_or_model = ddp_inner(model)
-    inner = base_of(peft_or_model)
+def prepare(model, exact: bool = False) -> str:
+    """Compile `model`'s decoder layers (a model about to run its one-pass forward) once, in place, where the
+    module's docstring says (`exact`: the model is marked for train.exact_gradients, `models.forward.exact_forward`);
+    returns the mode the model runs ("none" where it does not apply)."""
+    inner = _inner(model)
     done = getattr(inner, _APPLIED, None)
     if done is not None:
         return done
-    mode = chosen()
-    weight = next(inner.parameters(), None)
-    if (mode == "none" or type(inner).__name__ not in PLAIN_CAUSAL_LMS or peft_or_model is not inner
-            or weight is None or weight.device.type not in DEVICES or is_sharded(inner)):
-        mode = "none"
-    elif mode == "liger":
-        _liger(inner)
-    else:
+    mode = chosen() if not exact and _applies(model, inner) else "none"
+    if mode != "none":
         for layer in inner.model.layers:
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=True, **({"mode": "reduce-overhead"} if mode == "compile-graphs" else {}))
     setattr(inner, _APPLIED, mode)
     return mode
 
 
-def _liger(model) -> None:
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    except ImportError as err:
-        raise ImportError("TIDYRL_LAYER_KERNELS=liger needs Liger Kernel: pip install liger-kernel") from err
-    import importlib
+def give_up(model, err: BaseException) -> bool:
+    """After `model`'s forward raised `err`: where its layers were compiled here and `err` is torch.compile's own
+    failure, the layers go back to the model's own (for the rest of the run), with a warning, and True (run the forward
+    again); else False (the error is the caller's)."""
+    import torch._dynamo.exc as dynamo_errors
 
-    # Liger replaces the norm and MLP classes of the model's modeling module (for models built later) as well as the
-    # instance's: the classes are put back, so that only this instance changes. Its rotary embedding is the
-    # module's function, which the instance's attention calls by name: that one stays replaced.
-    module = importlib.import_module(type(model).__module__)
-    classes = {name: value for name, value in vars(module).items() if name.endswith(("RMSNorm", "MLP"))}
-    try:
-        # (not its fused output layer and loss: that would replace the causal LM's forward, which the chunked
-        # output layer runs with its head passing its input through)
-        _apply_liger_kernel_to_instance(model=model, rope=True, swiglu=True, rms_norm=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False)
-    finally:
-        for name, value in classes.items():
-            setattr(module, name, value)
+    inner = _inner(model)
+    if getattr(inner, _APPLIED, "none") == "none" or not isinstance(err, dynamo_errors.TorchDynamoException):
+        return False
+    for layer in inner.model.layers:
+        layer._compiled_call_impl = None  # (what nn.Module.compile set: its __call__ runs the module's own again)
+    setattr(inner, _APPLIED, "none")
+    why = " ".join(line.strip() for line in str(err).splitlines() if line.strip() and "TORCHDYNAMO_VERBOSE" not in line)
+    warnings.warn(f"tidyrl: compiling the decoder layers failed ({type(err).__name__}: {why[:300]}); training goes on "
+                  "with the model's own layers (TIDYRL_LAYER_KERNELS=none skips the attempt)", stacklevel=2)
+    return True
+
+
+def _inner(model):
+    from tidyrl.models.llama_decode import base_of
+    from tidyrl.models.sharding import ddp_inner
+
+    return base_of(ddp_inner(model))
+
+
+def _applies(model, inner) -> bool:
+    from tidyrl.models.chunked_head import PLAIN_CAUSAL_LMS
+    from tidyrl.models.loading import activation_checkpointing_on
+    from tidyrl.models.recompute import switched_on as recompute_on
+    from tidyrl.models.sharding import ddp_inner, is_sharded
+
+    weight = next(inner.parameters(), None)
+    return (type(inner).__name__ in PLAIN_CAUSAL_LMS and ddp_inner(model) is inner and weight is not None
+            and weight.device.type in DEVICES and any(p.requires_grad for p in inner.parameters())
+            and not is_sharded(inner) and not activation_checkpointing_on(inner) and not recompute_on())
