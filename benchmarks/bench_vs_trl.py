@@ -97,8 +97,7 @@ SWITCHED_OFF = {"tidyrl-rows": {"TIDYRL_FUSED_LOGPROBS": "0"}, "tidyrl-whole-hea
                 "tidyrl-unfused-decode": {"TIDYRL_FUSED_DECODE": "0"},
                 "tidyrl-sdpa-decode": {"TIDYRL_DECODE_ATTENTION": "sdpa"},
                 "tidyrl-recompute": {"TIDYRL_RECOMPUTE": "1"},
-                "tidyrl-eager-layers": {"TIDYRL_LAYER_KERNELS": "none"},
-                "tidyrl-graphs": {"TIDYRL_LAYER_KERNELS": "compile-graphs"}}
+                "tidyrl-eager-layers": {"TIDYRL_LAYER_KERNELS": "none"}}
 """The shipped config with one CUDA path switched off (or, for `tidyrl-recompute`, on) in the child's environment, to
 measure what it gains:
 `tidyrl-rows` the row-by-row float32 log-probs instead of the fused kernels (models.fused_logprobs),
@@ -108,8 +107,7 @@ measure what it gains:
 written),
 `tidyrl-recompute` the norms' and MLP products' intermediates recomputed in backward, not kept (models.recompute;
 off by default),
-`tidyrl-eager-layers` the trained model's decoder layers as the model runs them, not compiled (models.layer_kernels),
-`tidyrl-graphs` those layers compiled with CUDA graphs (torch.compile's mode="reduce-overhead"; not the default)."""
+`tidyrl-eager-layers` the trained model's decoder layers as the model runs them, not compiled (models.layer_kernels)."""
 MEMORY_TRACE = ("tidyrl-memtrace",)
 """`tidyrl-memtrace`: the shipped config with the update's GPU allocations recorded (torch's memory history, Python
 stacks): its line then lists what is alive at the update's peak above what was held as it started, by the code that
@@ -1037,7 +1035,7 @@ def main(argv=None) -> None:
                         help="comma-separated subset of tidyrl, tidyrl-vllm (rollout.engine: vllm), tidyrl-lean, "
                              "tidyrl-hf-forward, tidyrl-onepass (one layout of the training forward forced: "
                              "FORCED_LAYOUTS), tidyrl-rows, tidyrl-whole-head, tidyrl-unfused-decode, "
-                             "tidyrl-sdpa-decode, tidyrl-recompute, tidyrl-eager-layers, tidyrl-graphs (a CUDA path "
+                             "tidyrl-sdpa-decode, tidyrl-recompute, tidyrl-eager-layers (a CUDA path "
                              "switched off or on: SWITCHED_OFF), tidyrl-memtrace (the update's memory at its peak, "
                              "by allocation site), tidyrl-exact-widths (rows not padded to a multiple of 16 on CUDA), "
                              "trl and trl-liger (TRLS)")

@@ -7,9 +7,10 @@ tokens) launched 28 967 kernels a rollout, ~150 per layer and micro-batch, where
 rotary embedding, residual adds, casts and silu(gate) * up each run as a few elementwise kernels both ways, and the
 GPU was busy 385 ms of the update's 853 (`bench_vs_trl.py --profile`, docs/benchmarks.md). Compiled, inductor fuses
 those parts into a few Triton kernels a layer each way; the matmuls and attention stay cuBLAS's and cuDNN's. Measured
-on that H200: the update 0.586 s a rollout against 0.861 s, its peak 10 228 MiB against 12 027 (the fused backward
-keeps fewer intermediates). Not taken: Liger Kernel's RMSNorm, SwiGLU and rotary embedding (update 0.837 s: a Triton
-launch costs the host more than an ATen one, and fusing within each part leaves the rest as it was).
+on that H200 (`bench_vs_trl.py --libraries tidyrl,tidyrl-eager-layers`): the update 0.568 s a rollout against
+0.859 s, its peak 10 230 MiB against 12 027 (the fused backward keeps fewer intermediates), 102.7 episodes/s against
+79.4. Not taken: Liger Kernel's RMSNorm, SwiGLU and rotary embedding on the model instance (update 0.837 s against
+0.861 in the same call).
 
 Each layer is compiled with dynamic shapes: every layer of the model and every width shares one compilation per
 grad mode (layers differ only in their parameters, which dynamo takes as inputs), about 20 s once per run on that
@@ -20,9 +21,7 @@ GPU. Applied once per model, in place, on its first one-pass forward (`prepare`)
   layers), `models.recompute` (it swaps the norms' forwards on every call) or train.exact_gradients (the model's own
   forward, the same kernels on any split).
 If compiling fails (a missing compiler, an op dynamo cannot trace), the model's own layers run instead, with a
-warning (`give_up`). `TIDYRL_LAYER_KERNELS` chooses: `compile` (the default), `none` (the model's own layers), or
-`compile-graphs` (compiled with `mode="reduce-overhead"`: each layer's kernels replayed from CUDA graphs; measured,
-not the default).
+warning (`give_up`). `TIDYRL_LAYER_KERNELS=none` keeps the model's own layers from the start.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from __future__ import annotations
 import os
 import warnings
 
-MODES = ("compile", "none", "compile-graphs")
+MODES = ("compile", "none")
 DEVICES = ("cuda",)
 _APPLIED = "_tidyrl_layer_kernels"
 
@@ -55,7 +54,7 @@ def prepare(model, exact: bool = False) -> str:
     mode = chosen() if not exact and _applies(model, inner) else "none"
     if mode != "none":
         for layer in inner.model.layers:
-            layer.compile(dynamic=True, **({"mode": "reduce-overhead"} if mode == "compile-graphs" else {}))
+            layer.compile(dynamic=True)
     setattr(inner, _APPLIED, mode)
     return mode
 
