@@ -11,9 +11,9 @@
 #     tests/conftest.py);
 #   - in the foreground, most wanted first: bench_passes.py on qwen0.5b (each layout of the training forward and
 #     TRL's, scoring chunk and update micro-batch, on new shapes too, with a profile); bench_vs_trl.py on qwen0.5b and
-#     qwen1.5b, tidyrl beside TRL (LIBS=trl,tidyrl,tidyrl-lean adds the lean pass; TRL first, so that a cut part
-#     still has it); one --profile rollout of tidyrl on qwen0.5b (split by phase); bench_passes.py on qwen1.5b;
-#     bench_decode.py on qwen0.5b (lean decode vs the model's forward, one profiled generate); bench_lag.py
+#     qwen1.5b, tidyrl beside TRL (LIBS, by default tidyrl,trl-liger,trl; the libraries run in that order, so that a
+#     cut part still has the first); one --profile rollout of tidyrl on qwen0.5b (split by phase); bench_passes.py on
+#     qwen1.5b; bench_decode.py on qwen0.5b (lean decode vs the model's forward, one profiled generate); bench_lag.py
 #     (rollout.lag 0 vs 1 with the in-process engine).
 # Prints one summary at the end (the tables) and leaves every log in OUT_DIR/logs.tgz (the profiles' tables too).
 # TRL is taken where it is importable (pip install trl==1.16.0; without it the benchmarks run tidyrl alone).
@@ -75,7 +75,8 @@ part() {
 PARTS=${PARTS:-"tests passes05 vs05 vs15 profile passes15 decode lag"}  # which parts run (all by default;
 # "cudatests" for the CUDA tests without the rest of the suite)
 has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
-LIBS=${LIBS:-trl,tidyrl}                           # bench_vs_trl's --libraries (e.g. tidyrl,tidyrl-lean,trl)
+LIBS=${LIBS:-tidyrl,trl-liger,trl}  # bench_vs_trl's --libraries (trl-liger, TRL with Liger's kernels, is left out
+# where liger-kernel is not installed; add e.g. tidyrl-eager-layers, tidyrl-lean)
 TEST_PATHS=${TEST_PATHS:-}                         # the suite's paths (default: all of tests/)
 
 # ---- the tests, in the background on their own cores
