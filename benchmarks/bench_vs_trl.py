@@ -200,7 +200,7 @@ def child_tidyrl(spec: dict) -> dict:
     per_rollout: dict[int, list[dict]] = {}
     for row in rows:
         per_rollout.setdefault(row["rollout"], []).append(row)
-    rollouts_out, previous_end = [], 0.0
+    rollouts_out, previous_end, stepped = [], 0.0, 0
     for i, r in enumerate(sorted(per_rollout)):
         steps = per_rollout[r]
         end = steps[-1]["time_s"]
@@ -208,10 +208,10 @@ def child_tidyrl(spec: dict) -> dict:
                              "generate_s": steps[0]["time/generate_s"], "reward_s": steps[0]["time/reward_s"],
                              "score_s": steps[0]["time/score_s"],
                              "update_s": sum(s["time/update_s"] for s in steps),
-                             "optimizer_s": sum(optimizer_clock[len(rollouts_out) * len(steps):][:len(steps)]),
+                             "optimizer_s": sum(optimizer_clock[stepped: stepped + len(steps)]),
                              "completion_tokens": steps[0]["completion_length_mean"] * w["prompts"] * w["k"],
                              **inside.of(i)})
-        previous_end = end
+        previous_end, stepped = end, stepped + len(steps)
     from tidyrl.models import fused_decode
 
     given_up = fused_decode.failure()
@@ -357,18 +357,23 @@ class InsideGeneration:
         return self.rollouts[i] if i < len(self.rollouts) else {}
 
 
+def device_sync() -> None:
+    """Wait for the device's queued kernels, where this process uses CUDA."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def synchronised(fn):
     """`fn`, followed by a wait for the device (CUDA) before it returns: a phase clock read after it counts the
     phase's queued kernels."""
     import functools
 
-    import torch
-
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         result = fn(*a, **kw)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        device_sync()
         return result
     return wrapper
 
@@ -381,18 +386,12 @@ def optimizer_step_timed(fn, clock: list[float]):
     launches with the last backward's kernels.)"""
     import functools
 
-    import torch
-
-    def sync():
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
     @functools.wraps(fn)
     def wrapper(*a, **kw):
-        sync()
+        device_sync()
         start = time.perf_counter()
         result = fn(*a, **kw)
-        sync()
+        device_sync()
         clock.append(time.perf_counter() - start)
         return result
     return wrapper
@@ -650,10 +649,7 @@ def child_trl(spec: dict) -> dict:
 
     import torch
 
-    def device_sync():  # each timer waits for the device at both ends: the phase is billed its own kernels
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
+    # each timer waits for the device at both ends (device_sync): the phase is billed its own kernels
     def timed(name, fn, count_tokens=False):
         def wrapper(*a, **kw):
             device_sync()

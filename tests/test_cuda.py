@@ -440,7 +440,6 @@ def test_compiled_layers_keep_the_model_s_log_probs_and_accumulated_gradients_to
     """The trained model's decoder layers compiled (models.layer_kernels): the model's own log-probs and gradients
     to bf16 rounding, over two optimizer steps of three micro-batches of two widths each (gradients accumulated
     across them), compiled once per model."""
-    mode = "compile"
     import copy
 
     from tidyrl.models import forward, layer_kernels
@@ -450,8 +449,8 @@ def test_compiled_layers_keep_the_model_s_log_probs_and_accumulated_gradients_to
     compiled = copy.deepcopy(plain)
     monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "none")
     assert layer_kernels.prepare(plain) == "none"
-    monkeypatch.setenv("TIDYRL_LAYER_KERNELS", mode)
-    assert layer_kernels.prepare(compiled) == mode
+    monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "compile")
+    assert layer_kernels.prepare(compiled) == "compile"
     worst_lp, worst_grad = 0.0, (0.0, "")
     for step in range(2):
         results = []
@@ -475,5 +474,5 @@ def test_compiled_layers_keep_the_model_s_log_probs_and_accumulated_gradients_to
         worst_lp = max(worst_lp, *(bf16_units(a, b) for a, b in zip(lps, want_lps)))
         worst_grad = max(worst_grad, *((bf16_units(grads[n], want_grads[n]), n) for n in want_grads))
     assert worst_lp <= 4 and worst_grad[0] <= 8, (worst_lp, worst_grad)
-    assert layer_kernels.prepare(compiled) == mode  # (once: the second call finds it applied)
+    assert layer_kernels.prepare(compiled) == "compile"  # (once: the second call finds it applied)
     assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)

@@ -45,10 +45,9 @@ def test_compiled_layers_give_the_model_s_log_probs_and_accumulated_gradients(on
     plain._tidyrl_layer_kernels = "none"  # (the reference: the model's own layers)
     assert layer_kernels.prepare(compiled) == "compile"
     assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)
-    for seed, width in ((0, 5), (1, 3), (2, 9)):
+    for seed, width in ((0, 5), (1, 3), (2, 4)):
         (p, pm, c, cm), weights = completion_batch(seed)
-        batch = (p[:, :width] if width <= 5 else torch.cat([p, p[:, :width - 5]], 1),
-                 pm[:, :width] if width <= 5 else torch.cat([pm, torch.ones(4, width - 5, dtype=pm.dtype)], 1), c, cm)
+        batch = (p[:, 5 - width:], pm[:, 5 - width:], c, cm)  # (the prompts' last `width` columns)
         torch.testing.assert_close(_pass(compiled, batch, weights), _pass(plain, batch, weights), atol=1e-6, rtol=1e-6)
     for (name, mine), theirs in zip(compiled.named_parameters(), plain.parameters()):
         torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-6, rtol=1e-5, msg=name)
