@@ -77,13 +77,8 @@ def write_task(work: Path, seed: int = 0) -> tuple[int, int]:
     def row(a, op, b, answer, phrasing):
         return {"prompt": [{"role": "user", "content": phrasing.format(a=a, op=op, b=b)}], "answer": str(answer)}
 
-    with open(work / "eval.jsonl", "w") as f:
-        for a, op, b, answer in held_out:
-            f.write(json.dumps(row(a, op, b, answer, PHRASINGS[0])) + "\n")
-    with open(work / "train.jsonl", "w") as f:
-        for a, op, b, answer in train:
-            for phrasing in PHRASINGS:
-                f.write(json.dumps(row(a, op, b, answer, phrasing)) + "\n")
+    write_jsonl(work / "eval.jsonl", [row(*problem, PHRASINGS[0]) for problem in held_out])
+    write_jsonl(work / "train.jsonl", [row(*problem, phrasing) for problem in train for phrasing in PHRASINGS])
     return len(held_out), len(train) * len(PHRASINGS)
 
 
