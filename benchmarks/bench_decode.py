@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 
-from tidyrl.models import fused_decode, llama_decode  # noqa: E402
+from tidyrl.models import fused_decode, lean_decode  # noqa: E402
 from tidyrl.models.generation import generate, sample_seed  # noqa: E402
 
 
@@ -36,12 +36,8 @@ def main() -> None:
     if args.lora:
         model = with_lora(model, args.lora)
     model.eval()
-    texts = prompt_texts(w["prompts"])
-    prompts = [tok(t)["input_ids"] for t in texts for _ in range(w["k"])]
+    prompts, kw = generation_inputs(w, tok)
     T = w["max_new_tokens"]
-    kw = dict(sample_keys=[sample_seed(0, 0, i) for i in range(len(prompts))], max_new_tokens=T,
-              min_new_tokens=T, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, batch_size=len(prompts),
-              return_logprobs=True)
     # lean: the shipped step (on CUDA in bf16, with tidyrl.models.fused_decode's kernels); lean-unfused: the same
     # step without them (where they would serve); lean-sdpa: with them but the attention SDPA over the whole
     # capacity (TIDYRL_DECODE_ATTENTION=sdpa); hf: the model's own forward.
@@ -74,6 +70,16 @@ def main() -> None:
         profile(model, prompts, dict(kw, max_new_tokens=args.profile, min_new_tokens=args.profile), args.device)
 
 
+def generation_inputs(w: dict, tok) -> tuple[list, dict]:
+    """The workload's prompts (each k times) and `generate`'s keyword arguments: every completion max_new_tokens
+    long, keyed as a rollout's samples, with log-probs."""
+    prompts = [tok(t)["input_ids"] for t in prompt_texts(w["prompts"]) for _ in range(w["k"])]
+    T = w["max_new_tokens"]
+    return prompts, dict(sample_keys=[sample_seed(0, 0, i) for i in range(len(prompts))], max_new_tokens=T,
+                         min_new_tokens=T, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                         batch_size=len(prompts), return_logprobs=True)
+
+
 def run(model, prompts, path: str, kw: dict):
     """One `generate` on `path`. Switching the fused kernels on or off rebuilds the model's decode step (they are
     chosen when it is built; no weight copies for models past COPY_MAX_BYTES, so this costs milliseconds); the
@@ -81,7 +87,7 @@ def run(model, prompts, path: str, kw: dict):
     on = "0" if path == "lean-unfused" else "1"
     if os.environ.get("TIDYRL_FUSED_DECODE", "1") != on:
         os.environ["TIDYRL_FUSED_DECODE"] = on
-        llama_decode._STEPS.pop(model, None)
+        lean_decode._STEPS.pop(model, None)
     os.environ["TIDYRL_DECODE_ATTENTION"] = "sdpa" if path == "lean-sdpa" else "kernel"
     return generate(model, prompts, fast_path=path != "hf", **kw)
 

@@ -8,7 +8,7 @@
 One micro-batch of the workload (micro_batch rows: the k samples of a prompt side by side, every completion
 max_new_tokens long, as bench_vs_trl.py's runs) through four passes that compute the same log-probs:
 
-- `lean`     tidyrl's lean Llama pass (models.llama_forward: distinct prompts once, one pass through the layers);
+- `lean`     tidyrl's lean Llama pass (models.lean_forward: distinct prompts once, one pass through the layers);
 - `shared`   tidyrl's generic path: the model's forward twice (distinct prompts, then the completions on their
              keys and values indexed per row: models.forward._shared_prompt_logits);
 - `onepass`  tidyrl's one-pass path: the model's forward over [prompt, completion] with logits_to_keep and

@@ -1,5 +1,5 @@
 """Time one training micro-batch (forward + backward of the completions' log-probs) on the benchmark workloads'
-models, with tidyrl's lean Llama pass (tidyrl.models.llama_forward) and with the generic path through the model's own
+models, with tidyrl's lean Llama pass (tidyrl.models.lean_forward) and with the generic path through the model's own
 forward (distinct prompts once, completions on their keys and values, in two passes).
 
     python benchmarks/bench_update.py --workload tiny --repeats 20

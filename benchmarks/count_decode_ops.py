@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tidyrl.models import fused_decode, generation, llama_decode
+from tidyrl.models import fused_decode, generation, lean_decode
 
 NO_KERNEL = {"view", "reshape", "_unsafe_view", "expand", "t", "transpose", "slice", "select", "alias", "detach",
              "unsqueeze", "squeeze", "split", "chunk", "split_with_sizes", "permute", "as_strided", "narrow", "empty",
@@ -68,7 +68,7 @@ def count(fused: bool) -> Counter:
     fused_decode.silu_and_mul = kernel("silu_and_mul", saved[6])
     fused_decode.rope_cache_attend = kernel("rope_cache_attend", saved[7])
     try:
-        llama_decode._STEPS.clear()
+        lean_decode._STEPS.clear()
         torch.manual_seed(0)
         config = Qwen2Config(vocab_size=512, hidden_size=224, intermediate_size=448, num_hidden_layers=24,
                              num_attention_heads=14, num_key_value_heads=2, pad_token_id=0, eos_token_id=2)
@@ -79,12 +79,12 @@ def count(fused: bool) -> Counter:
         (generation.Replayed, fused_decode.wanted, fused_decode.draw_wanted, fused_decode.add_rms_norm,
          fused_decode.rope_and_cache, fused_decode.draw, fused_decode.silu_and_mul,
          fused_decode.rope_cache_attend) = saved
-        llama_decode._STEPS.clear()
+        lean_decode._STEPS.clear()
     return units[-1]
 
 
 def main() -> None:
-    llama_decode.COPY_MAX_BYTES = 0  # the model's own weights, as for a 0.5B model (past the copies' limit)
+    lean_decode.COPY_MAX_BYTES = 0  # the model's own weights, as for a 0.5B model (past the copies' limit)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1" and fused_decode._kernels() is not None
     for fused in (False, True) if interpreted else (False,):
         ops = count(fused)

@@ -260,7 +260,7 @@ def with_random_norms_and_biases(model):
     return model
 
 
-# Tiny random models of every layout tidyrl.models.llama_decode / llama_forward compute, with the features that
+# Tiny random models of every layout tidyrl.models.lean_decode / lean_forward compute, with the features that
 # change the maths: grouped-query heads, biases, rope scalings, tied embeddings, eager attention.
 _LAYOUTS = {
     "llama-gqa": lambda: llama(),

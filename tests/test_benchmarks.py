@@ -85,6 +85,14 @@ def test_bench_update_compares_both_paths_and_they_agree():
     assert saved < 1.0  # the lean pass keeps fewer bytes for backward than the model's own forward
 
 
+def test_bench_families_times_each_family_on_both_paths_and_they_draw_alike():
+    out = run("bench_families.py", "--workload", "tiny", "--repeats", "1", "--families", "qwen3,gemma3")
+    for name in ("qwen3", "gemma3"):
+        row = re.search(rf"^  {name}\s+fast path \({name}\)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)x\s+([0-9.]+)\s+"
+                        rf"([0-9.]+)\s+([0-9.]+)x\s+True$", out, re.MULTILINE)
+        assert row, out
+
+
 def test_bench_logprobs_keeps_half_the_bytes_and_gives_autograds_numbers():
     out = run("bench_logprobs.py", "--rows", "6", "--tokens", "8", "--vocab", "3000", "--repeats", "1")
     assert re.search(r"tidyrl.models.ops\s+forward\s+[0-9.]+ ms\s+backward\s+[0-9.]+ ms", out)

@@ -48,7 +48,8 @@ def test_plan_prints_the_plan_as_json(yaml_run, capsys):
     assert set(printed.pop("memory")["per_process_bytes"]) == {"generation", "update"}  # tests/test_memory_plan.py
     assert printed == {**make_plan(prompts_per_rollout=4, samples_per_prompt=4, minibatches_per_epoch=2,
                                    micro_batch_size=4, world_size=2, rollouts=2, num_prompts=10).to_dict(),
-                       "engine": "builtin"}  # and the engine that generates
+                       "engine": "builtin",  # and the engine that generates
+                       "paths": {"policy": "fast path (llama)"}}  # and which forward each model takes
     assert printed["gradient_accumulation_steps"] == 1 and printed["total_optimizer_steps"] == 4
 
 

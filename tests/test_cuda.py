@@ -67,7 +67,7 @@ def test_bf16_decoding_runs_fused_kernels_in_the_graph_and_agrees_with_the_unfus
     memory-efficient attention, inside the captured graph: one step's logits and cache equal the unfused step's
     to bf16 rounding (as in Triton's interpreter on CPU), and a whole graphed generation draws what the growing
     cache's unfused loop draws, but for rare rounding flips."""
-    from test_llama_decode import fused_and_plain_steps_agree
+    from test_lean_decode import fused_and_plain_steps_agree
 
     from tidyrl.models import fused_decode
     from tidyrl.models.generation import generate
@@ -91,7 +91,7 @@ def test_the_compiled_attention_kernel_equals_rope_cache_and_sdpa_at_qwen_shapes
     """fused_decode.rope_cache_attend compiled, at Qwen2.5-0.5B's and 1.5B's attention shapes (7 and 6 query heads
     per key/value head, head size 64 and 128) and a rollout's 128 rows: the cache written as rope_and_cache writes
     it, SDPA's output to bf16 rounding, nothing read past the position written (as in Triton's interpreter)."""
-    from test_llama_decode import attention_kernel_agrees
+    from test_lean_decode import attention_kernel_agrees
 
     from tidyrl.models import fused_decode
 
@@ -160,7 +160,7 @@ def test_the_lean_pass_attends_with_a_fused_kernel_over_grouped_heads():
     logits (float32) and runs in bfloat16."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from tidyrl.models.llama_forward import completion_logits
+    from tidyrl.models.lean_forward import completion_logits
 
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     prompts = torch.tensor([[0, 0, 5, 6], [0, 0, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10]])
@@ -187,7 +187,7 @@ def test_cuda_scores_and_trains_with_the_model_s_own_forward_and_the_same_number
     """On CUDA the training forward takes the layout measured fastest there (models.forward.LAYOUTS: the model's own
     forward over whole rows, not the lean pass), forward and backward, with the lean pass's log-probs (float32)."""
     from tidyrl.models import forward
-    from tidyrl.models.llama_forward import completion_logits
+    from tidyrl.models.lean_forward import completion_logits
 
     assert forward.layouts_for("cuda") == ("onepass",)
     prompts = torch.tensor([[0, 0, 5, 6], [0, 0, 5, 6], [7, 8, 9, 10], [7, 8, 9, 10]])

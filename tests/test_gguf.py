@@ -81,3 +81,18 @@ def test_missing_file_is_named(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no GGUF file"):
         convert_gguf(tmp_path / "absent.gguf", tmp_path / "out")
+
+
+def test_an_end_of_turn_token_the_vocabulary_has_ends_generation_too():
+    """A GGUF names no end-of-turn token; Gemma's <end_of_turn> (not its eos) is one of END_OF_TURN_TOKENS, so the
+    converted generation config ends on it as well; an eos that is itself the end of turn (SmolLM2's <|im_end|>)
+    adds nothing, and neither does the word spelt in plain text."""
+    from tidyrl.models.gguf import end_of_turn_ids
+    from tidyrl.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(chat_template=None)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<end_of_turn>", "<|im_end|>"]})
+    turn, im_end = tokenizer.convert_tokens_to_ids(["<end_of_turn>", "<|im_end|>"])
+    assert end_of_turn_ids(tokenizer, tokenizer.eos_token_id) == [turn, im_end]
+    assert end_of_turn_ids(tokenizer, im_end) == [turn]
+    assert end_of_turn_ids(build_char_tokenizer(chat_template=None), 0) == []

@@ -122,7 +122,7 @@ def test_scoring_reads_its_chunks_back_only_once_after_the_last(monkeypatch, aut
     """`score_logprobs` (old and reference log-probs) runs every chunk on the device and copies the result to
     the host once: the first read of device data comes after the loop over chunks has ended."""
     from conftest import llama
-    from test_llama_forward import _batch
+    from test_lean_forward import _batch
 
     from tidyrl.rollouts import scoring as rollout_module
 
@@ -145,7 +145,7 @@ def test_the_4d_masks_handed_to_the_model_give_what_its_own_masks_give(attention
     the same log-probs in one pass and in the shared-prompt passes, and the same critic values, as with the masks
     the model builds itself, for SDPA (boolean) and eager (additive) attention."""
     from conftest import llama
-    from test_llama_forward import _batch
+    from test_lean_forward import _batch
     from transformers import LlamaConfig, LlamaForTokenClassification
 
     from tidyrl.models import forward

@@ -1,6 +1,6 @@
 """tidyrl's Triton kernels compile for the GPUs people train on, without one: Triton compiles to a given target
 (sm_75 T4, sm_80 A100, sm_90 H100/H200) down to a cubin with the ptxas it ships. Triton's interpreter
-(tests/test_ops.py, tests/test_llama_decode.py) checks what they compute; this checks what only compiling shows
+(tests/test_ops.py, tests/test_lean_decode.py) checks what they compute; this checks what only compiling shows
 (types across loops, ops a backend lacks), so that a kernel cannot first fail on a GPU lent for minutes.
 Where Triton is installed (CUDA builds of torch bring it; CI's oldest-versions leg has it)."""
 

@@ -131,6 +131,18 @@ def test_model_code_takes_arguments_not_engine_or_algorithm_names_or_the_config(
                        f"{WHY['models']}; pass what the code needs as arguments")
 
 
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "tidyrl.models.families"), ids=str)
+def test_only_the_family_declarations_name_a_family(module):
+    """A model family is a declaration (tidyrl.models.families): every other module reads its fields, and none
+    tests a family's name or one of its architectures' class names (as the fast paths once chose by class name)."""
+    from tidyrl.models.families import FAMILIES
+
+    names = {f.name for f in FAMILIES} | {f.model_type for f in FAMILIES if f.model_type} | {
+        a for f in FAMILIES for a in f.architectures}
+    found = [f for f in model_code_problems(MODULES[module], names) if "the name" in f and "'Config'" not in f]
+    assert not found, f"{module} names a model family ({'; '.join(found)}): read its declaration instead"
+
+
 def test_the_model_code_check_sees_a_name_test_and_a_config(tmp_path):
     """The checker itself: a name compared, a config taken or read are found; the same words in a docstring are not."""
     module = tmp_path / "m.py"

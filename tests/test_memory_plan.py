@@ -118,7 +118,7 @@ def test_lora_trains_float32_adapters_only():
 
 
 def test_the_lean_pass_holds_a_layers_outputs_by_hand():
-    """A scorer through the lean pass (models.llama_forward, a CPU): its loop's names hold the last layer's outputs
+    """A scorer through the lean pass (models.lean_forward, a CPU): its loop's names hold the last layer's outputs
     besides the working set of the moment; SHAPE with f = 2, P = 6, T = 10, C = 5, b = 4."""
     lean = (Scorer("reference", SHAPE, 4, True, lean=True),)
     resident = {"policy_weights": 1272 * 4, "optimizer_state": 2 * 1272 * 4, "reference_weights": 1272 * 4}

@@ -300,7 +300,7 @@ def _one_pass_logprobs(model, batch, temperature):
 def test_shared_prompt_forward_gives_the_one_pass_logprobs_and_gradients(lean, tiny_model_dir,
                                                                           tiny_model_and_tokenizer):
     """Both ways of running a shared prompt once: the model's forward in two passes (any model) and the lean
-    Llama pass (tidyrl.models.llama_forward)."""
+    Llama pass (tidyrl.models.lean_forward)."""
     from transformers import AutoModelForCausalLM
 
     from tidyrl.models.forward import _shared_prompt_logits, completion_logprobs

@@ -58,7 +58,8 @@ def test_grpo_run_writes_every_output_with_exact_counts(tiny_model_dir, prompt_f
     # R = 4*4 = 16; E*M = 4 steps per rollout; 3 rollouts -> 12 steps, 48 episodes; accumulation 16/(2*1*2) = 4.
     assert plan == {**make_plan(prompts_per_rollout=4, samples_per_prompt=4, epochs_per_rollout=2,
                                 minibatches_per_epoch=2, micro_batch_size=2, rollouts=3, num_prompts=10,
-                                warmup_steps=2).to_dict(), "engine": "builtin"}
+                                warmup_steps=2).to_dict(), "engine": "builtin",
+                    "paths": {"policy": "fast path (llama)"}}  # which forward each model takes, and why
     assert (plan["total_optimizer_steps"], plan["total_episodes"], plan["gradient_accumulation_steps"]) == (12, 48, 4)
 
     rows = read_jsonl(out / "metrics.jsonl")
@@ -317,8 +318,10 @@ def test_a_rollout_without_signal_is_said_once_and_changes_no_weight(tiny_model_
     assert all(torch.equal(start[k], end[k]) for k in start)
     out = capsys.readouterr().out
     assert out.count("every advantage is 0") == 1
-    assert ("tidyrl: warning: rollout 1: every advantage is 0 (its 16 episodes all scored 0), so its update changes "
-            "nothing.") in out and "SFT first" in out
+    assert ("tidyrl: warning: rollout 1: every advantage is 0 (its 16 episodes all scored 0), so its policy-gradient "
+            "term is 0 and it teaches nothing; its update still runs and still moves the weights by what needs no "
+            "signal (AdamW's momentum from earlier steps, weight decay, a KL term in the loss).") in out
+    assert "SFT first" in out
     capsys.readouterr()
     tidyrl.train(base_config(tiny_model_dir, prompt_file, tmp_path / "learns", log={"progress_bar": False}))
     assert "every advantage is 0" not in capsys.readouterr().out

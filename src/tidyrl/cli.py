@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in inputs.report.splitlines():
                 print(f"tidyrl: {line}", file=sys.stderr)
             plan = {**inputs.plan.to_dict(), **plan_extras(cfg, inputs.plan, inputs.critic, inputs.eval_prompt_ids,
-                                                           inputs.memory)}
+                                                           inputs.memory, inputs.paths)}
             print(json.dumps(plan, indent=2))
         elif args.command == "train":
             from tidyrl.api import train

@@ -35,7 +35,7 @@ Phases (each = what stays resident across the run + what the phase adds):
                  at a time): its embeddings, final norm and head for the whole forward and two decoder layers,
                  (P - (L - 2) * per layer) * b. That is the model's own forward (CUDA, model_fast_paths off,
                  train.exact_gradients, FSDP2, other layouts); a Llama-layout scorer on a CPU runs the lean pass
-                 (models.llama_forward), whose local names hold one layer's outputs until the next layer rebinds
+                 (models.lean_forward), whose local names hold one layer's outputs until the next layer rebinds
                  them, the last layer's until the output layer has run: f*T*k*b held, k = h + 2*i + 4*q + 5*kv +
                  2*head_dim (x, gate and up, q/k/v fused and roped, the keys/values with their prompt's, the two
                  attention outputs and their concatenation, rope's cos and sin; q + 2*kv in place of 2*q + 3*kv
@@ -86,15 +86,17 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
+from tidyrl.models.families import family_of
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}
 """Bytes per element of each model_dtype (`auto` counted as float32: the largest a checkpoint usually holds)."""
 CHUNK_BYTES = 256 * 2**20
 """The chunked output layer's largest chunk of logits (models.chunked_head.CHUNK_BYTES)."""
 LEAN_COPY_MAX_BYTES = 32 * 2**20
-"""The most bytes of linear weights for which the lean pass runs q/k/v as one product (llama_decode.COPY_MAX_BYTES)."""
+"""The most bytes of linear weights for which the lean pass runs q/k/v as one product (lean_decode.COPY_MAX_BYTES)."""
 MATH_ATTENTION_MAX_BYTES = 32 * 2**20
 """The largest float32 probabilities of one attention call that the lean pass computes as matmul-softmax-matmul on a
-CPU (llama_forward.MATH_ATTENTION_MAX_BYTES); above it torch's fused kernel, which never holds them all."""
+CPU (lean_forward.MATH_ATTENTION_MAX_BYTES); above it torch's fused kernel, which never holds them all."""
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -151,14 +153,15 @@ class Shape:
         if None in (hidden, layers, heads, vocab):
             raise ValueError("the model config has no hidden_size, num_hidden_layers, num_attention_heads or "
                              "vocab_size; its memory cannot be planned")
-        model_type = _read(config, "model_type", default="")
+        family = family_of(config)  # (None for an architecture without a declaration: read from the config alone)
         return cls(hidden=hidden, layers=layers, heads=heads,
                    kv_heads=_read(config, "num_key_value_heads", default=heads),
                    head_dim=_read(config, "head_dim", default=hidden // heads),
                    intermediate=_read(config, "intermediate_size", "n_inner", default=4 * hidden),
                    vocab=vocab, tied=bool(_read(config, "tie_word_embeddings", default=True)),
-                   qkv_bias=model_type == "qwen2" or bool(_read(config, "attention_bias", default=False)),
-                   qk_norm=model_type == "qwen3",
+                   qkv_bias=(family is not None and family.qkv_bias) or bool(_read(config, "attention_bias",
+                                                                                    default=False)),
+                   qk_norm=family is not None and family.qk_norm is not None,
                    num_labels=_read(config, "num_labels", default=1) if classifier else 0)
 
     @property
@@ -215,7 +218,7 @@ class Scorer:
     """Under FSDP2 sharded like the policy and gathered a shard group at a time in each forward (the KL reference,
     reward models, a teacher); False: whole on every process (a teacher of another tokenizer)."""
     lean: bool = False
-    """Scores through tidyrl's lean pass (models.llama_forward: a Llama layout on a CPU, model_fast_paths on, not
+    """Scores through tidyrl's lean pass (models.lean_forward: a Llama layout on a CPU, model_fast_paths on, not
     train.exact_gradients; not while FSDP2 shards it), not the model's own forward."""
 
 
@@ -243,7 +246,7 @@ class MemoryInputs:
     chunked_head: bool = False
     """The output layer applied in chunks (CUDA, bf16/fp16, a plain causal LM; not under FSDP2)."""
     lean_update: bool = False
-    """The policy's update runs tidyrl's lean pass (models.llama_forward: a Llama layout on a CPU, model_fast_paths
+    """The policy's update runs tidyrl's lean pass (models.lean_forward: a Llama layout on a CPU, model_fast_paths
     on, not train.exact_gradients, one process, no LoRA adapter, no gradient checkpointing), not the model's own
     forward: their attention keeps different tensors for the backward pass."""
     scorers: tuple = ()
@@ -404,7 +407,7 @@ def _no_grad_forward(name: str, shape: Shape, b: int, f: int, T: int, C: int, ch
 
 
 def _lean_forward(name: str, s: Shape, b: int, f: int, P: int, T: int, C: int) -> dict:
-    """What the lean pass (models.llama_forward) adds without grad for f sequences of P prompt and T tokens, C
+    """What the lean pass (models.lean_forward) adds without grad for f sequences of P prompt and T tokens, C
     positions with logits: the largest of its three moments. Its loop's local names keep one layer's outputs alive
     until the next layer rebinds them, and the last layer's until the output layer has run (f*T*k*b, see the module
     docstring); with them a layer's norm output and SwiGLU's two products or the attention's scores (the previous

@@ -213,7 +213,8 @@ class RLRun:
         per_rollout = plan.optimizer_steps_per_rollout
         step, elapsed, self.first_reward, unfinished = 0, 0.0, None, None
         write_run_header(cfg, plan, self.out, self.accelerator,
-                         plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids, self.inputs.memory),
+                         plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids, self.inputs.memory,
+                                     self.inputs.paths),
                          resumed=self.resumed is not None)
         if self.resumed is not None:
             step, elapsed, self.first_reward, unfinished, made_ahead = restore_run(

@@ -73,15 +73,51 @@ class RLInputs:
     """The environment's tool schemas (its `tool_schemas()`), rendered into every prompt, or None."""
     memory: Any = None
     """The memory plan (tidyrl.loops.memory_plan.MemoryPlan), or None when the model's shape is unknown."""
+    paths: Optional[dict] = None
+    """Which forward each model takes and why (`model_paths`): plan.json's `paths`."""
 
 
-def plan_extras(cfg, plan, critic_choice: Optional[dict], eval_prompt_ids, memory=None) -> dict:
+def plan_extras(cfg, plan, critic_choice: Optional[dict], eval_prompt_ids, memory=None, paths=None) -> dict:
     """What plan.json (and `tidyrl plan`) say beside the plan's counts: the engine that generates, the lag of the
     rollouts made ahead (rollout.lag: the counts are the same at any lag), PPO's critic and why, the held-out
-    prompts, and the memory plan (`memory`: per process, each phase's predicted peak and its parts in bytes)."""
+    prompts, which forward each model takes and why (`paths`, `model_paths`), and the memory plan (`memory`: per
+    process, each phase's predicted peak and its parts in bytes)."""
     return {"engine": cfg.rollout.engine, **({"lag": cfg.rollout.lag} if cfg.rollout.lag else {}),
             **(critic_choice or {}), **({"eval_prompts": len(eval_prompt_ids)} if eval_prompt_ids else {}),
-            **scoring_passes(cfg, plan), **({"memory": memory.to_dict()} if memory is not None else {})}
+            **scoring_passes(cfg, plan), **({"paths": paths} if paths else {}),
+            **({"memory": memory.to_dict()} if memory is not None else {})}
+
+
+CLASSIFIER_PATH = "its own forward (a classifier: the fast path computes causal LMs)"
+
+
+def model_paths(cfg: Config, model_config, critic: Optional[dict]) -> dict:
+    """Which forward each model of the run takes, and why (`models.families.path_description`), from the configs
+    alone: the policy (its generation on the built-in engine, its scoring and update), the KL reference (the
+    policy's config; with LoRA the policy itself), a teacher, the reward models and the critic (classifiers, their
+    own forward). The fast path is the lean passes where the device's layouts take them (`models.forward.LAYOUTS`)."""
+    from tidyrl.config import algorithm_section
+    from tidyrl.models.families import path_description
+
+    def path(config) -> str:
+        if not cfg.model_fast_paths:
+            return "its own forward (model_fast_paths is false)"
+        if cfg.train.exact_gradients:
+            return f"{path_description(config)} for generation; its own forward for scoring and the update " \
+                   "(train.exact_gradients)"
+        return path_description(config)
+
+    paths = {"policy": path(model_config)}
+    if algorithm_section(cfg).kl_coef > 0:
+        paths["reference"] = "the policy with its adapter off" if cfg.lora.enabled else path(model_config)
+    if ALGORITHMS[cfg.algorithm].teacher and cfg.teacher.model:
+        paths["teacher"] = path(load_model_config(cfg.teacher.model, "teacher.model"))
+    for n, reward in enumerate(cfg.rewards):
+        if reward.model:
+            paths[f"reward_model_{n}"] = CLASSIFIER_PATH
+    if critic:
+        paths["critic"] = CLASSIFIER_PATH
+    return paths
 
 
 def scoring_passes(cfg: Config, plan) -> dict:
@@ -149,7 +185,7 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
     columns = other_columns(dataset, cfg.data.prompt_column)
     reward_fns, lines = read_rewards(cfg, base_dir, columns)
     for line in lines:
-        report = f"{report}\ntidyrl: {line}" if report else line
+        report = f"{report}\n{line}" if report else line
     # An engine generates a rollout's share in one call, and the held-out evaluation's share in one call too.
     eval_prompt_ids, eval_report, eval_share = None, "", 0
     if eval_dataset is not None:
@@ -166,7 +202,7 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
         trained = {tuple(ids) for ids in prompt_ids}
         shared = sum(tuple(ids) in trained for ids in eval_prompt_ids)
         if shared:
-            eval_report += (f"\ntidyrl: warning: {shared} of {len(eval_prompt_ids)} held-out prompts are also "
+            eval_report += (f"\nwarning: {shared} of {len(eval_prompt_ids)} held-out prompts are also "
                             "training prompts; their eval metrics measure memory, not generalisation")
     check_engine_inputs(cfg, model_config, [*prompt_ids, *(eval_prompt_ids or [])],
                         max(plan.episodes_per_rollout_per_process, eval_share))
@@ -180,9 +216,11 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
 
     memory_plan, line = check_memory(cfg, model_config, [*prompt_ids, *(eval_prompt_ids or [])], plan, critic, memory,
                                      fsdp)
-    report = f"{report}\ntidyrl: {line}" if report else line
+    report = f"{report}\n{line}" if report else line
+    paths = model_paths(cfg, model_config, critic)
+    report = "\n".join(filter(None, [report, *(f"{role}: {path}" for role, path in paths.items())]))
     return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic, eval_dataset,
-                    eval_prompt_ids, eval_report, environment, tools, memory_plan)
+                    eval_prompt_ids, eval_report, environment, tools, memory_plan, paths)
 
 
 @dataclass

@@ -7,25 +7,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Mapping, Optional
+from typing import Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, ConfigError
 from tidyrl.engines import engine_module
 from tidyrl.loops.memory_plan import (DTYPE_BYTES, MemoryInputs, MemoryPlan, Scorer, Shape, fit_problems, gib,
                                       memory_plan, parse_size)
+from tidyrl.models.families import on_fast_path
 from tidyrl.models.loading import load_model_config
-
-CHUNKED_HEAD_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-"""models.chunked_head.PLAIN_CAUSAL_LMS (named here so that the plan imports no torch)."""
-LEAN_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-"""The architectures tidyrl's lean pass computes (models.llama_decode's _ARCHITECTURES)."""
-
-
-def _architectures(model_config) -> list:
-    architectures = (model_config.get("architectures") if isinstance(model_config, Mapping)
-                     else getattr(model_config, "architectures", None))
-    return architectures or []
 
 
 def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Optional[dict], *, cuda: bool,
@@ -39,7 +29,7 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
 
     def lean(config) -> bool:  # the lean pass scores on a CPU (models.forward.LAYOUTS; on CUDA the model's forward)
         return (not cuda and cfg.model_fast_paths and not cfg.train.exact_gradients
-                and any(a in LEAN_MODELS for a in _architectures(config)))
+                and on_fast_path(config))
 
     scorers = []
     if algorithm_section(cfg).kl_coef > 0 and not cfg.lora.enabled:  # with LoRA the reference is the policy itself
@@ -56,7 +46,6 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
     critic_shape = None
     if critic:
         critic_shape = Shape.of(load_model_config(critic["critic_model"], "critic.model"), classifier=True)
-    architectures = _architectures(model_config)
     per_minibatch = plan.episodes_per_minibatch_per_process
     reserve = 0
     engine = engine_module(cfg.rollout.engine)
@@ -72,9 +61,9 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
         gradient_checkpointing=cfg.train.gradient_checkpointing,
         sync_each_microbatch=cfg.train.sync_each_microbatch,
         accumulation_steps=per_minibatch // cfg.train.micro_batch_size,
-        chunked_head=cuda and b < 4 and any(a in CHUNKED_HEAD_MODELS for a in architectures)
+        chunked_head=cuda and b < 4 and on_fast_path(model_config)
         and os.environ.get("TIDYRL_CHUNKED_HEAD", "1") != "0",
-        # (llama_forward.can_run: DDP and FSDP2 wrap the policy, LoRA and gradient checkpointing wrap its modules)
+        # (lean_forward.can_run: DDP and FSDP2 wrap the policy, LoRA and gradient checkpointing wrap its modules)
         lean_update=lean(model_config) and plan.world_size == 1 and not cfg.lora.enabled
         and not cfg.train.gradient_checkpointing,
         scorers=tuple(scorers), critic=critic_shape, engine_reserve=reserve)

@@ -150,13 +150,17 @@ def estimate_advantages(spec, options, rollout: Rollout, scores, *, k: int, beta
 
 
 def no_signal_note(r: int, episodes: int, scores) -> str:
-    """The warning for a rollout whose advantages are all 0 (rollout `r`, 0-based): its update changes nothing."""
+    """The warning for a rollout whose advantages are all 0 (rollout `r`, 0-based): it teaches nothing, yet its
+    update runs and moves the weights by what needs no signal (AdamW's moments from earlier steps, weight decay, a
+    KL term in the loss)."""
     low, high = float(scores.min()), float(scores.max())
     scored = f"all scored {low:g}" if low == high else f"scored {low:g} to {high:g}, equal within each prompt's samples"
-    return (f"warning: rollout {r + 1}: every advantage is 0 (its {episodes} episodes {scored}), so its update "
-            "changes nothing. A task the model never (or always) solves gives no signal: start from a model that "
-            "sometimes solves it (SFT first), add partial credit (e.g. a format reward), or give easier prompts. "
-            "Said once; advantage_abs_mean in metrics.jsonl shows every rollout.")
+    return (f"warning: rollout {r + 1}: every advantage is 0 (its {episodes} episodes {scored}), so its "
+            "policy-gradient term is 0 and it teaches nothing; its update still runs and still moves the weights by "
+            "what needs no signal (AdamW's momentum from earlier steps, weight decay, a KL term in the loss). A task "
+            "the model never (or always) solves gives no signal: start from a model that sometimes solves it (SFT "
+            "first), add partial credit (e.g. a format reward), give easier prompts, or drop such groups "
+            "(rollout.dynamic_sampling). Said once; advantage_abs_mean in metrics.jsonl shows every rollout.")
 
 
 def rollout_stats(rollout: Rollout, scores, raw_per_fn: dict, overlong, algo_stats: dict) -> dict:

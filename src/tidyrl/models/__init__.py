@@ -5,8 +5,10 @@ losses or training loops.
 - `engines`: the generation interface and its two engines, `builtin` and `vllm` (`rollout.engine`);
 - `generation`: the built-in engine's keyed sampling loop;
 - `forward`: the training forward, log-probs (and values) of completions given as tensors;
-- `llama_decode`, `llama_forward`: the fast paths for Llama-layout models (one config key,
-  `model_fast_paths`), each checked against the model's own forward in the tests.
+- `families`: the model families as declarations (what each layout changes), read by every fast part and the
+  memory plan; `lean_layer`: the one decoder-layer function they share;
+- `lean_decode`, `lean_forward`: the fast paths for the declared families (one config key, `model_fast_paths`),
+  each checked against the model's own forward in the tests.
 
 Nothing here imports `tidyrl.loops` or `tidyrl.rollouts` (tests/test_layers.py keeps it so).
 """

@@ -42,25 +42,27 @@ from tidyrl.models.ops import low_precision_grad, low_precision_stats
 # largest part there, and the recomputed product is cheap against it); elsewhere the model's own forward gives the
 # whole logits (and CPU runs the lean pass, `models.forward.LAYOUTS`).
 HEAD_DEVICES = ("cuda",)
-# Causal LMs whose forward is `lm_head(model(...).last_hidden_state[:, keep])` and nothing more (no logit scaling or
-# soft-capping, as Gemma 2's, Granite's or Cohere's add).
-PLAIN_CAUSAL_LMS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 # The largest chunk of logits either side of the pass holds at once (bytes); a chunk is at least one position, and
 # a vocabulary slice at least `fused_logprobs.BLOCK` entries.
 CHUNK_BYTES = 256 * 2**20
 
 
 def head_of(model) -> Optional[nn.Linear]:
-    """The output layer of `model` where `completion_logprobs` may apply it itself in chunks: a plain causal LM of
-    `PLAIN_CAUSAL_LMS`, alone, under peft or inside DDP (not sharded by FSDP, no accelerate hooks), in bf16/fp16 on a
+    """The output layer of `model` where `completion_logprobs` may apply it itself in chunks: a causal LM of a
+    declared family on the fast path (`families.on_fast_path`: its forward is `lm_head(model(...).last_hidden_state[:,
+    keep])` and nothing more, no logit scaling or soft-capping), alone, under peft or inside DDP (not sharded by FSDP,
+    no accelerate hooks), in bf16/fp16 on a
     device of HEAD_DEVICES, its `lm_head` a plain linear layer without bias (under peft: neither adapted nor a
     trained copy, `modules_to_save`); else None."""
-    from tidyrl.models.llama_decode import _wrapped, base_of
+    from tidyrl.models.families import on_fast_path
+    from tidyrl.models.lean_decode import base_of
+    from tidyrl.models.lean_layer import wrapped as _wrapped
     from tidyrl.models.sharding import ddp_inner, is_sharded
 
     peft_or_model = ddp_inner(model)
     inner = base_of(peft_or_model)
-    if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or type(inner).__name__ not in PLAIN_CAUSAL_LMS:
+    if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or not on_fast_path(
+            inner.config, type(inner).__name__):
         return None
     head, base = getattr(inner, "lm_head", None), getattr(inner, "model", None)
     if type(head) is not nn.Linear or head.bias is not None or base is None:

@@ -48,7 +48,7 @@ def _rope_factors(cos_ptr, sin_ptr, b, D: tl.constexpr):
 
 @triton.jit
 def _roped(x, x_partner, cos, sin):
-    # RoFormer eq. 34 rounded as `llama_decode.rope`: x * cos rounded as torch's product, plus roll(x) * signed sin
+    # RoFormer eq. 34 rounded as `lean_layer.rope`: x * cos rounded as torch's product, plus roll(x) * signed sin
     # in one rounding (addcmul); in x's dtype.
     kind = x.dtype
     return ((x.to(tl.float32) * cos).to(kind).to(tl.float32) + x_partner.to(tl.float32) * sin).to(kind)

@@ -6,8 +6,9 @@ the four tensors of a batch of episodes (left-padded prompts, right-padded compl
 knows nothing of rollouts, losses or loops.
 
 When several rows share a prompt (the k samples of a group), the prompt is run once and its keys and values
-are copied to its rows: for Llama layouts in one lean pass of our own (`models.llama_forward`, the fast path:
-`model_fast_paths: false` turns it off), for other models in two passes of the model's forward
+are copied to its rows: for the declared families (`models.families`) in one lean pass of our own
+(`models.lean_forward`, the fast path: `model_fast_paths: false` turns it off), for other models in two passes of
+the model's forward
 (`_shared_prompt_logits`): the same maths with fewer FLOPs. Which of these a device takes is decided per device
 type by measurement (`LAYOUTS`): on CUDA the model's own forward over whole rows, measured faster there, its output
 layer applied in chunks by `models.chunked_head` where the model allows (`head_of`): the whole logits are never made;
@@ -27,7 +28,7 @@ from tidyrl.models.chunked_head import head_logprobs, head_of, passed_through
 from tidyrl.models.devices import to_device
 from tidyrl.models.generation import _plain_kv_cache, cache_argument, model_device, returned_cache
 from tidyrl.models.devices import width_padding
-from tidyrl.models.llama_forward import logits_if_lean
+from tidyrl.models.lean_forward import logits_if_lean
 from tidyrl.models.loading import activation_checkpointing_on
 from tidyrl.models.ops import gather_logprobs_and_entropy
 from tidyrl.models.recompute import cheap_parts_recomputed
@@ -83,7 +84,7 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
 
 # The layouts of the training forward, in the order tried, by device type (DEFAULT_LAYOUTS elsewhere); each later one
 # is the fallback where an earlier one does not apply:
-#   "lean"     models.llama_forward: Llama layouts, one pass of our own, distinct prompts once (`model_fast_paths`)
+#   "lean"     models.lean_forward: declared families, one pass of our own, distinct prompts once (`model_fast_paths`)
 #   "shared"   `_shared_prompt_logits`: the model's forward twice, distinct prompts once (rows that share a prompt)
 #   "onepass"  the model's forward over [prompt, completion] with logits_to_keep: always applies (layouts listed
 #              after it are never tried), and runs where none listed applies
@@ -150,7 +151,7 @@ def _padded_widths(device: torch.device, prompt_ids, prompt_mask, completion_ids
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                       fast_path: bool = True) -> torch.Tensor:
     """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
-    `fast_path`: the lean pass for Llama layouts where it applies (`models.llama_forward.can_run`)."""
+    `fast_path`: the lean pass for declared families where it applies (`models.lean_forward.can_run`)."""
     parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[:, :completion_ids.shape[1]]
 

@@ -1,6 +1,6 @@
 """Fewer kernels per decoder layer in a bf16/fp16 decoding step on CUDA: Triton kernels and one attention call.
 
-Why: a CUDA graph of the lean step (`llama_decode.StaticDecode`) launches no kernel from Python, but the GPU
+Why: a CUDA graph of the lean step (`lean_decode.StaticDecode`) launches no kernel from Python, but the GPU
 still runs each one: on an H200 the unfused Qwen2.5-0.5B step (`TIDYRL_FUSED_DECODE=0`) runs ~1 100 kernels per
 token, ~3 us each, for 3.2 ms of device time, where its matmuls need ~0.35 ms (`python benchmarks/bench_decode.py
 --device cuda --profile 16`; `benchmarks/count_decode_ops.py` counts the ops without a GPU). Per layer, unfused,
@@ -8,7 +8,7 @@ RMSNorm is 8 kernels (upcast, square, mean, add, rsqrt, multiply, downcast, weig
 the cache writes 2, the attention 5, the residual adds 2. Here, per layer:
 - `add_rms_norm`: the residual add and the RMSNorm after it in one kernel (HF's LlamaRMSNorm maths: the sum
   rounded to the model's dtype as `x + delta` rounds it, normalised in float32, cast back, times the weight);
-- `rope_and_cache`: rope of the query and key heads (RoFormer eq. 34, half-split layout, as `llama_decode.rope`:
+- `rope_and_cache`: rope of the query and key heads (RoFormer eq. 34, half-split layout, as `lean_layer.rope`:
   x * cos rounded, plus roll(x) * signed sin in one rounding as `addcmul`) and the key and value written into the
   fixed-shape cache at the step's device-side position, one kernel;
 - `rope_cache_attend`: `rope_and_cache` and the attention in one kernel, which reads only the cache positions
@@ -16,17 +16,17 @@ the cache writes 2, the attention 5, the residual adds 2. Here, per layer:
   takes 0.17 ms of a Qwen2.5-0.5B token, at the bandwidth floor for the whole capacity; a rollout's average step
   has about half of it written). `TIDYRL_DECODE_ATTENTION=sdpa` keeps `rope_and_cache` and one call of torch's
   memory-efficient SDPA kernel (cuDNN's, which builds a plan for each new width, is not asked for), the query
-  heads of a group as its queries, as `LlamaDecodeStep` does;
+  heads of a group as its queries, as `DecodeStep` does;
 - `silu_and_mul`: the MLP's silu(gate) * up in one kernel from the gate/up product (2 kernels become 1), where the
-  step has q/k/v and gate/up side by side (`LlamaDecodeStep.side_by_side`: 7 matmuls per layer become 4).
+  step has q/k/v and gate/up side by side (`DecodeStep.side_by_side`: 7 matmuls per layer become 4).
 And per token, `draw`: the next token drawn and its log-prob in three kernels, where the unfused draw is ~35
 kernels, each a pass over a (rows, vocabulary) float32 tensor (`generation.sample_from_logits`'s two-level
 inverse transform, the same sums in the same precisions).
 The results equal the unfused step's up to rounding (summation order, rsqrt): tests/test_cuda.py compiled on a
-GPU, tests/test_llama_decode.py in Triton's interpreter on CPU where Triton is installed.
+GPU, tests/test_lean_decode.py in Triton's interpreter on CPU where Triton is installed.
 
 The kernels themselves are in `tidyrl.models.decode_kernels`; this module decides when they serve and launches them.
-Used by `LlamaDecodeStep` for fixed-shape steps on CUDA where Triton imports, with every norm weight in the
+Used by `DecodeStep` for fixed-shape steps on CUDA where Triton imports, with every norm weight in the
 activations' dtype. `TIDYRL_FUSED_DECODE=0` in the environment turns it off (the unfused step then runs).
 """
 
@@ -89,7 +89,7 @@ def _kernels():
 
 def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(x + delta, rms_norm(x + delta)) for rows x (n, N) in one kernel; with `delta` None, (x, rms_norm(x)).
-    rms_norm as `llama_decode.rms_norm`: w * (v / sqrt(mean(v^2) + eps)).to(dtype), v = the rows in float32."""
+    rms_norm as `lean_layer.rms_norm`: w * (v / sqrt(mean(v^2) + eps)).to(dtype), v = the rows in float32."""
     kernels = _kernels()
     n, N = x.shape
     total = x if delta is None else torch.empty_like(x)
@@ -118,7 +118,7 @@ def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: Ten
     """Queries (B, H, D) after rope, returned; keys after rope and values written into the cache buffers
     `keys`/`values` (B, Hkv, C, D, contiguous) at position `at` (a one-element device tensor). q (B, H*D), k and v
     (B, Hkv*D): rows of any stride, each row's heads contiguous (slices of one qkv product serve); cos and signed
-    sin (B, 1, D) contiguous (`LlamaDecodeStep._rope_factors`)."""
+    sin (B, 1, D) contiguous (`DecodeStep._rope_factors`)."""
     B, Hkv, C, D = keys.shape
     H = q.shape[1] // D
     assert all(t.stride(-1) == 1 for t in (q, k, v)) and keys.is_contiguous() and values.is_contiguous()

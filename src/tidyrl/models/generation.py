@@ -11,7 +11,7 @@ What makes it fast, none of which changes a draw or the maths (docs/benchmarks.m
   are copied to its samples;
 - keys and values are written into buffers allocated once (`_BufferedLayer`) instead of concatenated at every
   step, which copies the whole cache each time;
-- Llama-layout models decode with our own one-token step (`models.llama_decode`: the same maths as their
+- models of a declared family decode with our own one-token step (`models.lean_decode`: the same maths as their
   forward without its per-call overhead; `model_fast_paths: false` turns it off); other models get their 4D
   attention mask ready-made;
 - each sequence draws its max_new_tokens uniforms in one call before decoding: no random-number call per token
@@ -36,7 +36,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from tidyrl.models import fused_decode
 from tidyrl.models.devices import width_padding
-from tidyrl.models.llama_decode import Replayed, StaticDecode, attention_bias, base_of, decode_step_for
+from tidyrl.models.lean_decode import Replayed, StaticDecode, attention_bias, base_of, decode_step_for
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -185,9 +185,9 @@ def generate(
     min_new_tokens ban (what `score_logprobs` computes with the same weights, up to float rounding), 0 past
     EOS. These are the old log-probs of PPO-style ratios, without a second forward pass.
 
-    `fast_path`: decode Llama-layout models with `models.llama_decode` (the same maths as the model's
+    `fast_path`: decode models of a declared family with `models.lean_decode` (the same maths as the model's
     forward, without its per-call overhead); False always calls the model's own forward.
-    `static_cache`: with the fast path, decode with fixed shapes (`llama_decode.StaticDecode`), each step one
+    `static_cache`: with the fast path, decode with fixed shapes (`lean_decode.StaticDecode`), each step one
     CUDA graph replay on a GPU; None = on CUDA devices only.
     """
     assert len(prompts) == len(sample_keys)
@@ -222,7 +222,10 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     B = len(prompts)
     eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=device)
     generators = [torch.Generator(device=device).manual_seed(k) for k in keys]
-    lean = _plain_kv_cache(model)
+    # Declared families get our own prefill and decode step (tidyrl.models.lean_decode), which takes the mask as an
+    # additive bias and keeps every position in plain buffers (a sliding window masks keys, never drops them).
+    step_fn = decode_step_for(model, max(len(p) for p in prompts) + max_new_tokens) if fast_path else None
+    lean = step_fn is not None or _plain_kv_cache(model)
     if lean:  # prefill each distinct prompt once
         first_row: dict[tuple, int] = {}
         inverse = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]
@@ -234,9 +237,6 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
     u_pos = (u_attn.cumsum(-1) - 1).clamp(min=0)
     Lp = u_ids.shape[1]
     inv = torch.as_tensor(inverse, device=device)
-    # Llama layouts get our own prefill and decode step (tidyrl.models.llama_decode), which takes the mask as an
-    # additive bias.
-    step_fn = decode_step_for(model, Lp + max_new_tokens) if lean and fast_path else None
     if step_fn is not None:
         empty = torch.empty((len(unique), step_fn.n_kv, 0, step_fn.head_dim), dtype=step_fn.embed.dtype,
                             device=device)
@@ -286,7 +286,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
 
                 return _decode_fixed(StaticDecode(step_fn, cache.layers, attn, Lp), logits, next_pos, draw_at,
                                      max_new_tokens, pad_id=pad_id, eos=eos,
-                                     use_graph=device.type == "cuda" and step_fn.rope_table is not None)
+                                     use_graph=device.type == "cuda" and step_fn.rope_tables is not None)
 
             try:
                 ids, logprobs, steps = decode()
@@ -366,7 +366,7 @@ def _decode_fixed(static: StaticDecode, logits: torch.Tensor, positions: torch.T
     that on CUDA the whole unit is one captured graph replayed per token (`Replayed`): no kernel launched from
     Python and no host value read per token, but whether every row has ended, asked every _END_CHECK_EVERY tokens.
     Finished rows stay in the batch and draw padding (masked out). The same draws as the growing cache's loop
-    (tests/test_llama_decode.py)."""
+    (tests/test_lean_decode.py)."""
     B = logits.shape[0]
     device = logits.device
     ids = torch.full((B, T), pad_id, dtype=torch.long, device=device)

@@ -28,7 +28,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     The tokenizer's `model_max_length`: a GGUF does not carry one, and transformers then sets ~1e30; the folder
     gets the model's context (`max_position_embeddings`) instead, as a folder on the hub carries it.
     The special tokens (bos, eos, pad, unk) are the file's own (`special_token_ids`), in the tokenizer, the config
-    and the generation config: transformers 4.56 reads SmolLM2's eos as <|im_start|> and no pad token."""
+    and the generation config: transformers 4.56 reads SmolLM2's eos as <|im_start|> and no pad token. A GGUF names
+    no end-of-turn token: where the vocabulary has one of END_OF_TURN_TOKENS that is not the eos (Gemma's
+    <end_of_turn>), the generation config ends on it too, as the hub's generation_config.json does ([1, 106] for
+    Gemma 3), so that a chat turn ends where the model ends it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,6 +59,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
                          f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
     model.tie_weights()
     model.generation_config = loaded.generation_config
+    ends = end_of_turn_ids(tokenizer, special.get("eos"))
+    if ends:
+        model.generation_config.eos_token_id = [special.get("eos", config.eos_token_id), *ends]
     context = getattr(config, "max_position_embeddings", None)
     if context and tokenizer.model_max_length > context:
         tokenizer.model_max_length = context
@@ -63,6 +69,17 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+# Tokens that end a chat turn in the templates of the families people train (Gemma, ChatML, Llama 3, Phi-3).
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
+
+
+def end_of_turn_ids(tokenizer, eos_id) -> list[int]:
+    """The ids of END_OF_TURN_TOKENS that `tokenizer`'s vocabulary has as special tokens, but the eos."""
+    vocab = tokenizer.get_vocab()
+    special = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values()}
+    return [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in special and vocab[t] != eos_id]
 
 
 SPECIAL_TOKEN_KEYS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",

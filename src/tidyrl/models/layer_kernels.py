@@ -15,8 +15,8 @@ on that H200 (`bench_vs_trl.py --libraries tidyrl,tidyrl-eager-layers`): the upd
 Each layer is compiled with dynamic shapes: every layer of the model and every width shares one compilation per
 grad mode (layers differ only in their parameters, which dynamo takes as inputs), about 20 s once per run on that
 GPU. Applied once per model, in place, on its first one-pass forward (`prepare`), where it is safe and pays:
-- a plain causal LM of `chunked_head.PLAIN_CAUSAL_LMS` on CUDA whose parameters train (the policy, not a frozen
-  reference or teacher: their no-grad scoring measured no faster compiled), alone or inside DDP;
+- a causal LM of a declared family on the fast path (`families.on_fast_path`) on CUDA whose parameters train (the
+  policy, not a frozen reference or teacher: their no-grad scoring measured no faster compiled), alone or inside DDP;
 - not under LoRA (peft's wrappers), FSDP2 (sharded parameters), gradient checkpointing (checkpoints around the
   layers), `models.recompute` (it swaps the norms' forwards on every call) or train.exact_gradients (the model's own
   forward, the same kernels on any split).
@@ -78,19 +78,19 @@ def give_up(model, err: BaseException) -> bool:
 
 
 def _inner(model):
-    from tidyrl.models.llama_decode import base_of
+    from tidyrl.models.lean_decode import base_of
     from tidyrl.models.sharding import ddp_inner
 
     return base_of(ddp_inner(model))
 
 
 def _applies(model, inner) -> bool:
-    from tidyrl.models.chunked_head import PLAIN_CAUSAL_LMS
+    from tidyrl.models.families import on_fast_path
     from tidyrl.models.loading import activation_checkpointing_on
     from tidyrl.models.recompute import switched_on as recompute_on
     from tidyrl.models.sharding import ddp_inner, is_sharded
 
     weight = next(inner.parameters(), None)
-    return (type(inner).__name__ in PLAIN_CAUSAL_LMS and ddp_inner(model) is inner and weight is not None
+    return (on_fast_path(inner.config, type(inner).__name__) and ddp_inner(model) is inner and weight is not None
             and weight.device.type in DEVICES and any(p.requires_grad for p in inner.parameters())
             and not is_sharded(inner) and not activation_checkpointing_on(inner) and not recompute_on())

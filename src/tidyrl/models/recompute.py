@@ -17,7 +17,7 @@ around the same parts); on an H100 the 0.5B update took 1.18 s a rollout with ch
 functions. Another activation than SiLU, or a norm in float32 or whose weight has another dtype than its input,
 still takes a checkpoint.
 
-Used by `models.forward` around the one-pass forward of a plain Llama/Qwen2/Qwen3/Mistral model (alone, under peft
+Used by `models.forward` around the one-pass forward of a model of a declared family with Llama's pre-norms (alone, under peft
 or inside DDP; a LoRA-adapted projection is called as the MLP calls it) with gradients on, on RECOMPUTE_DEVICES,
 and not where the model already checkpoints whole layers or FSDP shards it.
 
@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-# Where the update's peak is GPU memory; on CPU the lean pass (models.llama_forward) keeps its own, fewer, tensors.
+# Where the update's peak is GPU memory; on CPU the lean pass (models.lean_forward) keeps its own, fewer, tensors.
 RECOMPUTE_DEVICES = ("cuda",)
 
 
@@ -67,13 +67,18 @@ def switched_on() -> bool:
 
 
 def _cheap_parts(model) -> list[nn.Module]:
-    from tidyrl.models.chunked_head import PLAIN_CAUSAL_LMS
-    from tidyrl.models.llama_decode import _wrapped, base_of
+    from tidyrl.models.families import family_of, on_fast_path
+    from tidyrl.models.lean_decode import base_of
+    from tidyrl.models.lean_layer import wrapped as _wrapped
     from tidyrl.models.loading import activation_checkpointing_on
     from tidyrl.models.sharding import ddp_inner, is_sharded
 
     model = base_of(ddp_inner(model))  # (its modules run inside DDP's and peft's forwards)
-    if not switched_on() or type(model).__name__ not in PLAIN_CAUSAL_LMS:
+    name = type(model).__name__
+    family = family_of(model.config, name) if switched_on() else None
+    # (the recomputed norm is Llama's RMSNorm, before attention and before the MLP)
+    if family is None or not family.llama_norms() or \
+            family.fused_projections or not on_fast_path(model.config, name):
         return []
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -95,7 +100,7 @@ def _is_norm(module) -> bool:
 
 
 def _is_mlp(module) -> bool:
-    # down(act(gate(x)) * up(x)): Llama's MLP and its copies (chunked_head.PLAIN_CAUSAL_LMS)
+    # down(act(gate(x)) * up(x)): the gated MLP of the declared families (models.families)
     return module is not None and type(module).__name__.endswith("MLP") and \
         {name for name, _ in module.named_children()} == {"gate_proj", "up_proj", "down_proj", "act_fn"}
 

@@ -1,5 +1,5 @@
-"""A lean prefill and one-token decoding step for Llama-layout models (Llama, Qwen2, Mistral without sliding
-windows).
+"""A lean prefill and one-token decoding step for every declared model family (`models.families`: Llama, Qwen2,
+Qwen3, Mistral, Gemma 3, OLMo 2, Phi-3; sliding windows included).
 
 Why: in the overhead-bound regime (a small model, a few dozen rows) a Hugging Face decoding step is
 mostly the fixed cost of its module calls, mask and position bookkeeping, output dataclasses and
@@ -7,85 +7,50 @@ kwargs plumbing, not arithmetic (docs/benchmarks.md). This step does the same ma
 on the model's own parameters, or for small models on a transposed, concatenated copy of them
 (`COPY_MAX_BYTES`; rewritten in place before every generation, so never out of date).
 
-The maths, per decoder layer, for one new token per row (Touvron et al. 2023, "LLaMA"; the HF
-`modeling_llama.py` is the reference it is checked against in tests/test_llama_decode.py):
+The layer is `models.lean_layer`'s (the one layer function the training pass shares); this module adds what a
+decoding step does around it:
+- Grouped-query attention (Ainslie et al. 2023) for one query token: attention of the n_rep query heads of a
+  group against their shared keys, the queries viewed as (B, Hkv, n_rep, D), so that no key/value head is ever
+  repeated (as HF's SDPA path does for a one-token step). softmax(q k^T * scale + bias) v (Vaswani et al. 2017,
+  eq. 1), the bias -inf at padding and, in a layer with a sliding window, at keys the window has passed (key index
+  <= query index - window, transformers' mask), the softmax in float32 as in HF's eager attention. The cache keeps
+  every position (a window masks, never drops, a key).
+- Embeddings (times sqrt(hidden) where the family scales them), the final norm and the output layer.
+tests/test_lean_decode.py and tests/test_families.py check it against the models' own forward.
 
-    h   = x + o_proj(attention(rope(q_proj(rms(x))), rope(k_proj(rms(x))), v_proj(rms(x))))
-    out = h + down_proj(act(gate_proj(rms(h))) * up_proj(rms(h)))
-
-- RMSNorm (Zhang & Sennrich 2019): rms(x) = w * (x / sqrt(mean(x^2) + eps)), computed in float32 and cast
-  back before the weight, as HF does.
-- RoPE (Su et al. 2021, "RoFormer" eq. 34): x * cos + rotate_half(x) * sin, with rotate_half(x) =
-  (-x2, x1) for the two halves of the head dimension, the half-split layout HF uses. cos and sin come from
-  the model's own rotary module, so every rope scaling it supports (linear, llama3, yarn, dynamic...) is
-  the model's.
-- Grouped-query attention (Ainslie et al. 2023): query head h reads key/value head h // n_rep. For one query
-  token this is attention of the n_rep query heads of a group against their shared keys, so the queries are
-  viewed as (B, Hkv, n_rep, D) and no key/value head is ever repeated (as HF's SDPA path does for a
-  one-token step). softmax(q k^T * head_dim^-1/2 + bias) v (Vaswani et al. 2017, eq. 1), the bias -inf at
-  padding, the softmax in float32 as in HF's eager attention.
-- MLP: SwiGLU (Shazeer 2020), down(act(gate(h)) * up(h)) with the model's own activation module.
-
-Anything that does not match this layout exactly (extra modules such as q/k norms, wrapped projections,
-sharded parameters, other attention kernels) is refused by `supports`, and the caller keeps the model's own
-forward. LoRA adapters (peft) are computed for generation (`supports(..., lora=True)`): a projection is
-W x + b + s B A x with the one active adapter, as peft's forward computes it (Hu et al. 2021, eq. 3).
+Anything that does not match a family's declaration exactly (an undeclared config attribute, an extra module,
+wrapped projections, sharded parameters, other attention kernels) is refused by `supports`, which says why
+(`refusal`), and the caller keeps the model's own forward. LoRA adapters (peft) are computed for generation
+(`supports(..., lora=True)`): a projection is W x + b + s B A x with the one active adapter, as peft's forward
+computes it (Hu et al. 2021, eq. 3).
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tidyrl.models import fused_decode
-from tidyrl.models.sharding import is_sharded
-
-# Architectures whose decoder layer is exactly Llama's (checked module by module in `supports` as well).
-_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-_ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+from tidyrl.models.lean_layer import (additive_mask, after_attention, attention_inputs, family_of_model,
+                                      norm_of, rms_norm, rope_factors, signed_sin)
+from tidyrl.models import lean_layer
 
 
 def supports(model, lora: bool = False) -> bool:
-    """True when `model` is a plain Llama-layout causal LM that `LlamaDecodeStep` computes exactly. With `lora`,
-    also a peft model over one, its projections adapted by LoRA (see `_lora_parts`)."""
+    """True when `model` is a causal LM of a declared family that `DecodeStep` computes exactly (`refusal` is
+    None). With `lora`, also a peft model over one, its projections adapted by LoRA (see `_lora_parts`)."""
+    return refusal(model, lora) is None
+
+
+def refusal(model, lora: bool = False) -> Optional[str]:
+    """Why `DecodeStep` does not compute `model` (see `lean_layer.refusal`), or None where it does."""
     model = base_of(model) if lora else model
-    if type(model).__name__ not in _ARCHITECTURES:
-        return False
-    config = model.config
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
-        return False
-    inner = getattr(model, "model", None)
-    if inner is None or not isinstance(getattr(model, "lm_head", None), nn.Linear):
-        return False
-    if type(getattr(inner, "embed_tokens", None)) is not nn.Embedding:
-        return False
-    if is_sharded(model):  # FSDP shards the parameters in place (and whole ones are gathered only for a while)
-        return False
-    if any(_wrapped(m) for m in model.modules()):
-        return False
-    for layer in inner.layers:
-        if {name for name, _ in layer.named_children()} != _LAYER_CHILDREN:
-            return False
-        attn, mlp = layer.self_attn, layer.mlp
-        if {name for name, _ in attn.named_children()} != set(_ATTN_LINEARS):  # e.g. Qwen3's q_norm/k_norm
-            return False
-        if {name for name, _ in mlp.named_children()} != set(_MLP_LINEARS) | {"act_fn"}:
-            return False
-        if not all(_computable(getattr(attn, n), lora) for n in _ATTN_LINEARS):  # LoRA and others wrap them
-            return False
-        if not all(_computable(getattr(mlp, n), lora) for n in _MLP_LINEARS):
-            return False
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not type(norm).__name__.endswith("RMSNorm") or list(norm.children()):
-                return False
-    return type(inner.norm).__name__.endswith("RMSNorm")
+    return lean_layer.refusal(model, lambda module: _computable(module, lora))
 
 
 def base_of(model):
@@ -127,29 +92,13 @@ def _lora_state(model) -> tuple:
                  if parts is not None)
 
 
-# The forward hook that transformers' and peft's `enable_input_require_grads` put on the input embeddings
-# (`make_inputs_require_grads` / `make_inputs_require_grad`), installed with gradient checkpointing: it only
-# marks the embeddings' output as requiring grad, so that reentrant checkpoints of frozen embeddings still reach
-# the trainable weights. A no-grad pass skips nothing by not calling it; refusing it sent every generation of
-# a gradient-checkpointed model through the model's slower forward (2x on the tiny model).
-_GRAD_ONLY_HOOK = "make_inputs_require_grad"
-
-
-def _wrapped(module: nn.Module) -> bool:
-    """Something runs around this module's forward that a pass calling no forward would skip: an instance-level
-    forward (accelerate's autocast for mixed precision, its offloading hooks) or registered forward hooks (but
-    the input-require-grad hook of gradient checkpointing, see _GRAD_ONLY_HOOK)."""
-    hooks = [h for h in module._forward_hooks.values() if not getattr(h, "__name__", "").startswith(_GRAD_ONLY_HOOK)]
-    return "forward" in vars(module) or bool(hooks) or bool(module._forward_pre_hooks)
-
-
-# Below this many bytes of weights, `LlamaDecodeStep` works on a copy of them, kept up to date in place:
+# Below this many bytes of weights, `DecodeStep` works on a copy of them, kept up to date in place:
 # transposed to (in, out), the layout in which a (rows, in) x (in, out) product is ~30 % faster on CPU than
 # nn.Linear's x W^T, and with q/k/v and gate/up concatenated (5 matmuls per layer become 2). That regime is
 # overhead-bound: a step costs far more in per-op dispatch than in arithmetic, and the copy is small. Above
 # it the matmuls dominate, and the copy would only cost memory.
 COPY_MAX_BYTES = 32 * 2**20
-# The most bytes of weights `LlamaDecodeStep.side_by_side` copies for a generation (q/k/v and gate/up side by side):
+# The most bytes of weights `DecodeStep.side_by_side` copies for a generation (q/k/v and gate/up side by side):
 # Qwen2.5-0.5B's are 468 MB, 1.5B's 1.7 GB. Above it (larger models) the matmuls are bound by reading the weights,
 # not by their launches, and the copy would only cost memory.
 SIDE_BY_SIDE_MAX_BYTES = 1 << 30
@@ -158,49 +107,12 @@ SIDE_BY_SIDE_MAX_BYTES = 1 << 30
 _POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # w * x / sqrt(mean(x^2) + eps), in float32, cast back before the weight (as LlamaRMSNorm). For float32
-    # input torch's rms_norm is those same ops in that order, in one call.
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    # RoFormer eq. 34 in the half-split layout: x * cos + (-x2, x1) * sin. (-x2, x1) * sin is
-    # roll(x) * (-sin1, sin2), the same products up to an exact sign flip, in one op fewer.
-    # `sin_signed` is `signed_sin(sin)`.
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """(-sin1, sin2) for the two halves of the head dimension: the factor `rope` multiplies roll(x) by."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-class _Layer(NamedTuple):
-    """What one decoder layer's step reads, looked up once (nn.Module attribute lookups cost microseconds each,
-    per layer per step). `qkv`, `o`, `gate_up`, `down`: `_Copy`s for small models, else tuples of the
-    projections' (weight, bias) for F.linear (q, k, v and gate, up separately)."""
-    input_norm: torch.Tensor
-    input_eps: float
-    post_norm: torch.Tensor
-    post_eps: float
-    act_fn: Callable[[torch.Tensor], torch.Tensor]  # F.silu for SiLU modules (their forward, minus the module call)
-    qkv: object
-    o: object
-    gate_up: object
-    down: object
-
-
-class LlamaDecodeStep:
+class DecodeStep:
     """logits = step(tokens_B, bias_B11L, positions_B1, cache_layers): one new token per row, through every
     layer, its keys and values written into the cache layers (objects with `update(k, v)` that return all keys
     and values so far, such as rollout._BufferedLayer). `bias_B11L` is the additive attention mask: 0 where a
-    row may attend, -inf at its padding (see `attention_bias`).
+    row may attend, -inf at its padding (see `attention_bias`); the new token's query sits at the last of its L
+    positions, or at cache position `at` (a device tensor, `StaticDecode`) where given.
 
     Holds the model's parameters (not the model) and, for small models (see COPY_MAX_BYTES), transposed
     copies of them: `decode_step_for` keeps one step per model and calls `refresh` before each generation,
@@ -210,16 +122,18 @@ class LlamaDecodeStep:
         model = base_of(model)
         inner = model.model
         config = model.config
-        layers = list(inner.layers)
-        attn = layers[0].self_attn
+        self.family = family_of_model(model)
+        attn = inner.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.n_kv = config.num_key_value_heads
         self.n_rep = config.num_attention_heads // config.num_key_value_heads
         self.scale = attn.scaling
         self.embed = inner.embed_tokens.weight
-        self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        # Gemma's scaled embedding: its output times sqrt(hidden), the factor in the weight's dtype (its forward)
+        self.embed_scale = inner.embed_tokens.embed_scale if self.family.embedding_scale else None
+        self.norm = norm_of(inner.norm, self.family.norm)
         self.rotary = inner.rotary_emb  # a submodule: holding it does not keep the model alive
-        self.rope_table, self.max_positions = None, 0
+        self.rope_tables, self.max_positions = None, 0
         self.params = list(model.parameters())
         self.pointers = [p.data_ptr() for p in self.params]
         self.lora_state = _lora_state(model)
@@ -227,28 +141,34 @@ class LlamaDecodeStep:
         # most of a small adapter's update.)
         self.copied = linear_weight_bytes(model) <= COPY_MAX_BYTES and (
             not self.lora_state or all(p.dtype == torch.float32 for p in self.params))
-        proj = _Copy if self.copied else _own
-        self.layers = [
-            _Layer(l.input_layernorm.weight, l.input_layernorm.variance_epsilon, l.post_attention_layernorm.weight,
-                   l.post_attention_layernorm.variance_epsilon, F.silu if is_silu(l.mlp.act_fn) else l.mlp.act_fn,
-                   proj(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj), proj(l.self_attn.o_proj),
-                   proj(l.mlp.gate_proj, l.mlp.up_proj), proj(l.mlp.down_proj))
-            for l in layers
-        ]
-        self.head = proj(model.lm_head)
-        self.copies = ([c for l in self.layers for c in (l.qkv, l.o, l.gate_up, l.down)] + [self.head]
-                       if self.copied else None)
-        # The common small-model case, float32 copies without biases (Llama, Mistral): `__call__` runs a loop
-        # specialised to it, without per-op dtype and bias branches (~4 % of a tiny model's generation).
-        self.plain_fp32 = self.copied and all(
-            c.bias is None and c.weight.dtype == torch.float32 for c in self.copies) and all(
-            t.dtype == torch.float32
-            for t in (self.embed, self.norm, *(n for l in self.layers for n in (l.input_norm, l.post_norm))))
-        # Fixed-shape steps in bf16/fp16 on CUDA: a few fused kernels per layer (tidyrl.models.fused_decode), where
-        # every norm weight is in the activations' dtype (as LlamaRMSNorm's product then is).
-        self.fused = fused_decode.wanted(self.embed.device, self.embed.dtype, self.head_dim) and all(
-            t.dtype == self.embed.dtype
-            for t in (self.norm, *(n for l in self.layers for n in (l.input_norm, l.post_norm))))
+        copies: list[_Copy] = []
+
+        def side_by_side(*linears):  # linears that read the same input
+            if not self.copied:
+                return tuple(_Projection(m) for m in linears)
+            copies.append(_Copy(*linears))
+            return copies[-1]
+
+        def single(linear):
+            if not self.copied:
+                return _Projection(linear)
+            copies.append(_Copy(linear))
+            return copies[-1]
+
+        self.layers = lean_layer.layers_of(model, self.family, side_by_side, side_by_side, single)
+        self.head = single(model.lm_head)
+        self.copies = copies if self.copied else None
+        self.rope_types = sorted({layer.rope for layer in self.layers})
+        self.windows = sorted({layer.window for layer in self.layers if layer.window is not None})
+        # Fixed-shape steps in bf16/fp16 on CUDA: a few fused kernels per layer (tidyrl.models.fused_decode), for
+        # the layouts its kernels compute (Llama's norm before attention and before the MLP, no q/k norms, no
+        # window, one rope), where every norm weight is in the activations' dtype (as LlamaRMSNorm's product then is).
+        family = self.family
+        self.fused = fused_decode.wanted(self.embed.device, self.embed.dtype, self.head_dim) and \
+            family.llama_norms() and family.qk_norm is None \
+            and not family.fused_projections and not self.windows and len(self.rope_types) == 1 and all(
+                n.weight.dtype == self.embed.dtype
+                for n in (self.norm, *(n for l in self.layers for n in (l.attention_in, l.mlp_in))))
         self.extend(max_positions)
 
     def side_by_side(self) -> Optional[list[tuple[tuple, tuple]]]:
@@ -274,8 +194,8 @@ class LlamaDecodeStep:
             a is b and a.data_ptr() == ptr for a, b, ptr in zip(params, self.params, self.pointers)) and \
             _lora_state(model) == self.lora_state
 
-    def refresh(self, max_positions: int) -> "LlamaDecodeStep":
-        """Rewrite the copies from the parameters as they are now, in place, and extend the rope table up to
+    def refresh(self, max_positions: int) -> "DecodeStep":
+        """Rewrite the copies from the parameters as they are now, in place, and extend the rope tables up to
         `max_positions`. Always: parameters change without a trace that could be checked cheaply (torch's fused
         AdamW updates them in place without bumping their version counters)."""
         if self.copies is not None:
@@ -287,73 +207,59 @@ class LlamaDecodeStep:
 
     def extend(self, max_positions: int) -> None:
         """Tabulate the rotary module's cos/sin up to `max_positions` (not for position-dependent rope types)."""
-        position_dependent = getattr(self.rotary, "rope_type", "default") in _POSITION_DEPENDENT_ROPE
+        position_dependent = any(_rope_type(self.rotary, t) in _POSITION_DEPENDENT_ROPE for t in self.rope_types)
         if position_dependent or max_positions <= self.max_positions:
             return
         # The rotary module's cos/sin for every position (elementwise in the position: the same values it
         # returns for each position alone), looked up per step.
+        tables = {}
         with torch.no_grad():
             positions = torch.arange(max_positions, device=self.embed.device)[None]
-            cos, sin = self.rotary(self.embed[:1], positions)  # (1, P, D) each, in the model's dtype
-        self.rope_table, self.max_positions = (cos[0], signed_sin(sin[0])), max_positions
+            for t in self.rope_types:  # (1, P, D) each, in the model's dtype
+                cos, sin = rope_factors(self.rotary, self.embed[:1], positions, t, self.family.rope_by_layer_type)
+                tables[t] = (cos[0], signed_sin(sin[0]))
+        self.rope_tables, self.max_positions = tables, max_positions
 
     def __call__(self, tokens_B: torch.Tensor, bias_B11L: torch.Tensor, positions_B1: torch.Tensor,
-                 cache_layers) -> torch.Tensor:
+                 cache_layers, at: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.fused and isinstance(cache_layers[0], _StaticLayer):
             return self._fused_step(tokens_B, bias_B11L, positions_B1, cache_layers)
-        if not self.plain_fp32:
-            return self._general_step(tokens_B, bias_B11L, positions_B1, cache_layers)
-        # `_general_step`'s maths (see its comments) for float32 copies without biases, as plain tensor ops.
         B, D, Hkv, R = tokens_B.shape[0], self.head_dim, self.n_kv, self.n_rep
         H, L = Hkv * R, bias_B11L.shape[-1]
-        x = F.embedding(tokens_B, self.embed)  # (B, hidden)
-        cos, sin = self._rope_factors(x, positions_B1)
-        bias = bias_B11L.expand(B, Hkv, R, L).reshape(B * Hkv, R, L)
-        hidden = x.shape[-1:]
-        for (in_norm, in_eps, post_norm, post_eps, act_fn, qkv_w, o_w, gate_up_w, down_w), kv in zip(
-                self.layers, cache_layers):
-            qkv = (F.rms_norm(x, hidden, in_norm, in_eps) @ qkv_w.weight).view(B, H + 2 * Hkv, D)
-            qk = rope(qkv[:, : H + Hkv], cos, sin)
-            keys, values = kv.update(qk[:, H:].view(B, Hkv, 1, D), qkv[:, H + Hkv:].view(B, Hkv, 1, D))
-            scores = torch.baddbmm(bias, qk[:, :H].reshape(B * Hkv, R, D),
-                                   keys.reshape(B * Hkv, L, D).transpose(1, 2), alpha=self.scale)
-            o = torch.bmm(torch.softmax(scores, dim=-1), values.reshape(B * Hkv, L, D)).view(B, H * D)
-            x = x + o @ o_w.weight
-            gate, up = (F.rms_norm(x, hidden, post_norm, post_eps) @ gate_up_w.weight).chunk(2, dim=-1)
-            x = x + (act_fn(gate) * up) @ down_w.weight
-        return F.rms_norm(x, hidden, self.norm, self.norm_eps) @ self.head.weight  # (B, V)
-
-    def _general_step(self, tokens_B: torch.Tensor, bias_B11L: torch.Tensor, positions_B1: torch.Tensor,
-                      cache_layers) -> torch.Tensor:
-        B, D, Hkv, R = tokens_B.shape[0], self.head_dim, self.n_kv, self.n_rep
-        L = bias_B11L.shape[-1]
-        x = F.embedding(tokens_B, self.embed)  # (B, hidden)
-        cos, sin = self._rope_factors(x, positions_B1)
-        # The mask once per step in the (B * Hkv, R, L) layout of the attention products below, so that one
-        # baddbmm per layer computes q k^T * scale + bias.
-        bias = bias_B11L.expand(B, Hkv, R, L).reshape(B * Hkv, R, L)
+        x = self._embed(tokens_B)  # (B, hidden)
+        ropes = self._rope_factors(x, positions_B1)
+        # The mask once per step (and per window) in the (B * Hkv, R, L) layout of the attention products below,
+        # so that one baddbmm per layer computes q k^T * scale + bias.
+        biases = {None: bias_B11L}
+        for window in self.windows:  # keys at index <= query index - window are out of the window
+            query = L - 1 if at is None else at
+            passed = torch.arange(L, device=bias_B11L.device) <= query - window
+            biases[window] = bias_B11L.masked_fill(passed, float("-inf"))
+        biases = {w: b.expand(B, Hkv, R, L).reshape(B * Hkv, R, L) for w, b in biases.items()}
         for layer, kv in zip(self.layers, cache_layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
+            cos, sin = ropes[layer.rope]
+            q, k, v = attention_inputs(layer, x, cos, sin, H, Hkv, D)
             keys, values = kv.update(k.view(B, Hkv, 1, D), v.view(B, Hkv, 1, D))  # (B, Hkv, L, D)
             # Grouped-query attention for one query token: the R query heads of group g (heads g*R .. g*R+R-1,
             # HF's repeat_kv order) attend to key/value head g, as an (R, D) x (D, L) product per group, all
             # groups of all rows as one batch (the cache buffers' rows and heads merge into one dimension
             # without a copy). softmax(q k^T * scale + bias) v, the softmax in float32 as in the models' eager
             # attention.
-            scores = torch.baddbmm(bias, q.reshape(B * Hkv, R, D), keys.reshape(B * Hkv, L, D).transpose(1, 2),
-                                   alpha=self.scale)
+            scores = torch.baddbmm(biases[layer.window], q.reshape(B * Hkv, R, D),
+                                   keys.reshape(B * Hkv, L, D).transpose(1, 2), alpha=self.scale)
             probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-            x = self._rest_of_layer(layer, x, torch.bmm(probs, values.reshape(B * Hkv, L, D)).view(B, -1))
+            x = after_attention(layer, x, torch.bmm(probs, values.reshape(B * Hkv, L, D)).view(B, -1))
         return self._logits(x)  # (B, V)
 
     def _fused_step(self, tokens_B: torch.Tensor, bias_B11L: torch.Tensor, positions_B1: torch.Tensor,
                     cache_layers: list["_StaticLayer"]) -> torch.Tensor:
-        """`_general_step`'s maths in fewer kernels (tidyrl.models.fused_decode) for fixed-shape cache layers: each
-        residual add fused with the RMSNorm after it, rope with the cache writes and the attention."""
+        """The general step's maths in fewer kernels (tidyrl.models.fused_decode) for fixed-shape cache layers:
+        each residual add fused with the RMSNorm after it, rope with the cache writes and the attention (the
+        layouts of `self.fused`: Llama's pre-norms, no q/k norms, no window, one rope)."""
         B, D, Hkv, R = tokens_B.shape[0], self.head_dim, self.n_kv, self.n_rep
         H, C = Hkv * R, bias_B11L.shape[-1]
-        x = F.embedding(tokens_B, self.embed)  # (B, hidden)
-        cos, sin = self._rope_factors(x, positions_B1)
+        x = self._embed(tokens_B)  # (B, hidden)
+        (cos, sin), = self._rope_factors(x, positions_B1).values()
         # The attention: one kernel with rope and the cache writes, over the positions written so far; or (where
         # TIDYRL_DECODE_ATTENTION=sdpa) SDPA over the whole capacity, each group's R heads as its R queries.
         attend = fused_decode.attend_wanted()
@@ -361,7 +267,7 @@ class LlamaDecodeStep:
         bias = None if attend else bias_B11L.expand(B, Hkv, R, C).reshape(B * Hkv, 1, R, C)
         delta = None  # the MLP output of the layer before, added to x with the next norm
         for layer, kv in zip(self.layers, cache_layers):
-            x, h = fused_decode.add_rms_norm(x, delta, layer.input_norm, layer.input_eps)
+            x, h = fused_decode.add_rms_norm(x, delta, layer.attention_in.weight, layer.attention_in.eps)
             if self.copied or kv.qkv is not None:
                 qkv = layer.qkv(h) if self.copied else F.linear(h, *kv.qkv)
                 q, k, v = qkv[:, : H * D], qkv[:, H * D: (H + Hkv) * D], qkv[:, (H + Hkv) * D:]
@@ -374,21 +280,20 @@ class LlamaDecodeStep:
                 q = fused_decode.rope_and_cache(q, k, v, cos, sin, kv.keys, kv.values, kv.at)
                 o = fused_decode.attention(q.view(B * Hkv, 1, R, D), kv.keys.view(B * Hkv, 1, C, D),
                                            kv.values.view(B * Hkv, 1, C, D), bias, self.scale).reshape(B, H * D)
-            x, h = fused_decode.add_rms_norm(x, layer.o(o) if self.copied else layer.o[0](o), layer.post_norm,
-                                             layer.post_eps)
+            x, h = fused_decode.add_rms_norm(x, layer.o(o), layer.mlp_in.weight, layer.mlp_in.eps)
             if self.copied or kv.gate_up is not None:
                 gate_up = layer.gate_up(h) if self.copied else F.linear(h, *kv.gate_up)
-                if layer.act_fn is F.silu:  # act(gate) * up in one kernel
+                if layer.act is F.silu:  # act(gate) * up in one kernel
                     hidden = fused_decode.silu_and_mul(gate_up)
                 else:
                     gate, up = gate_up.chunk(2, dim=-1)
-                    hidden = layer.act_fn(gate) * up
+                    hidden = layer.act(gate) * up
             else:
                 gate, up = layer.gate_up
-                hidden = layer.act_fn(gate(h)) * up(h)
-            delta = layer.down(hidden) if self.copied else layer.down[0](hidden)
-        _, x = fused_decode.add_rms_norm(x, delta, self.norm, self.norm_eps)
-        return self.head(x) if self.copied else self.head[0](x)
+                hidden = layer.act(gate(h)) * up(h)
+            delta = layer.down(hidden)
+        _, x = fused_decode.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)
+        return self.head(x)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache_layers) -> torch.Tensor:
         """The logits (U, V) after the last position of left-padded prompts `ids` (U, Lp), with their 0/1 `mask`
@@ -397,62 +302,56 @@ class LlamaDecodeStep:
         never read (later queries mask its key), and one key keeps it finite."""
         U, Lp = ids.shape
         D, Hkv, R = self.head_dim, self.n_kv, self.n_rep
-        x = F.embedding(ids.reshape(-1), self.embed)  # (U*Lp, hidden)
-        cos, sin = self._rope_factors(x, positions)
+        x = self._embed(ids.reshape(-1))  # (U*Lp, hidden)
+        ropes = self._rope_factors(x, positions)
         eye = torch.eye(Lp, dtype=torch.bool, device=ids.device)
-        allowed = (eye.cumsum(0).bool() & (mask[:, None, :] != 0)) | eye  # (U, Lp queries, Lp keys): causal
-        bias = additive_mask(allowed, x.dtype)[:, None, None]  # (U, 1, 1, Lp, Lp)
+        causal = eye.cumsum(0).bool()  # (Lp queries, Lp keys)
+        biases = {}
+        for window in (None, *self.windows):
+            allowed = causal if window is None else causal & ~causal.tril(-window)  # query - key < window
+            allowed = (allowed & (mask[:, None, :] != 0)) | eye  # (U, Lp, Lp)
+            biases[window] = additive_mask(allowed, x.dtype)[:, None, None]  # (U, 1, 1, Lp, Lp)
         for layer, kv in zip(self.layers, cache_layers):
-            q, k, v = self._qkv(layer, x, cos, sin)
+            cos, sin = ropes[layer.rope]
+            q, k, v = attention_inputs(layer, x, cos, sin, Hkv * R, Hkv, D)
             keys, values = kv.update(k.view(U, Lp, Hkv, D).transpose(1, 2), v.view(U, Lp, Hkv, D).transpose(1, 2))
             # As in __call__, with Lp queries per row: the R heads of a group and their Lp queries are R*Lp rows.
             q = q.view(U, Lp, Hkv, R, D).permute(0, 2, 3, 1, 4).reshape(U, Hkv, R * Lp, D)
             scores = torch.matmul(q, keys.transpose(-1, -2)).view(U, Hkv, R, Lp, Lp)
-            probs = torch.softmax(torch.add(bias, scores, alpha=self.scale).float(), dim=-1).to(values.dtype)
+            probs = torch.softmax(torch.add(biases[layer.window], scores, alpha=self.scale).float(),
+                                  dim=-1).to(values.dtype)
             o = torch.matmul(probs.view(U, Hkv, R * Lp, Lp), values).view(U, Hkv, R, Lp, D)
-            x = self._rest_of_layer(layer, x, o.permute(0, 3, 1, 2, 4).reshape(U * Lp, -1))
+            x = after_attention(layer, x, o.permute(0, 3, 1, 2, 4).reshape(U * Lp, -1))
         return self._logits(x.view(U, Lp, -1)[:, -1])
 
-    def _rope_factors(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (rows, 1, D) for `positions` (B, T), rows = B*T."""
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(tokens, self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
+
+    def _rope_factors(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer type, cos and signed sin (rows, 1, D) for `positions` (B, T), rows = B*T."""
         n, D = positions.numel(), self.head_dim
-        if self.rope_table is not None:
-            return tuple(F.embedding(positions.reshape(-1), t).view(n, 1, D) for t in self.rope_table)
-        cos, sin = self.rotary(x, positions)  # (B, T, D): the model's own call, as in its forward
-        return cos.reshape(n, 1, D), signed_sin(sin).reshape(n, 1, D)
-
-    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries (rows, H, D) and keys (rows, Hkv, D) after rope, values (rows, Hkv, D), of the layer's input."""
-        D, Hkv = self.head_dim, self.n_kv
-        H = Hkv * self.n_rep
-        h = rms_norm(x, layer.input_norm, layer.input_eps)
-        if self.copied:
-            qkv = layer.qkv(h).view(-1, H + 2 * Hkv, D)
-            qk = rope(qkv[:, : H + Hkv], cos, sin)  # one rope for the query and key heads together
-            return qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
-        q_proj, k_proj, v_proj = layer.qkv
-        q = rope(q_proj(h).view(-1, H, D), cos, sin)
-        k = rope(k_proj(h).view(-1, Hkv, D), cos, sin)
-        return q, k, v_proj(h).view(-1, Hkv, D)
-
-    def _rest_of_layer(self, layer: _Layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """The layer's output from its input x and the attention output o (rows, H*D): o_proj, residual, MLP."""
-        if self.copied:
-            x = x + layer.o(o)
-            gate, up = layer.gate_up(rms_norm(x, layer.post_norm, layer.post_eps)).chunk(2, dim=-1)
-            return x + layer.down(layer.act_fn(gate) * up)
-        x = x + layer.o[0](o)
-        h = rms_norm(x, layer.post_norm, layer.post_eps)
-        gate, up = layer.gate_up
-        return x + layer.down[0](layer.act_fn(gate(h)) * up(h))
+        if self.rope_tables is not None:
+            flat = positions.reshape(-1)
+            return {t: tuple(F.embedding(flat, f).view(n, 1, D) for f in table) for t, table in self.rope_tables.items()}
+        out = {}
+        for t in self.rope_types:  # the model's own call, as in its forward
+            cos, sin = rope_factors(self.rotary, x, positions, t, self.family.rope_by_layer_type)  # (B, T, D)
+            out[t] = (cos.reshape(n, 1, D), signed_sin(sin).reshape(n, 1, D))
+        return out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        x = rms_norm(x, self.norm, self.norm_eps)
-        return self.head(x) if self.copied else self.head[0](x)
+        return self.head(rms_norm(x, self.norm))
+
+
+def _rope_type(rotary, layer_type: str) -> str:
+    """The rope type of a rotary module (of one layer type, where it keeps one per type: Gemma 3)."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    return rope_type.get(layer_type, "default") if isinstance(rope_type, dict) else rope_type
 
 
 class StaticDecode:
-    """`LlamaDecodeStep` with every shape fixed for a whole generation: B rows (finished rows keep decoding
+    """`DecodeStep` with every shape fixed for a whole generation: B rows (finished rows keep decoding
     padding instead of leaving the batch), the key/value cache at its full capacity C, attention over all C
     positions with the ones not written yet masked (-inf) (the fused step's kernel reads only the positions up to
     the device-side write position: `fused_decode.rope_cache_attend`), and every index it advances (the write
@@ -460,20 +359,20 @@ class StaticDecode:
     no host value in between: a whole token (this step and the draw after it, see `generation`) is one unit a CUDA
     graph can capture once and replay for every token (`Replayed`). Eagerly (CPU, tests) it is the same computation:
     masked positions hold zeros and get probability 0, so a step's logits are the growing-cache step's up to
-    summation order (tests/test_llama_decode.py: the same tokens).
+    summation order (tests/test_lean_decode.py: the same tokens).
 
     `cache_layers` are the prefilled `_BufferedLayer`s (capacity C, `filled` positions written), `bias` the
     (B, 1, 1, C) additive mask of the prompts' padding; both are taken over and written in place. Before the
     first call, set `tokens` and `positions` (B, 1) to the first token to decode and its positions."""
 
-    def __init__(self, step: LlamaDecodeStep, cache_layers, bias: torch.Tensor, filled: int):
+    def __init__(self, step: DecodeStep, cache_layers, bias: torch.Tensor, filled: int):
         self.step, self.bias = step, bias
         self.bias[..., filled:] = float("-inf")  # nothing after the prompts is written yet
         device, B = bias.device, bias.shape[0]
         self.at = torch.full((1,), filled, dtype=torch.long, device=device)  # where the next key/value goes
         self.layers = [_StaticLayer(layer, filled, self.at) for layer in cache_layers]
         # For this generation only (freed with it, never held while training): the fused step's q/k/v and gate/up
-        # weights side by side, 7 matmuls per layer becoming 4 (`LlamaDecodeStep.side_by_side`).
+        # weights side by side, 7 matmuls per layer becoming 4 (`DecodeStep.side_by_side`).
         for static, weights in zip(self.layers, step.side_by_side() or ()):
             static.qkv, static.gate_up = weights
         self.tokens = torch.zeros(B, dtype=torch.long, device=device)
@@ -483,7 +382,7 @@ class StaticDecode:
         """The logits (B, V) after `tokens` at `positions`, their keys and values written at cache position `at`,
         which every row may attend from now on; then `at` and `positions` move on by one."""
         self.bias.index_fill_(-1, self.at, 0.0)
-        logits = self.step(self.tokens, self.bias, self.positions, self.layers)
+        logits = self.step(self.tokens, self.bias, self.positions, self.layers, at=self.at)
         self.at.add_(1)
         self.positions.add_(1)
         return logits
@@ -539,15 +438,6 @@ class _StaticLayer:
         self.keys.index_copy_(2, self.at, keys)
         self.values.index_copy_(2, self.at, values)
         return self.keys, self.values
-
-
-def is_silu(act_fn: nn.Module) -> bool:
-    """True for torch's and transformers' SiLU modules, whose forward is F.silu."""
-    return isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
-
-
-def _own(*linears: nn.Module) -> tuple["_Projection", ...]:
-    return tuple(_Projection(m) for m in linears)
 
 
 class _Projection:
@@ -606,11 +496,6 @@ def attention_bias(mask_BL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return additive_mask(mask_BL != 0, dtype)[:, None, None, :]
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True = may attend) as an additive one of the same shape: 0 where True, -inf where False."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
 def concatenated(*linears: nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The weights of linears that read the same input as one (sum of outs, in) matrix, and their concatenated
     bias (zeros for a linear without one; None when none has one): F.linear with them computes all of them
@@ -633,11 +518,11 @@ def linear_weight_bytes(model) -> int:
 
 
 # One step per model, for as long as the model lives (a step holds its parameters, never the model itself).
-_STEPS: "weakref.WeakKeyDictionary[nn.Module, LlamaDecodeStep]" = weakref.WeakKeyDictionary()
+_STEPS: "weakref.WeakKeyDictionary[nn.Module, DecodeStep]" = weakref.WeakKeyDictionary()
 
 
-def decode_step_for(model, max_positions: int) -> Optional[LlamaDecodeStep]:
-    """The lean step for `model` (see `LlamaDecodeStep`), up to date with its weights, or None when it is not a
+def decode_step_for(model, max_positions: int) -> Optional[DecodeStep]:
+    """The lean step for `model` (see `DecodeStep`), up to date with its weights, or None when it is not a
     layout this module computes exactly. The step is kept between generations, its copies rewritten in place."""
     if not supports(model, lora=True):
         _STEPS.pop(base_of(model), None)
@@ -645,6 +530,6 @@ def decode_step_for(model, max_positions: int) -> Optional[LlamaDecodeStep]:
     model = base_of(model)
     step = _STEPS.get(model)
     if step is None or not step.matches(model):
-        step = _STEPS[model] = LlamaDecodeStep(model, max_positions)
+        step = _STEPS[model] = DecodeStep(model, max_positions)
         return step
     return step.refresh(max_positions)

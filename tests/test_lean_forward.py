@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import LLAMA_LAYOUTS, VOCAB, llama, recorded_outputs
 
-from tidyrl.models import llama_forward
-from tidyrl.models.llama_forward import can_run, completion_logits, logits_if_lean
+from tidyrl.models import lean_forward
+from tidyrl.models.lean_forward import can_run, completion_logits, logits_if_lean
 from tidyrl.models.loading import enable_gradient_checkpointing
 from tidyrl.models.forward import completion_logprobs
 from tidyrl.models.generation import left_pad
@@ -59,10 +59,10 @@ def test_logits_and_gradients_equal_the_model_forward(name, fused, attention, mo
     """Shared prompts of different lengths, completions ending at different places: every logit that is read
     (up to and including each row's EOS) equals the HF forward's, and so does every parameter's gradient of a
     weighted sum of them, in training mode."""
-    monkeypatch.setattr(llama_forward, "COPY_MAX_BYTES", 2**40 if fused else 0)
-    monkeypatch.setattr(llama_forward, "MATH_ATTENTION_MAX_BYTES", 2**40 if attention == "matmul" else 0)
+    monkeypatch.setattr(lean_forward, "COPY_MAX_BYTES", 2**40 if fused else 0)
+    monkeypatch.setattr(lean_forward, "MATH_ATTENTION_MAX_BYTES", 2**40 if attention == "matmul" else 0)
     if attention == "sdpa-repeated-kv":  # CUDA's way: grouped key/value heads repeated before a masked SDPA
-        monkeypatch.setattr(llama_forward, "GROUPED_SDPA_DEVICES", ())
+        monkeypatch.setattr(lean_forward, "GROUPED_SDPA_DEVICES", ())
     model = LLAMA_LAYOUTS[name]().train()
     assert can_run(model)
     batch = _batch()
@@ -116,8 +116,8 @@ def test_completion_logprobs_takes_the_lean_pass_and_agrees_with_the_generic_one
     model = llama().train()
     batch = _batch()
     calls = []
-    real = llama_forward.completion_logits
-    monkeypatch.setattr(llama_forward, "completion_logits", lambda *a: calls.append(1) or real(*a))
+    real = lean_forward.completion_logits
+    monkeypatch.setattr(lean_forward, "completion_logits", lambda *a: calls.append(1) or real(*a))
     lean_lp, lean_ent = completion_logprobs(model, *batch.sequences, temperature=0.7, with_entropy=True)
     assert calls == [1]
     generic_lp, generic_ent = completion_logprobs(model, *batch.sequences, temperature=0.7, with_entropy=True,
@@ -169,12 +169,12 @@ def test_models_it_cannot_run_keep_the_generic_path():
     assert not can_run(model)
     dropout = llama(attention_dropout=0.1)
     assert not can_run(dropout.train()) and can_run(dropout.eval())  # this pass applies no dropout
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    assert not can_run(qwen3)  # q_norm / k_norm: not a layout this pass computes
-    assert logits_if_lean(qwen3, *args) is None
+    gemma2 = Gemma2ForCausalLM(Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    assert not can_run(gemma2)  # no family declaration: not a layout this pass computes
+    assert logits_if_lean(gemma2, *args) is None
 
 
 def test_a_forward_with_something_around_it_keeps_the_generic_path():

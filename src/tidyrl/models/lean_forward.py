@@ -1,5 +1,5 @@
-"""A lean forward pass for scoring and training completions of Llama-layout models (the layouts of
-`tidyrl.models.llama_decode.supports`: Llama, Qwen2, Mistral without sliding windows).
+"""A lean forward pass for scoring and training completions of every declared model family (`models.families`;
+the layouts of `models.lean_decode.supports`, sliding windows included).
 
 Why: scoring and the policy-gradient updates run the model on a rollout's rows, k samples per prompt. The
 Hugging Face forward would run every prompt k times; tidyrl's generic path (`models.forward._shared_prompt_logits`)
@@ -12,11 +12,13 @@ them: the prompts attend causally within themselves, each completion to its prom
 values (indexed per row, so backward sums the k copies' gradients into the shared prompt) and causally to
 itself.
 
-The maths is the model's, per decoder layer (see tidyrl.models.llama_decode for the references: RMSNorm, RoPE,
-grouped-query attention, SwiGLU), with the attention masks of the one-pass forward over
-[prompt, completion] with the row's attention mask, so every score that is read equals the HF forward's
-to float rounding (tests/test_llama_forward.py checks logits and gradients). Queries that nothing reads
-differ: a prompt's left-padding positions attend to themselves only (HF would leave them with no key at all).
+The layer is `models.lean_layer`'s, the one the decoding step runs (norms, q/k norms, rope, the MLP, each
+family's declaration), with autograd functions that keep fewer tensors for backward (`TRAINING_OPS`). The
+attention masks are the one-pass forward's over [prompt, completion] with the row's attention mask (and, in a
+layer with a sliding window, keys whose index is at most the query's minus the window masked, as transformers'
+masks do), so every score that is read equals the HF forward's to float rounding (tests/test_lean_forward.py and
+tests/test_families.py check logits and gradients). Queries that nothing reads differ: a prompt's left-padding
+positions attend to themselves only (HF would leave them with no key at all).
 """
 
 from __future__ import annotations
@@ -28,20 +30,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tidyrl.models import families
 from tidyrl.models.devices import to_device
-from tidyrl.models.llama_decode import (COPY_MAX_BYTES, additive_mask, concatenated, is_silu, linear_weight_bytes,
-                                 rms_norm, rope, signed_sin, supports)
+from tidyrl.models.lean_decode import COPY_MAX_BYTES, concatenated, linear_weight_bytes, supports
+from tidyrl.models.lean_layer import (Norm, Ops, additive_mask, after_attention, attention_inputs, family_of_model,
+                                      is_silu, layers_of, norm_of, rms_norm, rope_factors, signed_sin)
 from tidyrl.models.loading import activation_checkpointing_on
 
 
 def can_run(model) -> bool:
     """True when `completion_logits` computes what `model`'s own forward would, and its gradients reach
     the parameters as they would through the model: a plain (not DDP-wrapped: DDP syncs gradients only for
-    passes through its own forward) Llama-layout model, without gradient checkpointing (whose memory saving
-    the user asked for) and without attention dropout in training (this pass applies none)."""
+    passes through its own forward) model of a declared family, without gradient checkpointing (whose memory
+    saving the user asked for) and without dropout in training (this pass applies none)."""
     if isinstance(model, DistributedDataParallel) or not supports(model) or activation_checkpointing_on(model):
         return False
-    return not (model.training and getattr(model.config, "attention_dropout", 0.0))
+    return not (model.training and families.dropout_refusal(model.config, family_of_model(model)))
 
 
 def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -51,6 +55,7 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     [prompt, completion] with attention mask [prompt_mask, completion_mask] would give them. Gradients flow
     to `model`'s parameters when called with grad enabled. See `can_run` for the models it takes."""
     inner = model.model
+    family = family_of_model(model)
     device = inner.embed_tokens.weight.device
     B, Lp = prompt_ids.shape
     Tc = completion_ids.shape[1]
@@ -69,60 +74,70 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     positions = torch.cat([u_pos.reshape(-1), c_pos.reshape(-1)])
     NP = U * Lp  # the prompt rows come first, then the completion rows
 
-    # Masks (True = may attend), the one-pass forward's for every query that is read. Prompt queries: causal
-    # over real keys; a padding query attends to itself only (its output is never read, and it needs a key
-    # to stay finite). Completion queries: every real key of their prompt, then causal over real completion
-    # keys.
-    causal_p = torch.ones(Lp, Lp, dtype=torch.bool, device=device).tril()
-    mask_p = (causal_p & u_mask[:, None, :]) | torch.eye(Lp, dtype=torch.bool, device=device)  # (U, Lp, Lp)
-    causal_c = torch.ones(Tq, Tq, dtype=torch.bool, device=device).tril()
-    mask_c = torch.cat([u_mask.index_select(0, inverse)[:, None, :].expand(B, Tq, Lp),
-                        causal_c & c_mask[:, None, :Tq]], dim=-1)  # (B, Tq, Lp + Tq)
-    mask_p, mask_c = mask_p[:, None], mask_c[:, None]  # broadcast over heads
-
     attn0 = inner.layers[0].self_attn
     D, H, Hkv = attn0.head_dim, model.config.num_attention_heads, model.config.num_key_value_heads
-    mask_p, mask_c = _attention_mask(mask_p, H), _attention_mask(mask_c, H)  # the form _attention computes with
-    x = inner.embed_tokens(tokens)  # (N, hidden); the module's own call keeps its padding_idx (no gradient there)
-    cos, sin = inner.rotary_emb(x, positions[None])  # the model's own rotary module: every rope scaling it has
-    cos, sin = cos[0, :, None, :], signed_sin(sin[0])[:, None, :]  # (N, 1, D)
     fused = linear_weight_bytes(model) <= COPY_MAX_BYTES
+    # small models: q/k/v in one (N, hidden) x (hidden, (H + 2 Hkv) D) product instead of three. gate and up
+    # always as two products: as halves of one, each is a strided view, and the element-wise SwiGLU on views costs
+    # more (forward + backward) than the second matmul call saves.
+    layers = layers_of(model, family, qkv=_side_by_side if fused else _each, gate_up=_each, single=_single)
+    masks = {window: _masks(u_mask, c_mask, inverse, Lp, Tq, window, H)
+             for window in {layer.window for layer in layers}}
+    x = inner.embed_tokens(tokens)  # (N, hidden); the module's own call keeps its padding_idx (no gradient there)
+    ropes = {}  # per layer type, from the model's own rotary module: every rope scaling it has
+    for layer_type in {layer.rope for layer in layers}:
+        cos, sin = rope_factors(inner.rotary_emb, x, positions[None], layer_type, family.rope_by_layer_type)
+        ropes[layer_type] = cos[0, :, None, :], signed_sin(sin[0])[:, None, :]  # (N, 1, D)
     rows = [NP, B * Tq]
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        h = _rms_norm(x, layer.input_layernorm)
-        # torch.split rather than slicing throughout: the backward of a split is one concatenation, that of
-        # each slice a zero-filled tensor of the whole input.
-        if fused:  # small models: one (N, hidden) x (hidden, (H + 2 Hkv) D) product instead of three
-            qkv = _linear(h, attn.q_proj, attn.k_proj, attn.v_proj).view(-1, H + 2 * Hkv, D)
-            qk, v = qkv.split([H + Hkv, Hkv], 1)
-            q, k = rope(qk, cos, sin).split([H, Hkv], 1)  # the query and key heads in one rope
-        else:
-            q = rope(_linear(h, attn.q_proj).view(-1, H, D), cos, sin)
-            k = rope(_linear(h, attn.k_proj).view(-1, Hkv, D), cos, sin)
-            v = _linear(h, attn.v_proj).view(-1, Hkv, D)
+    for layer in layers:
+        cos, sin = ropes[layer.rope]
+        mask_p, mask_c = masks[layer.window]
+        q, k, v = attention_inputs(layer, x, cos, sin, H, Hkv, D, TRAINING_OPS)
         # (rows, heads, L, D) per part; the completions' keys/values follow their prompt's.
         (q_p, q_c), (k_p, k_c), (v_p, v_c) = (t.split(rows) for t in (q, k, v))
         q_p, k_p, v_p = (t.view(U, Lp, -1, D).transpose(1, 2) for t in (q_p, k_p, v_p))
         q_c, k_c, v_c = (t.view(B, Tq, -1, D).transpose(1, 2) for t in (q_c, k_c, v_c))
         k_c = torch.cat([k_p.index_select(0, inverse), k_c], dim=2)
         v_c = torch.cat([v_p.index_select(0, inverse), v_c], dim=2)
-        o_p = _attention(q_p, k_p, v_p, mask_p, attn.scaling)
-        o_c = _attention(q_c, k_c, v_c, mask_c, attn.scaling)
+        o_p = _attention(q_p, k_p, v_p, mask_p, attn0.scaling)
+        o_c = _attention(q_c, k_c, v_c, mask_c, attn0.scaling)
         o = torch.cat([o_p.transpose(1, 2).reshape(NP, H * D), o_c.transpose(1, 2).reshape(B * Tq, H * D)])
-        x = x + _linear(o, attn.o_proj)
-        h = _rms_norm(x, layer.post_attention_layernorm)
-        # gate and up as two products: as halves of one, each is a strided view, and the element-wise SwiGLU
-        # on views costs more (forward + backward) than the second matmul call saves.
-        gate, up = _linear(h, mlp.gate_proj), _linear(h, mlp.up_proj)
-        x = x + _linear(_gated(mlp.act_fn, gate, up), mlp.down_proj)
+        x = after_attention(layer, x, o, TRAINING_OPS)
     # Only the rows that predict completion tokens go through the head: each prompt's last position (left
     # padding puts it at Lp - 1), then the completion rows. They are put in the logits' order before the head
     # (a copy of hidden-size rows): arranging the logits afterwards would copy the pass's largest tensor.
     x_p, x_c = x.split(rows)
     last = x_p.view(U, Lp, -1).split([Lp - 1, 1], dim=1)[1][:, 0]
     h = torch.cat([last.index_select(0, inverse)[:, None], x_c.view(B, Tq, -1)], dim=1)  # (B, Tc, hidden)
-    return _linear(_rms_norm(h, inner.norm), model.lm_head)  # (B, Tc, V)
+    return _linear(_trained_norm(h, norm_of(inner.norm, family.norm)), model.lm_head)  # (B, Tc, V)
+
+
+def _masks(u_mask: torch.Tensor, c_mask: torch.Tensor, inverse: torch.Tensor, Lp: int, Tq: int,
+           window: Optional[int], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention masks (True = may attend) of the prompt queries (U, 1, Lp, Lp) and the completion queries
+    (B, 1, Tq, Lp + Tq), the one-pass forward's for every query that is read, in the form `_attention` takes
+    (`_attention_mask`). Prompt queries: causal over real keys; a padding query attends to itself only (its
+    output is never read, and it needs a key to stay finite). Completion queries: every real key of their
+    prompt, then causal over real completion keys. With a sliding `window`, only keys whose index (in the row
+    [prompt, completion]) is above the query's minus the window, and a completion's padding query its own key
+    (as a prompt's)."""
+    device = u_mask.device
+    B = inverse.shape[0]
+    causal_p = torch.ones(Lp, Lp, dtype=torch.bool, device=device).tril()
+    causal_c = torch.ones(Tq, Tq, dtype=torch.bool, device=device).tril()
+    prompt_keys = u_mask.index_select(0, inverse)[:, None, :].expand(B, Tq, Lp)
+    if window is not None:  # query index - key index < window
+        causal_p = causal_p & ~causal_p.tril(-window)
+        causal_c = causal_c & ~causal_c.tril(-window)
+        # completion query t sits at index Lp + t, prompt key j at j: Lp + t - j < window
+        q_index = torch.arange(Lp, Lp + Tq, device=device)[:, None]
+        prompt_keys = prompt_keys & (q_index - torch.arange(Lp, device=device)[None, :] < window)
+    mask_p = (causal_p & u_mask[:, None, :]) | torch.eye(Lp, dtype=torch.bool, device=device)  # (U, Lp, Lp)
+    own_c = causal_c & c_mask[:, None, :Tq]
+    if window is not None:  # a padding query past the window would have no key: it attends to itself (not read)
+        own_c = own_c | torch.eye(Tq, dtype=torch.bool, device=device)
+    mask_c = torch.cat([prompt_keys, own_c], dim=-1)  # (B, Tq, Lp + Tq)
+    return _attention_mask(mask_p[:, None], heads), _attention_mask(mask_c[:, None], heads)
 
 
 # Attention whose probabilities (rows x heads x queries x keys, float32) fit in this many bytes is computed as
@@ -190,10 +205,13 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def _trained_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
+    """`lean_layer.rms_norm` with autograd: for float32, `_RMSNorm` (the family's weight form as its weight:
+    w, or Gemma's 1 + w), else op by op with the model's casts."""
     if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return _RMSNorm.apply(x, norm.weight, norm.variance_epsilon)
-    return rms_norm(x, norm.weight, norm.variance_epsilon)  # other dtypes: HF's casts, op by op
+        weight = 1.0 + norm.weight if norm.form == families.ONE_PLUS_WEIGHT else norm.weight
+        return _RMSNorm.apply(x, weight, norm.eps)
+    return rms_norm(x, norm)
 
 
 class _SiluGate(torch.autograd.Function):
@@ -212,16 +230,31 @@ class _SiluGate(torch.autograd.Function):
         return grad_gate, grad * F.silu(gate)
 
 
-def _gated(act_fn: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    if is_silu(act_fn):
+def _gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if act is F.silu or is_silu(act):
         return _SiluGate.apply(gate, up)
-    return act_fn(gate) * up
+    return act(gate) * up
+
+
+TRAINING_OPS = Ops(_trained_norm, _gated)
 
 
 def _linear(x: torch.Tensor, *linears: nn.Linear) -> torch.Tensor:
     """x through linears that read the same input, side by side (their outputs concatenated), as one product
-    (`llama_decode.concatenated`: the weights are concatenated for this call, autograd splits their gradients)."""
+    (`lean_decode.concatenated`: the weights are concatenated for this call, autograd splits their gradients)."""
     return F.linear(x, *concatenated(*linears))
+
+
+def _side_by_side(*linears: nn.Linear):
+    return lambda x: _linear(x, *linears)
+
+
+def _each(*linears: nn.Linear):
+    return tuple(_single(m) for m in linears)
+
+
+def _single(linear: nn.Linear):
+    return lambda x: _linear(x, linear)
 
 
 def logits_if_lean(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> Optional[torch.Tensor]:

@@ -10,8 +10,8 @@ from conftest import VOCAB as V
 from conftest import interpreted_triton, rerun_interpreted, with_random_norms_and_biases
 from conftest import llama as _llama
 
-from tidyrl.models import generation, llama_decode
-from tidyrl.models.llama_decode import LlamaDecodeStep, attention_bias, supports
+from tidyrl.models import generation, lean_decode
+from tidyrl.models.lean_decode import DecodeStep, attention_bias, supports
 from tidyrl.models.generation import (_BufferedLayer, _buffered_cache, cache_argument, generate, left_pad,
                                       returned_cache, sample_seed)
 
@@ -25,17 +25,15 @@ pytestmark = pytest.mark.kernels
 def test_decode_step_logits_equal_the_model_forward(name, copy_weights, monkeypatch):
     """Left-padded prompts of different lengths, then 12 decoding steps: at every step the lean step's logits
     equal the model's own forward on the same cache contents, to float rounding."""
-    monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
+    monkeypatch.setattr(lean_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
     model = MODELS[name]()
     assert supports(model)
     ids, mask, pos = _left_padded_prompts()
     steps = 12
     with torch.no_grad():
         prefill = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        step = LlamaDecodeStep(model, ids.shape[1] + steps)
+        step = DecodeStep(model, ids.shape[1] + steps)
         assert (step.copies is not None) == copy_weights
-        # The float32-copies loop where it applies, the general one for biases and the model's own weights.
-        assert step.plain_fp32 == (copy_weights and name not in ("llama-mha-bias", "qwen2"))
         for got, want, ours, theirs in _decode_side_by_side(model, step, prefill, mask, pos, steps):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
             for a, b in zip(ours.layers, theirs.layers):  # the same keys and values were written
@@ -73,13 +71,13 @@ def _decode_side_by_side(model, step, prefill, mask, pos, steps: int):
 def test_prefill_equals_the_model_forward(name, copy_weights, monkeypatch):
     """The lean prefill of left-padded prompts gives the model's own last-position logits, and writes the keys
     and values its cache holds, at every real position."""
-    monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
+    monkeypatch.setattr(lean_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
     model = MODELS[name]()
     ids, mask, pos = _left_padded_prompts()
     Lp = ids.shape[1]
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        step = LlamaDecodeStep(model, Lp + 4)
+        step = DecodeStep(model, Lp + 4)
         empty = torch.empty((len(PROMPTS), step.n_kv, 0, step.head_dim))
         layers = [_BufferedLayer(empty, empty, Lp + 4) for _ in step.layers]
         got = step.prefill(ids, mask, pos, layers)
@@ -190,7 +188,7 @@ def fused_and_plain_steps_agree(model, device, copied: bool = False) -> None:
     """Four fixed-shape bf16 steps of `model` from the same prefilled cache, with the fused kernels and without:
     logits within a few bf16 units of each other, the same argmax nearly everywhere, the cache written alike
     (values exactly, keys after rope to rounding), nothing written past the steps' positions."""
-    step = LlamaDecodeStep(model, 64)
+    step = DecodeStep(model, 64)
     assert step.fused and step.copied == copied and (step.side_by_side() is None) == copied
     ids, mask = (t.to(device) for t in left_pad([[5, 6, 7], [8, 9, 10, 11, 12], [14]], 0))
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -204,7 +202,7 @@ def fused_and_plain_steps_agree(model, device, copied: bool = False) -> None:
     for on in (True, False):
         step.fused = on
         layers = [_BufferedLayer(l._k[:, :, :Lp].clone(), l._v[:, :, :Lp].clone(), C) for l in prefilled]
-        static = llama_decode.StaticDecode(step, layers, attention_bias(attn, torch.bfloat16), Lp)
+        static = lean_decode.StaticDecode(step, layers, attention_bias(attn, torch.bfloat16), Lp)
         assert all((l.qkv is not None) == (on and not copied) for l in static.layers)
         static.positions.copy_(positions[:, -1:] + 1)
         logits = []
@@ -239,8 +237,8 @@ def test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding(monkeypa
         for attention in ("kernel", "sdpa"):
             monkeypatch.setenv("TIDYRL_DECODE_ATTENTION", attention)
             calls.clear()
-            for name, copy_max in (("llama-gqa", 0), ("qwen2", 0), ("qwen2", llama_decode.COPY_MAX_BYTES)):
-                monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", copy_max)
+            for name, copy_max in (("llama-gqa", 0), ("qwen2", 0), ("qwen2", lean_decode.COPY_MAX_BYTES)):
+                monkeypatch.setattr(lean_decode, "COPY_MAX_BYTES", copy_max)
                 fused_and_plain_steps_agree(MODELS[name]().to(torch.bfloat16), "cpu", copied=bool(copy_max))
             per_step = 2 * 2 + 1  # two layers: two norms each, and the final norm
             layer_steps = 3 * 4 * 2  # three models, four steps, two layers
@@ -284,13 +282,13 @@ def attention_kernel_agrees(fused, device, *, B: int, Hkv: int, R: int, D: int, 
     angles = (5.0 + torch.arange(B)[:, None]) / 10000 ** (torch.arange(0, D, 2) / D)
     angles = torch.cat([angles, angles], -1)
     cos = angles.cos().to(device, dt)[:, None].contiguous()
-    sin = llama_decode.signed_sin(angles.sin().to(device, dt))[:, None].contiguous()
+    sin = lean_decode.signed_sin(angles.sin().to(device, dt))[:, None].contiguous()
     keys, values = (torch.randn(B, Hkv, C, D, generator=g).to(device, dt) for _ in range(2))
     mask = torch.ones(B, C, dtype=torch.long)
     mask[0, : min(4, at)] = 0
     mask[1, : min(40, at)] = 0
     mask[:, at + 1:] = 0
-    bias = llama_decode.attention_bias(mask.to(device), dt).view(B, C)
+    bias = lean_decode.attention_bias(mask.to(device), dt).view(B, C)
     where = torch.tensor([at], device=device)
     k1, v1 = keys.clone(), values.clone()
     k1[:, :, at + 1:] = float("nan")  # never read
@@ -374,7 +372,7 @@ def test_a_fixed_shape_generation_with_the_fused_draw_draws_what_the_unfused_one
         monkeypatch.setattr(fused, "wanted", lambda device, dtype, head_dim: dtype == torch.bfloat16)
         low = MODELS["qwen2"]().to(torch.bfloat16)
         ids, mask, _, logprobs = generate(low, prompts, **kwargs)
-        assert llama_decode._STEPS[low].fused and ids.shape == (12, 12)
+        assert lean_decode._STEPS[low].fused and ids.shape == (12, 12)
         assert (mask.sum(1) >= 3).all() and torch.isfinite(logprobs).all() and (logprobs[mask > 0] < 0).all()
     finally:
         fused._kernels.cache_clear()
@@ -402,18 +400,18 @@ def test_fused_kernels_that_fail_on_a_device_give_way_to_the_unfused_ops(monkeyp
         raise RuntimeError("PTX compile failed for sm_75")
 
     monkeypatch.setattr(fused_decode, "add_rms_norm", broken)
-    real_call = llama_decode.StaticDecode.__call__
-    llama_decode._STEPS.pop(model, None)
+    real_call = lean_decode.StaticDecode.__call__
+    lean_decode._STEPS.pop(model, None)
     with pytest.warns(RuntimeWarning, match="fused decoding kernels failed.*PTX compile failed for sm_75"):
         again = generate(model, prompts, **kwargs)
     assert calls == [1] and not fused_decode._enabled()
     assert fused_decode.failure() == "RuntimeError: PTX compile failed for sm_75"  # what the benchmarks print
     for a, b in zip(again, plain):
         assert torch.equal(a, b)
-    llama_decode._STEPS.pop(model, None)
-    assert not llama_decode.decode_step_for(model, 32).fused  # off for the process
+    lean_decode._STEPS.pop(model, None)
+    assert not lean_decode.decode_step_for(model, 32).fused  # off for the process
 
-    monkeypatch.setattr(llama_decode.StaticDecode, "__call__", lambda self: broken())
+    monkeypatch.setattr(lean_decode.StaticDecode, "__call__", lambda self: broken())
     with pytest.raises(RuntimeError, match="sm_75"):  # the unfused ops' own error
         generate(model, prompts, **kwargs)
 
@@ -423,8 +421,8 @@ def test_fused_kernels_that_fail_on_a_device_give_way_to_the_unfused_ops(monkeyp
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(fused_decode, "add_rms_norm", out_of_memory)
-    monkeypatch.setattr(llama_decode.StaticDecode, "__call__", real_call)
-    llama_decode._STEPS.pop(model, None)
+    monkeypatch.setattr(lean_decode.StaticDecode, "__call__", real_call)
+    lean_decode._STEPS.pop(model, None)
     with pytest.raises(torch.OutOfMemoryError):
         generate(model, prompts, **kwargs)
     assert calls[-1] == 2 and fused_decode._failure is None  # not retried, the kernels not given up
@@ -454,7 +452,7 @@ def test_a_capture_that_fails_leaves_the_unit_running_eagerly_with_a_warning(mon
                        "CUDAGraph": Graph, "graph": refusing_capture}.items():
         monkeypatch.setattr(torch.cuda, name, fake)
     calls = []
-    replay = llama_decode.Replayed(lambda: calls.append(len(calls)) or len(calls), use_graph=True)
+    replay = lean_decode.Replayed(lambda: calls.append(len(calls)) or len(calls), use_graph=True)
     with pytest.warns(RuntimeWarning, match="without a CUDA graph.*operation not permitted"):
         assert replay() == 1  # the warm-up's result; the capture ran fn again (recording) and failed
     assert not replay.use_graph and replay.graph is None
@@ -502,9 +500,9 @@ def test_lora_models_generate_with_the_lean_step_and_draw_what_peft_draws(copy_w
     the same tokens and log-probs (to rounding) as peft's own forward. With the adapter disabled, or its dropout
     in effect (training mode), the step steps aside; the training pass never takes a LoRA model."""
     peft = pytest.importorskip("peft")
-    from tidyrl.models.llama_forward import can_run
+    from tidyrl.models.lean_forward import can_run
 
-    monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
+    monkeypatch.setattr(lean_decode, "COPY_MAX_BYTES", 2**40 if copy_weights else 0)
     modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
                                                           target_modules=modules))
@@ -515,7 +513,7 @@ def test_lora_models_generate_with_the_lean_step_and_draw_what_peft_draws(copy_w
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     model.eval()
     assert supports(model, lora=True) and not supports(model) and not can_run(model)
-    step = llama_decode.decode_step_for(model, 20)
+    step = lean_decode.decode_step_for(model, 20)
     assert step is not None and (step.copies is not None) == copy_weights
     prompts = [[5, 6, 7], [8, 9], [5, 6, 7], [10, 11, 12, 13]]
     common = dict(sample_keys=[1, 2, 3, 4], max_new_tokens=10, eos_ids=[2], pad_id=0, batch_size=4,
@@ -532,12 +530,13 @@ def test_lora_models_generate_with_the_lean_step_and_draw_what_peft_draws(copy_w
 
 
 def test_layouts_it_does_not_compute_are_refused():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    assert not supports(qwen3)  # q_norm / k_norm
+    gemma2 = Gemma2ForCausalLM(Gemma2Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    assert not supports(gemma2)
+    assert lean_decode.refusal(gemma2) == "Gemma2ForCausalLM has no family declaration"
 
     class Adapter(torch.nn.Linear):  # what a LoRA wrapper looks like to us: not a plain Linear
         pass
@@ -557,17 +556,17 @@ def test_one_step_per_model_its_copies_rewritten_before_every_generation():
     import weakref
 
     model = _llama()
-    step = llama_decode.decode_step_for(model, 16)
+    step = lean_decode.decode_step_for(model, 16)
     assert step.copies is not None
     buffers = [c.weight for c in step.copies]
     model.model.layers[0].mlp.down_proj.weight.grad = torch.ones_like(model.model.layers[0].mlp.down_proj.weight)
     torch.optim.AdamW([model.model.layers[0].mlp.down_proj.weight], lr=0.5, fused=True).step()
-    assert llama_decode.decode_step_for(model, 24) is step  # longer generations extend the rope table
-    assert step.rope_table[0].shape[0] == 24
+    assert lean_decode.decode_step_for(model, 24) is step  # longer generations extend the rope table
+    assert step.rope_tables["full_attention"][0].shape[0] == 24
     assert [c.weight for c in step.copies] == buffers  # the same tensors, rewritten
     assert torch.equal(step.layers[0].down.weight, model.model.layers[0].mlp.down_proj.weight.t())
     model.double()
-    again = llama_decode.decode_step_for(model, 16)
+    again = lean_decode.decode_step_for(model, 16)
     assert again is not step and again.copies[0].weight.dtype == torch.float64
     gone = weakref.ref(model)
     del model, step, again
@@ -585,8 +584,7 @@ def test_bfloat16_prefill_and_steps_stay_within_rounding_of_the_model(name):
     steps, Lp = 8, ids.shape[1]
     with torch.no_grad():
         prefill = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        step = LlamaDecodeStep(model, Lp + steps)
-        assert not step.plain_fp32
+        step = DecodeStep(model, Lp + steps)
         tol = 2**-5 * prefill.logits.float().abs().max().item()
         empty = torch.empty((len(PROMPTS), step.n_kv, 0, step.head_dim), dtype=torch.bfloat16)
         layers = [_BufferedLayer(empty, empty, Lp + steps) for _ in step.layers]
@@ -602,9 +600,9 @@ def test_side_by_side_weights_are_the_projections_concatenated_for_a_generation_
     a missing bias), made for a StaticDecode and not kept by the step; none for the unfused step, the small-model
     copies, or above SIDE_BY_SIDE_MAX_BYTES."""
     model = with_random_norms_and_biases(_llama(attention_bias=True)).to(torch.bfloat16)
-    monkeypatch.setattr(llama_decode, "COPY_MAX_BYTES", 0)
-    monkeypatch.setattr(llama_decode.fused_decode, "wanted", lambda device, dtype, head_dim: True)
-    step = LlamaDecodeStep(model, 64)
+    monkeypatch.setattr(lean_decode, "COPY_MAX_BYTES", 0)
+    monkeypatch.setattr(lean_decode.fused_decode, "wanted", lambda device, dtype, head_dim: True)
+    step = DecodeStep(model, 64)
     pairs = step.side_by_side()
     attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
     (qkv_w, qkv_b), (gate_up_w, gate_up_b) = pairs[1]
@@ -613,9 +611,9 @@ def test_side_by_side_weights_are_the_projections_concatenated_for_a_generation_
     assert torch.equal(gate_up_w, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])) and gate_up_b is None
     assert len(pairs) == 2 and not any(hasattr(step, name) for name in ("qkv", "gate_up"))
     size = sum(w.numel() * w.element_size() for layer in pairs for w, _ in layer)
-    monkeypatch.setattr(llama_decode, "SIDE_BY_SIDE_MAX_BYTES", size - 1)
+    monkeypatch.setattr(lean_decode, "SIDE_BY_SIDE_MAX_BYTES", size - 1)
     assert step.side_by_side() is None
-    monkeypatch.setattr(llama_decode, "SIDE_BY_SIDE_MAX_BYTES", size)
+    monkeypatch.setattr(lean_decode, "SIDE_BY_SIDE_MAX_BYTES", size)
     assert step.side_by_side() is not None
     step.fused = False
     assert step.side_by_side() is None
