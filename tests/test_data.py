@@ -351,3 +351,30 @@ def test_prompt_stream_rejects_bad_arguments():
         PromptStream(num_prompts=0, seed=0)
     with pytest.raises(ValueError, match="non-negative"):
         PromptStream(num_prompts=3, seed=-1)
+
+
+GEMMA_LIKE_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+                       "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+                       "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def test_a_chat_completion_ends_as_the_template_ends_a_turn_and_a_plain_one_with_eos():
+    """A completion that holds no end token gets one: after a chat prompt the token the chat template ends an
+    assistant turn with, where generation stops on it too (Gemma's <end_of_turn>, not its <eos>); after a string
+    prompt, and where the template's turn end is no stop token, the EOS."""
+    from tidyrl.data.offline import _completion_segments, _encode, _eos_to_append
+    from tidyrl.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(chat_template=GEMMA_LIKE_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    eos = tokenizer.eos_token_id
+    ends = _eos_to_append(tokenizer, [eos, turn])
+    assert ends == (eos, turn)
+    chat = _encode(*_completion_segments([{"role": "user", "content": "ab"}], "cd", tokenizer), tokenizer, ends,
+                   [eos, turn], train_all=False)
+    assert chat.input_ids[-1] == turn and chat.input_ids[-3:-1] == tokenizer("cd", add_special_tokens=False)[
+        "input_ids"]
+    plain = _encode(*_completion_segments("ab", "cd", tokenizer), tokenizer, ends, [eos, turn], train_all=False)
+    assert plain.input_ids[-1] == eos
+    assert _eos_to_append(tokenizer, [eos]) == (eos, eos)  # <end_of_turn> does not stop generation: the EOS

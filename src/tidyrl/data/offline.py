@@ -475,13 +475,33 @@ def reward_model_input_ids(prompt, completion, tokenizer) -> list[int]:
 # Tokenising
 
 
-def _eos_to_append(tokenizer, eos_ids: list[int]) -> int:
+def _eos_to_append(tokenizer, eos_ids: list[int]) -> tuple[int, int]:
+    """(the end appended to a completion of a string prompt, the end appended to one of a chat prompt): the EOS, and
+    after a chat prompt the token the chat template ends an assistant turn with where it is one of `eos_ids`
+    (Gemma's <end_of_turn>, not its <eos>: a turn ends as the template ends it), else the EOS."""
     if tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    if eos_ids:
-        return eos_ids[0]
-    raise DataError("the tokenizer and the model's generation config define no EOS token, so completions cannot "
-                    "be taught to end. Set the tokenizer's eos_token or `eos_token_id` in generation_config.json.")
+        eos = tokenizer.eos_token_id
+    elif eos_ids:
+        eos = eos_ids[0]
+    else:
+        raise DataError("the tokenizer and the model's generation config define no EOS token, so completions cannot "
+                        "be taught to end. Set the tokenizer's eos_token or `eos_token_id` in generation_config.json.")
+    return eos, _turn_end(tokenizer, eos_ids) or eos
+
+
+def _turn_end(tokenizer, eos_ids: list[int]) -> Optional[int]:
+    """The first of `eos_ids` among the tokens the chat template writes after an assistant message's text, or None
+    (no template, or it ends a turn with none of them)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    probe = "tidyrl-probe"
+    try:
+        text = _render([{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}], tokenizer,
+                       add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that renders no such conversation: the EOS
+        return None
+    after = text[text.rfind(probe) + len(probe):] if probe in text else ""
+    return next((t for t in tokenizer(after, add_special_tokens=False)["input_ids"] if t in eos_ids), None)
 
 
 def _encode(segments: list[tuple[str, bool]], add_special_tokens: bool, tokenizer, eos: int, eos_ids: list[int],
@@ -489,7 +509,8 @@ def _encode(segments: list[tuple[str, bool]], add_special_tokens: bool, tokenize
     """Tokenise each piece on its own (as a rollout appends generated tokens to the prompt's) and mark targets.
 
     EOS: a completion must end the way a generated one does, or the policy never learns to stop. If the
-    trainable tokens hold no EOS id (a chat template's end-of-turn token usually is one), EOS is appended.
+    trainable tokens hold no EOS id (a chat template's end-of-turn token usually is one), the end is appended:
+    `eos` is `_eos_to_append`'s pair, the EOS after a string prompt, the template's turn end after a chat one.
     """
     ids, mask, completion_ids = [], [], []
     for k, (text, trainable) in enumerate(segments):
@@ -497,8 +518,9 @@ def _encode(segments: list[tuple[str, bool]], add_special_tokens: bool, tokenize
         ids += piece
         mask += [1 if (trainable or train_all) else 0] * len(piece)
         completion_ids += piece if trainable else []
-    if not any(t in eos_ids or t == eos for t in completion_ids):
-        ids.append(eos)
+    end = eos[0] if add_special_tokens else eos[1]
+    if not any(t in eos_ids or t in eos for t in completion_ids):
+        ids.append(end)
         mask.append(1)
     mask[0] = 0  # the first token is predicted by nothing
     return TokenizedSequence(ids, mask)
