@@ -4,6 +4,7 @@ micro-batch (forward + backward of the completions' log-probs, the lean pass aga
 
     python benchmarks/bench_families.py --workload tiny --repeats 5
     python benchmarks/bench_families.py --workload tiny --families qwen3,gemma3 --device cuda --dtype bfloat16
+    python benchmarks/bench_families.py --model runs/gemma3/model --set k=4 --repeats 3   # a real model's folder
 
 Every family's model has the workload's shape (hidden size, layers, heads, MLP width, the character vocabulary) and
 random weights (seed 0); what differs is the family's layout: Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k
@@ -66,8 +67,12 @@ def family_model(name: str, w: dict, tok):
 
 def main() -> None:
     args, w, tok, _ = in_process_setup(__doc__, default_repeats=5, extra_args=_arguments)
-    names = args.families.split(",") if args.families else list(FAMILIES)
+    names = [args.model] if args.model else args.families.split(",") if args.families else list(FAMILIES)
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.model:  # the workload's prompts in the model's own tokens
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
     prompts, kw = generation_inputs(w, tok)
     T = w["max_new_tokens"]
     print(f"{args.workload}: {len(prompts)} sequences x {T} tokens (update: {min(w['micro_batch'], len(prompts))} "
@@ -76,8 +81,9 @@ def main() -> None:
     print(f"  {'family':8s} {'path':30s} {'decode ms/step fast':>20s} {'own':>8s} {'ratio':>6s}   "
           f"{'update s fast':>13s} {'own':>8s} {'ratio':>6s}  same completions")
     for name in names:
-        model = family_model(name, w, tok).to(device=args.device, dtype=dtype)
+        model = (_load(name) if args.model else family_model(name, w, tok)).to(device=args.device, dtype=dtype)
         path = families.path_description(model.config, type(model).__name__)
+        name = families.family_of(model.config, type(model).__name__).name if args.model else name
         decode = {fast: [] for fast in (True, False)}
         update = {fast: [] for fast in (True, False)}
         outputs = {fast: generate(model, prompts, fast_path=fast, **kw) for fast in (True, False)}  # warm-up
@@ -107,6 +113,12 @@ def main() -> None:
               f"{d[False] / d[True]:5.2f}x   {u[True]:13.4f} {u[False]:8.4f} {u[False] / u[True]:5.2f}x  {same}")
 
 
+def _load(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
 def _update(model, batch, fast: bool) -> None:
     """One update micro-batch: the completions' log-probs, forward and backward."""
     model.zero_grad(set_to_none=True)
@@ -120,6 +132,7 @@ def _sync(device: str) -> None:
 
 
 def _arguments(parser) -> None:
+    parser.add_argument("--model", default="", help="a model folder to time instead of the families' tiny models")
     parser.add_argument("--families", default="", help=f"comma-separated, of {', '.join(FAMILIES)} (default: all)")
     parser.add_argument("--device", default="cpu", help="where the models run (cpu, cuda)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="the weights' dtype")

@@ -3,10 +3,14 @@
     python benchmarks/bench_memory_plan.py        # five float32 Llama shapes (the fourth SmolLM2-135M's, the
                                                   # fifth 512-token rows) and three sft shapes (~4 min)
     python benchmarks/bench_memory_plan.py --shape "256 4 8000 4 32 96"      # one shape
+    python benchmarks/bench_memory_plan.py --family qwen3 --family gemma3   # the RL shapes in other families
+    python benchmarks/bench_memory_plan.py --family gemma3-270m             # Gemma 3 270M's own shape
     python benchmarks/bench_memory_plan.py --sft                            # the first sft shape alone
 
-Each shape "h L V m P C" (hidden size, layers, vocabulary, micro/forward batch, prompt and completion tokens) runs
-in a fresh process with one thread (Linux: the peak is the process's VmHWM, reset through /proc/self/clear_refs):
+Each shape "h L V m P C" (hidden size, layers, vocabulary, micro/forward batch, prompt and completion tokens) of
+a family (`--family`: llama by default; qwen3 adds q/k norms, gemma3 its sandwich norms, q/k norms, sliding windows
+and tied embeddings; gemma3-270m is Gemma 3 270M's own dimensions, 262k vocabulary included, at m P C of 4 64 128)
+runs in a fresh process with one thread (Linux: the peak is the process's VmHWM, reset through /proc/self/clear_refs):
 
 - scoring: one forward without grad through tidyrl's scoring path (models.forward.completion_logprobs: on a CPU
   the lean pass), the peak above the weights, against the plan's scoring parts beyond the resident ones (the lean
@@ -33,8 +37,7 @@ import sys
 from pathlib import Path
 
 MEASURE = r'''
-import sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import sys, torch, transformers
 from tidyrl.models.forward import completion_logprobs
 from tidyrl.loops.memory_plan import MemoryInputs, Scorer, Shape, memory_plan
 
@@ -54,10 +57,23 @@ def peak_above(fn):
 
 torch.manual_seed(0)
 h, L, V, m, P, C = (int(x) for x in sys.argv[1:7])
-cfg = LlamaConfig(hidden_size=h, num_hidden_layers=L, num_attention_heads=max(h // 64, 1),
-                  num_key_value_heads=max(h // 192, 1), intermediate_size=int(2.75 * h), vocab_size=V,
-                  tie_word_embeddings=False)
-model = LlamaForCausalLM(cfg)
+family = sys.argv[7]
+dims = dict(hidden_size=h, num_hidden_layers=L, num_attention_heads=max(h // 64, 1),
+            num_key_value_heads=max(h // 192, 1), intermediate_size=int(2.75 * h), vocab_size=V)
+if family == "gemma3-270m":  # its config.json's dimensions
+    dims = dict(hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                intermediate_size=2048, vocab_size=262144, query_pre_attn_scalar=256, sliding_window=512)
+if family == "llama":
+    cfg = transformers.LlamaConfig(**dims, tie_word_embeddings=False)
+elif family == "qwen3":
+    cfg = transformers.Qwen3Config(**dims, head_dim=h // dims["num_attention_heads"], tie_word_embeddings=False)
+else:  # gemma3, gemma3-270m: tied embeddings, five sliding layers of six
+    dims.setdefault("head_dim", h // dims["num_attention_heads"])
+    dims.setdefault("query_pre_attn_scalar", dims["head_dim"])
+    cfg = transformers.Gemma3TextConfig(**dims, sliding_window=dims.pop("sliding_window", 16), tie_word_embeddings=True)
+cfg._attn_implementation = "sdpa"
+cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(family, "Gemma3ForCausalLM")]
+model = transformers.AutoModelForCausalLM.from_config(cfg)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 prompt, completion = torch.randint(0, V, (m, P)), torch.randint(0, V, (m, C))
 ones = torch.ones_like(prompt), torch.ones_like(completion)
@@ -150,6 +166,8 @@ SFT_SHAPES = ("256 4 8000 4 128", "256 8 2000 8 128", "576 30 49152 4 192")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", action="append", help='"h L V m P C"; repeatable (default: five shapes)')
+    parser.add_argument("--family", action="append", choices=("llama", "qwen3", "gemma3", "gemma3-270m"),
+                        help="the RL shapes' model family (default: llama); repeatable")
     parser.add_argument("--sft", action="append", metavar="SHAPE", nargs="?", const=SFT_SHAPES[0],
                         help=f'an sft update "h L V m T" (alone: {SFT_SHAPES[0]!r}); repeatable')
     args = parser.parse_args()
@@ -161,12 +179,17 @@ def main() -> None:
     # large tensor its own mapping, returned when freed.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
            "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    print(f"{'shape (h L V m P C)':24} {'phase':8} {'measured MiB':>13} {'predicted MiB':>14} {'ratio':>6}")
-    runs = [(MEASURE, shape) for shape in args.shape or ([] if args.sft else SHAPES)]
-    runs += [(MEASURE_SFT, shape) for shape in args.sft or ([] if args.shape else SFT_SHAPES)]
-    for script, shape in runs:
-        done = subprocess.run([sys.executable, "-c", script, *shape.split()], capture_output=True, text=True,
-                              env=env, check=False)
+    print(f"{'shape (h L V m P C)':36} {'phase':8} {'measured MiB':>13} {'predicted MiB':>14} {'ratio':>6}")
+    runs = []
+    if args.shape or args.family or not args.sft:
+        for family in args.family or ["llama"]:
+            shapes = ["640 18 262144 4 64 128"] if family == "gemma3-270m" else args.shape or SHAPES
+            runs += [(MEASURE, shape, family) for shape in shapes]
+    if args.sft or not (args.shape or args.family):
+        runs += [(MEASURE_SFT, shape, "") for shape in args.sft or SFT_SHAPES]
+    for script, shape, family in runs:
+        done = subprocess.run([sys.executable, "-c", script, *shape.split(), *([family] if family else [])],
+                              capture_output=True, text=True, env=env, check=False)
         if done.returncode:
             sys.exit(done.stderr[-3000:])
         for line in done.stdout.split("\n"):
@@ -174,7 +197,8 @@ def main() -> None:
                 phase, measured, predicted = line.split()
                 measured, predicted = int(measured), int(predicted)
                 phase = phase if script is MEASURE else f"sft {phase}"
-                print(f"{shape:24} {phase:8} {measured / 2**20:13.1f} {predicted / 2**20:14.1f} "
+                label = shape if family in ("", "llama") else f"{family} {shape}"
+                print(f"{label:36} {phase:8} {measured / 2**20:13.1f} {predicted / 2**20:14.1f} "
                       f"{measured / predicted:6.2f}", flush=True)
 
 

@@ -268,3 +268,18 @@ def test_help_lists_every_algorithm_with_its_line_from_the_table(capsys):
     for name in ALGORITHMS:
         summary = TABLE[name].summary if name in TABLE else OFFLINE_STAGES[name]
         assert any(line.split() == [name, *summary.split()] for line in lines), (name, summary)
+
+
+def test_plan_says_which_forward_each_model_takes_and_why(yaml_run, capsys):
+    """plan.json's `paths`: the policy on the fast path of its family; with train.exact_gradients its scoring and
+    update (and the reference's) through the model's own forward; with model_fast_paths off, everything."""
+    assert main(["plan", str(yaml_run)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["paths"] == {"policy": "fast path (llama)"} and "tidyrl: policy: fast path (llama)" in err
+    assert main(["plan", str(yaml_run), "train.exact_gradients=true", "grpo.kl_coef=0.1", "rollout.forward_batch_size=8",
+                 "rollout.generation_batch_size=8"]) == 0
+    assert json.loads(capsys.readouterr().out)["paths"] == {
+        "policy": "fast path (llama) for generation; its own forward for scoring and the update "
+                  "(train.exact_gradients)", "reference": "its own forward (train.exact_gradients)"}
+    assert main(["plan", str(yaml_run), "model_fast_paths=false"]) == 0
+    assert json.loads(capsys.readouterr().out)["paths"] == {"policy": "its own forward (model_fast_paths is false)"}

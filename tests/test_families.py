@@ -256,3 +256,17 @@ def test_a_window_is_honoured_by_scoring_where_it_once_was_not():
         unwindowed, _ = completion_logprobs(full, ids, mask, completions, cmask, temperature=1.0)
     torch.testing.assert_close(got, own, atol=1e-5, rtol=1e-5)
     assert (got - unwindowed).abs().max() > 1e-2
+
+
+def test_a_loaded_model_whose_modules_refuse_the_fast_path_is_said():
+    """The config promised the fast path; a hook on a loaded module (something a pass calling no forward would
+    skip) sends it to its own forward, and the run says so."""
+    from tidyrl.loops.rl_inputs import loaded_path_note
+
+    model = build("qwen3", random_config("qwen3", 0))
+    predicted = {"policy": "fast path (qwen3)"}
+    assert loaded_path_note("policy", model, predicted) is None
+    model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert loaded_path_note("policy", model, predicted) == (
+        "policy: its own forward after all, as loaded (model.layers.0.mlp has a hook or its own forward)")
+    assert loaded_path_note("policy", model, {"policy": "its own forward (model_fast_paths is false)"}) is None

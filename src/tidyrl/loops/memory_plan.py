@@ -57,8 +57,10 @@ Phases (each = what stays resident across the run + what the phase adds):
                  at most 256 MiB); FSDP2: two layers' gathered weights; a critic's gradients and activations
                  beside the policy's
 
-with a = 4*h + 3*q + 2*kv + 4*i, the elements one token keeps per layer for the backward pass (two norms' input
-and output, the attention's q, k, v and output and o_proj's input, the MLP's gate, up, act(gate) and product).
+with a = 2*n*h + 3*q + 2*kv + 4*i (+ q + kv with q/k norms), the elements one token keeps per layer for the
+backward pass (each of the layer's n hidden-size norms' input and output: n = 2, Gemma 3's sandwich n = 4; the
+attention's q, k, v and output and o_proj's input; the MLP's gate, up, act(gate) and product; a q/k norm's
+normalised input), n and the q/k norms read from the model's family declaration (models.families).
 
 Offline stages (sft, reward, dpo, kto; `OfflineInputs`): T = the longest sequence a micro-batch holds, every
 position with logits (C = T), r = the rows of a micro-batch: m for sft and kto, 2m for reward and dpo (a pair's
@@ -139,6 +141,8 @@ class Shape:
     tied: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    norms: int = 2
+    """Hidden-size RMSNorms per decoder layer (Gemma 3's sandwich: 4)."""
     num_labels: int = 0
     """A sequence classifier's labels (its head is num_labels*h); 0 = a causal LM (its head is V*h)."""
 
@@ -162,6 +166,7 @@ class Shape:
                    qkv_bias=(family is not None and family.qkv_bias) or bool(_read(config, "attention_bias",
                                                                                     default=False)),
                    qk_norm=family is not None and family.qk_norm is not None,
+                   norms=len(family.norms) if family is not None else 2,
                    num_labels=_read(config, "num_labels", default=1) if classifier else 0)
 
     @property
@@ -202,7 +207,8 @@ class Shape:
 
     def activation_elements(self) -> int:
         """a: elements one token keeps per layer for the backward pass (see the module docstring)."""
-        return 4 * self.hidden + 3 * self.q + 2 * self.kv + 4 * self.intermediate
+        return (2 * self.norms * self.hidden + 3 * self.q + 2 * self.kv + 4 * self.intermediate
+                + (self.q + self.kv if self.qk_norm else 0))
 
 
 @dataclass(frozen=True)
@@ -329,10 +335,11 @@ def _activations(s: Shape, rows: int, T: int, b: int) -> int:
 
 def _own_forward_activations(s: Shape, rows: int, T: int, b: int, checkpointing: bool) -> int:
     """What the backward pass keeps of rows x T tokens through the model's own forward (the offline stages', and RL's
-    where the lean pass does not run), in bytes: per layer each RMSNorm's input upcast to float32 and its normalised input and output, h (4 + 2b) twice,
+    where the lean pass does not run), in bytes: per layer each of its n hidden-size RMSNorms' input upcast to float32
+    and normalised input and output, h (4 + 2b) n times (n = Shape.norms),
     and the attention's and MLP's (3q + 2kv + 4i) b; the final norm's h (4 + 2b) once. With gradient checkpointing
     the L layer inputs and one layer recomputed."""
-    layer = 2 * s.hidden * (4 + 2 * b) + (3 * s.q + 2 * s.kv + 4 * s.intermediate) * b
+    layer = s.norms * s.hidden * (4 + 2 * b) + (3 * s.q + 2 * s.kv + 4 * s.intermediate) * b
     kept = (s.layers * s.hidden * b + layer) if checkpointing else s.layers * layer
     return rows * T * (kept + s.hidden * (4 + 2 * b))
 

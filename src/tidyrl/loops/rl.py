@@ -25,7 +25,7 @@ from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (TrainResult, distribution_of, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, weights_device, write_run_header)
-from tidyrl.loops.rl_inputs import check_rl_inputs, make_producers, plan_extras
+from tidyrl.loops.rl_inputs import check_rl_inputs, loaded_path_note, make_producers, plan_extras
 from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
 from tidyrl.loops.rl_rollout import (GROUP_COUNTS, environment_failure, estimate_advantages, evaluate_held_out,
                                      gather_rollout, multi_turn_stats, old_from_sampler, rollout_rewards,
@@ -103,6 +103,7 @@ class RLRun:
         # A resumed run continues from the checkpoint's weights; the reference stays the starting model.
         model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, self.resume_path,
                             device=weights_device(self.accelerator))
+        self._say(loaded_path_note("policy", model, self.inputs.paths))
         # The reference of the KL penalty: a second, frozen copy of the starting model; with LoRA, none is loaded:
         # the policy with its adapter disabled is the starting model (`lora.reference_of`).
         self.use_reference = a.kl_coef > 0

@@ -99,15 +99,19 @@ def model_paths(cfg: Config, model_config, critic: Optional[dict]) -> dict:
     from tidyrl.config import algorithm_section
     from tidyrl.models.families import path_description
 
-    def path(config) -> str:
+    def path(config, policy: bool = False) -> str:
         if not cfg.model_fast_paths:
             return "its own forward (model_fast_paths is false)"
-        if cfg.train.exact_gradients:
-            return f"{path_description(config)} for generation; its own forward for scoring and the update " \
-                   "(train.exact_gradients)"
-        return path_description(config)
+        described = path_description(config)
+        # (train.exact_gradients marks the policy, the reference and a teacher: models.forward.exact_forward)
+        why = ("train.exact_gradients" if cfg.train.exact_gradients else
+               "LoRA: peft's wrappers" if cfg.lora.enabled and policy else None)
+        if why and described.startswith("fast path"):
+            return f"{described} for generation; its own forward for scoring and the update ({why})" if policy \
+                else f"its own forward ({why})"
+        return described
 
-    paths = {"policy": path(model_config)}
+    paths = {"policy": path(model_config, policy=True)}
     if algorithm_section(cfg).kl_coef > 0:
         paths["reference"] = "the policy with its adapter off" if cfg.lora.enabled else path(model_config)
     if ALGORITHMS[cfg.algorithm].teacher and cfg.teacher.model:
@@ -136,6 +140,17 @@ def scoring_passes(cfg: Config, plan) -> dict:
     return {"scoring": {name: {"model": model, "episodes_per_rollout_per_process": per_process,
                                "forward_passes_per_rollout_per_process": chunks}
                         for name, model in models.items()}} if models else {}
+
+
+def loaded_path_note(role: str, model, predicted: Optional[dict]) -> Optional[str]:
+    """A line where the loaded model's modules refuse the fast path its config promised (a hook on a module, a
+    projection that is not a plain linear layer: `models.lean_decode.refusal`), or None."""
+    from tidyrl.models.lean_decode import refusal
+
+    if not predicted or not predicted.get(role, "").startswith("fast path"):
+        return None
+    reason = refusal(model, lora=True)
+    return None if reason is None else f"{role}: its own forward after all, as loaded ({reason})"
 
 
 def check_exact_chunks(cfg: Config, plan) -> None:
