@@ -10,7 +10,8 @@ Every family's model has the workload's shape (hidden size, layers, heads, MLP w
 random weights (seed 0); what differs is the family's layout: Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k
 norms, Gemma 3's sandwich norms, (1 + w) norms, scaled embeddings, tanh GELU and its sliding window on three
 layers of four, Mistral's window on every layer, OLMo 2's post-norms and whole-projection q/k norms, Phi-3's fused
-projections. The windows (16 positions) are shorter than the rows (a prompt and 32 new tokens), so they mask.
+projections; Qwen3-MoE's and OLMoE's mixtures of experts (8 experts, 2 a token), whose blocks the fast path calls
+as the model's own modules. The windows (16 positions) are shorter than the rows (a prompt and 32 new tokens), so they mask.
 Prints per family the milliseconds per decoding step and the update micro-batch's seconds on both paths and their
 ratio (the model's own time / the fast path's), and whether both paths drew the same completions. Alternates the
 paths so that machine drift hits all alike; medians of --repeats.
@@ -34,7 +35,7 @@ from tidyrl.models.forward import completion_logprobs  # noqa: E402
 from tidyrl.models.generation import generate, left_pad  # noqa: E402
 
 WINDOW = 16
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3", "qwen3_moe", "olmoe")
 
 
 def family_model(name: str, w: dict, tok):
@@ -58,9 +59,14 @@ def family_model(name: str, w: dict, tok):
                    ("Gemma3TextConfig", "Gemma3ForCausalLM")),
         "olmo2": ({}, ("Olmo2Config", "Olmo2ForCausalLM")),
         "phi3": ({}, ("Phi3Config", "Phi3ForCausalLM")),
+        # 8 experts, 2 a token, each a quarter of the dense MLP's width: the model's own block on the fast path too
+        "qwen3_moe": ({"head_dim": w["hidden"] // heads, "num_experts": 8, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": w["intermediate"] // 4}, ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")),
+        "olmoe": ({"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": w["intermediate"] // 4},
+                  ("OlmoeConfig", "OlmoeForCausalLM")),
     }[name]
     torch.manual_seed(0)
-    config = getattr(transformers, classes[0])(**common, **extra)
+    config = getattr(transformers, classes[0])(**{**common, **extra})
     config._attn_implementation = "sdpa"
     return getattr(transformers, classes[1])(config).eval()
 

@@ -13,6 +13,7 @@ import torch
 from conftest import VOCAB, bf16_units, with_random_norms_and_biases
 
 from tidyrl.models import families, lean_decode, lean_forward
+from tidyrl.models.lean_layer import is_own_block
 from tidyrl.models.forward import completion_logprobs
 from tidyrl.models.generation import _BufferedLayer, generate, left_pad
 from tidyrl.models.ops import gather_logprobs_and_entropy
@@ -20,7 +21,7 @@ from tidyrl.models.ops import gather_logprobs_and_entropy
 # Bit-equality is not claimed here (tolerances only), but the kernels marker reruns these under other CPU kernels.
 pytestmark = pytest.mark.kernels
 
-FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3")
+FAMILY_NAMES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3", "qwen3_moe", "olmoe")
 SEEDS = range(3)  # configs drawn per family
 
 
@@ -61,6 +62,14 @@ def random_config(name: str, seed: int) -> dict:
                       attention_bias=rng.random() < 0.5)
     elif name == "olmo2":
         config.update(rope_parameters=rope, attention_bias=rng.random() < 0.5)
+    elif name in ("qwen3_moe", "olmoe"):  # (experts as the model's own block; every layer sparse or some dense)
+        config.update(rope_parameters=rope, num_experts=4, num_experts_per_tok=2, norm_topk_prob=rng.random() < 0.5,
+                      attention_bias=rng.random() < 0.5)
+        if name == "qwen3_moe":
+            config.update(moe_intermediate_size=16, decoder_sparse_step=rng.choice([1, 2]),
+                          mlp_only_layers=rng.choice([[], [0]]))
+        else:
+            del config["head_dim"]  # (OLMoE's heads are hidden / heads wide)
     elif name == "phi3":
         # (Phi-3's config takes the default rope or longrope only)
         config.update(rope_parameters={"rope_type": "default", "rope_theta": rng.choice([1e4, 500.0]),
@@ -78,6 +87,7 @@ def build(name: str, config: dict, dtype=torch.float32):
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
         "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     }[name]
     config = dict(config)
     impl = config.pop("attn_implementation", "sdpa")
@@ -122,6 +132,9 @@ def test_scoring_and_gradients_are_the_model_s_own(name, seed):
     model = build(name, config).train()
     assert lean_decode.refusal(model) is None, config
     assert lean_forward.can_run(model)
+    family = families.family_of(model.config, type(model).__name__)
+    own_blocks = [is_own_block(layer.mlp, family) for layer in model.model.layers]
+    assert any(own_blocks) == family.moe  # (a mixture of experts: the model's own block in some layers)
     ids, mask, completions, cmask = _batch()
     read = cmask[..., None]
     want = _own_logits(model, ids, mask, completions, cmask)
@@ -231,10 +244,10 @@ def test_an_undeclared_attribute_or_value_takes_the_model_s_own_forward_and_is_n
     del phi3["attn_implementation"]
     partial = {**phi3, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}
     assert families.fast_path_refusal(partial).startswith("rope_parameters is ")
-    moe = build("qwen3_moe", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                  num_experts=4, num_experts_per_tok=2, pad_token_id=0))
-    assert lean_decode.refusal(moe) == "qwen3_moe's mixture-of-experts MLP is not on the fast path"
+    olmoe = {**random_config("olmoe", 0), "architectures": ["OlmoeForCausalLM"]}
+    del olmoe["attn_implementation"]
+    assert families.fast_path_refusal({**olmoe, "clip_qkv": 8.0}) == \
+        "clip_qkv is 8.0, which the olmoe declaration does not compute"
     trained = build("phi3", {**random_config("phi3", 0), "resid_pdrop": 0.1}).train()
     assert lean_decode.refusal(trained) is None  # decoding applies no dropout (generation runs without grad)
     assert not lean_forward.can_run(trained) and lean_forward.can_run(trained.eval())

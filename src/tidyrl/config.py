@@ -724,7 +724,7 @@ class Config:
     model_dtype: str = "float32"
     """dtype the policy is loaded in: float32, bfloat16, float16 or auto."""
     model_fast_paths: bool = True
-    """RL stages: tidyrl's own decode step (built-in engine) and one-pass scoring/training forward for the declared model families (Llama, Qwen2, Qwen3, Mistral, Gemma 3, OLMo 2, Phi-3; tidyrl/models/families.py), where they apply (docs/runs.md; plan.json's `paths` says which model takes which); the same maths as the model's forward, with less overhead. false = always the model's own forward (to rule them out when something looks wrong)."""
+    """RL stages: tidyrl's own decode step (built-in engine) and one-pass scoring/training forward for the declared model families (Llama, Qwen2, Qwen3, Mistral, Gemma 3, OLMo 2, Phi-3, Qwen3-MoE, OLMoE; tidyrl/models/families.py), where they apply (docs/runs.md; plan.json's `paths` says which model takes which); the same maths as the model's forward, with less overhead. false = always the model's own forward (to rule them out when something looks wrong)."""
     output_dir: str = "runs/tidyrl"
     """Where the run writes config.yaml, plan.json, metrics.jsonl, samples.jsonl and final/."""
     seed: int = 0

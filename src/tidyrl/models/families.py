@@ -19,7 +19,8 @@ ways, each a field of `Family`:
   every layer where the family's windows are global (Mistral, Phi-3), attends to its `sliding_window` last
   positions (itself included), as transformers' mask does (masking_utils.sliding_window_overlay: key index
   > query index - window).
-- `moe`: the MLP is a mixture of experts (the model's own block).
+- `moe`: the MLP of some layers is a mixture of experts (Qwen3-MoE, OLMoE), called as the model's own module (its
+  router and experts, exact by construction: routing is per token) while the rest of the layer is the fast path's.
 
 Every config attribute a family's layer reads, or accepts at any value because the fast path reads it from the
 model's own modules (the rotary module's rope scalings, a projection's bias), is listed in `COMMON_ATTRIBUTES` or
@@ -118,6 +119,9 @@ class Family:
 
 
 _WINDOWED = frozenset({"sliding_window", "layer_types", "use_sliding_window", "max_window_layers"})
+# What a mixture-of-experts config carries that the model's own MoE block reads (the fast path calls the block).
+_MOE = frozenset({"num_experts", "num_experts_per_tok", "norm_topk_prob", "output_router_logits",
+                  "router_aux_loss_coef"})
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), rules={"pretraining_tp": _one}),
@@ -141,8 +145,12 @@ FAMILIES: tuple[Family, ...] = (
            attributes=frozenset({"sliding_window", "original_max_position_embeddings"}),
            rules={"rope_parameters": _whole_rotary},
            dropout=("attention_dropout", "embd_pdrop", "resid_pdrop")),
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm="head", moe=True),
-    Family("olmoe", ("OlmoeForCausalLM",), qk_norm="projection", moe=True),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm="head", moe=True,
+           attributes=_MOE | {"decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size",
+                              "num_local_experts", "sliding_window", "max_window_layers"},
+           rules={"use_sliding_window": _false}),
+    Family("olmoe", ("OlmoeForCausalLM",), qk_norm="projection", moe=True, attributes=_MOE,
+           rules={"clip_qkv": _none}),
 )
 _BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 _BY_MODEL_TYPE = {f.model_type or f.name: f for f in FAMILIES}
@@ -183,8 +191,6 @@ def fast_path_refusal(config, architecture: Optional[str] = None) -> Optional[st
     family = family_of(config, architecture)
     if family is None:
         return f"{architecture or 'the model'} has no family declaration"
-    if family.moe:
-        return f"{family.name}'s mixture-of-experts MLP is not on the fast path"
     mapping = as_mapping(config)
     for key in sorted(mapping):
         value = mapping[key]

@@ -85,12 +85,14 @@ def _inner(model):
 
 
 def _applies(model, inner) -> bool:
-    from tidyrl.models.families import on_fast_path
+    from tidyrl.models.families import family_of, on_fast_path
     from tidyrl.models.loading import activation_checkpointing_on
     from tidyrl.models.recompute import switched_on as recompute_on
     from tidyrl.models.sharding import ddp_inner, is_sharded
 
     weight = next(inner.parameters(), None)
-    return (on_fast_path(inner.config, type(inner).__name__) and ddp_inner(model) is inner and weight is not None
+    # (not yet measured on a mixture of experts, whose routing a compiled graph would have to keep dynamic)
+    name = type(inner).__name__
+    return (on_fast_path(inner.config, name) and not family_of(inner.config, name).moe and ddp_inner(model) is inner and weight is not None
             and weight.device.type in DEVICES and any(p.requires_grad for p in inner.parameters())
             and not is_sharded(inner) and not activation_checkpointing_on(inner) and not recompute_on())

@@ -165,7 +165,7 @@ class DecodeStep:
         # window, one rope), where every norm weight is in the activations' dtype (as LlamaRMSNorm's product then is).
         family = self.family
         self.fused = fused_decode.wanted(self.embed.device, self.embed.dtype, self.head_dim) and \
-            family.llama_norms() and family.qk_norm is None \
+            family.llama_norms() and family.qk_norm is None and not family.moe \
             and not family.fused_projections and not self.windows and len(self.rope_types) == 1 and all(
                 n.weight.dtype == self.embed.dtype
                 for n in (self.norm, *(n for l in self.layers for n in (l.attention_in, l.mlp_in))))

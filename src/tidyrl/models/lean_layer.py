@@ -14,7 +14,8 @@ family is checked against in tests/test_families.py), with the family's optional
     q, k = rope(q), rope(k)
     x = x + [norm_attention_out](o_proj(attention(q, k, v)))
     h = [norm_mlp_in](x)
-    x = x + [norm_mlp_out](down_proj(act(gate_proj(h)) * up_proj(h)))   (or one gate_up_proj: Phi-3)
+    x = x + [norm_mlp_out](down_proj(act(gate_proj(h)) * up_proj(h)))   (or one gate_up_proj: Phi-3; or the
+                                                                        model's own mixture-of-experts block)
 
 - RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) in float32, then the family's weight form
   (`families.Family.norm`): Llama's w * (cast back first), OLMo 2's w in float32 then cast, Gemma's (1 + w) in
@@ -117,7 +118,7 @@ class Layer(NamedTuple):
     qk_norm: Optional[str]  # families.Family.qk_norm
     qkv: Union[Projection, tuple[Projection, ...]]
     o: Projection
-    gate_up: Union[Projection, tuple[Projection, ...]]
+    gate_up: Union[Projection, tuple[Projection, ...], None]  # None: `down` is the model's own MLP module (MoE)
     down: Projection
     act: Callable[[torch.Tensor], torch.Tensor]  # F.silu for SiLU modules (their forward, minus the module call)
     window: Optional[int]  # the sliding window (positions attended, the query's own included), or None
@@ -142,13 +143,16 @@ def layers_of(model, family: Family, qkv: Callable, gate_up: Callable, single: C
         if family.fused_projections:
             q_k_v, gate_and_up, act = single(attn.qkv_proj), single(mlp.gate_up_proj), mlp.activation_fn
         else:
-            q_k_v, gate_and_up, act = (qkv(attn.q_proj, attn.k_proj, attn.v_proj), gate_up(mlp.gate_proj, mlp.up_proj),
-                                       mlp.act_fn)
+            q_k_v = qkv(attn.q_proj, attn.k_proj, attn.v_proj)
+            if is_own_block(mlp, family):  # a mixture of experts: the model's own module, called as its layer calls it
+                gate_and_up, act = None, None
+            else:
+                gate_and_up, act = gate_up(mlp.gate_proj, mlp.up_proj), mlp.act_fn
         out.append(Layer(
             norm("attention_in"), norm("attention_out"), norm("mlp_in"), norm("mlp_out"),
             norm_of(attn.q_norm, family.norm) if family.qk_norm else None,
             norm_of(attn.k_norm, family.norm) if family.qk_norm else None, family.qk_norm,
-            q_k_v, single(attn.o_proj), gate_and_up, single(mlp.down_proj),
+            q_k_v, single(attn.o_proj), gate_and_up, _own_block(mlp) if gate_and_up is None else single(mlp.down_proj),
             F.silu if is_silu(act) else act, windows[i], types[i] if family.rope_by_layer_type else families.FULL))
     return out
 
@@ -187,6 +191,8 @@ def after_attention(layer: Layer, x: torch.Tensor, o: torch.Tensor, ops: Ops = P
         a = ops.norm(a, layer.attention_out)
     x = x + a
     h = ops.norm(x, layer.mlp_in) if layer.mlp_in is not None else x
+    if layer.gate_up is None:  # the model's own MLP module
+        return x + layer.down(h)
     if callable(layer.gate_up):
         gate, up = layer.gate_up(h).chunk(2, dim=-1)
     else:
@@ -196,6 +202,16 @@ def after_attention(layer: Layer, x: torch.Tensor, o: torch.Tensor, ops: Ops = P
     if layer.mlp_out is not None:
         m = ops.norm(m, layer.mlp_out)
     return x + m
+
+
+def is_own_block(mlp: nn.Module, family: Family) -> bool:
+    """A mixture-of-experts MLP of a family that has one (`Family.moe`): the module the fast path calls as it is."""
+    return family.moe and type(mlp).__name__.endswith("SparseMoeBlock")
+
+
+def _own_block(mlp: nn.Module) -> Projection:
+    """The model's own MLP module on rows (rows, hidden), called as its decoder layer calls it, on (1, rows, hidden)."""
+    return lambda h: mlp(h[None])[0]
 
 
 def rope_factors(rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor, layer_type: str,
@@ -259,12 +275,14 @@ def refusal(model, computable: Callable[[nn.Module], bool]) -> Optional[str]:
             return f"{module_name or 'the model'} has a hook or its own forward"
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        own_block = is_own_block(mlp, family)
         for part, want in ((layer, family.layer_children()), (attn, family.attention_children()),
-                           (mlp, family.mlp_children())):
+                           *(() if own_block else ((mlp, family.mlp_children()),))):
             got = {child for child, _ in part.named_children()}
             if got != want:
                 return f"layer {i}'s {type(part).__name__} has {sorted(got ^ want)}, not the {family.name} layout"
-        linears = [m for m in (*attn.children(), *mlp.children()) if not _is_norm(m) and not _is_activation(m)]
+        linears = [m for m in (*attn.children(), *(() if own_block else mlp.children()))
+                   if not _is_norm(m) and not _is_activation(m)]
         if not all(computable(m) for m in linears):
             return f"layer {i} has a projection that is not a plain linear layer"
         norms = [getattr(layer, child) for child in family.norms.values()]
