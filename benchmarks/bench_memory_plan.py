@@ -70,7 +70,8 @@ elif family == "qwen3":
 else:  # gemma3, gemma3-270m: tied embeddings, five sliding layers of six
     dims.setdefault("head_dim", h // dims["num_attention_heads"])
     dims.setdefault("query_pre_attn_scalar", dims["head_dim"])
-    cfg = transformers.Gemma3TextConfig(**dims, sliding_window=dims.pop("sliding_window", 16), tie_word_embeddings=True)
+    window = dims.pop("sliding_window", 16)
+    cfg = transformers.Gemma3TextConfig(**dims, sliding_window=window, tie_word_embeddings=True)
 cfg._attn_implementation = "sdpa"
 cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(family, "Gemma3ForCausalLM")]
 model = transformers.AutoModelForCausalLM.from_config(cfg)
