@@ -122,6 +122,20 @@ def _own_logits(model, ids, mask, completions, cmask):
 
 
 CASES = [(name, seed) for name in FAMILY_NAMES for seed in SEEDS]
+# Families whose modules or config take another form in transformers 4.x (Gemma 3's local rope as a second rotary
+# module and `rope_local_base_freq`; OLMoE's attention without `scaling`): there the declaration refuses them, naming
+# why, and the model takes its own forward.
+NEWER_LAYOUTS = ("gemma3", "olmoe")
+
+
+def _skip_where_this_transformers_differs(model) -> None:
+    import transformers
+
+    name = families.family_of(model.config, type(model).__name__).name
+    if int(transformers.__version__.split(".")[0]) < 5 and name in NEWER_LAYOUTS:
+        reason = lean_decode.refusal(model)
+        assert reason is not None
+        pytest.skip(f"transformers {transformers.__version__}: {reason}")
 
 
 @pytest.mark.parametrize("name,seed", CASES, ids=[f"{n}-{s}" for n, s in CASES])
@@ -130,6 +144,7 @@ def test_scoring_and_gradients_are_the_model_s_own(name, seed):
     and every parameter's gradient of a weighted sum of them equal the model's own forward's, in training mode."""
     config = random_config(name, seed)
     model = build(name, config).train()
+    _skip_where_this_transformers_differs(model)
     assert lean_decode.refusal(model) is None, config
     assert lean_forward.can_run(model)
     family = families.family_of(model.config, type(model).__name__)
@@ -147,7 +162,8 @@ def test_scoring_and_gradients_are_the_model_s_own(name, seed):
         (logits * weights).sum().backward()
         grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
     theirs, ours = grads
-    assert theirs.keys() == ours.keys() == {k for k, _ in model.named_parameters()}
+    # every parameter reached (an expert no token was routed to in this batch, on neither path, aside)
+    assert theirs.keys() == ours.keys() and {k for k, _ in model.named_parameters() if ".experts." not in k} <= theirs.keys()
     for key in theirs:
         scale = theirs[key].abs().max().item()
         # (the reference's own float32 noise reaches the smallest gradients as up to ~1e-4 of their largest; a wrong
@@ -165,6 +181,7 @@ def test_prefill_and_decoding_steps_are_the_model_s_own(name, seed):
     """Left-padded prompts, then decoding steps past every window: the lean prefill's logits and each step's
     equal the model's own forward over the whole rows so far, at the last position."""
     model = build(name, random_config(name, seed))
+    _skip_where_this_transformers_differs(model)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
     ids, mask = left_pad(prompts, 0)
     steps, Lp = 10, ids.shape[1]
@@ -192,6 +209,7 @@ def test_generation_draws_what_the_model_s_own_forward_draws(name, static):
     static-cache step) draws the same tokens as with the model's own forward and cache, and its returned log-probs
     are the model's own forward's over the finished rows."""
     model = build(name, random_config(name, 0))
+    _skip_where_this_transformers_differs(model)
     prompts = [[5, 6, 7, 8, 9], [12, 13], [5, 6, 7, 8, 9], [14, 15, 16]]
     common = dict(sample_keys=list(range(4)), max_new_tokens=12, eos_ids=[2], pad_id=0, batch_size=4,
                   min_new_tokens=6, temperature=1.0, return_logprobs=True)
@@ -213,6 +231,7 @@ def test_bfloat16_scoring_and_decoding_stay_within_rounding_of_the_model(name):
     (attention's, the fused q/k/v product's): their logits stay within a few bf16 units of the model's largest
     logit (a wrong norm form, cast or mask is off by the logits' own size)."""
     model = build(name, random_config(name, 1), dtype=torch.bfloat16)
+    _skip_where_this_transformers_differs(model)
     ids, mask, completions, cmask = _batch()
     read = cmask[..., None]
     with torch.no_grad():

@@ -30,6 +30,7 @@ to its own forward, with the attribute named (`fast_path_refusal`): never a fast
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
@@ -143,7 +144,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("phi3", ("Phi3ForCausalLM",), fused_projections=True, global_window=True,
            extra_layer_children=frozenset({"resid_attn_dropout", "resid_mlp_dropout"}),
            attributes=frozenset({"sliding_window", "original_max_position_embeddings"}),
-           rules={"rope_parameters": _whole_rotary},
+           rules={"rope_parameters": _whole_rotary, "partial_rotary_factor": _one},
            dropout=("attention_dropout", "embd_pdrop", "resid_pdrop")),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm="head", moe=True,
            attributes=_MOE | {"decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size",
@@ -197,9 +198,21 @@ def fast_path_refusal(config, architecture: Optional[str] = None) -> Optional[st
         if key in family.rules:
             if not family.rules[key](value):
                 return f"{key} is {value!r}, which the {family.name} declaration does not compute"
-        elif key not in COMMON_ATTRIBUTES and key not in family.attributes and key not in family.dropout:
+        elif key not in COMMON_ATTRIBUTES and key not in family.attributes and key not in family.dropout and \
+                key not in base_attributes():
             return f"{key} is not declared for {family.name}"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def base_attributes() -> frozenset:
+    """What the installed transformers' PretrainedConfig itself carries, every config alike (in 4.x also generation
+    defaults and encoder-decoder switches such as add_cross_attention, which a causal LM's layers never read)."""
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # (a config read without transformers: COMMON_ATTRIBUTES alone)
+        return frozenset()
+    return frozenset(PretrainedConfig().to_dict())
 
 
 def on_fast_path(config, architecture: Optional[str] = None) -> bool:

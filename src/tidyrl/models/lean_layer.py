@@ -210,8 +210,14 @@ def is_own_block(mlp: nn.Module, family: Family) -> bool:
 
 
 def _own_block(mlp: nn.Module) -> Projection:
-    """The model's own MLP module on rows (rows, hidden), called as its decoder layer calls it, on (1, rows, hidden)."""
-    return lambda h: mlp(h[None])[0]
+    """The model's own MLP module on rows (rows, hidden), called as its decoder layer calls it, on (1, rows, hidden)
+    (a block that also returns its router's logits, as in transformers 4.x, gives them as a tuple's second item)."""
+
+    def call(h: torch.Tensor) -> torch.Tensor:
+        out = mlp(h[None])
+        return (out[0] if isinstance(out, tuple) else out)[0]
+
+    return call
 
 
 def rope_factors(rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor, layer_type: str,
@@ -275,6 +281,8 @@ def refusal(model, computable: Callable[[nn.Module], bool]) -> Optional[str]:
             return f"{module_name or 'the model'} has a hook or its own forward"
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(getattr(attn, "scaling", None), float):  # (older transformers' OLMoE computes its own)
+            return f"layer {i}'s attention keeps no `scaling`"
         own_block = is_own_block(mlp, family)
         for part, want in ((layer, family.layer_children()), (attn, family.attention_children()),
                            *(() if own_block else ((mlp, family.mlp_children()),))):
