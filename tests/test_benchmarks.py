@@ -86,8 +86,12 @@ def test_bench_update_compares_both_paths_and_they_agree():
 
 
 def test_bench_families_times_each_family_on_both_paths_and_they_draw_alike():
-    out = run("bench_families.py", "--workload", "tiny", "--repeats", "1", "--families", "qwen3,gemma3")
-    for name in ("qwen3", "gemma3"):
+    import transformers
+
+    # (transformers 4.x keeps Gemma 3's local rope in a module of its own, which its declaration refuses)
+    names = ("qwen3", "gemma3") if int(transformers.__version__.split(".")[0]) >= 5 else ("qwen3", "mistral")
+    out = run("bench_families.py", "--workload", "tiny", "--repeats", "1", "--families", ",".join(names))
+    for name in names:
         row = re.search(rf"^  {name}\s+fast path \({name}\)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)x\s+([0-9.]+)\s+"
                         rf"([0-9.]+)\s+([0-9.]+)x\s+True$", out, re.MULTILINE)
         assert row, out
