@@ -11,7 +11,8 @@ random weights (seed 0); what differs is the family's layout: Qwen2's q/k/v bias
 norms, Gemma 3's sandwich norms, (1 + w) norms, scaled embeddings, tanh GELU and its sliding window on three
 layers of four, Mistral's window on every layer, OLMo 2's post-norms and whole-projection q/k norms, Phi-3's fused
 projections; Qwen3-MoE's and OLMoE's mixtures of experts (8 experts, 2 a token), whose blocks the fast path calls
-as the model's own modules. The windows (16 positions) are shorter than the rows (a prompt and 32 new tokens), so they mask.
+as the model's own modules. The windows (16 positions) are shorter than the rows (a prompt and 32 new tokens), so
+they mask.
 Prints per family the milliseconds per decoding step and the update micro-batch's seconds on both paths and their
 ratio (the model's own time / the fast path's), and whether both paths drew the same completions. Alternates the
 paths so that machine drift hits all alike; medians of --repeats.
@@ -44,7 +45,8 @@ def family_model(name: str, w: dict, tok):
 
     heads = w["heads"]
     common = dict(vocab_size=len(tok), hidden_size=w["hidden"], intermediate_size=w["intermediate"],
-                  num_hidden_layers=w["layers"], num_attention_heads=heads, num_key_value_heads=w.get("kv_heads") or heads,
+                  num_hidden_layers=w["layers"], num_attention_heads=heads,
+                  num_key_value_heads=w.get("kv_heads") or heads,
                   max_position_embeddings=1024, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   pad_token_id=tok.pad_token_id, tie_word_embeddings=w.get("tied", False))
     layers = w["layers"]

@@ -247,6 +247,15 @@ def mistral():
                                             max_position_embeddings=128, pad_token_id=0, eos_token_id=2)).eval()
 
 
+def own_completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """The model's own forward over [prompt, completion] with the rows' mask and positions (cumsum - 1): logits
+    (B, Tc, V), position t predicting completion token t: what the fast paths must reproduce."""
+    rows = torch.cat([prompt_ids, completion_ids], dim=1)
+    attn = torch.cat([prompt_mask, completion_mask.long()], dim=1)
+    out = model(input_ids=rows, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), use_cache=False)
+    return out.logits[:, prompt_ids.shape[1] - 1: -1]
+
+
 def with_random_norms_and_biases(model):
     """`model` with its RMSNorm weights and linear biases drawn at random: freshly initialised they are ones
     and zeros, under which a pass that skipped a norm weight or misplaced a bias would still match."""

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 from conftest import VOCAB, bf16_units, with_random_norms_and_biases
+from conftest import own_completion_logits as _own_logits
 
 from tidyrl.models import families, lean_decode, lean_forward
 from tidyrl.models.lean_layer import is_own_block
@@ -113,14 +114,6 @@ def _batch(k: int = 3, width: int = 10):
     return ids, mask, completions, cmask
 
 
-def _own_logits(model, ids, mask, completions, cmask):
-    """The model's own forward over [prompt, completion]: logits (B, Tc, V), position t predicting token t."""
-    rows = torch.cat([ids, completions], dim=1)
-    attn = torch.cat([mask, cmask.long()], dim=1)
-    out = model(input_ids=rows, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), use_cache=False)
-    return out.logits[:, ids.shape[1] - 1: -1]
-
-
 CASES = [(name, seed) for name in FAMILY_NAMES for seed in SEEDS]
 # Families whose modules or config take another form in transformers 4.x (Gemma 3's local rope as a second rotary
 # module and `rope_local_base_freq`; OLMoE's attention without `scaling`): there the declaration refuses them, naming
@@ -163,7 +156,8 @@ def test_scoring_and_gradients_are_the_model_s_own(name, seed):
         grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
     theirs, ours = grads
     # every parameter reached (an expert no token was routed to in this batch, on neither path, aside)
-    assert theirs.keys() == ours.keys() and {k for k, _ in model.named_parameters() if ".experts." not in k} <= theirs.keys()
+    assert theirs.keys() == ours.keys()
+    assert {k for k, _ in model.named_parameters() if ".experts." not in k} <= theirs.keys()
     for key in theirs:
         scale = theirs[key].abs().max().item()
         # (the reference's own float32 noise reaches the smallest gradients as up to ~1e-4 of their largest; a wrong

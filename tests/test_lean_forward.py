@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LLAMA_LAYOUTS, VOCAB, llama, recorded_outputs
+from conftest import LLAMA_LAYOUTS, VOCAB, llama, own_completion_logits, recorded_outputs
 
 from tidyrl.models import lean_forward
 from tidyrl.models.lean_forward import can_run, completion_logits, logits_if_lean
@@ -40,10 +40,8 @@ def _batch(distinct_prompts: bool = False) -> Rollout:
 
 def _reference_logits(model, batch: Rollout) -> torch.Tensor:
     """The model's own forward over [prompt, completion] with the rows' mask and positions: what is scored."""
-    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
-    mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], dim=1)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False)
-    return out.logits[:, batch.prompt_ids.shape[1] - 1: -1]  # (B, Tc, V): position t predicts token t
+    return own_completion_logits(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                 batch.completion_mask)  # (B, Tc, V): position t predicts token t
 
 
 def _grads(model, logits: torch.Tensor, weights: torch.Tensor) -> dict[str, torch.Tensor]:

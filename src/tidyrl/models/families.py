@@ -126,7 +126,8 @@ _MOE = frozenset({"num_experts", "num_experts_per_tok", "norm_topk_prob", "outpu
 
 FAMILIES: tuple[Family, ...] = (
     Family("llama", ("LlamaForCausalLM",), rules={"pretraining_tp": _one}),
-    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, attributes=_WINDOWED, rules={"layer_types": _known_layer_types}),
+    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, attributes=_WINDOWED,
+           rules={"layer_types": _known_layer_types}),
     Family("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", attributes=_WINDOWED,
            rules={"layer_types": _known_layer_types}),
     Family("mistral", ("MistralForCausalLM",), global_window=True, attributes=frozenset({"sliding_window"})),

@@ -333,7 +333,8 @@ class DecodeStep:
         n, D = positions.numel(), self.head_dim
         if self.rope_tables is not None:
             flat = positions.reshape(-1)
-            return {t: tuple(F.embedding(flat, f).view(n, 1, D) for f in table) for t, table in self.rope_tables.items()}
+            return {t: tuple(F.embedding(flat, f).view(n, 1, D) for f in table)
+                    for t, table in self.rope_tables.items()}
         out = {}
         for t in self.rope_types:  # the model's own call, as in its forward
             cos, sin = rope_factors(self.rotary, x, positions, t, self.family.rope_by_layer_type)  # (B, T, D)

@@ -132,13 +132,12 @@ def layers_of(model, family: Family, qkv: Callable, gate_up: Callable, single: C
     config = model.config
     windows = families.windows(config, family)
     types = families.layer_types(config)
-    norms = {place: child for place, child in family.norms.items()}
     out = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
 
         def norm(place: str) -> Optional[Norm]:
-            return norm_of(getattr(layer, norms[place]), family.norm) if place in norms else None
+            return norm_of(getattr(layer, family.norms[place]), family.norm) if place in family.norms else None
 
         if family.fused_projections:
             q_k_v, gate_and_up, act = single(attn.qkv_proj), single(mlp.gate_up_proj), mlp.activation_fn
