@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from tidyrl.engines.server import ServerEngine
 from tidyrl.models.sharding import is_sharded
-from tidyrl.rollouts.ahead import weight_snapshot
+from tidyrl.rollouts.weights import weight_snapshot
 
 model_dir, url, sync_dir, report = sys.argv[1:5]
 dist.init_process_group("gloo")

@@ -216,7 +216,7 @@ def test_the_update_and_scoring_never_wait_for_the_gpu_inside_their_loops(tiny_m
     forward. tests/test_host_syncs.py checks the same on the meta device, without a GPU."""
     from tidyrl.rollouts import scoring as rollout_module
     from tidyrl.loops import rl
-    from tidyrl.loops.training import Sums
+    from tidyrl.models.collectives import Sums
 
     real_step, real_reduced, real_forward = rl.optimizer_step, Sums.reduced, rollout_module.completion_logprobs
     checked = {"steps": 0, "scoring": 0}

@@ -17,7 +17,7 @@ from conftest import with_sections
 import tidyrl
 from tidyrl.models.devices import to_device
 from tidyrl.loops import rl
-from tidyrl.loops.training import Sums
+from tidyrl.models.collectives import Sums
 
 
 def test_host_tensors_go_to_a_cuda_device_through_pinned_memory_without_waiting(monkeypatch):

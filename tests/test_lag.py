@@ -7,6 +7,8 @@ side change no number, that a resumed run is the uninterrupted one, and what the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import hashlib
 import json
 import shutil
@@ -80,7 +82,15 @@ def test_launches_when_the_learner_starts_each_rollout(lag, expected):
     assert launched == expected
 
 
-def test_the_weights_of_a_launch_are_copied_when_it_is_launched():
+def lag_of(monkeypatch, make, snapshot, lag: int, total: int, *, background: bool) -> RolloutsAhead:
+    """A lag whose rollouts are `make(r, version, snapshot)` and whose launches copy `snapshot()` (in place of
+    `making.make_rollout` and `weights.weight_snapshot`)."""
+    monkeypatch.setattr(ahead_module, "make_rollout", lambda source, r, version, weights: make(r, version, weights))
+    monkeypatch.setattr(ahead_module, "weight_snapshot", lambda policy: snapshot())
+    return RolloutsAhead(SimpleNamespace(policy=None), lag, total, background=background)
+
+
+def test_the_weights_of_a_launch_are_copied_when_it_is_launched(monkeypatch):
     """A launch made at learner rollout r carries the weights of that moment, even when it is made later."""
     weights = {"w": torch.tensor([0.0])}
     made_with = {}
@@ -89,7 +99,7 @@ def test_the_weights_of_a_launch_are_copied_when_it_is_launched():
         made_with[r] = float(snapshot["w"])
         return r, version
 
-    ahead = RolloutsAhead(2, 5, make, lambda: {k: v.clone() for k, v in weights.items()}, background=False)
+    ahead = lag_of(monkeypatch, make, lambda: {k: v.clone() for k, v in weights.items()}, 2, 5, background=False)
     for r in range(5):
         ahead.launch_due(r)
         got, _ = ahead.take(r)
@@ -98,13 +108,13 @@ def test_the_weights_of_a_launch_are_copied_when_it_is_launched():
     assert made_with == {0: 0.0, 1: 0.0, 2: 0.0, 3: 1.0, 4: 2.0}
 
 
-def test_an_error_while_making_ahead_is_raised_where_the_rollout_is_taken():
+def test_an_error_while_making_ahead_is_raised_where_the_rollout_is_taken(monkeypatch):
     def make(r, version, snapshot):
         if r == 1:
             raise ValueError("reward exploded")
         return r
 
-    ahead = RolloutsAhead(1, 3, make, dict, background=True)
+    ahead = lag_of(monkeypatch, make, dict, 1, 3, background=True)
     ahead.launch_due(0)
     assert ahead.take(0)[0] == 0
     ahead.launch_due(1)
@@ -119,7 +129,7 @@ def test_each_rollout_is_made_by_the_weights_the_lag_names_and_scored_by_the_lea
     """PPO (a critic, the KL in the reward), 4 rollouts: the weights that generated rollout r are those of
     checkpoint-(version * E*M) (the starting model for version 0); the critic that scored it is the learner's
     at rollout r (checkpoint-(r * E*M)/critic)."""
-    from tidyrl.loops import rl, rl_rollout
+    from tidyrl.rollouts import ahead
     from tidyrl.rollouts import scoring
 
     cfg = golden_runs.ppo_reward_model(tmp_path)
@@ -128,7 +138,7 @@ def test_each_rollout_is_made_by_the_weights_the_lag_names_and_scored_by_the_lea
     per_rollout = cfg["train"]["epochs_per_rollout"] * cfg["train"]["minibatches_per_epoch"]
     cfg["log"].update({"save_every": per_rollout, "keep_last": 10})
     generated_by, critic_of = {}, []
-    make = rl.make_rollout
+    make = ahead.make_rollout
 
     def recording(source, r, version, snapshot):
         generated_by[r] = digest(snapshot)
@@ -140,7 +150,7 @@ def test_each_rollout_is_made_by_the_weights_the_lag_names_and_scored_by_the_lea
         critic_of.append(digest({n: p for n, p in critic.named_parameters()}))
         return values(critic, tokens, chunk)
 
-    monkeypatch.setattr(rl, "make_rollout", recording)
+    monkeypatch.setattr(ahead, "make_rollout", recording)
     monkeypatch.setattr(scoring, "score_values", recording_values)
     tidyrl.train(cfg)
 
@@ -300,8 +310,8 @@ def test_under_fsdp_the_lag_takes_vllm_servers_and_is_refused_with_an_in_process
         check_sharding("fsdp2", cfg("vllm-server", top_k=5))
 
 
-def test_a_rollout_past_the_plan_is_made_when_asked_and_one_never_launched_is_an_error_not_a_hang():
-    ahead = RolloutsAhead(1, 2, lambda r, version, snapshot: r, dict, background=True)
+def test_a_rollout_past_the_plan_is_made_when_asked_and_one_never_launched_is_an_error_not_a_hang(monkeypatch):
+    ahead = lag_of(monkeypatch, lambda r, version, snapshot: r, dict, 1, 2, background=True)
     ahead.launch_due(2)  # past the run's 2 rollouts (e.g. a test asking for one more): made, no look-ahead
     assert ahead.take(2)[0] == 2
     with pytest.raises(RuntimeError, match="rollout 5 was never launched"):

@@ -75,10 +75,10 @@ def test_conversations_become_padded_tensors_row_by_row():
     assert e.completion_ids.tolist() == [[5, 6, 7, 0], [0, 0, 0, 0], [9, 8, 7, 6]]
     assert e.completion_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
     assert e.action_mask.tolist() == [[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
-    assert torch.equal(e.logprobs, torch.tensor([[-0.5, 0.0, -1.25, 0.0], [0.0] * 4, [-0.1, -0.2, -0.3, -0.4]]))
-    assert e.completion_ids.dtype == torch.long and e.completion_mask.dtype == e.logprobs.dtype == torch.float32
-    assert e.truncated.tolist() == [False, False, True] and e.env_reward.tolist() == [1.0, -1.0, 0.0]
-    assert e.turns.tolist() == [2.0, 0.0, 1.0] and e.errors.tolist() == [0.0, 1.0, 0.0]
+    assert torch.equal(e.sampled_logprobs, torch.tensor([[-0.5, 0.0, -1.25, 0.0], [0.0] * 4, [-0.1, -0.2, -0.3, -0.4]]))
+    assert e.completion_ids.dtype == torch.long and e.completion_mask.dtype == e.sampled_logprobs.dtype == torch.float32
+    assert e.truncated.tolist() == [False, False, True] and e.rewards["env"].tolist() == [1.0, -1.0, 0.0]
+    assert e.turns.tolist() == [2.0, 0.0, 1.0] and e.env_errors.tolist() == [0.0, 1.0, 0.0]
     single = as_episodes(convs[:1], 5, pad_id=3, multi_turn=False)
     assert single.completion_ids.tolist() == [[5, 6, 7, 3, 3]] and single.action_mask is None
     with pytest.raises(RuntimeError):  # a conversation past the budget is a bug upstream, never cut silently

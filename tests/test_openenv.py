@@ -183,23 +183,23 @@ def test_a_server_that_dies_stops_the_run_and_its_checkpoint_resumes(guess, tiny
     from safetensors.torch import load_file
 
     from tidyrl.environments import EnvironmentFailure
-    from tidyrl.loops import rl
+    from tidyrl.rollouts import ahead
 
     path, module, port = guess
     server = Server(module, port, sessions=8)
     try:
         whole = tidyrl.train(config(tiny_model_dir, prompt_file, tmp_path / "whole", f"{path}:Guess"))
-        real_make = rl.make_rollout
+        real_make = ahead.make_rollout
 
         def make_rollout(source, r, version, weights=None):
             if r == 1:
                 server.stop()  # the server goes away before rollout 2
             return real_make(source, r, version, weights)
 
-        monkeypatch.setattr(rl, "make_rollout", make_rollout)
+        monkeypatch.setattr(ahead, "make_rollout", make_rollout)
         with pytest.raises(EnvironmentFailure) as err:
             tidyrl.train(config(tiny_model_dir, prompt_file, tmp_path / "cut", f"{path}:Guess"))
-        monkeypatch.setattr(rl, "make_rollout", real_make)
+        monkeypatch.setattr(ahead, "make_rollout", real_make)
         message = str(err.value)
         assert "rollout 2: 100% of the episodes ended on an environment error" in message
         assert "episodes at once per process" in message and "checkpoint-1" in message

@@ -590,7 +590,7 @@ def test_the_fsdp_path_of_a_lagged_run_is_the_lagged_run(tiny_model_dir, builtin
     a real fully_shard policy in 2 processes.)"""
     import tidyrl.loops.rl as rl
     import tidyrl.models.sharding as sharding
-    from tidyrl.rollouts import ahead
+    from tidyrl.rollouts import ahead, weights
 
     prompts = builtin_run[0]
 
@@ -603,12 +603,12 @@ def test_the_fsdp_path_of_a_lagged_run_is_the_lagged_run(tiny_model_dir, builtin
     with FakeVLLMServer(tiny_model_dir) as server:
         copy_path = tidyrl.train(lagged(tmp_path / "copy", server.url))
     copies = []
-    monkeypatch.setattr(rl, "behaviour_copy", lambda policy: copies.append(1) or ahead.behaviour_copy(policy))
+    monkeypatch.setattr(rl, "behaviour_copy", lambda policy: copies.append(1) or weights.behaviour_copy(policy))
     monkeypatch.setattr(rl, "is_sharded", lambda model: True)
     monkeypatch.setattr(sharding, "is_sharded", lambda model: isinstance(model, torch.nn.Module))
     snapshots = []
-    real_snapshot = ahead.weight_snapshot
-    monkeypatch.setattr(rl, "weight_snapshot", lambda policy: snapshots.append(real_snapshot(policy)) or snapshots[-1])
+    real_snapshot = weights.weight_snapshot
+    monkeypatch.setattr(ahead, "weight_snapshot", lambda policy: snapshots.append(real_snapshot(policy)) or snapshots[-1])
     with FakeVLLMServer(tiny_model_dir) as server:
         gathered_path = tidyrl.train(lagged(tmp_path / "gathered", server.url))
     assert copies == [] and snapshots and all(isinstance(s, FullWeights) and len(s) > 0 for s in snapshots)

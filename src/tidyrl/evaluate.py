@@ -7,9 +7,9 @@ see what training changed:
     tidyrl eval grpo.yaml --model runs/my-run/final         # the trained model, same prompts and keys
     tidyrl eval runs/my-run/final --data test.jsonl --reward my_rewards.py:exact_match --greedy
 
-It is built from the learner's own parts: the input checks (`loops.rl_inputs.check_eval_inputs`), the producer of
-the episodes (`make_producer`: every engine, servers, environments and tools, multi-turn) and the held-out
-evaluation (`loops.rl_rollout.evaluate_held_out`). So a run's `eval/*` metrics of its last step and `tidyrl eval`
+It is built from the parts training uses: the input checks (`loops.rl_inputs.check_eval_inputs`), the producer of
+the episodes (`rollouts.producer.make_producer`: every engine, servers, environments and tools, multi-turn) and the
+held-out evaluation (`rollouts.evaluation.evaluate_held_out`). So a run's `eval/*` metrics of its last step and `tidyrl eval`
 of its `final/` give the same numbers.
 
 What is evaluated:
@@ -195,12 +195,12 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
 
 
 def _held_out_evaluation(cfg, inputs, accelerator, k: int, greedy: bool, seed: int):
-    """The learner's held-out evaluation (`loops.rl_rollout.evaluate_held_out`) of `inputs`' prompts, with the
+    """The learner's held-out evaluation (`rollouts.evaluation.evaluate_held_out`) of `inputs`' prompts, with the
     policy loaded as training loads it and the producer training builds (environment and tools included), on the
     configured engine: (its metrics, every episode's row)."""
     from tidyrl.engines import make_engine
-    from tidyrl.loops.rl_inputs import make_producer
-    from tidyrl.loops.rl_rollout import evaluate_held_out
+    from tidyrl.rollouts.evaluation import evaluate_held_out
+    from tidyrl.rollouts.producer import make_producer
     from tidyrl.models.generation import eos_token_ids, pad_token_id
     from tidyrl.models.loading import load_causal_lm
 

@@ -36,7 +36,7 @@ def sequence_logps_cache(accelerator, model, sequences, pad_id: int, chunk: int)
 
     from tidyrl.algorithms.preference import sequence_logps
     from tidyrl.loops.offline import pad_batch, target_logprobs
-    from tidyrl.loops.collectives import reduce_sum
+    from tidyrl.models.collectives import reduce_sum
 
     W, rank = accelerator.num_processes, accelerator.process_index
     cache = torch.zeros(len(sequences), dtype=torch.float64)

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from tidyrl.loops.collectives import reduce_max
+from tidyrl.models.collectives import reduce_max
 
 GRID_EXPONENT = 40
 """Each micro-batch gradient is rounded to a multiple of 2^-GRID_EXPONENT."""

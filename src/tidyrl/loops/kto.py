@@ -66,7 +66,7 @@ class KTOStage:
 
         from tidyrl.algorithms.preference import kto_reference_point
         from tidyrl.data.offline import mismatched_sequence
-        from tidyrl.loops.collectives import reduce_sum
+        from tidyrl.models.collectives import reduce_sum
 
         B, per, rank = len(batch), self.batch_size // self.run.world_size, self.run.rank
         m = self.run.cfg.train.micro_batch_size

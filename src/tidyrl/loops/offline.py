@@ -357,7 +357,8 @@ class OfflineRun:
         onto the integer grid and the processes' integer sums are all-reduced (loops/exact_sums.py): no DDP
         synchronisation, no scale by W."""
         from tidyrl.loops.exact_sums import exact_accumulator
-        from tidyrl.loops.training import Sums, apply_update, no_sync
+        from tidyrl.loops.training import apply_update, no_sync
+        from tidyrl.models.collectives import Sums
 
         cfg, acc = self.cfg, self.accelerator
         t0 = time.perf_counter()
@@ -401,7 +402,7 @@ class OfflineRun:
     def _evaluate(self, stage: OfflineStage, model, n: int) -> dict:
         """The held-out examples 0..n-1, in micro-batches of m split over processes (chunk c on process
         c mod W), under no_grad; the sums reduced by name, then the stage's eval/ metrics."""
-        from tidyrl.loops.training import Sums
+        from tidyrl.models.collectives import Sums
 
         m = self.cfg.train.micro_batch_size
         t0 = time.perf_counter()

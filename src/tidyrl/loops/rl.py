@@ -1,9 +1,10 @@
 """The on-policy RL learner (GRPO, RLOO, PPO, REINFORCE++, CISPO, ...), explicit from top to bottom (DESIGN §3):
 
     for each rollout:
-        the rollout's rewarded episodes                (tidyrl.rollouts.making.make_rollout; with rollout.lag,
-                                                        made ahead beside training: tidyrl.rollouts.ahead)
-        -> old / reference log-probs, values (only when needed) -> advantages       (loops.rl_rollout)
+        the rollout, made, scored, gathered            (tidyrl.rollouts.taking.Rollouts.take: its rewarded episodes,
+                                                        made ahead beside training with rollout.lag; old / reference
+                                                        / teacher log-probs and values, only where read)
+        -> rewards -> advantages                                                      (loops.rl_rollout)
         for each of E passes, for each of M mini-batches:
             micro-batches of m with gradient accumulation -> one optimizer step   (loops.rl_update)
             -> one LR-scheduler step -> one metrics row -> save / evaluate when due   (loops.training.Steps)
@@ -25,20 +26,22 @@ from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (TrainResult, distribution_of, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, weights_device, write_run_header)
-from tidyrl.loops.rl_inputs import check_rl_inputs, loaded_path_note, make_producers, plan_extras
+from tidyrl.loops.rl_inputs import check_rl_inputs, loaded_path_note, plan_extras
 from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
-from tidyrl.loops.rl_rollout import (GROUP_COUNTS, environment_failure, estimate_advantages, evaluate_held_out,
-                                     gather_rollout, multi_turn_stats, old_from_sampler, rollout_rewards,
-                                     no_signal_note, rollout_stats, sample_row, score_episodes)
-from tidyrl.loops.rl_update import Trainee, UpdateSettings, minibatch, optimizer_step, prepare_critic
+from tidyrl.loops.rl_rollout import (GROUP_COUNTS, environment_failure, estimate_advantages, multi_turn_stats,
+                                     no_signal_note, rollout_rewards, rollout_stats, sample_row)
+from tidyrl.loops.rl_update import (Trainee, UpdateSettings, minibatch, optimizer_step, prepare_critic,
+                                    weights_for_later_epochs)
 from tidyrl.loops.training import Steps, check_resume, continue_longer, keep_if_best
 from tidyrl.models.loading import load_causal_lm, load_policy
 from tidyrl.models.lora import adapter_note
 from tidyrl.models.sharding import is_sharded
 from tidyrl.plan import epochs_done
-from tidyrl.rollouts.ahead import RolloutsAhead, behaviour_copy, weight_snapshot
-from tidyrl.rollouts.making import DynamicSampling, Rescoring, RolloutSource, make_rollout
-from tidyrl.rollouts.producer import DynamicSamplingError
+from tidyrl.rollouts.making import DynamicSampling, Rescoring, RolloutSource
+from tidyrl.rollouts.producer import DynamicSamplingError, make_producers
+from tidyrl.rollouts.scoring import Scorers, correction_of
+from tidyrl.rollouts.taking import Rollouts
+from tidyrl.rollouts.weights import behaviour_copy
 
 __all__ = ["run", "DynamicSamplingError"]
 
@@ -113,27 +116,8 @@ class RLRun:
                                                          device=frozen_device(self.accelerator)), self.accelerator)
             if is_sharded(self.ref_model):
                 self._say(f"KL reference: sharded like the policy, {self.world_size} shards")
-        self.teacher = None
-        if self.spec.teacher and cfg.teacher.url:  # on-policy distillation: a teacher served by vLLM
-            from tidyrl.engines.server import ServerScorer
-
-            self.teacher = ServerScorer([cfg.teacher.url], timeout_s=cfg.server.timeout_s, retries=cfg.server.retries)
-        elif self.spec.teacher and not cfg.teacher.cross_tokenizer:  # ... or the teacher, frozen, beside the policy
-            # (under FSDP2 sharded like the KL reference: it scores the same episodes in the same chunks)
-            self.teacher = place_frozen(load_causal_lm(cfg.teacher.model, cfg.model_dtype,
-                                                       device=frozen_device(self.accelerator)), self.accelerator)
-            if is_sharded(self.teacher):
-                self._say(f"teacher: sharded like the policy, {self.world_size} shards")
-        elif self.spec.teacher:  # ... or one of another tokenizer, whole on every process: it scores its own tokens
-            from tidyrl.models.loading import load_tokenizer  # (the episodes' text, mapped by characters)
-            from tidyrl.rollouts.teacher import CrossTokenizerTeacher
-
-            teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=self.accelerator.device)
-            ro = cfg.rollout
-            self.teacher = CrossTokenizerTeacher(
-                teacher.eval().requires_grad_(False), load_tokenizer(cfg.teacher.model), self.tokenizer,
-                eos_token_ids(model, self.tokenizer), temperature=ro.temperature,
-                chunk_size=ro.forward_batch_size, fast_path=cfg.model_fast_paths)
+        self.teacher = load_teacher(cfg, self.accelerator, self.tokenizer, eos_token_ids(model, self.tokenizer),
+                                    self._say) if self.spec.teacher else None
         self._say(adapter_note(model))
         for reward in self.inputs.reward_fns:  # reward models: weights now, placed like the reference
             if isinstance(reward.fn, RewardModel):
@@ -163,7 +147,7 @@ class RLRun:
 
     def _make_producers(self) -> None:
         """rollout.engine for this process, the source of the training rollouts (`rollouts.making`), the producer of
-        the held-out episodes, and the lag that makes rollouts ahead."""
+        the held-out episodes, and the run's rollouts (`rollouts.taking.Rollouts`: made ahead with a lag)."""
         from tidyrl.engines import make_engine
         from tidyrl.rewards.reward_models import RewardModel
 
@@ -172,10 +156,8 @@ class RLRun:
         policy = self.accelerator.unwrap_model(self.trainee.model)
         self.engine = make_engine(cfg, policy if self.behaviour is None else self.behaviour,
                                   self.accelerator.device.type, longest + ro.max_new_tokens)
-        # Truncated importance sampling (Yao et al. 2025): where rollout.tis_cap is unset, the engine's default, and
-        # with a lag at least 2.0: the weights that sampled are then older than the learner's.
-        default_cap = max(self.engine.capabilities.default_tis_cap, 2.0 if ro.lag else 0.0)
-        self.tis_cap = ro.tis_cap if ro.tis_cap is not None else default_cap
+        # Truncated importance sampling (Yao et al. 2025): where and with what cap, decided once for every reader.
+        self.correction = correction_of(ro, plan.minibatches_per_epoch, self.engine.capabilities.default_tis_cap)
         producer, self.eval_producer = make_producers(cfg, self.inputs, self.engine, self.eos_ids, self.pad_id,
                                                       self.env_pool)
         per_proc = plan.episodes_per_rollout_per_process
@@ -186,20 +168,18 @@ class RLRun:
             self.engine, producer, self.stream, plan.prompts_per_rollout, plan.samples_per_prompt,
             range(self.rank * per_proc, (self.rank + 1) * per_proc), policy, self.behaviour,
             dynamic=DynamicSampling(ro.max_sampling_rounds, ro.on_sampling_cap) if ro.dynamic_sampling else None,
-            gather=self._gather,
-            rescore=Rescoring(self.pad_id, ro.temperature, ro.forward_batch_size, cfg.model_fast_paths)
-            if rescore else None)
+            accelerator=self.accelerator,
+            rescore=Rescoring(ro.temperature, ro.forward_batch_size, cfg.model_fast_paths) if rescore else None)
         # rollout.lag: rollouts made ahead, on a background thread beside the updates (one process, or no collective
         # in the making: dynamic sampling gathers its counts across processes, and a sharded reward model's forward
         # all-gathers its weights), else on this thread when taken.
         collective = ro.dynamic_sampling or any(
             is_sharded(r.fn.model) for r in self.inputs.reward_fns if isinstance(r.fn, RewardModel))
-        self.ahead = RolloutsAhead(ro.lag, plan.rollouts, functools.partial(make_rollout, self.source),
-                                   functools.partial(weight_snapshot, policy),
-                                   background=self.world_size == 1 or not collective)
+        self.rollouts = Rollouts(self.source, lag=ro.lag, total=plan.rollouts, pad_id=self.pad_id,
+                                 background=self.world_size == 1 or not collective)
         self.update_settings = UpdateSettings(
             options=self.algo, policy_loss=self.algo.policy_loss or self.spec.policy_loss,
-            kl_in_loss=self.spec.kl_in == "loss", tis_cap=self.tis_cap, temperature=ro.temperature,
+            kl_in_loss=self.spec.kl_in == "loss", correction=self.correction, temperature=ro.temperature,
             max_new_tokens=ro.max_new_tokens,
             # (exact sums: the policy is marked by models.forward.exact_forward, which turns its fast paths off)
             fast_path=cfg.model_fast_paths,
@@ -221,7 +201,7 @@ class RLRun:
             step, elapsed, self.first_reward, unfinished, made_ahead = restore_run(
                 self.resumed, accelerator=self.accelerator, out=self.out, trainee=self.trainee, state=self.state,
                 plan=plan)
-            self.ahead.restore(rollouts_made_ahead(made_ahead, self.rank, self.world_size))
+            self.rollouts.restore(rollouts_made_ahead(made_ahead, self.rank, self.world_size, self.pad_id))
             t = self.trainee
             self._say(continue_longer(cfg, self.resumed, plan, self.out, self.accelerator,
                                       [s for s in (t.scheduler, t.critic_scheduler) if s is not None]))
@@ -240,10 +220,11 @@ class RLRun:
                     last_reward = stats["reward_mean"]
                     for j in range(step - r * per_rollout, per_rollout):
                         step += 1
-                        step_stats, later = optimizer_step(rollout, minibatch(plan, cfg.seed, r, j), step, trainee=self.trainee,
-                                                           settings=self.update_settings, plan=plan,
-                                                           accelerator=self.accelerator, out=self.out)
-                        rollout = later or rollout
+                        step_stats, seen = optimizer_step(rollout, minibatch(plan, cfg.seed, r, j), step,
+                                                          trainee=self.trainee, settings=self.update_settings,
+                                                          plan=plan, accelerator=self.accelerator, out=self.out)
+                        if seen is not None:  # the importance weights of its first step, for the later epochs
+                            rollout = weights_for_later_epochs(rollout, seen, self.correction.tis_cap)
                         # Measured in the rollout's first step (importance weights from its forward): the rollout's
                         # own figures, on every row of it, as when measured before the update.
                         stats.update({k: v for k, v in step_stats.items() if k.startswith("mismatch/")})
@@ -259,7 +240,7 @@ class RLRun:
                         steps.checkpoint_when_due(step, functools.partial(self._save, step, inside, stats))
             finally:
                 steps.log.samples.close()
-                self.ahead.close()
+                self.rollouts.close()
                 if self.env_pool is not None:
                     self.env_pool.close()
         steps.finished(step)
@@ -275,7 +256,7 @@ class RLRun:
     def _save(self, step: int, inside, stats: dict) -> None:
         """checkpoint-<step>, with the unfinished rollout (`inside`) and the rollouts made ahead (waited for where
         still under way): a resume takes them instead of making them."""
-        ahead = saved_made_ahead(self.ahead.pending(), self.world_size)
+        ahead = saved_made_ahead(self.rollouts.pending(), self.world_size)
         save_run(step, accelerator=self.accelerator, out=self.out, trainee=self.trainee, tokenizer=self.tokenizer,
                  state=self.state, plan=self.plan, cfg=self.cfg, rollout=inside, stats=stats,
                  elapsed=time.perf_counter() - self.start, first_reward=self.first_reward, ahead=ahead)
@@ -323,31 +304,32 @@ class RLRun:
             self._save(step, None, {})
         raise environment_failure(self.cfg, self.plan, r, step, failed, self.env_errors)
 
+    def _scorers(self, policy) -> Scorers:
+        """The learner's models as they are now, which score the rollout it takes (`rollouts.scoring`)."""
+        ro, plan = self.cfg.rollout, self.plan
+        critic = self.trainee.critic
+        # Old log-probs are read after the rollout's first optimizer step (E*M > 1), by a KL in the reward, and by
+        # a teacher's advantages (log pi_T - log pi_S on each sampled token).
+        keep_old = (plan.optimizer_steps_per_rollout > 1 or (self.use_reference and self.spec.kl_in == "reward")
+                    or self.teacher is not None)
+        return Scorers(policy, self.correction, ro.temperature, ro.forward_batch_size, self.cfg.model_fast_paths,
+                       keep_old, use_reference=self.use_reference, reference=self.ref_model,
+                       critic=None if critic is None else self.accelerator.unwrap_model(critic), teacher=self.teacher)
+
     def take_rollout(self, r: int):
-        """Rollout `r` (0-based), made (`rollouts.making.make_rollout`, or made ahead at rollout.lag), scored with
-        the learner's weights now, gathered (every process holds all R, so mini-batches are the same whatever W
-        is), and its advantages. Returns (the Rollout, its metrics, its samples.jsonl rows)."""
+        """Rollout `r` (0-based), made (or made ahead at rollout.lag), scored with the learner's models now and
+        gathered (every process holds all R, so mini-batches are the same whatever W is: `rollouts.taking`), then
+        its rewards and advantages. Returns (the Rollout, its metrics, its samples.jsonl rows)."""
         from tidyrl.metrics import sample_episodes
 
         policy = self.accelerator.unwrap_model(self.trainee.model)
         policy.eval()
-        self.ahead.launch_due(r)  # with rollout.lag = L: rollout r + L, from the weights now (rollouts.ahead)
-        produced, waited = self.ahead.take(r)
-        made = produced.made
-        t0 = time.perf_counter()
-        local, mismatch = score_episodes(
-            made, policy, self.pad_id, self.cfg, self.plan, tis_cap=self.tis_cap, accelerator=self.accelerator,
-            use_reference=self.use_reference, reference=self.ref_model, kl_in_reward=self.spec.kl_in == "reward",
-            critic=None if self.trainee.critic is None else self.accelerator.unwrap_model(self.trainee.critic),
-            teacher=self.teacher, prompts=[produced.group_prompts[e // self.plan.samples_per_prompt]
-                                           for e in self.source.episodes])
-        t_score = time.perf_counter() - t0
-        rollout = gather_rollout(self.accelerator, local, self.pad_id)
-        raw_per_fn, scores, overlong = rollout_rewards(made.per_fn, self.source.producer.reward_fns, self._gather,
-                                                       self.state.reward_moments, rollout, self.cfg.rollout, self.algo)
+        rollout = self.rollouts.take(r, self._scorers(policy))
+        raw_per_fn, scores, overlong = rollout_rewards(rollout, self.source.producer.reward_fns,
+                                                       self.state.reward_moments, self.cfg.rollout, self.algo)
         kl_control = self.state.kl_control
         # The KL in the reward reads the old log-probs: the sampler's (with a lag, of older weights) or the trainer's.
-        old_version = produced.version if old_from_sampler(self.cfg, self.plan, self.tis_cap) else r
+        old_version = rollout.version if self.correction.old_from_sampler else r
         estimate = estimate_advantages(self.spec, self.algo, rollout, scores, k=self.plan.samples_per_prompt,
                                        beta=kl_control.value if kl_control else self.algo.kl_coef,
                                        use_reference=self.use_reference, policy_is_reference=(old_version == 0))
@@ -359,38 +341,48 @@ class RLRun:
             self.said_no_signal = True
             self._say(no_signal_note(r, len(rollout), scores))
         if rollout.action_mask is not None:  # multi-turn: turns, environment errors (said once)
-            turns, self.env_errors, notes = multi_turn_stats(r, made.episodes, self._gather)
+            turns, self.env_errors, notes = multi_turn_stats(r, rollout)
             stats.update(turns)
             for note in notes:
                 self._say(note)
-        stats.update(mismatch)
-        if self.engine.capabilities.needs_weight_sync:
-            stats["time/weight_sync_s"] = produced.sync_s
-        stats.update({"time/generate_s": produced.generate_s, "time/reward_s": made.reward_s,
-                      "time/score_s": t_score})
-        if self.cfg.rollout.lag:  # how far behind the weights that made it, and what the learner waited for it
-            stats.update({"async/policy_lag": r - produced.version, "time/wait_rollout_s": waited})
-        stats.update(produced.sampling_stats)
+        stats.update(rollout.info)  # its making's and scoring's metrics (rollouts.taking)
         k = self.plan.samples_per_prompt
         # One sample of each of the first prompts (then second samples...), by global index: the same on any W.
         shown = sample_episodes(len(rollout) // k, k, self.cfg.log.samples_per_rollout) if self.is_main else []
-        samples = [sample_row(self.tokenizer, rollout, e, k, produced.group_prompts[e // k], scores, raw_per_fn)
+        samples = [sample_row(self.tokenizer, rollout, e, k, rollout.prompts[e // k], scores, raw_per_fn)
                    for e in shown]
         return rollout, stats, samples
 
     def evaluate(self) -> dict:
-        """The held-out prompts through the rollout path, with the current policy (`rl_rollout.evaluate_held_out`)."""
+        """The held-out prompts through the rollout path, with the current policy (`rollouts.evaluation`)."""
         policy = self.accelerator.unwrap_model(self.trainee.model)
         policy.eval()
         k = 1 if self.cfg.log.eval_decoding == "greedy" else self.cfg.rollout.samples_per_prompt
-        if self.world_size > 1:  # an engine's sync may be a collective (vllm-server): the same order on every process
-            self.ahead.drain()
-        with self.ahead.engine_lock:  # with a lag the engine may be making a rollout ahead: it finishes first
-            return evaluate_held_out(self.eval_producer, self.engine, policy, k, len(self.inputs.eval_prompt_ids),
-                                     self.accelerator)[0]
+        return self.rollouts.evaluate(self.eval_producer, policy, k, len(self.inputs.eval_prompt_ids))
 
-    def _gather(self, tensor):
-        """Concatenate a per-process tensor over processes (rank order = global episode order)."""
-        if self.world_size == 1:
-            return tensor
-        return self.accelerator.gather(tensor.to(self.accelerator.device)).cpu()
+
+def load_teacher(cfg: Config, accelerator, tokenizer, eos_ids, say):
+    """On-policy distillation's teacher, as the run's `teacher` section names it: served by vLLM
+    (`engines.server.ServerScorer`); frozen beside the policy (under FSDP2 sharded like the KL reference: it scores
+    the same episodes in the same chunks); or, of another tokenizer, whole on every process, scoring the episodes'
+    text mapped by characters (`rollouts.teacher.CrossTokenizerTeacher`)."""
+    from tidyrl.models.sharding import frozen_device, place_frozen
+
+    if cfg.teacher.url:
+        from tidyrl.engines.server import ServerScorer
+
+        return ServerScorer([cfg.teacher.url], timeout_s=cfg.server.timeout_s, retries=cfg.server.retries)
+    if not cfg.teacher.cross_tokenizer:
+        teacher = place_frozen(load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=frozen_device(accelerator)),
+                               accelerator)
+        if is_sharded(teacher):
+            say(f"teacher: sharded like the policy, {accelerator.num_processes} shards")
+        return teacher
+    from tidyrl.models.loading import load_tokenizer
+    from tidyrl.rollouts.teacher import CrossTokenizerTeacher
+
+    ro = cfg.rollout
+    teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=accelerator.device)
+    return CrossTokenizerTeacher(teacher.eval().requires_grad_(False), load_tokenizer(cfg.teacher.model), tokenizer,
+                                 eos_ids, temperature=ro.temperature, chunk_size=ro.forward_batch_size,
+                                 fast_path=cfg.model_fast_paths)

@@ -4,12 +4,11 @@ back so that a resumed run finishes as the uninterrupted one would (DESIGN §5).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tidyrl.models.sharding import is_root_sharded
-from tidyrl.rollouts.making import Produced
-from tidyrl.rollouts.record import Rollout
+from tidyrl.rollouts.record import Rollout, share
 
 
 @dataclass
@@ -46,7 +45,7 @@ def save_run(step: int, *, accelerator, out, trainee, tokenizer, state: RunState
                  "plan": plan.to_dict(), "config": config_to_dict(cfg), "sampler": SAMPLER}
         unfinished = None
         if rollout is not None:
-            unfinished = {"rollout": {f.name: getattr(rollout, f.name) for f in fields(rollout)}, "stats": stats}
+            unfinished = {"rollout": rollout.to_dict(), "stats": stats}
         save_checkpoint(out, step, model=accelerator.unwrap_model(t.model), tokenizer=tokenizer,
                         optimizer=t.optimizer, scheduler=t.scheduler, state=saved, rollout=unfinished, ahead=ahead,
                         keep_last=cfg.log.keep_last,
@@ -94,7 +93,7 @@ def restore_run(loaded: dict, *, accelerator, out, trainee, state: RunState, pla
 def saved_made_ahead(pending: dict, world_size: int) -> dict:
     """rollout.lag: the rollouts made ahead (`RolloutsAhead.pending()`) as a checkpoint holds them: rollout index
     -> every process's share in rank order, as plain values (a collective with several processes: all call it)."""
-    mine = {r: {"value": p.to_dict(), "version": p.version} for r, p in pending.items()}
+    mine = {r: {"value": p.to_dict()} for r, p in pending.items()}
     if not mine:
         return {}
     if world_size == 1:
@@ -105,8 +104,7 @@ def saved_made_ahead(pending: dict, world_size: int) -> dict:
     return {r: [share[r] for share in shares] for r in mine}
 
 
-def rollouts_made_ahead(saved: dict, rank: int, world_size: int) -> dict:
+def rollouts_made_ahead(saved: dict, rank: int, world_size: int, pad_id: int) -> dict:
     """`saved_made_ahead` read back for process `rank` of `world_size`: its share of each rollout; saved by another
-    number of processes, the shares are joined and cut again (`Produced.share`)."""
-    return {r: Produced.share([Produced.from_dict(m["value"], m["version"]) for m in shares], rank, world_size)
-            for r, shares in saved.items()}
+    number of processes, the shares are joined and cut again (`record.share`)."""
+    return {r: share([Rollout(**m["value"]) for m in shares], rank, world_size, pad_id) for r, shares in saved.items()}

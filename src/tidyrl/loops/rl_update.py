@@ -19,8 +19,8 @@ from tidyrl.algorithms.kl import kl_per_token
 from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss, truncated_importance_weights
 from tidyrl.algorithms.ppo import clipped_value_loss
 from tidyrl.loops.exact_sums import exact_accumulator, global_micro_batches
-from tidyrl.loops.collectives import reduce_max, reduce_sum
-from tidyrl.loops.training import Sums, apply_update, no_sync
+from tidyrl.models.collectives import Sums, reduce_max, reduce_sum
+from tidyrl.loops.training import apply_update, no_sync
 from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
 from tidyrl.rollouts.record import Rollout, chunks
@@ -50,7 +50,8 @@ class UpdateSettings:
     """The algorithm's config section (clip_eps, kl_coef, loss_aggregation, ...)."""
     policy_loss: str
     kl_in_loss: bool
-    tis_cap: float
+    correction: Any
+    """`rollouts.scoring.Correction`: where the sampler/trainer mismatch is corrected, and its cap."""
     temperature: float
     max_new_tokens: int
     fast_path: bool
@@ -70,10 +71,11 @@ def loss_mask(completion_mask, truncated, action_mask, mask_truncated: bool):
 
 
 def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, settings: UpdateSettings, plan,
-                   accelerator, out) -> tuple[dict, Optional[Rollout]]:
-    """One optimizer step over a global mini-batch of episode indices. Returns the step's metrics and, after the
-    rollout's first step when it took its importance weights from its own forward (and more steps follow), the
-    rollout with the trainer's log-probs and weights for the later epochs (else None)."""
+                   accelerator, out) -> tuple[dict, Optional[torch.Tensor]]:
+    """One optimizer step over a global mini-batch of episode indices. Returns the step's metrics and, in the
+    rollout's first step when it takes its importance weights from its own forward (and more steps follow), the
+    trainer's log-probs (R, Tc) that its forwards computed, which the later epochs read (`weights_for_later_epochs`,
+    the learner's next step); else None."""
     models = [trainee.model] if trainee.critic is None else [trainee.model, trainee.critic]
     for m in models:
         m.train()
@@ -98,8 +100,8 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
         exact = exact_accumulator(models)
     assert len(micro_batches) == plan.gradient_accumulation_steps
     sums = Sums(*SUMS)
-    # The rollout's first step takes the importance weights from its own forward (see loops.rl).
-    in_update_weights = rollout.sampler_logprobs is not None
+    # The rollout's first step takes the importance weights from its own forward (rollouts.scoring.Correction).
+    in_update_weights = settings.correction.where == "update" and rollout.is_weights is None
     # Later epochs need the trainer's log-probs at sampling time (their old log-probs and weights): this step's
     # forwards compute them, for this process's episodes (kept on the device until the step's end).
     device = accelerator.device
@@ -117,11 +119,10 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
     if exact is not None:  # the integer sums over every process, as the gradients
         exact.reduce(accelerator)
     sums = sums.reduced(accelerator)
-    later = None
     if trainer_logprobs is not None:  # every episode was in this step, on one process each: a sum gathers them
-        later = weights_for_later_epochs(rollout, reduce_sum(accelerator, trainer_logprobs).cpu(), settings.tis_cap)
+        trainer_logprobs = reduce_sum(accelerator, trainer_logprobs).cpu()
     return _step_and_metrics(sums, step, trainee, settings, accelerator, out, t0, in_update_weights, peak,
-                             rollout.ref_logprobs is not None), later
+                             rollout.ref_logprobs is not None), trainer_logprobs
 
 
 def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator, sums, peak, trainer_logprobs,
@@ -146,7 +147,7 @@ def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator,
         token_loss = token_loss * to_device(part.is_weights, device).to(token_loss.dtype)
     elif in_update_weights:  # the same, its weights from this forward
         weights, delta, capped = truncated_importance_weights(
-            logprobs.detach(), to_device(part.sampler_logprobs, device), mask, settings.tis_cap)
+            logprobs.detach(), to_device(part.sampled_logprobs, device), mask, settings.correction.tis_cap)
         token_loss = token_loss * weights
         sums.add(mismatch_abs=delta.abs().sum(), mismatch_capped=capped.sum())
         peak = torch.maximum(delta.abs().max(), torch.as_tensor(peak))
@@ -216,12 +217,12 @@ def _step_and_metrics(sums: dict, step, trainee, settings, accelerator, out, t0,
 
 def weights_for_later_epochs(rollout: Rollout, trainer_logprobs, tis_cap: float) -> Rollout:
     """After the rollout's first step took its importance weights from its own forward: the trainer's log-probs
-    of that forward become the old log-probs of the later epochs, and their weights min(pi_trainer / pi_sampler,
-    tis_cap) are kept (as a separate scoring pass would have computed them, with one more forward). Saved with
-    the rollout in a checkpoint, so a resume continues with them."""
-    weights, _, _ = truncated_importance_weights(trainer_logprobs, rollout.sampler_logprobs, rollout.completion_mask,
+    of that forward (`optimizer_step`'s second value) become the old log-probs of the later epochs, and their
+    weights min(pi_trainer / pi_sampler, tis_cap) are kept (as a separate scoring pass would have computed them,
+    with one more forward). Saved with the rollout in a checkpoint, so a resume continues with them."""
+    weights, _, _ = truncated_importance_weights(trainer_logprobs, rollout.sampled_logprobs, rollout.completion_mask,
                                                  tis_cap)
-    return replace(rollout, is_weights=weights, old_logprobs=trainer_logprobs, sampler_logprobs=None)
+    return replace(rollout, is_weights=weights, old_logprobs=trainer_logprobs)
 
 
 def minibatch(plan, seed: int, r: int, j: int):

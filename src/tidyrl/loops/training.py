@@ -1,13 +1,12 @@
 """The machinery every training loop shares, RL and offline alike (one module, not one copy per loop):
 
-    Sums            a step's metric sums, kept by name, reduced over processes in one collective
     no_sync         gradient accumulation without synchronisation until the last micro-batch
     apply_update    clip -> stop on NaN/inf -> optimizer step -> one LR-scheduler step -> zero the gradients
     StopSignals     Ctrl-C / SIGTERM: stop after the current optimizer step, with a checkpoint
     check_resume    the checkpoint `resume_from` names, read and compared with the current config
 
-The small collectives (reduce_sum, reduce_max, agree) are in loops/collectives.py, below this module and
-loops/exact_sums.py alike.
+The small collectives (Sums, reduce_sum, reduce_max, agree) are in models/collectives.py, below the loops and the
+rollouts alike.
 
 The loops themselves stay explicit in their modules (loops/rl.py, loops/offline.py); these are their parts.
 """
@@ -19,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from tidyrl.loops.collectives import agree, reduce_sum
+from tidyrl.models.collectives import agree, reduce_sum
 
 
 class TrainingInterrupted(RuntimeError):
@@ -28,40 +27,6 @@ class TrainingInterrupted(RuntimeError):
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN or infinite; the update was not applied."""
-
-
-class Sums:
-    """A step's metric sums by name: `add(loss=..., correct=...)` per micro-batch, `reduced(accelerator)` once
-    per step (one all-reduce of every name). The names are fixed up front, so every process reduces the same
-    vector even when it saw no example of some kind."""
-
-    def __init__(self, *names: str):
-        import torch
-
-        self.names = tuple(names)
-        self._index = {name: i for i, name in enumerate(self.names)}
-        self._values = torch.zeros(len(self.names), dtype=torch.float64)
-
-    def add(self, **values) -> None:
-        """Tensors on an accelerator are added where they are (no host synchronisation per micro-batch, only in
-        `reduced`); the sums move there with the first such tensor and stay. Numbers and host tensors are read
-        as numbers: copying a host value to the device, or the sums back, would wait for the device each time.
-        Sums are float64 either way. The one move of the sums to the device goes through pinned memory
-        (`tidyrl.models.devices.to_device`): queued like a kernel, never a wait for the device."""
-        for name, value in values.items():
-            if hasattr(value, "device") and value.device.type != "cpu":
-                if self._values.device != value.device:
-                    from tidyrl.models.devices import to_device
-
-                    self._values = to_device(self._values, value.device)
-                self._values[self._index[name]] += value.detach().to(self._values.dtype)
-            else:
-                self._values[self._index[name]] += float(value)
-
-    def reduced(self, accelerator) -> dict[str, float]:
-        """The sums over every process, by name (the one host synchronisation of a step's metrics)."""
-        total = reduce_sum(accelerator, self._values).cpu().tolist()
-        return dict(zip(self.names, total))
 
 
 def no_sync(accelerator, models: Iterable, sync: bool):

@@ -87,7 +87,7 @@ def sampler_change_note(saved_state: dict, draws_here: bool = True) -> Optional[
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, L) ids and mask, padded on the left so that every sequence ends at the last column."""
-    width = max(len(s) for s in seqs)
+    width = max((len(s) for s in seqs), default=0)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):

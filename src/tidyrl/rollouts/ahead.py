@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+
+from tidyrl.rollouts.making import make_rollout
+from tidyrl.rollouts.weights import weight_snapshot
 
 BACKGROUND = True
 """Make rollouts on a background thread where the run allows it. Tests set it False to show that the thread
@@ -41,16 +44,13 @@ def launches_due(r: int, lag: int, total: int, held) -> list[int]:
 
 
 class RolloutsAhead:
-    """Launches and hands over rollouts at a fixed lag (see the module docstring).
+    """Launches and hands over rollouts at a fixed lag (see the module docstring): each is
+    `making.make_rollout(source, r, version, snapshot)`, the weights of `version` from a weight snapshot of
+    `source.policy` (`weights.weight_snapshot`; None at lag 0: the live weights). `engine_lock` is held while a
+    rollout is made: evaluation takes it too, so the one engine never serves two callers at once."""
 
-    `make(r, version, snapshot)` makes rollout r with the weights of `version`, from a weight snapshot (None at lag
-    0: the live weights), and returns its record (`rollouts.making.make_rollout`, bound to the run's source);
-    `snapshot()` copies the weights a launch needs. `engine_lock` is held while a rollout is made: evaluation takes
-    it too, so the one engine never serves two callers at once."""
-
-    def __init__(self, lag: int, total: int, make: Callable[[int, int, Optional[dict]], Any],
-                 snapshot: Callable[[], dict], *, background: bool):
-        self.lag, self.total, self._make, self._snapshot = lag, total, make, snapshot
+    def __init__(self, source, lag: int, total: int, *, background: bool):
+        self.source, self.lag, self.total = source, lag, total
         self.background = background and lag > 0 and BACKGROUND
         self.engine_lock = threading.Lock()
         # r -> (version, snapshot): launched, not started, in launch order (the order they are made in)
@@ -69,7 +69,7 @@ class RolloutsAhead:
         due = launches_due(r, self.lag, self.total, held)
         if not due:
             return
-        weights = self._snapshot() if self.lag > 0 else None
+        weights = weight_snapshot(self.source.policy) if self.lag > 0 else None
         with self._done:
             for q in due:
                 self._queued[q] = (r, weights)  # the learner's weights now: version r
@@ -134,7 +134,7 @@ class RolloutsAhead:
 
     def _make_one(self, q: int, version: int, weights):
         with self.engine_lock:
-            return self._make(q, version, weights)
+            return make_rollout(self.source, q, version, weights)
 
     def _work(self) -> None:
         """The background thread: make each launched rollout in launch order; an error stops it and is raised where
@@ -157,39 +157,3 @@ class RolloutsAhead:
             with self._done:
                 self._made[q], self._busy = made, None
                 self._done.notify_all()
-
-
-# ---------------------------------------------------------------------- the weights that generate
-def behaviour_copy(policy):
-    """A frozen copy of the policy (eval mode, no gradients) that generates the rollouts made ahead; each launch
-    loads a snapshot into it. Costs one more copy of the model's weights on its device."""
-    import copy
-
-    return copy.deepcopy(policy).eval().requires_grad_(False)
-
-
-def weight_snapshot(policy) -> dict:
-    """The policy's trained parameters now (a clone each; with LoRA only the adapter's): what a launch needs, as
-    the frozen ones never change from the copy's. An FSDP2-sharded policy has no behaviour copy (it would need the
-    whole weights on every process): its snapshot is the full weights, gathered (a collective: every process takes
-    it at the same launch) into the first process, which makes the servers' syncs (`engines.base.FullWeights`)."""
-    from tidyrl.models.sharding import is_sharded
-
-    if is_sharded(policy):
-        import torch.distributed as dist
-
-        from tidyrl.engines.base import gathered_weights
-
-        return gathered_weights(policy, keep=not dist.is_initialized() or dist.get_rank() == 0)
-    return {name: p.detach().clone() for name, p in policy.named_parameters() if p.requires_grad}
-
-
-def load_snapshot(model, snapshot: dict) -> None:
-    """Copy a `weight_snapshot` into `model` (the behaviour copy), in place (an engine's captured graphs stay
-    valid)."""
-    import torch
-
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in snapshot.items():
-            params[name].copy_(value)

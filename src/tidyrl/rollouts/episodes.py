@@ -25,6 +25,7 @@ import torch
 from tidyrl.data.prompts import render_chat
 from tidyrl.engines.base import SamplingSettings
 from tidyrl.environments.base import EnvironmentError_, EnvironmentPool, check_reply
+from tidyrl.rollouts.record import Rollout
 
 
 @dataclass
@@ -83,32 +84,6 @@ class EpisodeSettings:
     """The reward of an episode whose environment failed."""
     tools: Optional[list] = None
     """The environment's tool schemas, rendered by the chat template."""
-
-
-@dataclass
-class Episodes:
-    """B episodes laid out as a rollout's tensors (T = the budget, max_new_tokens)."""
-
-    completion_ids: torch.Tensor
-    """(B, T) long: every token after the prompt, the model's and the environment's; padding after."""
-    completion_mask: torch.Tensor
-    """(B, T) float: 1 for every real token."""
-    truncated: torch.Tensor
-    """(B,) bool (`Conversation.truncated`)."""
-    logprobs: torch.Tensor
-    """(B, T) the engine's log-prob of each token it sampled (the behaviour log-probs); 0 elsewhere."""
-    action_mask: Optional[torch.Tensor] = None
-    """(B, T) 1 for the model's tokens, 0 for the environment's; None without an environment."""
-    env_reward: Optional[torch.Tensor] = None
-    """(B,) the environment's reward (the sum of its replies'); None without an environment."""
-    turns: Optional[torch.Tensor] = None
-    """(B,) model turns taken (float); None without an environment."""
-    errors: Optional[torch.Tensor] = None
-    """(B,) 1.0 where the episode ended on an environment error; None without an environment."""
-    error_texts: list = field(default_factory=list)
-    """The error of each episode, or None."""
-    close_errors: list = field(default_factory=list)
-    """What each episode's environment's `close()` raised, or None."""
 
 
 def run_episodes(engine, tokenizer, prompt_ids: Sequence[Sequence[int]], settings: EpisodeSettings, *,
@@ -217,8 +192,9 @@ def _environment_turn(conversations, replies, environments, settings: EpisodeSet
             c.truncated, c.done = True, True
 
 
-def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int, multi_turn: bool) -> Episodes:
-    """The conversations as a rollout's tensors (`Episodes`), each padded to the budget."""
+def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int, multi_turn: bool) -> Rollout:
+    """The conversations as a rollout's episode fields (`Rollout`, its prompts not yet set), each padded to the
+    budget; with an environment its reward is `rewards["env"]`."""
     B, T = len(conversations), budget
     # each row's values at its first positions, one copy per tensor (a row at a time: 7 ms for 128 x 256, this 3)
     written = torch.arange(T) < torch.tensor([len(c.ids) for c in conversations], dtype=torch.long)[:, None]
@@ -226,14 +202,14 @@ def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int,
     ids = _rows_into(written, [c.ids for c in conversations], torch.full((B, T), pad_id, dtype=torch.long))
     logprobs = _rows_into(written, [c.logprobs for c in conversations], torch.zeros((B, T)))
     truncated = torch.tensor([c.truncated for c in conversations], dtype=torch.bool)
+    episodes = Rollout(completion_ids=ids, completion_mask=mask, truncated=truncated, sampled_logprobs=logprobs)
     if not multi_turn:
-        return Episodes(ids, mask, truncated, logprobs, error_texts=[None] * B)
-    action = _rows_into(written, [c.action for c in conversations], torch.zeros((B, T)))
-    return Episodes(ids, mask, truncated, logprobs, action_mask=action,
-                    env_reward=torch.tensor([c.reward for c in conversations]),
-                    turns=torch.tensor([float(c.turns) for c in conversations]),
-                    errors=torch.tensor([float(c.error is not None) for c in conversations]),
-                    error_texts=[c.error for c in conversations], close_errors=[c.close_error for c in conversations])
+        return episodes
+    return replace(episodes, action_mask=_rows_into(written, [c.action for c in conversations], torch.zeros((B, T))),
+                   rewards={"env": torch.tensor([c.reward for c in conversations])},
+                   turns=torch.tensor([float(c.turns) for c in conversations]),
+                   env_errors=torch.tensor([float(c.error is not None) for c in conversations]),
+                   error_texts=[c.error for c in conversations], close_errors=[c.close_error for c in conversations])
 
 
 def _rows_into(written: torch.Tensor, rows: Sequence[Sequence], out: torch.Tensor) -> torch.Tensor:
@@ -250,5 +226,5 @@ def build_environments(env_cls, rows: Sequence[dict], seeds: Sequence[int], pool
     return [env if error is None else f"environment constructor: {error}" for env, error in built]
 
 
-__all__ = ["Conversation", "EpisodeSettings", "Episodes", "as_episodes", "build_environments",
+__all__ = ["Conversation", "EpisodeSettings", "as_episodes", "build_environments",
            "environment_message_ids", "run_episodes"]

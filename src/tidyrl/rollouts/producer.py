@@ -2,7 +2,7 @@
 of step 4, §6 "one rollout path").
 
     producer = Producer(engine, tokenizer, prompts, rewards, settings, seed, environment)
-    made = producer.round(slot, keys, rows)      # episode keys[i] of prompt row rows[i], this process's share
+    episodes = producer.round(slot, keys, rows)  # episode keys[i] of prompt row rows[i], this process's share
 
 Training (`loops.rl`), evaluation during training and `tidyrl eval` all make their episodes here, so every
 engine serves single-turn prompts, multi-turn environments and evaluation alike. Sampling is keyed: episode key
@@ -10,82 +10,29 @@ e of slot s (a rollout, or `EVAL_SLOT`) samples turn t with `sample_seed(seed, s
 `sample_seed(seed, s, "e.t")` (multi-turn; its environment gets "e.env"), so the episodes do not depend on the
 number of processes, the batch split or the engine's batching, and a resumed run makes them again.
 
-The producer knows no learner: it returns records (`Made`) and is handed the one collective it needs (a gather,
-for dynamic sampling) as a function. A training rollout is made of these by `rollouts.making.make_rollout`.
+The producer knows no learner: it returns the episodes as a `Rollout` record (its episode fields, rewarded) and
+is handed the accelerator for the one collective it needs (dynamic sampling's gathers). A training rollout is
+made of these by `rollouts.making.make_rollout`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Optional, Sequence
 
 import torch
 
-from tidyrl.models.generation import sample_seed
+from tidyrl.models.generation import left_pad, sample_seed
 from tidyrl.rewards.functions import compute_rewards, weighted_sum
 from tidyrl.rewards.reward_models import RewardModel
-from tidyrl.rollouts.episodes import EpisodeSettings, Episodes, as_episodes, build_environments, run_episodes
+from tidyrl.rollouts.episodes import EpisodeSettings, as_episodes, build_environments, run_episodes
+from tidyrl.rollouts.record import Rollout
 
 EVAL_SLOT = -1
 """The rollout slot of evaluation's sampling keys: training uses 0, 1, ...; every evaluation this one, so two
 evaluations differ by the policy only."""
-
-
-@dataclass
-class Made:
-    """One call's episodes (this process's), rewarded."""
-
-    prompt_ids: list
-    """Each episode's prompt tokens."""
-    episodes: Episodes
-    completions: Optional[list]
-    """Each episode's completion as text (decoded once, without special tokens): what the rewards read; None
-    for dynamic sampling's chosen groups (gathered from every process's rounds as tensors)."""
-    per_fn: dict
-    """Reward name -> (B,) raw scores, NaN where a function gave none (float64 from `Producer.round`: the
-    functions' values exactly; float32 in dynamic sampling's chosen groups, as the learner sums them); the
-    environment's reward as "env". The one record of the rewards: the weighted total is
-    `rewards.functions.weighted_sum` of these, wherever it is needed."""
-    reward_s: float
-    """Seconds spent in the reward functions."""
-
-    @property
-    def completion_lengths(self) -> list[int]:
-        return self.episodes.completion_mask.sum(1).long().tolist()
-
-    def to_dict(self) -> dict:
-        """Tensors and plain values only (what a checkpoint's `weights_only` load reads back): `from_dict`."""
-        return {"prompt_ids": [list(p) for p in self.prompt_ids],
-                "episodes": {f.name: getattr(self.episodes, f.name) for f in fields(Episodes)},
-                "completions": self.completions, "per_fn": dict(self.per_fn), "reward_s": self.reward_s}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Made":
-        return cls(d["prompt_ids"], Episodes(**d["episodes"]), d["completions"], d["per_fn"], d["reward_s"])
-
-    @classmethod
-    def joined(cls, parts: Sequence["Made"]) -> "Made":
-        """The episodes of `parts` one after the other (the processes' shares in rank order: the global ones)."""
-        def cat(values):
-            if values[0] is None:
-                return None
-            return torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for part in values for v in part]
-
-        return cls(cat([p.prompt_ids for p in parts]),
-                   Episodes(**{f.name: cat([getattr(p.episodes, f.name) for p in parts]) for f in fields(Episodes)}),
-                   None if any(p.completions is None for p in parts) else cat([p.completions for p in parts]),
-                   {n: cat([p.per_fn[n] for p in parts]) for n in parts[0].per_fn}, max(p.reward_s for p in parts))
-
-    def rows(self, start: int, stop: int) -> "Made":
-        """Episodes start .. stop - 1 (one process's share of the global episodes)."""
-        def cut(value):
-            return None if value is None else value[start:stop]
-
-        return Made(cut(self.prompt_ids), Episodes(**{f.name: cut(getattr(self.episodes, f.name))
-                                                      for f in fields(Episodes)}),
-                    cut(self.completions), {n: cut(v) for n, v in self.per_fn.items()}, self.reward_s)
 
 
 class Columns:
@@ -118,7 +65,7 @@ class Producer:
         self.env_name = getattr(environment, "__name__", type(environment).__name__)
 
     def round(self, slot: int, keys: Sequence, rows: Sequence[int], settings: Optional[EpisodeSettings] = None
-              ) -> Made:
+              ) -> Rollout:
         """Episodes with keys `keys` (global, e.g. round * R + episode) of the prompt rows `rows` (one per
         episode), sampled in `slot` with `settings` (default: the producer's), then rewarded."""
         settings = settings or self.settings
@@ -145,52 +92,79 @@ class Producer:
         if multi_turn:
             episodes.error_texts = [None if c.error is None else f"{c.error} (episode of prompt {_short_prompt(p)})"
                                     for c, p in zip(conversations, prompts)]
-        lengths = episodes.completion_mask.sum(1).long().tolist()
+        lengths = episodes.completion_lengths
         completion_ids = [episodes.completion_ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
         completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         t0 = time.perf_counter()
-        per_fn = {}
+        rewards = {}
         if self.reward_fns and len(rows):  # with an environment, the reward functions are optional
             scored = compute_rewards(self.reward_fns, prompts=prompts, completions=completions,
                                      completion_ids=completion_ids, columns=columns)
-            per_fn = {name: torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
-                      for name, values in scored.per_function.items()}
+            rewards = {name: torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+                       for name, values in scored.per_function.items()}
         elif self.reward_fns:  # no episodes on this process: a sharded reward model joins the others' forwards
             for func in self.reward_fns:
                 if isinstance(func.fn, RewardModel) and func.fn.model is not None:
                     func.fn(prompts=[], completions=[])
-        if multi_turn:  # the environment's reward, beside the reward functions' (weight 1)
-            per_fn["env"] = episodes.env_reward
-        return Made(prompt_ids, episodes, completions, per_fn, time.perf_counter() - t0)
+        p_ids, p_mask = left_pad(prompt_ids, settings.sampling.pad_id)
+        return replace(episodes, prompt_ids=p_ids, prompt_mask=p_mask, completions=completions,
+                       rewards={**rewards, **episodes.rewards},  # the environment's reward last, beside the functions'
+                       info={"time/reward_s": time.perf_counter() - t0})
+
+
+def make_producers(cfg, inputs, engine, eos_ids, pad_id: int, pool):
+    """The producers of an RL run's episodes through `engine`, from its checked inputs (`inputs`: the tokenizer,
+    the training and held-out prompt sets, rewards, environment and tools): the training prompts' and the held-out
+    prompts' (log.eval_decoding's settings), or None without those."""
+    from tidyrl.data import other_columns
+
+    common = dict(environment=inputs.environment, tools=inputs.tools, reward_fns=inputs.reward_fns, pool=pool)
+    producer = make_producer(cfg, engine, inputs.tokenizer, inputs.dataset, inputs.prompt_ids, eos_ids, pad_id,
+                             columns=inputs.columns, **common)
+    if not inputs.eval_prompt_ids:
+        return producer, None
+    return producer, make_producer(cfg, engine, inputs.tokenizer, inputs.eval_dataset, inputs.eval_prompt_ids,
+                                   eos_ids, pad_id, greedy=cfg.log.eval_decoding == "greedy",
+                                   columns=other_columns(inputs.eval_dataset, cfg.data.prompt_column), **common)
+
+
+def make_producer(cfg, engine, tokenizer, dataset, prompt_ids: list, eos_ids, pad_id: int, *,
+                  columns: list, reward_fns: list, environment=None, tools=None, pool=None, greedy: bool = False,
+                  seed: Optional[int] = None):
+    """The producer of `dataset`'s episodes through `engine` with the run config's (`cfg`) rollout settings, its
+    seed and prompt column (and the environment's settings, if any); `greedy`: the most likely token at every step (top_k = 1); `seed`: the sampling keys'
+    (default: the config's). Training, its held-out evaluation and `tidyrl eval` make theirs here."""
+    from tidyrl.engines import SamplingSettings
+
+    ro, env = cfg.rollout, cfg.environment
+    sampling = SamplingSettings.of_rollout(ro, eos_ids, pad_id)
+    if greedy:
+        sampling = replace(sampling, top_k=1)
+    settings = EpisodeSettings(sampling)
+    if environment is not None:
+        settings = EpisodeSettings(sampling, max_turns=env.max_turns, max_turn_tokens=env.max_turn_tokens or
+                                   ro.max_new_tokens, error_reward=env.error_reward, tools=tools)
+    return Producer(engine, tokenizer, dataset, prompt_ids, prompt_column=cfg.data.prompt_column, columns=columns,
+                    reward_fns=reward_fns, settings=settings, seed=cfg.seed if seed is None else seed,
+                    environment=environment, pool=pool)
 
 
 class DynamicSamplingError(RuntimeError):
     """rollout.dynamic_sampling ran out of rounds with too few informative groups, and on_sampling_cap=error."""
 
 
-@dataclass
-class Chosen:
-    """A rollout's episodes after dynamic sampling: this process's share of the chosen groups."""
-
-    made: Made
-    group_prompts: list
-    """The chosen groups' prompts (for samples.jsonl)."""
-    stats: dict
-    """sampling/rounds, groups/generated, groups/kept, groups/filled, groups/dropped."""
-
-
-def dynamic_sampling(producer: Producer, r: int, indices: Sequence[int], episodes: range, first: Made, *,
-                     prompts_per_rollout: int, k: int, max_rounds: int, on_cap: str,
-                     gather: Callable) -> Chosen:
+def dynamic_sampling(producer: Producer, r: int, indices: Sequence[int], episodes: range, first: Rollout, *,
+                     prompts_per_rollout: int, k: int, max_rounds: int, on_cap: str, accelerator) -> Rollout:
     """DAPO's dynamic sampling (Yu et al. 2025, §3.2, eq. 11's constraint 0 < |{correct}| < G): keep the groups
     whose k raw weighted rewards are not all equal, drawing rounds of P more prompts (a keyed draw per
     (rollout, round), apart from the prompt stream) until P such groups exist or `max_rounds` is reached; then
     `on_cap` fills the rest with equal-reward groups (first generated first) or stops. Every round is gathered
-    (`gather`: a per-process tensor -> the concatenation over processes), so every process makes the same
-    choice; the rollout holds the chosen groups in (round, group) order and this process gets its usual share.
-    `first` is round 0 (the rollout's own prompts `indices`); `episodes` are this process's global episode ids."""
+    from every process, so every process makes the same choice; the rollout holds the chosen groups in (round,
+    group) order and this process gets its usual share, with its `prompts` (the chosen groups') and its `info`
+    (sampling/rounds, groups/generated, groups/kept, groups/filled, groups/dropped, time/reward_s). `first` is
+    round 0 (the rollout's own prompts `indices`); `episodes` are this process's global episode ids."""
     P, R = prompts_per_rollout, prompts_per_rollout * k
-    names = list(first.per_fn)
+    pad_id = producer.settings.sampling.pad_id
     rounds, kept, spare = [], [], []
     reward_s = 0.0
     made, round_indices = first, list(indices)
@@ -199,14 +173,12 @@ def dynamic_sampling(producer: Producer, r: int, indices: Sequence[int], episode
             generator = torch.Generator().manual_seed(sample_seed(producer.seed, r, -q))
             round_indices = torch.randperm(len(producer.dataset), generator=generator)[:P].tolist()
             made = producer.round(r, [q * R + e for e in episodes], [round_indices[e // k] for e in episodes])
-        reward_s += made.reward_s
-        ep = made.episodes
-        every = {"ids": gather(ep.completion_ids), "mask": gather(ep.completion_mask),
-                 "truncated": gather(ep.truncated), "logprobs": gather(ep.logprobs),
-                 "per_fn": {n: gather(made.per_fn[n].float()) for n in names}, "indices": round_indices}
-        rounds.append(every)
+        reward_s += made.info["time/reward_s"]
         # raw: before `normalize`; in float32, as the learner sums them
-        groups = weighted_sum(producer.reward_fns, every["per_fn"], every["per_fn"].get("env")).view(P, k)
+        every = replace(made, rewards={n: v.float() for n, v in made.rewards.items()}, completions=None
+                        ).gathered(accelerator, pad_id)
+        rounds.append((every, round_indices))
+        groups = weighted_sum(producer.reward_fns, every.rewards, every.rewards.get("env")).view(P, k)
         informative = (groups.max(dim=1).values - groups.min(dim=1).values) > 0
         for p in range(P):
             (kept if informative[p] else spare).append((q, p))
@@ -221,21 +193,12 @@ def dynamic_sampling(producer: Producer, r: int, indices: Sequence[int], episode
             "Raise rollout.max_sampling_rounds, use easier (or harder) prompts, or set "
             "rollout.on_sampling_cap=fill to complete rollouts with such groups.")
     chosen = sorted(chosen + spare[:filled])
-    rows = [rounds[q] for q, _ in chosen]
-    mine = slice(episodes.start, episodes.stop)
-
-    def take(of):
-        return torch.cat([of(rd)[p * k:(p + 1) * k] for rd, (_, p) in zip(rows, chosen)])[mine]
-
-    selected = Episodes(take(lambda rd: rd["ids"]), take(lambda rd: rd["mask"]), take(lambda rd: rd["truncated"]),
-                        take(lambda rd: rd["logprobs"]))
-    per_fn = {n: take(lambda rd, n=n: rd["per_fn"][n]) for n in names}
-    prompt_ids = [producer.prompt_ids[rounds[chosen[e // k][0]]["indices"][chosen[e // k][1]]] for e in episodes]
-    prompts = [producer.dataset[rounds[q]["indices"][p]][producer.prompt_column] for q, p in chosen]
+    whole = Rollout.joined([rounds[q][0].rows(p * k, (p + 1) * k) for q, p in chosen], pad_id)
     generated = P * len(rounds)
-    stats = {"sampling/rounds": len(rounds), "groups/generated": generated, "groups/kept": P - filled,
-             "groups/filled": filled, "groups/dropped": generated - P}
-    return Chosen(Made(prompt_ids, selected, None, per_fn, reward_s), prompts, stats)
+    info = {"sampling/rounds": len(rounds), "groups/generated": generated, "groups/kept": P - filled,
+            "groups/filled": filled, "groups/dropped": generated - P, "time/reward_s": reward_s}
+    return replace(whole.rows(episodes.start, episodes.stop), info=info,
+                   prompts=[producer.dataset[rounds[q][1][p]][producer.prompt_column] for q, p in chosen])
 
 
 def _short_prompt(prompt, limit: int = 60) -> str:

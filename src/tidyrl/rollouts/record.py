@@ -1,41 +1,73 @@
-"""The `Rollout` record (DESIGN §3: one rollout's episodes and everything computed about them) and its no-grad
-scoring (step 3: the reference's log-probs, the critic's values, the trainer's log-probs of what an engine
-sampled), chunk by chunk so that at most one chunk's logits exist at a time.
+"""The `Rollout` record (DESIGN §3): one rollout's episodes and everything computed about them, from the producer
+to the learner, one type all the way:
 
-Generation is an engine's (`tidyrl.engines`); the forward passes are `tidyrl.models.forward`.
+    rollouts.producer    the episodes: prompts, completions, the engine's log-probs, rewards (+ the environment's)
+    rollouts.making      the rollout: the version of the weights that made it, its prompts, its making's metrics
+    rollouts.scoring     the scores of the learner's models when it takes it: old, reference, teacher log-probs,
+                         values, importance weights
+    the learner          advantages and returns (loops.rl_rollout)
+
+Each field says what it is per: an episode (one row per episode; a token field also one column per completion
+token, a prompt field one per prompt token, left-padded), or the whole rollout. `select`, `rows`, `joined` and
+`gathered` follow those kinds, so a new field is one line here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator, Optional, Sequence
 
 import torch
 
+PROMPT, TOKEN, EPISODE, ROLLOUT = "prompt", "token", "episode", "rollout"
+
+
+def _per(kind: str, default=None, factory=None):
+    if factory is not None:
+        return field(default_factory=factory, metadata={"per": kind})
+    return field(default=default, metadata={"per": kind})
 
 
 @dataclass
 class Rollout:
-    """One rollout's episodes, R of them (per process: R / W), prompt-major:
-    episode p*k + j is sample j of prompt p.
+    """One rollout's episodes, R of them (per process: its share), prompt-major: episode p*k + j is sample j of
+    prompt p. Shapes: R episodes, Lp = longest prompt, Tc = longest completion (the token budget until
+    `select` trims it)."""
 
-    Shapes: R episodes, Lp = longest prompt, Tc = longest completion.
-    """
+    # ---- the episodes (rollouts.producer)
+    prompt_ids: torch.Tensor = _per(PROMPT)  # (R, Lp) long, left-padded
+    prompt_mask: torch.Tensor = _per(PROMPT)  # (R, Lp) long, 1 = real token
+    completion_ids: torch.Tensor = _per(TOKEN)  # (R, Tc) long, right-padded; model and environment tokens
+    completion_mask: torch.Tensor = _per(TOKEN)  # (R, Tc) float, 1 up to and including EOS
+    truncated: torch.Tensor = _per(EPISODE)  # (R,) bool, reached the token budget before its end
+    sampled_logprobs: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) the engine's log-prob of each token it
+    # sampled (the behaviour log-probs; 0 elsewhere)
+    action_mask: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) multi-turn: 1 = the model's token, 0 = the env's
+    rewards: dict = _per(EPISODE, factory=dict)  # name -> (R,) raw scores of each reward function, NaN = none;
+    # "env": the environment's. The one record of the rewards (their weighted sum: rewards.functions.weighted_sum)
+    completions: Optional[list] = _per(EPISODE)  # R texts, decoded without special tokens (what rewards read);
+    # None once groups were chosen from several rounds (rollout.dynamic_sampling)
+    turns: Optional[torch.Tensor] = _per(EPISODE)  # (R,) float multi-turn: the model's turns
+    env_errors: Optional[torch.Tensor] = _per(EPISODE)  # (R,) float multi-turn: 1 = ended on an environment error
+    error_texts: Optional[list] = _per(EPISODE)  # R texts or None: each episode's environment error
+    close_errors: Optional[list] = _per(EPISODE)  # R texts or None: what its environment's close() raised
 
-    prompt_ids: torch.Tensor  # (R, Lp) long, left-padded
-    prompt_mask: torch.Tensor  # (R, Lp) long, 1 = real token
-    completion_ids: torch.Tensor  # (R, Tc) long, right-padded
-    completion_mask: torch.Tensor  # (R, Tc) float, 1 up to and including EOS
-    truncated: torch.Tensor  # (R,) bool, reached max_new_tokens without EOS
-    old_logprobs: Optional[torch.Tensor] = None  # (R, Tc) policy before the updates; None when E*M == 1
-    ref_logprobs: Optional[torch.Tensor] = None  # (R, Tc) frozen reference; None when no KL term
-    advantages: Optional[torch.Tensor] = None  # (R,) or (R, Tc)
-    old_values: Optional[torch.Tensor] = None  # (R, Tc) PPO: the critic's values before the updates
-    returns: Optional[torch.Tensor] = None  # (R, Tc) PPO: GAE returns, the critic's targets
-    action_mask: Optional[torch.Tensor] = None  # (R, Tc) multi-turn: 1 = the model's token, 0 = the environment's
-    is_weights: Optional[torch.Tensor] = None  # (R, Tc) truncated importance weights min(pi_trainer/pi_sampler, cap)
-    sampler_logprobs: Optional[torch.Tensor] = None  # (R, Tc) the engine's, when the weights are taken in the update
-    teacher_logprobs: Optional[torch.Tensor] = None  # (R, Tc) on-policy distillation: the teacher's
+    # ---- the rollout (rollouts.making)
+    version: int = _per(ROLLOUT, 0)  # the weights that made it: the learner's after `version` rollouts' updates
+    prompts: list = _per(ROLLOUT, factory=list)  # the P group prompts (as the data set holds them)
+    info: dict = _per(ROLLOUT, factory=dict)  # its making's metrics: time/generate_s, time/reward_s, sampling/...
+
+    # ---- the learner's models' scores (rollouts.scoring)
+    old_logprobs: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) the policy before the updates; None when unread
+    ref_logprobs: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) frozen reference; None when no KL term
+    teacher_logprobs: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) on-policy distillation: the teacher's
+    old_values: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) PPO: the critic's values before the updates
+    is_weights: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) truncated importance weights min(pi_trainer /
+    # pi_sampler, cap); None where none are taken, or until the update takes them (rollouts.scoring.Correction)
+
+    # ---- the learner's (loops.rl_rollout)
+    advantages: Optional[torch.Tensor] = _per(TOKEN)  # (R,) or (R, Tc)
+    returns: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) PPO: GAE returns, the critic's targets
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -46,27 +78,109 @@ class Rollout:
         (`models.forward.completion_logprobs(model, *batch.sequences, ...)`)."""
         return self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask
 
+    @property
+    def completion_lengths(self) -> list[int]:
+        return self.completion_mask.sum(1).long().tolist()
+
     def select(self, idx: Sequence[int] | torch.Tensor) -> "Rollout":
         """The episodes `idx`, with padding columns that none of them use trimmed away."""
         idx = torch.as_tensor(idx, dtype=torch.long)
         pm = self.prompt_mask[idx]
         cm = self.completion_mask[idx]
         first = int((pm.sum(0) > 0).nonzero()[0]) if pm.numel() else 0  # left padding shared by all
-        width = int(cm.sum(1).max().item()) if cm.numel() else 0
-        width = max(width, 1)
+        width = max(int(cm.sum(1).max().item()) if cm.numel() else 0, 1)
+        return self._each(lambda t: t[idx][:, first:], lambda t: t[idx][:, :width] if t.dim() == 2 else t[idx],
+                          lambda values: [values[i] for i in idx.tolist()])
 
-        def cut(name: str, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            if t is None:
+    def rows(self, start: int, stop: int) -> "Rollout":
+        """Episodes start .. stop - 1, every column kept (one process's share of the global episodes)."""
+        return self._each(lambda t: t[start:stop], lambda t: t[start:stop], lambda values: values[start:stop])
+
+    def _each(self, prompt, other, listed) -> "Rollout":
+        """A copy with `prompt` applied to each prompt field, `other` to every other per-episode tensor (token
+        fields and (R,) ones alike, also inside `rewards`) and `listed` to the per-episode lists."""
+        def one(kind, value):
+            if value is None or kind == ROLLOUT:
+                return value
+            if isinstance(value, dict):
+                return {name: one(kind, v) for name, v in value.items()}
+            if isinstance(value, list):
+                return listed(value)
+            return prompt(value) if kind == PROMPT else other(value)
+
+        return replace(self, **{f.name: one(f.metadata["per"], getattr(self, f.name)) for f in fields(self)})
+
+    @classmethod
+    def joined(cls, parts: Sequence["Rollout"], pad_id: int) -> "Rollout":
+        """The episodes of `parts` one after the other (e.g. the processes' shares in rank order: the global
+        rollout), padded to common widths (prompts on the left with `pad_id`, completions on the right); the
+        rollout's own fields from the first part."""
+        first = parts[0]
+
+        def cat(name, kind, values):
+            if kind == ROLLOUT:
+                return values[0]
+            if any(v is None for v in values):
                 return None
-            t = t[idx]
-            if name.startswith("prompt"):  # left-padded: drop the columns every row pads
-                return t[:, first:]
-            return t[:, :width] if t.dim() == 2 else t  # per-token fields: right-padded
+            if isinstance(values[0], dict):
+                return {n: cat(name, kind, [v[n] for v in values]) for n in values[0]}
+            if isinstance(values[0], list):
+                return [x for v in values for x in v]
+            if values[0].dim() == 2:
+                width = max(v.shape[1] for v in values)
+                fill = pad_id if name in ("prompt_ids", "completion_ids") else 0
+                values = [_padded(v, width, fill, left=kind == PROMPT) for v in values]
+            return torch.cat(values)
 
-        return Rollout(**{f.name: cut(f.name, getattr(self, f.name)) for f in fields(self)})
+        return replace(first, **{f.name: cat(f.name, f.metadata["per"], [getattr(p, f.name) for p in parts])
+                                 for f in fields(cls)})
+
+    def gathered(self, accelerator, pad_id: int) -> "Rollout":
+        """Every process's share of the rollout, joined in rank order on every process (ids and masks are small;
+        a collective: every process calls it): the global rollout, the same on any number of processes."""
+        if accelerator.num_processes == 1:
+            return self
+        from accelerate.utils import gather_object
+
+        def cat(name, kind, value):
+            if kind == ROLLOUT or value is None:
+                return value
+            if isinstance(value, dict):
+                return {n: cat(name, kind, v) for n, v in value.items()}
+            if isinstance(value, list):
+                return gather_object(list(value))
+            t = value.to(accelerator.device)
+            if t.dim() == 2:
+                fill = pad_id if name in ("prompt_ids", "completion_ids") else 0
+                t = accelerator.pad_across_processes(t, dim=1, pad_index=fill, pad_first=kind == PROMPT)
+            return accelerator.gather(t).cpu()
+
+        return replace(self, **{f.name: cat(f.name, f.metadata["per"], getattr(self, f.name)) for f in fields(self)})
+
+    def to_dict(self) -> dict:
+        """Tensors and plain values only (what a checkpoint's `weights_only` load reads back: `Rollout(**d)`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _padded(t: torch.Tensor, width: int, fill, left: bool) -> torch.Tensor:
+    extra = width - t.shape[1]
+    if extra == 0:
+        return t
+    pad = torch.full((t.shape[0], extra), fill, dtype=t.dtype)
+    return torch.cat([pad, t] if left else [t, pad], dim=1)
 
 
 def chunks(seq: Sequence[int], size: int) -> Iterator[list[int]]:
     seq = list(seq)
     for start in range(0, len(seq), size):
         yield seq[start: start + size]
+
+
+def share(shares: Sequence[Rollout], rank: int, world: int, pad_id: int) -> Rollout:
+    """Process `rank`'s share among `world` processes of a rollout made by len(shares) processes (their shares in
+    rank order): a resume on another number of processes takes the rollouts made ahead this way."""
+    if len(shares) == world:
+        return shares[rank]
+    whole = Rollout.joined(shares, pad_id)
+    per = len(whole) // world
+    return whole.rows(rank * per, (rank + 1) * per)

@@ -1,13 +1,22 @@
-"""No-grad scoring of a rollout's episodes (DESIGN §3 step 3): the reference's log-probs, the critic's values, the
-trainer's log-probs of what an engine sampled, chunk by chunk so that at most one chunk's logits exist at a time.
-The forward passes are `tidyrl.models.forward`'s."""
+"""No-grad scoring of a rollout's episodes by the learner's models (DESIGN §3 step 3), one interface for all of
+them (`Scorers`, `score_rollout`): the trainer's log-probs of what an engine sampled (where the run corrects the
+mismatch: `Correction`), the reference's log-probs, the critic's values, a teacher's log-probs, chunk by chunk so
+that at most one chunk's logits exist at a time. The forward passes are `tidyrl.models.forward`'s."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
 import torch
 
+from tidyrl.algorithms.losses import truncated_importance_weights
+from tidyrl.models.collectives import Sums, reduce_max
 from tidyrl.models.devices import to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
+from tidyrl.models.sharding import full_weights
 from tidyrl.rollouts.record import Rollout, chunks
 
 
@@ -37,3 +46,142 @@ def score_values(critic, rollout: Rollout, chunk_size: int) -> torch.Tensor:
             out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=v.device)
         out[idx[0]: idx[-1] + 1, : v.shape[1]] = v.float() * to_device(part.completion_mask, v.device)
     return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Where the sampler/trainer mismatch is corrected (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"), decided once per run (`correction_of`) and read by the scoring, the
+    update and the advantages alike.
+
+    - "scoring": the trainer's log-probs of the sampled tokens are recomputed when the rollout is taken: they are
+      the old log-probs of the PPO ratio, and with behaviour_logprobs=sampler (and a cap) each token's loss is also
+      weighted by w = min(pi_trainer / pi_sampler, tis_cap);
+    - "update": the sampler's log-probs are the old ones and the rollout's first optimizer step, which covers all of
+      it (one mini-batch per epoch) with the weights that sampled, takes the weights from its own forward;
+    - "none": the sampler's log-probs are the old ones, uncorrected (tis_cap 0)."""
+
+    tis_cap: float
+    behaviour: str
+    """rollout.behaviour_logprobs: "sampler" or "trainer"."""
+    where: str
+
+    @property
+    def old_from_sampler(self) -> bool:
+        """The rollout's old log-probs (those a KL in the reward reads) are the sampler's own."""
+        return self.where != "scoring"
+
+
+def correction_of(rollout_cfg, minibatches_per_epoch: int, default_tis_cap: float) -> Correction:
+    """The run's `Correction`: rollout.tis_cap, or where unset the engine's default (`default_tis_cap`), at least 2.0
+    with a lag (the weights that sampled are then older than the learner's)."""
+    ro = rollout_cfg
+    cap = ro.tis_cap if ro.tis_cap is not None else max(default_tis_cap, 2.0 if ro.lag else 0.0)
+    if ro.behaviour_logprobs == "sampler" and (cap == 0 or minibatches_per_epoch == 1):
+        return Correction(cap, ro.behaviour_logprobs, "update" if cap > 0 else "none")
+    return Correction(cap, ro.behaviour_logprobs, "scoring")
+
+
+@dataclass
+class Scorers:
+    """The learner's models that score a rollout when it takes it (DESIGN §6 "frozen models follow the policy"),
+    each without gradients, in chunks: the trainer (`policy`: its log-probs where `Correction.where` is
+    "scoring"), the KL reference (`reference`: a frozen model, or None with LoRA: the policy with its adapter off;
+    read only with `use_reference`), PPO's critic, a teacher (on-policy distillation: a frozen model, one of another
+    tokenizer, or a vLLM server). `keep_old`: whether the record keeps its old log-probs (read after the first
+    optimizer step, by a KL in the reward, or by a teacher's advantages)."""
+
+    policy: Any
+    correction: Correction
+    temperature: float
+    chunk_size: int
+    fast_path: bool
+    keep_old: bool
+    use_reference: bool = False
+    reference: Any = None
+    critic: Any = None
+    teacher: Any = None
+
+
+def score_rollout(rollout: Rollout, scorers: Scorers, accelerator, prompts=None) -> Rollout:
+    """This process's share of a rollout, scored by the learner's models (`Scorers`): the old log-probs and, where
+    the sampler was not the trainer, the importance weights; the reference's log-probs, the critic's values, a
+    teacher's log-probs (`prompts`: each episode's prompt, which a teacher of another tokenizer renders itself).
+    Its `info` gains the mismatch's metrics (this process's tokens, summed over processes),
+    time/teacher_s and time/score_s."""
+    from tidyrl.models.lora import reference_of
+
+    s, c = scorers, scorers.correction
+    t0 = time.perf_counter()
+    sampled = rollout.sampled_logprobs
+    # The sampling pass computed the old log-probs with the same weights (no second forward pass; equal up to
+    # rounding); they differ from the current ones only after the rollout's first optimizer step.
+    old = sampled if s.keep_old else None
+    is_weights, info = None, {}
+    if c.where == "scoring":
+        old, is_weights, info = behaviour_correction(s.policy, rollout, sampled, c, s.temperature, s.chunk_size,
+                                                     s.fast_path, accelerator)
+    ref = values = None
+    if s.use_reference:
+        # The policy is gathered whole where it is the reference (LoRA, its adapter off); a frozen reference sharded
+        # under FSDP2 gathers a layer at a time in each forward, as many on every process (equal shares, equal chunks).
+        whole = full_weights(s.policy) if s.reference is None else contextlib.nullcontext()
+        with whole, reference_of(s.policy, s.reference) as model:
+            ref = score_logprobs(model, rollout, s.temperature, s.chunk_size, fast_path=s.fast_path)
+    if s.critic is not None:
+        s.critic.eval()
+        with full_weights(s.critic):
+            values = score_values(s.critic, rollout, s.chunk_size)
+    teacher = None
+    if s.teacher is not None:
+        t1 = time.perf_counter()
+        teacher = teacher_logprobs(s.teacher, rollout, s.temperature, s.chunk_size, s.fast_path, prompts, old)
+        info["time/teacher_s"] = time.perf_counter() - t1
+    info["time/score_s"] = time.perf_counter() - t0
+    return replace(rollout, old_logprobs=old, ref_logprobs=ref, old_values=values, is_weights=is_weights,
+                   teacher_logprobs=teacher, info={**rollout.info, **info})
+
+
+def behaviour_correction(policy, rollout: Rollout, sampled_logprobs, correction: Correction, temperature: float,
+                         chunk_size: int, fast_path: bool, accelerator) -> tuple[Any, Any, dict]:
+    """The trainer's log-probs of the sampled tokens, recomputed by the policy's forward: the old log-probs of the
+    PPO ratio, and with behaviour_logprobs=sampler (and a cap) the truncated importance weights
+    w = min(pi_trainer / pi_sampler, tis_cap) (`Correction`). Returns (the old log-probs, the weights or None, the
+    mismatch metrics: this process's tokens, summed over processes)."""
+    with full_weights(policy):
+        trainer = score_logprobs(policy, rollout, temperature, chunk_size, fast_path=fast_path)
+    mask = rollout.completion_mask.bool()
+    weights, delta, capped = truncated_importance_weights(trainer, sampled_logprobs, mask, correction.tis_cap)
+    is_weights = weights if correction.behaviour == "sampler" and correction.tis_cap > 0 else None
+    totals = Sums("abs", "tokens", "capped")
+    totals.add(abs=delta.abs().sum(), tokens=mask.sum(), capped=capped.sum() if is_weights is not None else 0.0)
+    summed = totals.reduced(accelerator)
+    peak = reduce_max(accelerator, float(delta.abs().max()) if delta.numel() else 0.0)
+    tokens = max(summed["tokens"], 1.0)
+    stats = {"mismatch/logprob_abs_mean": summed["abs"] / tokens, "mismatch/logprob_abs_max": peak}
+    if is_weights is not None:
+        stats["mismatch/capped_fraction"] = summed["capped"] / tokens
+    return trainer, is_weights, stats
+
+
+def teacher_logprobs(teacher, rollout: Rollout, temperature: float, chunk_size: int, fast_path: bool, prompts=None,
+                     student=None):
+    """A teacher's log-probs (R, Tc) of the episodes' completion tokens, 0 past each completion: a local model
+    scored as the KL reference is (no grad, in chunks, at the rollout's temperature); a teacher of another
+    tokenizer (`rollouts.teacher.CrossTokenizerTeacher`: the episodes' `prompts` re-rendered for it, its values mapped onto the student's tokens by characters; `student`: the student's
+    log-probs, for the tokens it has no value for); or a teacher served by vLLM (`engines.server.ServerScorer`:
+    each episode's prompt and completion sent as one prompt, its log-probs read back at temperature 1)."""
+    if isinstance(teacher, torch.nn.Module):  # (sharded under FSDP2: a layer gathered at a time, as the reference)
+        return score_logprobs(teacher, rollout, temperature, chunk_size, fast_path=fast_path)
+    lengths = rollout.completion_lengths
+    completions = [rollout.completion_ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    if getattr(teacher, "renders_prompts", False):
+        rows = teacher.logprobs(prompts, completions,
+                                [student[i, :n].tolist() for i, n in enumerate(lengths)])
+    else:
+        prompts_ids = [rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist() for i in range(len(rollout))]
+        rows = teacher.logprobs([p + c for p, c in zip(prompts_ids, completions)], [len(p) for p in prompts_ids])
+    out = torch.zeros(rollout.completion_ids.shape)
+    for i, row in enumerate(rows):
+        out[i, : lengths[i]] = torch.tensor(row, dtype=torch.float32)
+    return out

@@ -48,6 +48,10 @@ class CrossTokenizerTeacher:
     """A local teacher model with its own tokenizer, scoring the student's episodes as text (see the module
     docstring). `logprobs(prompts, completions, student_logprobs)` gives the values per student token."""
 
+    renders_prompts = True
+    """It renders each episode's prompt itself, with its own tokenizer (`scoring.teacher_logprobs` hands it the
+    prompts and the student's log-probs, not token ids)."""
+
     def __init__(self, model, tokenizer, student_tokenizer, student_eos_ids: Sequence[int], *, temperature: float,
                  chunk_size: int, fast_path: bool):
         if not getattr(tokenizer, "is_fast", False):
