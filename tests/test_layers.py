@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "tidyrl"
-FACE = {"api", "cli", "demo", "evaluate", "plot", "__init__", "__main__", "_moved"}
+FACE = {"api", "cli", "demo", "evaluate", "plot", "__init__", "__main__"}
 SUPPORT = {"config", "plan", "checkpoint", "metrics", "trackers", "run_lock"}
 
 ALLOWED = {  # part -> the parts it may import (besides itself)

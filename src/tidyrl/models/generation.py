@@ -69,15 +69,14 @@ def sample_seed(seed: int, rollout: int, sample_index: int) -> int:
 SAMPLER = "inverse-transform-float64"
 """The built-in engine's draw scheme, written into RL checkpoints. A run resumed under another scheme samples its
 later rollouts from the same distribution, but not with the draws the uninterrupted run would have made, so it is
-not bit-exact with it; the resume says so. Checkpoints without the field drew per-token Gumbel noise."""
-SAMPLER_BEFORE_IT_WAS_RECORDED = "gumbel-max"
+not bit-exact with it; the resume says so. Every RL checkpoint records its scheme (its state's `sampler`)."""
 
 
 def sampler_change_note(saved_state: dict, draws_here: bool = True) -> Optional[str]:
     """A warning for a resume whose checkpoint was sampled with another draw scheme than this version's, or None.
     `draws_here`: the run's engine draws with this sampler (the engine decides: `tidyrl.engines.resume_note`);
     False, its draws are its own and nothing is compared."""
-    saved = saved_state.get("sampler", SAMPLER_BEFORE_IT_WAS_RECORDED)
+    saved = saved_state["sampler"]
     if not draws_here or saved == SAMPLER:
         return None
     return (f"warning: the checkpoint's rollouts were sampled with {saved!r} draws, this version of tidyrl draws "
