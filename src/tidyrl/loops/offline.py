@@ -83,7 +83,8 @@ def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat:
     from tidyrl.models.devices import width_padding
 
     # On CUDA the width is rounded up to a multiple (models.devices.WIDTH_MULTIPLE), so that shapes recur: a width
-    # the attention kernel has not seen costs it a new plan (~0.5-1 s on an H200), and every batch has its own.
+    # the attention kernel has not seen costs it a new plan (measured in docs/benchmarks.md), and every batch has
+    # its own.
     longest = max(len(s.input_ids) for s in sequences)
     width = longest + width_padding(longest, device)
     B = len(sequences)

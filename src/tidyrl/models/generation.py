@@ -15,8 +15,8 @@ What makes it fast, none of which changes a draw or the maths (docs/benchmarks.m
   forward without its per-call overhead; `model_fast_paths: false` turns it off); other models get their 4D
   attention mask ready-made;
 - each sequence draws its max_new_tokens uniforms in one call before decoding: no random-number call per token
-  (a Gumbel vector per row per token over a 150k vocabulary would cost a generator call per row per token and
-  40 ms per step for 32 rows on 2 CPU cores; on a GPU, one kernel launch per row per token);
+  (a Gumbel vector per row per token over a 150k vocabulary would cost a generator call per row per token: on a
+  GPU, one kernel launch per row per token; docs/benchmarks.md has its cost on a CPU);
 - finished rows leave the decoding batch (except with fixed shapes: a CUDA graph replays one batch size);
 - the sampling pass returns each token's log-prob, the sampler's log-probs of the rollout: no separate
   scoring pass of the policy.
