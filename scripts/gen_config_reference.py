@@ -86,6 +86,17 @@ def default_text(field: dataclasses.Field) -> str:
     return f"`{value!r}`"
 
 
+def owned_values() -> dict[str, tuple[str, list[str]]]:
+    """key -> (label, values) for the keys whose values one table owns: the page lists them from that table (the
+    docstring names the table, never a copy of its list)."""
+    from tidyrl.config import ALGORITHMS
+    from tidyrl.engines import ENGINES
+    from tidyrl.models.families import FAMILIES
+
+    return {"algorithm": ("One of", list(ALGORITHMS)), "rollout.engine": ("One of", list(ENGINES)),
+            "model_fast_paths": ("Declared families", [f.name for f in FAMILIES])}
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -94,6 +105,7 @@ def section_table(cls, prefix: str, missing: list[str]) -> tuple[list[str], list
     """Table rows of the plain keys of `cls`, and the sub-sections (key, class, docstring) it holds."""
     hints = typing.get_type_hints(cls)
     docs = field_docstrings(cls)
+    owned = owned_values()
     rows, sections = [], []
     for f in dataclasses.fields(cls):
         key = prefix + f.name
@@ -108,6 +120,9 @@ def section_table(cls, prefix: str, missing: list[str]) -> tuple[list[str], list
         elif item is not None and dataclasses.is_dataclass(item):
             sections.append((key + "[i]", item, doc))
         else:
+            if key in owned:
+                label, values = owned[key]
+                doc += f" {label}: {', '.join(f'`{v}`' for v in values)}."
             rows.append(f"| `{key}` | {type_name(hint)} | {default_text(f)} | {_cell(doc)} |")
     return rows, sections
 

@@ -245,12 +245,12 @@ def test_resume_refuses_changes_to_the_maths_and_allows_memory_knobs(tmp_path, t
     saved = yaml.safe_load(config.read_text())
     saved["train"]["rollouts"] = 2
     config.write_text(yaml.safe_dump(saved))
-    # ...and a checkpoint written before the draw scheme was recorded (per-token Gumbel noise) resumes with a
-    # warning that the later samples are not the uninterrupted run's.
+    # ...and a checkpoint whose rollouts were drawn with another scheme (here per-token Gumbel noise) resumes with
+    # a warning that the later samples are not the uninterrupted run's.
     state_file = path / "trainer_state" / "state.json"
     state = json.loads(state_file.read_text())
-    assert state.pop("sampler") == "inverse-transform-float64"
-    state_file.write_text(json.dumps(state))
+    assert state["sampler"] == "inverse-transform-float64"
+    state_file.write_text(json.dumps({**state, "sampler": "gumbel-max"}))
     capsys.readouterr()
     tidyrl.train(config, [f"resume_from={path}", "train.micro_batch_size=4", "rollout.generation_batch_size=3",
                           "log.save_every=6"])

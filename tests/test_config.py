@@ -388,7 +388,7 @@ def test_each_choice_list_has_one_owner_that_the_checks_and_the_reference_read()
     owner's list), and the field's docstring, which docs/config-reference.md is generated from, names each value."""
     from tidyrl.algorithms import choices, table
     from tidyrl.config import (ALGORITHMS, WEIGHT_SYNC_ROUTES, DPOConfig, GRPOConfig, PPOConfig, RLOOConfig,
-                               ServerConfig, SFTConfig)
+                               RolloutConfig, ServerConfig, SFTConfig)
 
     owned = [  # (section, key, its data, the owner's list)
         (GRPOConfig, "grpo.loss_aggregation", {}, choices.LOSS_AGGREGATIONS),
@@ -408,8 +408,21 @@ def test_each_choice_list_has_one_owner_that_the_checks_and_the_reference_read()
         found = problems(load_config, data, [f"{key}=no_such_value"])
         assert found == [f"{key}: 'no_such_value' is not one of {', '.join(values)}"
                          + (", or null (the algorithm's own)" if key.endswith("policy_loss") else "")], found
-    doc = _field_docstring(Config, "algorithm")
-    assert set(ALGORITHMS) <= set(re.findall(r"[\w-]+", doc)), doc
+    # The algorithms and the engines: the docstring names the owner's table, and the reference page lists the values
+    # from that table.
+    from pathlib import Path
+
+    from tidyrl.engines import ENGINES
+    from tidyrl.models.families import FAMILIES
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "config-reference.md").read_text(encoding="utf-8")
+    for section, key, owner, values in [(Config, "algorithm", "tidyrl.algorithms.table.ALGORITHMS", ALGORITHMS),
+                                        (RolloutConfig, "rollout.engine", "tidyrl.engines.ENGINES", ENGINES),
+                                        (Config, "model_fast_paths", "tidyrl.models.families.FAMILIES",
+                                         [f.name for f in FAMILIES])]:
+        assert owner in _field_docstring(section, key.split(".")[-1]), key
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{key}` |"))
+        assert all(f"`{v}`" in row for v in values), (key, row)
 
 
 def test_a_label_smoothing_is_refused_for_the_loss_types_that_take_none():

@@ -185,15 +185,15 @@ def call(fn):
 def own():
     warnings.warn("tidyrl's own", DeprecationWarning)
 
-def moved():  # tidyrl's deprecation of its caller's call (tidyrl/_moved.py's way)
-    warnings.warn("moved", DeprecationWarning, stacklevel=2)
+def renamed():  # tidyrl's deprecation of its caller's call (attributed to the caller: stacklevel=2)
+    warnings.warn("renamed", DeprecationWarning, stacklevel=2)
 """)
     with pytest.raises(DeprecationWarning):
         ours.own()
     with pytest.raises(DeprecationWarning):
-        ours.call(ours.moved)  # tidyrl called it
-    with pytest.warns(DeprecationWarning, match="moved"):
-        ours.moved()  # a test called it: recorded as any warning (here by pytest.warns)
+        ours.call(ours.renamed)  # tidyrl called it
+    with pytest.warns(DeprecationWarning, match="renamed"):
+        ours.renamed()  # a test called it: recorded as any warning (here by pytest.warns)
     with pytest.raises(FutureWarning, match="deprecated"):
         ours.call(third.deprecated)
     assert request.node.stash[conftest._TIDYRL_DEPRECATIONS] == ["FutureWarning: deprecated() is deprecated"]

@@ -335,6 +335,22 @@ def test_longest_tokens_as_each_stage_forms_its_sequences():
     assert longest_tokens("kto", examples, [], 10) == (8, 10)
 
 
+def test_every_offline_stage_has_its_memory_entry():
+    """What differs between the offline stages' memory plans is one table (offline_memory.STAGE_MEMORY), one entry a
+    stage: a reward model's one-output head, the reference of dpo (not its reference-free losses) and of kto."""
+    from tidyrl.config import OFFLINE_STAGES, load_config
+    from tidyrl.loops.offline_memory import STAGE_MEMORY
+
+    assert set(STAGE_MEMORY) == set(OFFLINE_STAGES)
+    assert [name for name, s in STAGE_MEMORY.items() if s.num_labels == 1] == ["reward"]
+    assert [name for name, s in STAGE_MEMORY.items() if s.mismatched] == ["kto"]
+    dpo, simpo = (load_config({"algorithm": "dpo", "model": "m", "data": {"path": "d.jsonl"}, "dpo": {"loss_type": t},
+                               "train": {"batch_size": 2, "max_steps": 1}})
+                  for t in ("sigmoid", "simpo"))
+    assert STAGE_MEMORY["dpo"].reference(dpo) and not STAGE_MEMORY["dpo"].reference(simpo)
+    assert STAGE_MEMORY["kto"].reference(dpo) and not STAGE_MEMORY["sft"].reference(dpo)
+
+
 def test_an_offline_stage_that_does_not_fit_says_what_to_change():
     # dpo's update at m = 2 needs 79872 bytes; at m = 1 (2 rows) 5088 + 10176 + 5088 + 24960 + 3 * 1600 = 50112
     problems = fit_problems(offline("dpo"), 60_000, per_minibatch=4)

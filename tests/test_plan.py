@@ -72,6 +72,7 @@ def test_memory_knobs_and_processes_never_change_the_totals(m, W):
     )
     # rollouts = ceil(100/16) = 7; steps = 7*2*2 = 28; warmup = ceil(2.8) = 3.
     assert (plan.rollouts, plan.total_optimizer_steps, plan.total_episodes, plan.warmup_steps) == (7, 28, 448, 3)
+    assert plan.drawn == "448 episodes"
     assert plan.gradient_accumulation_steps == 64 // (2 * W * m)
 
 
@@ -297,7 +298,7 @@ def test_offline_plan_from_config():
     plan = offline_plan_from_config(cfg, num_examples=100, world_size=2)
     # ceil(100 / 16) = 7 steps, warmup ceil(1.75) = 2, accumulation 16 / (2 * 4) = 2.
     assert (plan.total_optimizer_steps, plan.warmup_steps, plan.gradient_accumulation_steps) == (7, 2, 2)
-    assert plan.total_episodes == plan.total_examples == 112  # the CLI prints either kind of plan
+    assert plan.total_examples == 112 and plan.drawn == "112 examples"  # what `tidyrl train` says it drew
 
 
 def test_plan_from_config_of_an_offline_stage_is_the_offline_plan():

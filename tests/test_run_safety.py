@@ -205,20 +205,6 @@ def test_a_tampered_checkpoint_is_refused_and_never_executed(checkpointed_run, t
     assert files(out) == before  # and nothing was written
 
 
-def test_an_rng_state_of_an_earlier_tidyrl_is_refused_and_said_to_be_so(checkpointed_run, tmp_path):
-    """Before checkpoints were read as data, rng.pt held NumPy's state as an array: refused too (NumPy's
-    reconstructors are not safe to unpickle), but not called tampered."""
-    import random
-
-    import numpy as np
-
-    cfg, out = copy_of(checkpointed_run, tmp_path)
-    rng = out / "checkpoint-6" / "trainer_state" / "rng.pt"
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}, rng)
-    with pytest.raises(CheckpointError, match="written by an earlier tidyrl .which stored NumPy arrays there."):
-        tidyrl.train(cfg, ["resume_from=latest"])
-
-
 @pytest.mark.parametrize("name", ["trainer_state/optimizer.pt", "trainer_state/rollout.pt", "model.safetensors",
                                   "trainer_state/state.json"])
 def test_a_truncated_checkpoint_file_is_named_with_an_earlier_checkpoint(checkpointed_run, tmp_path, name):

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from tidyrl import _moved
-
-_moved.install()  # the import paths that moved in 0.2 still work, with a DeprecationWarning
-
 __all__ = ["train", "TrainResult", "Config", "load_config", "make_plan", "__version__"]
 
 

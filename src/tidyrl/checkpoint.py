@@ -361,13 +361,10 @@ def _load_pt(file: Path, checkpoint: Path):
         if "GLOBAL" in text or "allowlist" in text:  # the restricted unpickler met something it does not build
             found = re.search(r"GLOBAL (\S+)", text)
             name = found.group(1) if found else "a Python object"
-            # tidyrl 0.1 before this check stored NumPy's RNG state as an array: say so rather than "altered".
-            origin = ("it was written by an earlier tidyrl (which stored NumPy arrays there) or altered since"
-                      if file.name == "rng.pt" and name.startswith("numpy") else
-                      "tidyrl's own checkpoints never hold such objects: this file was altered or comes from elsewhere")
             raise CheckpointError(
                 f"{file} holds more than tensors and plain values ({name}); tidyrl refuses to load it, since "
-                f"unpickling it could run arbitrary code; {origin}. Resume from a checkpoint you trust "
+                "unpickling it could run arbitrary code; tidyrl's own checkpoints never hold such objects: this file "
+                "was altered or comes from elsewhere. Resume from a checkpoint you trust "
                 "(resume_from=path/to/checkpoint-N), or start afresh with resume_from=null."
             ) from None
         raise _damaged(file, checkpoint, f"{type(err).__name__}: {_first_line(err)}") from None

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+from tidyrl.console import say
 
 
 def _stages_help() -> str:
@@ -34,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         "One YAML file maps 1:1 onto typed config classes; section.key=value arguments override it.",
         epilog=stages, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.set_defaults(overrides=None)  # the commands that take section.key=value arguments set a list
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run a training stage from a YAML config",
                        description="Run the stage named by `algorithm:` in CONFIG.yaml.", epilog=stages,
@@ -148,52 +150,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # argparse stops filling a positional list at the first option: take key=value given after options too.
-    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+    if extra and args.overrides is not None and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "plan":
-            from tidyrl.config import OFFLINE_ALGORITHMS, load_config, packs_rows
-            from tidyrl.plan import plan_from_config
+            from tidyrl.api import check_parts
+            from tidyrl.config import config_base_dir, load_config
+            from tidyrl.loops.stage_plan import stage_plan
 
             cfg = load_config(args.config, args.overrides)
-            from tidyrl.api import LOOPS, check_parts
-
             check_parts(cfg)
-            if cfg.algorithm in OFFLINE_ALGORITHMS:  # rows of examples/pairs (packed rows with sft.packing)
-                import importlib
-
-                from tidyrl.data.offline import load_stage_items
-                from tidyrl.loops.offline_memory import check_offline_memory
-                from tidyrl.models.loading import load_model_config, load_tokenizer
-
-                model_config = load_model_config(cfg.model)  # the policy exists (at once, offline too)
-                # tokenised as the loop does: the count of examples (or packed rows) and the longest sequence
-                items, held_out = load_stage_items(cfg, load_tokenizer(cfg.tokenizer or cfg.model),
-                                                   packing=packs_rows(cfg))
-                plan = plan_from_config(cfg, len(items), args.num_processes)
-                extra = {"eval_examples": len(held_out)} if held_out else {}
-                loop = importlib.import_module(LOOPS[cfg.algorithm])
-                if hasattr(loop, "reference_cost"):  # a stage with a frozen reference says what it costs
-                    extra.update(loop.reference_cost(cfg, plan, len(held_out)))
-                memory, line = check_offline_memory(cfg, model_config, items, held_out, plan, args.memory,
-                                                    args.fsdp or None)
-                print(f"tidyrl: {line}", file=sys.stderr)
-                if memory is not None:
-                    extra["memory"] = memory.to_dict()
-                print(json.dumps({**plan.to_dict(), **extra}, indent=2))
-                return 0
-            from tidyrl.config import config_base_dir
-            from tidyrl.loops.rl_inputs import check_rl_inputs, plan_extras
-
-            # The checks `train` makes before loading weights, the same function (tokenizer and data files only).
-            inputs = check_rl_inputs(cfg, config_base_dir(args.config), args.num_processes, memory=args.memory,
-                                     fsdp=args.fsdp or None)
-            for line in inputs.report.splitlines():
-                print(f"tidyrl: {line}", file=sys.stderr)
-            plan = {**inputs.plan.to_dict(), **plan_extras(cfg, inputs.plan, inputs.critic, inputs.eval_prompt_ids,
-                                                           inputs.memory, inputs.paths)}
+            plan, notes = stage_plan(cfg, config_base_dir(args.config), args.num_processes, args.memory,
+                                     args.fsdp or None)
+            say(notes, err=True)
             print(json.dumps(plan, indent=2))
         elif args.command == "train":
             from tidyrl.api import train
@@ -201,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             result = train(args.config, args.overrides)
             if result.is_main_process:
                 plan = result.plan
-                count = (f"{plan.total_examples} examples" if hasattr(plan, "total_examples") else
-                         f"{plan.total_episodes} episodes")  # offline stages train on examples, RL on episodes
-                print(f"done: {plan.total_optimizer_steps} optimizer steps, {count}; model in {result.final_dir}")
+                print(f"done: {plan.total_optimizer_steps} optimizer steps, {plan.drawn}; model in {result.final_dir}")
         elif args.command == "demo":
             from tidyrl.demo import run_demo
 
@@ -219,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
     except (RuntimeError, ValueError, FileNotFoundError, ImportError) as err:
         if type(err).__name__ == "TrainingInterrupted":  # Ctrl-C / SIGTERM: a checkpoint was saved
-            print(f"tidyrl: {err}", file=sys.stderr)
+            say(str(err), err=True)
             return 130
         # Our errors say what is wrong and how to fix it; a traceback would only bury that.
         if type(err).__module__.startswith("tidyrl"):
-            print(f"tidyrl: error: {err}", file=sys.stderr)
+            say(f"error: {err}", err=True)
             return 2
         raise
     return 0
@@ -245,15 +214,14 @@ def _tiny(args) -> None:
                            "tokenizer: drop them, or drop --reward-model"])
     if args.reward_model:
         save_tiny_reward_model(out, seed=args.seed, num_layers=args.layers, **size)
-        print(f"tidyrl: a tiny reward model is in {out}/ (AutoModelForSequenceClassification, its own tokenizer "
-              f"and chat template); use it as  rewards: [{{model: {out}}}]")
+        say(f"a tiny reward model is in {out}/ (AutoModelForSequenceClassification, its own tokenizer and chat "
+            f"template); use it as  rewards: [{{model: {out}}}]")
     else:
         save_tiny_model(out, seed=args.seed, num_layers=args.layers, tokenizer=args.tokenizer,
                         max_position_embeddings=args.context, **size)
         kind = ("a byte-level BPE tokenizer with a tool-calling chat template" if args.tokenizer == "bytes" else
                 "a character tokenizer with a chat template")
-        print(f"tidyrl: a tiny model is in {out}/ (AutoModelForCausalLM, {kind}, random weights); use it as  "
-              f"model: {out}")
+        say(f"a tiny model is in {out}/ (AutoModelForCausalLM, {kind}, random weights); use it as  model: {out}")
 
 
 def _eval(args) -> None:

@@ -153,7 +153,7 @@ class RolloutConfig:
     forward_batch_size: int = 64
     """Sequences scored at once without grad (old and reference log-probs), per process. A memory knob only."""
     engine: str = "builtin"
-    """What generates the completions: builtin (tidyrl's decode loop on the policy), vllm (an in-process vLLM engine per process, weights synced before each rollout; the `vllm` section tunes it) or vllm-server (vLLM servers in their own processes, on other GPUs or hosts, addressed by the `server` section). docs/engines.md."""
+    """What generates the completions: an engine of the engine registry (tidyrl.engines.ENGINES; docs/engines.md says what each does and needs): tidyrl's own decode loop on the policy, vLLM in each process (tuned by the `vllm` section) or vLLM servers in their own processes (addressed by the `server` section)."""
     tis_cap: Optional[float] = None
     """Truncated importance sampling against the sampler/trainer mismatch (Yao et al. 2025): each token's loss is weighted by min(pi_trainer / pi_sampler, tis_cap) on the sampled token. null = 2.0 with engine vllm or vllm-server or with rollout.lag >= 1, off with builtin; 0 = off."""
     lag: int = 0
@@ -716,7 +716,7 @@ class LoRAConfig:
 @dataclass
 class Config:
     algorithm: str = "grpo"
-    """The algorithm: grpo, rloo, ppo, reinforce_pp, reinforce_pp_baseline, cispo or distill (RL: the algorithm table, docs/algorithms.md), sft, reward, dpo or kto (offline stages, docs/stages.md)."""
+    """The algorithm: an on-policy one of the algorithm table (tidyrl.algorithms.table.ALGORITHMS, docs/algorithms.md) or an offline stage (config.OFFLINE_STAGES, docs/stages.md)."""
     model: str = ""
     """The policy: a local Hugging Face model folder or a hub id."""
     tokenizer: Optional[str] = None
@@ -724,7 +724,7 @@ class Config:
     model_dtype: str = "float32"
     """dtype the policy is loaded in: float32, bfloat16, float16 or auto."""
     model_fast_paths: bool = True
-    """RL stages: tidyrl's own decode step (built-in engine) and one-pass scoring/training forward for the declared model families (Llama, Qwen2, Qwen3, Mistral, Gemma 3, OLMo 2, Phi-3, Qwen3-MoE, OLMoE; tidyrl/models/families.py), where they apply (docs/runs.md; plan.json's `paths` says which model takes which); the same maths as the model's forward, with less overhead. false = always the model's own forward (to rule them out when something looks wrong)."""
+    """RL stages: tidyrl's own decode step (built-in engine) and one-pass scoring/training forward for the declared model families (tidyrl.models.families.FAMILIES), where they apply (docs/runs.md; plan.json's `paths` says which model takes which); the same maths as the model's forward, with less overhead. false = always the model's own forward (to rule them out when something looks wrong)."""
     output_dir: str = "runs/tidyrl"
     """Where the run writes config.yaml, plan.json, metrics.jsonl, samples.jsonl and final/."""
     seed: int = 0

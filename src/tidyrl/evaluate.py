@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tidyrl.console import say
+
 DEFAULT_PROMPTS = -1
 """`num_prompts`' default: every held-out prompt of the config, else the first 64 of data.path."""
 
@@ -143,9 +145,8 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     # then the weights.
     inputs = check_eval_inputs(cfg, base_dir, data=data, num_prompts=num_prompts, samples_per_prompt=k)
     accelerator = make_accelerator(cfg)
-    say = (lambda line: print(f"tidyrl eval: {line}")) if accelerator.is_main_process and not quiet else None
-    for line in filter(None, inputs.report.splitlines()):
-        say and say(line)
+    speaks = accelerator.is_main_process and not quiet
+    say(inputs.report, main=speaks, prefix="tidyrl eval")
     metrics, episodes = _held_out_evaluation(cfg, inputs, accelerator, k, greedy, seed)
     prompts = inputs.dataset[cfg.data.prompt_column]
     totals = [row["reward"] for row in episodes]
@@ -189,7 +190,7 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
         with open(out / "eval_samples.jsonl", "w", encoding="utf-8") as f:
             for sample in samples:
                 f.write(json.dumps(sample, ensure_ascii=False) + "\n")
-        if say:
+        if speaks:
             print(format_eval(summary, samples[::k][: max(print_samples, 0)], out))  # one per prompt
     return EvalResult(out, summary, samples)
 

@@ -95,6 +95,11 @@ class Plan:
     episodes_per_rollout_per_process: int
     """R / W completions per rollout, per process."""
 
+    @property
+    def drawn(self) -> str:
+        """What the run generates over its length, in words (`tidyrl train`'s last line)."""
+        return f"{self.total_episodes} episodes"
+
     def to_dict(self) -> dict:
         """Plain dict in field order: the plan.json keys first, then the extras."""
         return asdict(self)
@@ -349,10 +354,9 @@ class OfflinePlan:
     """B / W: examples each process handles per optimizer step."""
 
     @property
-    def total_episodes(self) -> int:
-        """The name RL plans use for what was drawn over the run; here it is total_examples (for callers that
-        print either kind of plan). Not in plan.json."""
-        return self.total_examples
+    def drawn(self) -> str:
+        """What the run draws from its dataset over its length, in words (`tidyrl train`'s last line)."""
+        return f"{self.total_examples} examples"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from tidyrl.console import say
+
 LOCK_NAME = ".tidyrl.lock"
 
 
@@ -159,8 +161,7 @@ def hold_output_dir(folder: Path, accelerator) -> None:
         else:
             _held[folder] = lock
             if lock.stale:
-                print(f"tidyrl: {folder} had a lock left by a run that is gone ({describe(lock.stale)}); "
-                      "taking it over.", flush=True)
+                say(f"{folder} had a lock left by a run that is gone ({describe(lock.stale)}); taking it over.")
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 

@@ -47,13 +47,5 @@ def make_engine(cfg, policy, device: str, max_model_len: int):
     return engine_module(cfg.rollout.engine).build(cfg, policy, device, max_model_len)
 
 
-def __getattr__(name):  # the engines' own names, from their modules (0.1's tidyrl.models.engines held them all)
-    for module in ("tidyrl.engines.builtin", "tidyrl.engines.vllm", "tidyrl.engines.server"):
-        mod = importlib.import_module(module)
-        if hasattr(mod, name):
-            return getattr(mod, name)
-    raise AttributeError(f"module 'tidyrl.engines' has no attribute {name!r}")
-
-
 __all__ = ["Capabilities", "ENGINES", "EngineError", "SamplingSettings", "engine_module", "engine_problems",
            "fsdp_problem", "make_engine", "resume_note"]

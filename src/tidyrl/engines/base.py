@@ -14,7 +14,6 @@ engine's name. A new engine is one module here, a line in `engines.ENGINES`, and
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -168,9 +167,9 @@ class LoRASync:
 
     def note(self, engine: str) -> str:
         if self.mode == "adapter":
-            return (f"tidyrl: {engine}: LoRA sync: adapter only (rank {self.rank}): the base weights are loaded once, "
+            return (f"{engine}: LoRA sync: adapter only (rank {self.rank}): the base weights are loaded once, "
                     "each sync sends the adapter")
-        return f"tidyrl: {engine}: LoRA sync: merged weights, every sync: {self.why}"
+        return f"{engine}: LoRA sync: merged weights, every sync: {self.why}"
 
 
 def lora_sync_plan(policy) -> LoRASync:
@@ -225,6 +224,3 @@ def adapter_serving_problem(peft_model) -> tuple[Optional[str], int]:
     return None, rank
 
 
-def say(line: str) -> None:
-    """One line for the run's log (stderr, at once)."""
-    print(line, file=sys.stderr, flush=True)

@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 import threading
 import time
 import urllib.error
@@ -42,7 +41,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Optional, Sequence
 
-from tidyrl.engines.base import Capabilities, EngineError, LoRASync, SamplingSettings, lora_sync_plan, say
+from tidyrl.console import say
+from tidyrl.engines.base import Capabilities, EngineError, LoRASync, SamplingSettings, lora_sync_plan
 
 PROBE_TIMEOUT_S = 5.0
 """Seconds each server may take to answer the checks before a run (`input_problems`)."""
@@ -376,7 +376,7 @@ class ServerEngine:
                     self.lora = LoRASync("merged", f"{refused}; adapter-only sync needs {LORA_SERVER_SETUP} "
                                                    f"{self.lora.max_lora_rank} (or more)")
             if self.lora.mode != "full":
-                say(self.lora.note("vllm-server"))
+                say(self.lora.note("vllm-server"), err=True)
             if self.adapter is not None:
                 return time.perf_counter() - start
         if self.lora.mode == "adapter":
@@ -432,10 +432,9 @@ class ServerEngine:
         if not self.live:
             raise EngineError(f"vllm-server: the weight sync from {folder} (server.sync_dir on this side) failed: "
                               f"{problems}. The servers must read that folder at the same path and run with {needs}")
-        print(f"tidyrl: warning: vllm-server: the weight sync from {folder} failed on {problems}; "
-              f"{'that server is' if len(failed) == 1 else 'those servers are'} out of service for the rest of "
-              f"the run (stale weights), generating on {', '.join(self.urls[r] for r in self.live)}",
-              file=sys.stderr, flush=True)
+        say(f"warning: vllm-server: the weight sync from {folder} failed on {problems}; "
+            f"{'that server is' if len(failed) == 1 else 'those servers are'} out of service for the rest of "
+            f"the run (stale weights), generating on {', '.join(self.urls[r] for r in self.live)}", err=True)
 
     def _reload(self, url: str, folder: str, deadline: float) -> None:
         left = max(0.1, deadline - time.perf_counter())

@@ -12,8 +12,9 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from tidyrl.console import say
 from tidyrl.engines.base import (Capabilities, EngineError, LoRASync, SamplingSettings, in_process_fsdp_problem,
-                                 lora_sync_plan, policy_parameters, say)
+                                 lora_sync_plan, policy_parameters)
 
 
 def vllm_problem() -> Optional[str]:
@@ -277,7 +278,7 @@ def build(cfg, policy, device: str, max_model_len: int) -> VLLMEngine:
     v = cfg.vllm
     lora = lora_sync_plan(policy)
     if lora.mode != "full":
-        say(lora.note("vllm"))
+        say(lora.note("vllm"), err=True)
     return VLLMEngine(cfg.model, dtype=cfg.model_dtype, seed=cfg.seed, max_model_len=v.max_model_len or max_model_len,
                       kv_cache_gb=v.kv_cache_gb, gpu_memory_utilization=v.gpu_memory_utilization,
                       enforce_eager=v.enforce_eager, device=device, sleep=v.sleep,

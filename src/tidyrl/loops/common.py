@@ -209,8 +209,8 @@ def build_optimizer(model, train_cfg):
     kwargs = dict(lr=train_cfg.learning_rate, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
                   eps=train_cfg.adam_epsilon)
     # The fused kernel (CPU and CUDA) runs one pass over all parameters instead of a loop of small ops per
-    # parameter: the same update, ~5x faster on CPU. Where it cannot run (a device or dtype it lacks), torch's
-    # default implementation.
+    # parameter: the same update, faster (docs/benchmarks.md, "Figures behind the code's choices"). Where it cannot
+    # run (a device or dtype it lacks), torch's default implementation.
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, ValueError):

@@ -19,6 +19,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from tidyrl.console import say
 from tidyrl.data.offline import TokenizedSequence
 from tidyrl.models.devices import to_device
 from tidyrl.models.generation import forward_parameters
@@ -35,13 +36,6 @@ OFFLINE_STEP_METRICS = (
 )
 """The fields every metrics.jsonl row of an offline stage starts with, in this order (names are API);
 each stage's own metrics follow (docs/stages.md)."""
-
-
-def say(accelerator, lines: Sequence[str]) -> None:
-    """Print notes once (main process), as `tidyrl: ...`."""
-    if accelerator.is_main_process:
-        for line in lines:
-            print(f"tidyrl: {line}", flush=True)
 
 
 def micro_batches(batch: Sequence[int], plan: OfflinePlan, rank: int, length=None,
@@ -89,7 +83,8 @@ def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat:
     from tidyrl.models.devices import width_padding
 
     # On CUDA the width is rounded up to a multiple (models.devices.WIDTH_MULTIPLE), so that shapes recur: a width
-    # the attention kernel has not seen costs it a new plan (~0.5-1 s on an H200), and every batch has its own.
+    # the attention kernel has not seen costs it a new plan (measured in docs/benchmarks.md), and every batch has
+    # its own.
     longest = max(len(s.input_ids) for s in sequences)
     width = longest + width_padding(longest, device)
     B = len(sequences)
@@ -257,8 +252,9 @@ class OfflineRun:
         self.out = Path(cfg.output_dir)
         self.resume_path, self.resumed = check_resume(cfg, self.out, self.accelerator)
 
-    def say(self, lines: Sequence[str]) -> None:
-        say(self.accelerator, lines)
+    def say(self, lines: Sequence[Optional[str]]) -> None:
+        """The run's notes, printed once (main process)."""
+        say(lines, main=self.is_main)
 
     def open_output(self, notes: Sequence[str] = ()) -> None:
         """A new run takes its output folder (refused if it holds another run, unless overwrite); a resumed one
@@ -340,8 +336,7 @@ class OfflineRun:
         step, first = state["step"], state.get("first_row") or {}
         self.start = time.perf_counter() - state["elapsed_s"]
         note = continue_longer(self.cfg, self.resumed, plan, self.out, acc, [scheduler])
-        if note and self.is_main:
-            print(f"tidyrl: {note}", flush=True)
+        say(note, main=self.is_main)
         acc.wait_for_everyone()
         if self.is_main:  # the rows the remaining steps write again
             truncate_jsonl(self.out / "metrics.jsonl", lambda row: row["step"] <= step)

@@ -5,33 +5,48 @@ that would not fit with what to change. The formulas are `tidyrl.loops.memory_pl
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 from tidyrl.algorithms.choices import REFERENCE_FREE_LOSS_TYPES
 from tidyrl.config import Config
 from tidyrl.loops.memory_plan import DTYPE_BYTES, MemoryPlan, OfflineInputs, Shape
 from tidyrl.loops.rl_memory import memory_budget, planned
-
-CUDA_WIDTH_MULTIPLE = 16
-"""models.devices.WIDTH_MULTIPLE["cuda"] (named here so that the plan imports no torch): on CUDA a micro-batch's
-width is rounded up to it."""
+from tidyrl.models.devices import WIDTH_MULTIPLE
 
 
-def _sequences(stage: str, item) -> list:
-    """The token sequences one example runs as: a pair's two sides (reward, dpo), a KTO example's one."""
-    if stage in ("reward", "dpo"):
-        return [item.chosen, item.rejected]
-    return [item.sequence] if stage == "kto" else [item]
+@dataclass(frozen=True)
+class StageMemory:
+    """What an offline stage's memory plan reads of the stage."""
+
+    sequences: Callable[[Any], list]
+    """The token sequences one of the loop's items runs as (a row, a pair's two sides, a KTO example's one)."""
+    reference: Callable[[Config], bool] = lambda cfg: False
+    """Whether a frozen reference scores the data under this config."""
+    mismatched: bool = False
+    """The reference also scores a prompt of one training example with the completion of another (KTO's z0 pairs):
+    at most the longest prompt and the longest completion, cut to data.max_length."""
+    num_labels: Optional[int] = None
+    """The outputs of the trained model's head where it is not the language-model head (a reward model's score)."""
+
+
+STAGE_MEMORY = {
+    "sft": StageMemory(sequences=lambda row: [row]),
+    "reward": StageMemory(sequences=lambda pair: [pair.chosen, pair.rejected], num_labels=1),
+    "dpo": StageMemory(sequences=lambda pair: [pair.chosen, pair.rejected],
+                       reference=lambda cfg: cfg.dpo.loss_type not in REFERENCE_FREE_LOSS_TYPES),
+    "kto": StageMemory(sequences=lambda example: [example.sequence], reference=lambda cfg: True, mismatched=True),
+}
+"""Offline stage (config.OFFLINE_STAGES) -> what its memory plan reads of it."""
 
 
 def longest_tokens(stage: str, items: list, held_out: list, max_length: Optional[int]) -> tuple[int, int]:
     """(T: the longest sequence of the training and held-out items, as the loop forms them (after data.max_length's
-    cut; sft.packing: its packed rows); the longest sequence the reference scores: kto's mismatched pairs, a
-    prompt of one training example and the completion of another, at most the longest prompt and the longest
-    completion, cut to data.max_length; else T)."""
-    T = max((len(s.input_ids) for item in [*items, *held_out] for s in _sequences(stage, item)), default=0)
-    if stage != "kto" or not items:
+    cut; sft.packing: its packed rows); the longest sequence the reference scores: T, or with the stage's
+    mismatched pairs (StageMemory.mismatched) the longer of T and those)."""
+    spec = STAGE_MEMORY[stage]
+    T = max((len(s.input_ids) for item in [*items, *held_out] for s in spec.sequences(item)), default=0)
+    if not spec.mismatched or not items:
         return T, T
     prompt = max(e.prompt_length for e in items)
     completion = max(len(e.sequence.input_ids) - e.prompt_length for e in items)
@@ -39,27 +54,27 @@ def longest_tokens(stage: str, items: list, held_out: list, max_length: Optional
     return T, max(T, mismatched)
 
 
-def has_reference(cfg: Config) -> bool:
-    """Whether a frozen reference scores the data: kto, and dpo but its reference-free losses."""
-    return cfg.algorithm == "kto" or (cfg.algorithm == "dpo" and cfg.dpo.loss_type not in REFERENCE_FREE_LOSS_TYPES)
-
-
 def offline_memory_inputs(cfg: Config, model_config, tokens: int, reference_tokens: int, plan, *, cuda: bool,
                           fsdp: bool) -> OfflineInputs:
     """The memory plan's numbers for this offline config: the policy's shape from `model_config` (a reward model:
     one output, as the reward stage loads it), T and the reference's longest sequence (`longest_tokens`; on CUDA
     rounded up as pad_batch pads), the plan's micro-batch and accumulation."""
+    spec = STAGE_MEMORY[cfg.algorithm]
     policy = Shape.of(model_config)
-    if cfg.algorithm == "reward":
-        policy = replace(policy, num_labels=1)  # reward_model.load_reward_model: a score head of one output
-    widen = (lambda n: n + -n % CUDA_WIDTH_MULTIPLE) if cuda else (lambda n: n)
+    if spec.num_labels is not None:  # reward_model.load_reward_model: a score head of one output
+        policy = replace(policy, num_labels=spec.num_labels)
+    multiple = WIDTH_MULTIPLE.get("cuda" if cuda else "cpu", 1)  # as pad_batch widens a micro-batch
+
+    def widen(n: int) -> int:
+        return n + -n % multiple
+
     return OfflineInputs(
         stage=cfg.algorithm, policy=policy, dtype_bytes=DTYPE_BYTES[cfg.model_dtype], tokens=widen(tokens),
         micro_batch_size=cfg.train.micro_batch_size, world_size=plan.world_size, fsdp=fsdp,
         lora_r=cfg.lora.r if cfg.lora.enabled else 0,
         lora_targets=tuple(cfg.lora.target_modules) if cfg.lora.enabled and cfg.lora.target_modules else None,
         gradient_checkpointing=cfg.train.gradient_checkpointing, sync_each_microbatch=cfg.train.sync_each_microbatch,
-        accumulation_steps=plan.gradient_accumulation_steps, reference=has_reference(cfg),
+        accumulation_steps=plan.gradient_accumulation_steps, reference=spec.reference(cfg),
         reference_tokens=widen(reference_tokens) if reference_tokens > tokens else 0)
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
+from tidyrl.console import say
 from tidyrl.config import Config, algorithm_section
 from tidyrl.loops.common import (TrainResult, distribution_of, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, weights_device, write_run_header)
@@ -90,9 +91,7 @@ class RLRun:
         torch.manual_seed(cfg.seed)
 
     def _say(self, text) -> None:
-        if text and self.is_main:
-            for line in text.splitlines():
-                print(f"tidyrl: {line}", flush=True)
+        say(text, main=self.is_main)
 
     def _load_models(self) -> None:
         import torch

@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from tidyrl.console import say
 from tidyrl.models.collectives import agree, reduce_sum
 
 
@@ -196,8 +197,8 @@ class StopSignals:
         if self.requested:
             raise KeyboardInterrupt
         self.requested, self.name = True, signal.Signals(signum).name
-        print(f"\ntidyrl: {self.name} received; stopping after this optimizer step (again to abandon it)",
-              flush=True)
+        print(flush=True)  # off the progress bar's line
+        say(f"{self.name} received; stopping after this optimizer step (again to abandon it)")
 
     def __enter__(self):
         import signal

@@ -4,8 +4,8 @@ logits are never whole, in the forward pass or the backward one.
 Why: with a 151 936-token vocabulary the logits of an update micro-batch (16 x 257 positions, bf16) are 1.25 GB,
 kept for the backward pass, and their gradient another 1.25 GB beside them when it starts: 2.5 GB of the update's
 peak, the largest tensors of the pass. Here only the hidden states (tokens x hidden, ~600x smaller) and each
-position's logsumexp are kept, and each side of the pass holds one chunk of logits at a time (Qwen2.5-0.5B's update
-on an H100 peaks at 10 230 MiB, against 12 049 MiB with the whole logits: docs/benchmarks.md):
+position's logsumexp are kept, and each side of the pass holds one chunk of logits at a time (the update's peak with
+and without: docs/benchmarks.md):
 - forward: per chunk of positions, logits = h W^T (then / temperature, in the logits' dtype, as the one-pass
   forward's `logits / temperature`), and their log-softmax statistics in float32 (`fused_logprobs`' kernel on
   CUDA, `ops`' row-by-row maths elsewhere): logsumexp, log p(id), entropy;

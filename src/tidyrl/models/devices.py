@@ -11,14 +11,17 @@ waits: the loops do it once per phase, never per micro-batch (tests/test_cuda.py
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch  # imported where used: the memory plan reads WIDTH_MULTIPLE without torch
 
 
 def to_device(tensor: Optional[torch.Tensor], device: torch.device | str) -> Optional[torch.Tensor]:
     """`tensor` on `device`: from host memory to a CUDA device through pinned memory without a synchronisation,
     otherwise as `tensor.to(device)` (a no-op where it already is). None stays None."""
+    import torch
+
     if tensor is None:
         return None
     device = torch.device(device)
@@ -31,6 +34,8 @@ def phase_done(device: torch.device | str) -> None:
     """Before a phase's clock stops: on a CUDA device, wait for the kernels the phase queued (the optimizer step's,
     say), so that a phase's time is its own and not billed to the next one. One wait per phase, never inside a
     loop; nothing to wait for elsewhere."""
+    import torch
+
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -38,10 +43,8 @@ def phase_done(device: torch.device | str) -> None:
 
 # Devices where the rows [prompt, completion] of a forward are left-padded up to a multiple of this many columns.
 # On CUDA a shape seen for the first time costs far more than the same shape again (cuDNN's attention plans,
-# cuBLAS's heuristics, new allocator blocks): on an H200, qwen0.5b, with cuDNN's attention ~0.46 s more per scoring
-# chunk and ~0.9 s more per update micro-batch of the model's forward (docs/benchmarks.md, "new / again";
-# `bench_passes.py --widths 3 --passes onepass,onepass-exact`), and a rollout's chunks have as many widths
-# as their longest prompts and completions. Padding the width to a multiple of 16 makes shapes recur, for at most
+# cuBLAS's heuristics, new allocator blocks; docs/benchmarks.md measures it), and a rollout's chunks have as many
+# widths as their longest prompts and completions. Padding the width to a multiple of 16 makes shapes recur, for at most
 # 15 masked columns a row (the positions and every real column's maths unchanged). Elsewhere rows keep their width.
 # (Generation's fixed-shape cache is rounded up the same way: SDPA's memory-efficient kernel wants its bias aligned.)
 WIDTH_MULTIPLE: dict[str, int] = {"cuda": 16}
@@ -49,4 +52,6 @@ WIDTH_MULTIPLE: dict[str, int] = {"cuda": 16}
 
 def width_padding(width: int, device) -> int:
     """The columns that pad `width` up to WIDTH_MULTIPLE's multiple on `device` (0 where it has none)."""
+    import torch
+
     return -width % WIDTH_MULTIPLE.get(torch.device(device).type, 1)

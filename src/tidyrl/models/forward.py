@@ -90,16 +90,11 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
 #              after it are never tried), and runs where none listed applies
 # Chosen per device by measurement (benchmarks/bench_passes.py: each layout's scoring chunk and update micro-batch
 # side by side on the device; docs/benchmarks.md, "Which layout on which device"):
-# - CPU (and the default): the lean pass, 1.04-1.3x faster than the model's forward per update micro-batch.
-# - CUDA: the model's own forward over whole rows. On an H200 (bf16, micro-batch 16 x 256 tokens, torch's cuDNN
-#   attention) it took 7-19 % less time than the lean pass per scoring chunk and update micro-batch on the qwen0.5b
-#   and qwen1.5b shapes, and 14 % less per GRPO rollout on qwen0.5b (2.50 vs 2.92 s s/step, both runs with the
-#   memory-efficient attention kernel put first); the shared-prompt passes took
-#   1.8-2.0x its time. At these sizes the GPU waits on the host's launches, and the model's forward, with fewer and
-#   larger kernels, wins over the FLOPs that running each prompt once saves. Measured with short prompts (the k
-#   samples' repeated prompt tokens ~5 % of a micro-batch's). With 512-token prompts shared by 8 samples the lean
-#   pass was 1.5-1.6x faster there, at less than half the memory (`bench_passes.py --prompt-width 512`): a batch
-#   that repeats that many prompt tokens takes it first (LEAN_FROM_SHARE).
+# - CPU (and the default): the lean pass, faster there than the model's forward per update micro-batch.
+# - CUDA: the model's own forward over whole rows, faster there than the lean and the shared-prompt passes with
+#   short prompts: at these sizes the GPU waits on the host's launches, and the model's forward, with fewer and
+#   larger kernels, wins over the FLOPs that running each prompt once saves. With long prompts shared by the samples
+#   the lean pass wins: a batch that repeats that many prompt tokens takes it first (LEAN_FROM_SHARE).
 # `model_fast_paths: false` removes "lean" wherever it is listed, and nothing else.
 DEFAULT_LAYOUTS = ("lean", "shared", "onepass")
 LAYOUTS: dict[str, tuple[str, ...]] = {"cuda": ("onepass",)}
@@ -112,10 +107,9 @@ def layouts_for(device: torch.device | str) -> tuple[str, ...]:
 
 # Devices where a batch whose rows repeat long prompts takes the lean pass first although LAYOUTS does not list it,
 # from this share of the rows' columns that are repeated prompt tokens on (the columns running each prompt once
-# saves). On an H200 (qwen0.5b, 16 rows = 2 prompts x 8 samples, 256-token completions, bench_passes.py): at a 5 %
-# share (17-token prompts) the lean pass took 1.10-1.12x the one-pass forward's time per scoring chunk and update
-# micro-batch; at 58 % (512-token prompts) 0.63-0.66x it, with less than half its memory. Linear between the two the
-# ratio crosses 1 near 18 %; 25 % keeps a margin (`bench_passes.py --prompt-width N` measures other points).
+# saves). Measured at two shares (docs/benchmarks.md, "Which layout on which device"), the lean pass's time over the
+# one-pass forward's crosses 1 near 18 % when interpolated linearly; 25 % keeps a margin
+# (`bench_passes.py --prompt-width N` measures other points).
 LEAN_FROM_SHARE: dict[str, float] = {"cuda": 0.25}
 
 

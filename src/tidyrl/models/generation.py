@@ -15,8 +15,8 @@ What makes it fast, none of which changes a draw or the maths (docs/benchmarks.m
   forward without its per-call overhead; `model_fast_paths: false` turns it off); other models get their 4D
   attention mask ready-made;
 - each sequence draws its max_new_tokens uniforms in one call before decoding: no random-number call per token
-  (a Gumbel vector per row per token over a 150k vocabulary would cost a generator call per row per token and
-  40 ms per step for 32 rows on 2 CPU cores; on a GPU, one kernel launch per row per token);
+  (a Gumbel vector per row per token over a 150k vocabulary would cost a generator call per row per token: on a
+  GPU, one kernel launch per row per token; docs/benchmarks.md has its cost on a CPU);
 - finished rows leave the decoding batch (except with fixed shapes: a CUDA graph replays one batch size);
 - the sampling pass returns each token's log-prob, the sampler's log-probs of the rollout: no separate
   scoring pass of the policy.
@@ -69,15 +69,14 @@ def sample_seed(seed: int, rollout: int, sample_index: int) -> int:
 SAMPLER = "inverse-transform-float64"
 """The built-in engine's draw scheme, written into RL checkpoints. A run resumed under another scheme samples its
 later rollouts from the same distribution, but not with the draws the uninterrupted run would have made, so it is
-not bit-exact with it; the resume says so. Checkpoints without the field drew per-token Gumbel noise."""
-SAMPLER_BEFORE_IT_WAS_RECORDED = "gumbel-max"
+not bit-exact with it; the resume says so. Every RL checkpoint records its scheme (its state's `sampler`)."""
 
 
 def sampler_change_note(saved_state: dict, draws_here: bool = True) -> Optional[str]:
     """A warning for a resume whose checkpoint was sampled with another draw scheme than this version's, or None.
     `draws_here`: the run's engine draws with this sampler (the engine decides: `tidyrl.engines.resume_note`);
     False, its draws are its own and nothing is compared."""
-    saved = saved_state.get("sampler", SAMPLER_BEFORE_IT_WAS_RECORDED)
+    saved = saved_state["sampler"]
     if not draws_here or saved == SAMPLER:
         return None
     return (f"warning: the checkpoint's rollouts were sampled with {saved!r} draws, this version of tidyrl draws "

@@ -6,9 +6,9 @@ holes exactly, so the heap grows and peak RSS creeps above what the tensors need
 the free pages at once. The RL loop calls it once per optimizer step: after every micro-batch it lowers the
 peak more but the pages then fault back in, ~11 % of the update (docs/benchmarks.md).
 
-A trim is not free either: it walks the heap (~6 ms to return ~80 MiB on a 2-core CPU, 3 % of a tiny
-model's optimizer step), and the returned pages fault back in on the next step. So it runs only when the
-heap holds at least `MIN_FREE_BYTES` free (glibc's `mallinfo2`, ~0.1 ms), where it pays off in peak memory;
+A trim is not free either: it walks the heap (docs/benchmarks.md), and the returned pages fault back in on the
+next step. So it runs only when the heap holds at least `MIN_FREE_BYTES` free (glibc's `mallinfo2`, cheap to ask),
+where it pays off in peak memory;
 without `mallinfo2` (glibc < 2.33) it always runs. It runs only when the model lives on the CPU, and is a
 no-op where the C library has no malloc_trim (musl, macOS, Windows).
 """

@@ -142,9 +142,8 @@ def _masks(u_mask: torch.Tensor, c_mask: torch.Tensor, inverse: torch.Tensor, Lp
 
 # Attention whose probabilities (rows x heads x queries x keys, float32) fit in this many bytes is computed as
 # matmul-softmax-matmul on CPU, above it with torch's fused scaled_dot_product_attention (which never holds them
-# all). At the sizes of a short RL completion the fused CPU kernel costs more than the arithmetic: on a 2-core CPU,
-# forward + backward of 32 rows x 4 heads x 31 queries x 48 keys took 3.1 ms fused and 2.0 ms plain, and
-# 16 x 8 x 127 x 150 (head size 64) 34 vs 29 ms. On other devices (CUDA) attention is always the fused kernel:
+# all). At the sizes of a short RL completion the fused CPU kernel costs more than the arithmetic (docs/benchmarks.md,
+# "Figures behind the code's choices"). On other devices (CUDA) attention is always the fused kernel:
 # one launch forward and one backward instead of five each, and no float32 probabilities kept for backward.
 MATH_ATTENTION_MAX_BYTES = 32 * 2**20
 MATH_ATTENTION_DEVICES = ("cpu",)

@@ -171,8 +171,8 @@ def placed(model, device=None):
     accelerator: moved there straight from the mapping, with no host copy of its own. Why: a host copy first would
     hold two of the model on the host at once (the mapped file's pages it reads and the copy), beside the models
     loaded before it: a policy and its reference would peak at three models' size (`python
-    benchmarks/bench_loading.py --device cuda`, its `copy-then-move` way against `placed`); with that copy a 1.5B
-    run on an H100 peaked at 9.7 GB of host memory, TRL's at 4.1 GB. A tensor's address matters to a host matmul's
+    benchmarks/bench_loading.py --device cuda`, its `copy-then-move` way against `placed`; docs/benchmarks.md, "NVIDIA
+    H100", has a run's peak with that copy). A tensor's address matters to a host matmul's
     rounding only, not on a device."""
     import torch
 

@@ -2,8 +2,8 @@
 
 Why bubblewrap (`bwrap`, Debian/Ubuntu/Fedora package `bubblewrap`): it is the maintained, audited tool that
 Flatpak builds its sandboxes with; it sets up the namespaces, mounts and capability drops in the right order in
-one small C program, where doing it by hand (`unshare` + mounts + capsets) is easy to get subtly wrong. It adds
-~5-10 ms per run (benchmarks/bench_code_sandbox.py).
+one small C program, where doing it by hand (`unshare` + mounts + capsets) is easy to get subtly wrong. What it
+adds to a run: benchmarks/bench_code_sandbox.py, docs/benchmarks.md.
 
 What a sandboxed command gets:
 - its own network namespace: only a loopback of its own (no route out, nothing of the host's 127.0.0.1);

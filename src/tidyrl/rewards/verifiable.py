@@ -40,6 +40,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
+from tidyrl.console import say
 from tidyrl.rewards import sandbox as sandbox_module
 from tidyrl.rewards.functions import RewardError
 
@@ -313,7 +314,7 @@ def _sandboxed(allow_unsandboxed: bool) -> bool:
         raise SandboxUnavailable(sandbox_refusal(reason))
     if reason not in _warned:
         _warned.add(reason)
-        print(f"tidyrl: warning: {_unsandboxed_note(reason)}", file=sys.stderr)
+        say(f"warning: {_unsandboxed_note(reason)}", err=True)
     return False
 
 
