@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import warnings
 
-from tidyrl.algorithms.choices import LAYER_KERNEL_MODES as MODES
-
 DEVICES = ("cuda",)
 _APPLIED = "_tidyrl_layer_kernels"
 
