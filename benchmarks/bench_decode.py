@@ -15,7 +15,6 @@ medians of --repeats.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -26,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 
-from tidyrl.models import fused_decode, lean_decode  # noqa: E402
+from tidyrl.models import fused_decode  # noqa: E402
 from tidyrl.models.generation import generate, sample_seed  # noqa: E402
+from tidyrl.models.kernels import Kernels, attach  # noqa: E402
 
 
 def main() -> None:
@@ -40,10 +40,10 @@ def main() -> None:
     T = w["max_new_tokens"]
     # lean: the shipped step (on CUDA in bf16, with tidyrl.models.fused_decode's kernels); lean-unfused: the same
     # step without them (where they would serve); lean-sdpa: with them but the attention SDPA over the whole
-    # capacity (TIDYRL_DECODE_ATTENTION=sdpa); hf: the model's own forward.
+    # capacity (kernels.decode_attention: sdpa); hf: the model's own forward.
     fused = fused_decode.wanted(torch.device(args.device), next(model.parameters()).dtype, model.config.head_dim
                                 if getattr(model.config, "head_dim", None) else
-                                model.config.hidden_size // model.config.num_attention_heads)
+                                model.config.hidden_size // model.config.num_attention_heads, on=True)
     paths = ["lean"] + (["lean-unfused", "lean-sdpa"] if fused else []) + ["hf"]
     times: dict[str, list[float]] = {path: [] for path in paths}
     outputs = {path: run(model, prompts, path, kw) for path in paths}  # warm-up
@@ -81,14 +81,11 @@ def generation_inputs(w: dict, tok) -> tuple[list, dict]:
 
 
 def run(model, prompts, path: str, kw: dict):
-    """One `generate` on `path`. Switching the fused kernels on or off rebuilds the model's decode step (they are
-    chosen when it is built; no weight copies for models past COPY_MAX_BYTES, so this costs milliseconds); the
-    attention is chosen per step (each generation captures its graph anew)."""
-    on = "0" if path == "lean-unfused" else "1"
-    if os.environ.get("TIDYRL_FUSED_DECODE", "1") != on:
-        os.environ["TIDYRL_FUSED_DECODE"] = on
-        lean_decode._STEPS.pop(model, None)
-    os.environ["TIDYRL_DECODE_ATTENTION"] = "sdpa" if path == "lean-sdpa" else "kernel"
+    """One `generate` on `path`, the model given that path's choice of kernels. Another choice rebuilds the model's
+    decode step (it is chosen when the step is built; no weight copies for models past COPY_MAX_BYTES, so this costs
+    milliseconds)."""
+    attach(model, Kernels(fused_decode=path != "lean-unfused", decode_attention="sdpa" if path == "lean-sdpa"
+                          else "kernel"))
     return generate(model, prompts, fast_path=path != "hf", **kw)
 
 

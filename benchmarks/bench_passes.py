@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
+import dataclasses
 import statistics
 import sys
 import time
@@ -52,6 +52,7 @@ from bench_vs_trl import WORKLOADS, prompt_texts, set_workload, parse_overrides 
 from tidyrl.models import devices as tidy_devices  # noqa: E402
 from tidyrl.models import forward as tidy_forward  # noqa: E402
 from tidyrl.models.generation import left_pad  # noqa: E402
+from tidyrl.models.kernels import attach, kernels_of  # noqa: E402
 from tidyrl.models.ops import gather_logprobs_and_entropy  # noqa: E402
 from tidyrl.rollouts.record import Rollout  # noqa: E402
 
@@ -187,11 +188,12 @@ def layout(name: str, device):
 def run_pass(name: str, model, batch: Rollout, with_entropy: bool):
     """(log-probs (B, Tc), entropy or None) of `batch` by pass `name`."""
     if name == "onepass-rows":  # the one-pass forward with the row-by-row log-probs, not the fused kernels
-        os.environ["TIDYRL_FUSED_LOGPROBS"] = "0"
+        chosen = kernels_of(model)
+        attach(model, dataclasses.replace(chosen, fused_logprobs=False))
         try:
             return run_pass("onepass", model, batch, with_entropy)
         finally:
-            del os.environ["TIDYRL_FUSED_LOGPROBS"]
+            attach(model, chosen)
     if name == "onepass-exact":  # the one-pass forward on rows of their own width (no WIDTH_MULTIPLE padding)
         kind = model.lm_head.weight.device.type
         multiple = tidy_devices.WIDTH_MULTIPLE.pop(kind, None)

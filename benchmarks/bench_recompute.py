@@ -17,7 +17,6 @@ fixed order, it prints each mode's largest difference beside the kept mode's own
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from count_saved_bytes import saved_bytes  # noqa: E402
 from shapes import add_shape_arguments, qwen2_config  # noqa: E402
 
 from tidyrl.models import forward, recompute  # noqa: E402
+from tidyrl.models.kernels import Kernels, attach  # noqa: E402
 
 MODES = ("kept", "checkpoint", "functions")
 
@@ -65,7 +65,7 @@ def difference(one, other) -> float:
 
 
 def set_mode(mode: str, saved: dict) -> None:
-    os.environ["TIDYRL_RECOMPUTE"] = "1"  # (off by default; the modes set its devices)
+    """The mode's parts (for a model that carries kernels.recompute: true; the modes set its devices)."""
     recompute.RECOMPUTE_DEVICES = saved["devices"] if mode == "kept" else ("cpu", "cuda")
     recompute.LLAMA_NORMS = saved["norms"] if mode == "functions" else ()  # (checkpoint: every part a checkpoint)
     recompute.SILU_ACTIVATIONS = saved["silu"] if mode == "functions" else ()
@@ -83,7 +83,7 @@ def main() -> None:
     forward.LAYOUTS[args.device] = ("onepass",)  # the model's own forward, where the recompute applies
     saved = {"devices": ("cuda",) if args.device != "cuda" else (), "norms": recompute.LLAMA_NORMS,
              "silu": recompute.SILU_ACTIVATIONS}
-    model, inputs = build(args), batch(args)
+    model, inputs = attach(build(args), Kernels(recompute=True)), batch(args)  # (off by default)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     results, times = {}, {mode: [] for mode in MODES}
     for mode in MODES:  # (one warm-up pass each, and the numbers compared)

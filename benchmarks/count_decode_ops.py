@@ -60,8 +60,8 @@ def count(fused: bool) -> Counter:
     saved = (generation.Replayed, fused_decode.wanted, fused_decode.draw_wanted, fused_decode.add_rms_norm,
              fused_decode.rope_and_cache, fused_decode.draw, fused_decode.silu_and_mul, fused_decode.rope_cache_attend)
     generation.Replayed = Counted
-    fused_decode.wanted = lambda device, dtype, head_dim: fused
-    fused_decode.draw_wanted = lambda logits: fused
+    fused_decode.wanted = lambda device, dtype, head_dim, on: fused
+    fused_decode.draw_wanted = lambda logits, on: fused
     fused_decode.add_rms_norm = kernel("add_rms_norm", saved[3])
     fused_decode.rope_and_cache = kernel("rope_and_cache", saved[4])
     fused_decode.draw = kernel("draw", saved[5])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from shapes import add_shape_arguments, qwen2_config  # noqa: E402
 
 from tidyrl.models import chunked_head, forward, recompute  # noqa: E402
+from tidyrl.models.kernels import Kernels, attach  # noqa: E402
 
 
 def saved_bytes(fn, model=None) -> tuple[object, int]:
@@ -66,7 +66,6 @@ def main() -> None:
              torch.ones(args.rows, args.completion))
     logits = args.rows * (args.completion + 1) * args.vocab * 2
     forward.LAYOUTS["cpu"] = ("onepass",)  # the model's own forward, as on CUDA
-    os.environ["TIDYRL_RECOMPUTE"] = "1"  # (off by default; its variant sets its devices)
     variants = (("whole logits", (), ()), ("chunked head", ("cpu",), ()),
                 ("chunked head + recompute", ("cpu",), ("cpu",)))
     print(f"Qwen2-shaped, hidden {args.hidden}, {args.layers} + embedding/head; micro-batch {args.rows} x "
@@ -76,7 +75,8 @@ def main() -> None:
         totals = []
         for layers in (args.layers, args.layers - 1) if args.layers > 1 else (args.layers,):
             config.num_hidden_layers = layers
-            model = Qwen2ForCausalLM(config).to(torch.bfloat16).train()
+            # (the recompute on, off by default: its variant sets its devices)
+            model = attach(Qwen2ForCausalLM(config).to(torch.bfloat16).train(), Kernels(recompute=True))
             run = functools.partial(forward.completion_logprobs, model, *batch, 1.0, with_entropy=True)
             totals.append(saved_bytes(run, model)[1])
             del model, run

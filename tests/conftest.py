@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -315,14 +316,16 @@ def bf16_units(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / scale)
 
 
-def bf16_grpo_metrics(model_dir, prompt_file, folder, lora: bool = False) -> list[dict]:
+def bf16_grpo_metrics(model_dir, prompt_file, folder, lora: bool = False, kernels: Optional[dict] = None
+                      ) -> list[dict]:
     """The metrics rows of a bf16 GRPO run: one rollout of 2 prompts x 4 samples, the KL's reference scored in
     chunks of 4, two epochs of 2 micro-batches (the same samples for both optimizer steps); with `lora`, a rank-4
     adapter on every linear layer but the output layer (the reference: the adapter disabled), at a learning rate
-    that moves the model's bf16 outputs in one step (B starts at zero)."""
+    that moves the model's bf16 outputs in one step (B starts at zero); `kernels`: the config's kernels section."""
     import tidyrl
 
     result = tidyrl.train({**({"lora": {"enabled": True, "r": 4}} if lora else {}),
+        **({"kernels": kernels} if kernels is not None else {}),
         "algorithm": "grpo", "model": str(model_dir), "model_dtype": "bfloat16", "output_dir": str(folder),
         "seed": 0, "data": {"path": str(prompt_file)}, "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
         "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 6, "temperature": 0.9,

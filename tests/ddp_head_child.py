@@ -8,7 +8,6 @@ in bf16 units of the latter."""
 import copy
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -21,13 +20,13 @@ from conftest import bf16_units, completion_batch, llama  # noqa: E402
 
 from tidyrl.models import chunked_head, forward, fused_logprobs, recompute  # noqa: E402
 from tidyrl.models.forward import completion_logprobs  # noqa: E402
+from tidyrl.models.kernels import Kernels, attach  # noqa: E402
 
 report = sys.argv[1]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 chunked_head.HEAD_DEVICES = ("cpu",)
 recompute.RECOMPUTE_DEVICES = ("cpu",)
-os.environ["TIDYRL_RECOMPUTE"] = "1"  # (off by default)
 forward.LAYOUTS["cpu"] = ("onepass",)
 chunked_head.CHUNK_BYTES = 5 * 40 * 2  # 5 positions a chunk at the 40-token vocabulary
 fused_logprobs.BLOCK = 16
@@ -38,7 +37,7 @@ forward.head_logprobs = lambda *a, **k: calls.append(a[0].requires_grad) or real
 
 
 def run() -> dict:
-    alone = llama(tie_word_embeddings=True).to(torch.bfloat16)
+    alone = attach(llama(tie_word_embeddings=True).to(torch.bfloat16), Kernels(recompute=True))  # (off by default)
     ddp = DistributedDataParallel(copy.deepcopy(alone))
     batch, weights = completion_batch(2)
     mine = slice(2 * rank, 2 * rank + 2)  # this process's half of the 4 episodes

@@ -10,11 +10,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from conftest import (bf16_grpo_metrics, completion_batch, interpreted_triton, llama, qwen2, recorded_outputs,
                       rerun_interpreted, within_bf16_units)
 from tidyrl.models import chunked_head, fused_logprobs
 from tidyrl.models.chunked_head import head_logprobs, head_of
+from tidyrl.models.kernels import Kernels, attach
 from tidyrl.models.ops import gather_logprobs_and_entropy
 
 # Bit-equality between code paths, which may hold on some CPU kernels only: CI reruns these tests under
@@ -203,7 +205,7 @@ def test_the_fused_kernels_give_the_same_results_as_the_rows(monkeypatch):
         hidden, weight, ids = _inputs(torch.bfloat16)
         results = []
         for use_kernels in (False, True):
-            monkeypatch.setattr(fused, "wanted", lambda logits, on=use_kernels: on)
+            monkeypatch.setattr(fused, "wanted", lambda logits, on=None, use=use_kernels: use)
             h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
             with warnings.catch_warnings():  # the interpreter evaluates both sides of tl.where
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -230,13 +232,15 @@ def _on_cpu(monkeypatch):
 
 def _levers_on_cpu(monkeypatch):
     """Both memory levers on CPU, as they serve on CUDA: the chunked head (small chunks at the tiny models' bf16
-    vocabulary) and the recompute."""
+    vocabulary) and the recompute, for a model that carries `LEVERS`."""
     from tidyrl.models import recompute
 
     _on_cpu(monkeypatch)
     _small_chunks(monkeypatch, V=40, itemsize=2)  # (the tiny models' vocabulary, bf16)
     monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
-    monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")  # (off by default)
+
+
+LEVERS = Kernels(recompute=True)  # (the chunked head is on by default, the recompute off)
 
 
 def _head_calls(monkeypatch) -> list[bool]:
@@ -278,9 +282,10 @@ def test_completion_logprobs_through_the_chunked_head_equal_the_models_forward(m
     assert calls == []  # model_fast_paths: false: the model's own output layer
     completion_logprobs(model, *batch, 0.8)
     assert calls == [True]
-    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
+    attach(model, Kernels(chunked_head=False))
     assert head_of(model) is None
     whole = run()
+    assert calls == [True]
     _assert_within_logit_rounding(*chunked[:2], *whole[:2], _logits(model, batch, 0.8), torch.bfloat16)
     for name, grad in whole[2].items():
         assert within_bf16_units(chunked[2][name], grad, 4), name
@@ -310,8 +315,11 @@ def test_the_chunked_head_serves_only_plain_low_precision_causal_lms_on_its_devi
     biased = llama().to(torch.bfloat16)
     biased.lm_head = torch.nn.Linear(64, 40, bias=True).to(torch.bfloat16)
     assert head_of(biased) is None
-    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
-    assert head_of(model) is None
+    assert head_of(attach(model, Kernels(chunked_head=False))) is None  # the run's choice: kernels.chunked_head
+    assert head_of(attach(model, Kernels())) is model.lm_head
+    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")  # a developer override, in every choice made after it
+    assert head_of(model) is model.lm_head and head_of(attach(model, Kernels())) is None
+    assert head_of(llama().to(torch.bfloat16)) is None  # (a model tidyrl did not load: the defaults, overridden)
 
 
 @contextlib.contextmanager
@@ -378,7 +386,7 @@ def ddp_and_plain_agree(monkeypatch, plain, units: int) -> None:
     from tidyrl.models import recompute
     from tidyrl.models.forward import completion_logprobs
 
-    monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")  # (off by default)
+    attach(plain, LEVERS)  # (the copy inside DDP carries it too: read through DDP's wrapper)
     calls = _head_calls(monkeypatch)
     device = plain.lm_head.weight.device
     ddp = DistributedDataParallel(copy.deepcopy(plain), device_ids=[device.index] if device.type == "cuda" else None)
@@ -422,7 +430,7 @@ def test_under_a_lora_adapter_the_chunked_head_and_the_recompute_serve_with_the_
 
     def adapted(**config):
         torch.manual_seed(0)
-        return peft.get_peft_model(llama().to(torch.bfloat16), peft.LoraConfig(
+        return peft.get_peft_model(attach(llama().to(torch.bfloat16), LEVERS), peft.LoraConfig(
             r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **config))
 
     model = adapted(target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
@@ -444,8 +452,7 @@ def test_under_a_lora_adapter_the_chunked_head_and_the_recompute_serve_with_the_
 
     chunked = run()
     assert calls == [True]
-    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
-    monkeypatch.setenv("TIDYRL_RECOMPUTE", "0")
+    attach(model, Kernels(chunked_head=False, recompute=False))  # (through peft's wrapper, onto its base model)
     assert head_of(model) is None and recompute._cheap_parts(model) == []
     whole = run()
     assert calls == [True]
@@ -453,7 +460,6 @@ def test_under_a_lora_adapter_the_chunked_head_and_the_recompute_serve_with_the_
     assert whole[2].keys() == chunked[2].keys() and all("lora_" in name for name in whole[2])
     for name, grad in whole[2].items():
         assert grad.abs().sum() > 0 and within_bf16_units(chunked[2][name], grad, 4), name
-    monkeypatch.delenv("TIDYRL_CHUNKED_HEAD")
     assert head_of(adapted(target_modules=["q_proj", "lm_head"])) is None  # the output layer adapted
     assert head_of(adapted(target_modules=["q_proj"], modules_to_save=["lm_head"])) is None  # a trained copy
 
@@ -475,7 +481,8 @@ def test_a_bf16_grpo_run_scores_and_trains_through_the_chunked_head(monkeypatch,
     """Through the RL loop (reference scoring for the KL, then two epochs of updates with entropy): every pass of a
     bf16 run takes the chunked head where it serves, and the run's first step, on the same samples, reports
     what the whole logits give, and so does the second, after the update (loss, KL, entropy to float rounding; the
-    gradient's norm to bf16 units). So does a LoRA run (its reference: the adapter disabled)."""
+    gradient's norm to bf16 units). So does a LoRA run (its reference: the adapter disabled). The whole logits are
+    the run's with kernels.chunked_head: false, which its config.yaml says."""
     if lora:
         pytest.importorskip("peft")
     _on_cpu(monkeypatch)
@@ -489,9 +496,10 @@ def test_a_bf16_grpo_run_scores_and_trains_through_the_chunked_head(monkeypatch,
     chunked = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "chunked", lora)
     # the reference model's scoring of 8 episodes in chunks of 4 (no grad), then 2 epochs x 2 micro-batches
     assert calls == [False, False, True, True, True, True], calls
-    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
-    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole", lora)
-    assert len(calls) == 6 and len(chunked) == len(whole) == 2
+    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole", lora, kernels={"chunked_head": False})
+    assert len(calls) == 6 and len(chunked) == len(whole) == 2  # kernels.chunked_head: false: the whole logits
+    for run, on in (("chunked", True), ("whole", False)):  # the choice is in the run's config.yaml
+        assert yaml.safe_load((tmp_path / run / "config.yaml").read_text())["kernels"]["chunked_head"] is on
     for got, want in zip(chunked, whole):  # (step 2: after an update whose gradients differ by bf16 units)
         assert got["kl"] > 0 or got["step"] == 1
         for key in ("loss", "kl", "entropy"):

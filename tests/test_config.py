@@ -387,8 +387,8 @@ def test_each_choice_list_has_one_owner_that_the_checks_and_the_reference_read()
     """Every option with a list of values: the config refuses a value outside it with the list (the check reads the
     owner's list), and the field's docstring, which docs/config-reference.md is generated from, names each value."""
     from tidyrl.algorithms import choices, table
-    from tidyrl.config import (ALGORITHMS, WEIGHT_SYNC_ROUTES, DPOConfig, GRPOConfig, PPOConfig, RLOOConfig,
-                               RolloutConfig, ServerConfig, SFTConfig)
+    from tidyrl.config import (ALGORITHMS, WEIGHT_SYNC_ROUTES, DPOConfig, GRPOConfig, KernelsConfig, PPOConfig,
+                               RLOOConfig, RolloutConfig, ServerConfig, SFTConfig)
 
     owned = [  # (section, key, its data, the owner's list)
         (GRPOConfig, "grpo.loss_aggregation", {}, choices.LOSS_AGGREGATIONS),
@@ -400,6 +400,8 @@ def test_each_choice_list_has_one_owner_that_the_checks_and_the_reference_read()
         (SFTConfig, "sft.loss_aggregation", None, choices.SFT_LOSS_AGGREGATIONS),
         (DPOConfig, "dpo.loss_type", None, choices.DPO_LOSS_TYPES + choices.REFERENCE_FREE_LOSS_TYPES),
         (ServerConfig, "server.weight_sync", {}, WEIGHT_SYNC_ROUTES),
+        (KernelsConfig, "kernels.decode_attention", {}, choices.DECODE_ATTENTIONS),
+        (KernelsConfig, "kernels.layer_kernels", {}, choices.LAYER_KERNEL_MODES),
     ]
     for section, key, extra, values in owned:
         doc = _field_docstring(section, key.split(".")[1])
@@ -423,6 +425,31 @@ def test_each_choice_list_has_one_owner_that_the_checks_and_the_reference_read()
         assert owner in _field_docstring(section, key.split(".")[-1]), key
         row = next(line for line in page.splitlines() if line.startswith(f"| `{key}` |"))
         assert all(f"`{v}`" in row for v in values), (key, row)
+
+
+def test_the_kernels_section_is_the_models_choice_of_kernels_key_for_key():
+    """config.kernels and tidyrl.models.kernels.Kernels (what the models carry): the same keys in the same order,
+    the same types and defaults, so that a default config is the models' default choice; a section converts."""
+    import typing
+
+    from tidyrl.config import KernelsConfig
+    from tidyrl.models.kernels import OVERRIDES, Kernels
+
+    section = typing.get_type_hints(KernelsConfig)
+    assert section == typing.get_type_hints(Kernels) and list(section) == list(OVERRIDES)
+    assert dataclasses.asdict(KernelsConfig()) == dataclasses.asdict(Kernels())
+    chosen = load_config(minimal(), ["kernels.chunked_head=false", "kernels.decode_attention=sdpa"]).kernels
+    assert Kernels.of(chosen) == Kernels(chunked_head=False, decode_attention="sdpa")
+    assert config_to_dict(load_config(minimal()))["kernels"] == dataclasses.asdict(Kernels())
+
+
+def test_kernel_keys_are_typed_and_checked_naming_the_key():
+    assert problems(load_config, minimal(), ["kernels.recompute=1"]) == [
+        "kernels.recompute must be true or false, got 1 (int)"]
+    assert problems(load_config, offline("sft"), ["kernels.decode_attention=flash"]) == [
+        "kernels.decode_attention: 'flash' is not one of kernel, sdpa"]
+    assert problems(load_config, minimal(), ["kernels.chunkedhead=false"]) == [
+        "unknown key `kernels.chunkedhead`; did you mean `kernels.chunked_head`?"]
 
 
 def test_a_label_smoothing_is_refused_for_the_loss_types_that_take_none():

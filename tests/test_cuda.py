@@ -20,6 +20,7 @@ from conftest import (bf16_grpo_metrics, bf16_units, free_port, llama, load_meas
                       within_bf16_units)
 
 import tidyrl
+from tidyrl.models.kernels import Kernels, attach
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m cuda there)")]
@@ -74,7 +75,7 @@ def test_bf16_decoding_runs_fused_kernels_in_the_graph_and_agrees_with_the_unfus
 
     model = llama(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512).to(
         "cuda", torch.bfloat16)
-    assert fused_decode.wanted(torch.device("cuda"), torch.bfloat16, 64)
+    assert fused_decode.wanted(torch.device("cuda"), torch.bfloat16, 64, on=True)
     fused_and_plain_steps_agree(model, "cuda", copied=True)  # (a small model: the step works on its copies)
     prompts = [[1, 5, 7, 9], [1, 6], [1, 8, 8, 3, 2, 4]] * 8
     kwargs = dict(sample_keys=list(range(24)), max_new_tokens=40, eos_ids=[2], pad_id=0, batch_size=24,
@@ -279,9 +280,8 @@ def test_on_cuda_log_probs_and_their_gradient_take_the_fused_kernels_with_the_ro
     mine = view.detach().requires_grad_(True)
     logprobs, entropy = ops.gather_logprobs_and_entropy(mine, ids)
     (logprobs * weights).sum().backward()
-    monkeypatch.setenv("TIDYRL_FUSED_LOGPROBS", "0")
     ref = view.detach().requires_grad_(True)
-    want, want_entropy = ops.gather_logprobs_and_entropy(ref, ids)
+    want, want_entropy = ops.gather_logprobs_and_entropy(ref, ids, fused=False)  # kernels.fused_logprobs: false
     (want * weights).sum().backward()
     assert used == [1]
     torch.testing.assert_close(logprobs, want, atol=2e-5, rtol=0)
@@ -376,8 +376,7 @@ def test_a_bf16_grpo_run_on_cuda_scores_and_trains_through_the_chunked_head(tiny
 
     chunked = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "chunked", lora)
     assert calls == [False, False, True, True, True, True], calls
-    monkeypatch.setenv("TIDYRL_CHUNKED_HEAD", "0")
-    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole", lora)
+    whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole", lora, kernels={"chunked_head": False})
     assert len(calls) == 6 and len(chunked) == len(whole) == 2
     for got, want in zip(chunked, whole):
         for key in ("loss", "kl", "entropy"):
@@ -396,7 +395,7 @@ def test_on_cuda_inside_ddp_the_update_takes_the_chunked_head_and_the_recompute(
 
 
 def test_on_cuda_recomputed_norms_and_mlp_products_lower_the_peak_and_change_no_number(monkeypatch):
-    """An update-like pass of a bf16 model on CUDA (models.recompute on, then TIDYRL_RECOMPUTE=0): the same log-probs,
+    """An update-like pass of a bf16 model on CUDA (models.recompute on, then off): the same log-probs,
     the same gradients (up to the order of CUDA's atomic adds), at a lower peak of GPU memory (the norms' float32
     copies and silu(gate) not kept)."""
     from tidyrl.models import forward
@@ -408,8 +407,8 @@ def test_on_cuda_recomputed_norms_and_mlp_products_lower_the_peak_and_change_no_
     completions = torch.randint(3, 40, (8, 224), generator=g)
     batch = (prompts, torch.ones_like(prompts), completions, torch.ones_like(completions).float())
     runs = []
-    for off in ("1", "0"):
-        monkeypatch.setenv("TIDYRL_RECOMPUTE", off)
+    for on in (True, False):
+        attach(model, Kernels(recompute=on))
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -447,10 +446,8 @@ def test_compiled_layers_keep_the_model_s_log_probs_and_accumulated_gradients_to
     plain = llama(num_attention_heads=4, num_key_value_heads=2, hidden_size=128, intermediate_size=256).to(
         "cuda", torch.bfloat16).train()
     compiled = copy.deepcopy(plain)
-    monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "none")
-    assert layer_kernels.prepare(plain) == "none"
-    monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "compile")
-    assert layer_kernels.prepare(compiled) == "compile"
+    assert layer_kernels.prepare(attach(plain, Kernels(layer_kernels="none"))) == "none"
+    assert layer_kernels.prepare(attach(compiled, Kernels(layer_kernels="compile"))) == "compile"
     worst_lp, worst_grad = 0.0, (0.0, "")
     for step in range(2):
         results = []

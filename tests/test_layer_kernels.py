@@ -13,6 +13,7 @@ import torch
 
 from conftest import completion_batch, llama, qwen2
 from tidyrl.models import forward, layer_kernels
+from tidyrl.models.kernels import OVERRIDES, Kernels, attach
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:torch._dynamo")
 COMPILE = torch.nn.Module.compile  # (nn.Module.compile itself: the fixture and tests give it a backend)
@@ -23,8 +24,8 @@ def on_cpu(monkeypatch):
     """The CPU as a device of layer_kernels and the one-pass layout on it; layers compiled for `aot_eager`."""
     monkeypatch.setattr(layer_kernels, "DEVICES", ("cpu",))
     monkeypatch.setitem(forward.LAYOUTS, "cpu", ("onepass",))
-    monkeypatch.delenv("TIDYRL_LAYER_KERNELS", raising=False)
-    monkeypatch.delenv("TIDYRL_RECOMPUTE", raising=False)
+    for variable in OVERRIDES.values():  # (the models' own choices, whatever the developer's environment)
+        monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: COMPILE(self, backend="aot_eager", **kw))
     torch._dynamo.reset()
     yield
@@ -73,7 +74,7 @@ def test_every_layer_and_width_share_one_compilation_per_grad_mode(on_cpu):
 @pytest.mark.parametrize("case", ["frozen", "lora", "checkpointing", "recompute", "exact", "switched off", "cpu"])
 def test_the_layers_stay_the_model_s_own_where_compiling_does_not_apply(on_cpu, monkeypatch, case):
     """A frozen model (a KL reference, a teacher: their scoring measured no faster compiled), LoRA (peft's wrappers),
-    gradient checkpointing, the recompute, train.exact_gradients, TIDYRL_LAYER_KERNELS=none, a device not listed."""
+    gradient checkpointing, the recompute, train.exact_gradients, kernels.layer_kernels: none, a device not listed."""
     model = llama().train()
     if case == "frozen":
         model.requires_grad_(False)
@@ -86,11 +87,11 @@ def test_the_layers_stay_the_model_s_own_where_compiling_does_not_apply(on_cpu, 
 
         enable_gradient_checkpointing(model)
     elif case == "recompute":
-        monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")
+        attach(model, Kernels(recompute=True))
     elif case == "exact":
         forward.exact_forward(model)
     elif case == "switched off":
-        monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "none")
+        attach(model, Kernels(layer_kernels="none"))
     else:
         monkeypatch.setattr(layer_kernels, "DEVICES", ("cuda",))
     forward.completion_logprobs(model, *completion_batch(0)[0], 1.0)  # (prepared on its first one-pass forward)
@@ -101,9 +102,13 @@ def test_the_layers_stay_the_model_s_own_where_compiling_does_not_apply(on_cpu, 
 
 def test_a_qwen2_model_compiles_and_a_bad_mode_is_refused(on_cpu, monkeypatch):
     assert layer_kernels.prepare(qwen2().train()) == "compile"
-    monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "fast")
-    with pytest.raises(ValueError, match="TIDYRL_LAYER_KERNELS='fast': expected one of compile, none"):
+    with pytest.raises(ValueError, match="kernels.layer_kernels: 'fast' is not one of compile, none"):
+        Kernels(layer_kernels="fast")
+    monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "fast")  # a developer override that is none of the modes
+    with pytest.raises(ValueError, match="TIDYRL_LAYER_KERNELS='fast' .*: expected compile or none"):
         layer_kernels.prepare(llama().train())
+    monkeypatch.setenv("TIDYRL_LAYER_KERNELS", "none")  # one that is: a model tidyrl did not load takes it
+    assert layer_kernels.prepare(qwen2().train()) == "none"
 
 
 def test_where_compiling_fails_the_model_s_own_layers_run_with_a_warning(on_cpu, monkeypatch):

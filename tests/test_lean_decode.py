@@ -11,6 +11,7 @@ from conftest import interpreted_triton, rerun_interpreted, with_random_norms_an
 from conftest import llama as _llama
 
 from tidyrl.models import generation, lean_decode
+from tidyrl.models.kernels import Kernels, attach
 from tidyrl.models.lean_decode import DecodeStep, attention_bias, supports
 from tidyrl.models.generation import (_BufferedLayer, _buffered_cache, cache_argument, generate, left_pad,
                                       returned_cache, sample_seed)
@@ -224,7 +225,7 @@ def test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding(monkeypa
     the unfused step's logits and cache up to bf16 rounding, over several tokens, with q/k/v biases (qwen2) and
     grouped heads, on the model's own weights (q/k/v and gate/up side by side for the generation, silu(gate) * up
     one kernel) and on the small-model copies; the attention both as one kernel with rope and the cache writes over
-    the positions written so far (the default) and as SDPA over the whole capacity (TIDYRL_DECODE_ATTENTION=sdpa)."""
+    the positions written so far (the default) and as SDPA over the whole capacity (kernels.decode_attention: sdpa)."""
     fused = interpreted_triton(monkeypatch, "fused_decode")
     if fused is None:  # Triton already imported here, compiling: the same test in a process of its own
         return rerun_interpreted(f"{__file__}::test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding")
@@ -232,14 +233,14 @@ def test_the_fused_decoding_kernels_are_the_unfused_step_up_to_rounding(monkeypa
     for name in ("add_rms_norm", "rope_and_cache", "attention", "rope_cache_attend", "silu_and_mul"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
-    monkeypatch.setattr(fused, "wanted", lambda device, dtype, head_dim: dtype == torch.bfloat16)
+    monkeypatch.setattr(fused, "wanted", lambda device, dtype, head_dim, on: on and dtype == torch.bfloat16)
     try:
         for attention in ("kernel", "sdpa"):
-            monkeypatch.setenv("TIDYRL_DECODE_ATTENTION", attention)
             calls.clear()
             for name, copy_max in (("llama-gqa", 0), ("qwen2", 0), ("qwen2", lean_decode.COPY_MAX_BYTES)):
                 monkeypatch.setattr(lean_decode, "COPY_MAX_BYTES", copy_max)
-                fused_and_plain_steps_agree(MODELS[name]().to(torch.bfloat16), "cpu", copied=bool(copy_max))
+                model = attach(MODELS[name]().to(torch.bfloat16), Kernels(decode_attention=attention))
+                fused_and_plain_steps_agree(model, "cpu", copied=bool(copy_max))
             per_step = 2 * 2 + 1  # two layers: two norms each, and the final norm
             layer_steps = 3 * 4 * 2  # three models, four steps, two layers
             assert calls.count("add_rms_norm") == 3 * 4 * per_step and calls.count("silu_and_mul") == layer_steps
@@ -362,14 +363,14 @@ def test_a_fixed_shape_generation_with_the_fused_draw_draws_what_the_unfused_one
     try:
         model = MODELS["llama-gqa"]()
         plain = generate(model, prompts, **kwargs)
-        monkeypatch.setattr(fused, "draw_wanted", lambda logits: True)
+        monkeypatch.setattr(fused, "draw_wanted", lambda logits, on: on)
         drawn = generate(model, prompts, **kwargs)
         for a, b in zip(drawn[:3], plain[:3]):
             assert torch.equal(a, b)
         torch.testing.assert_close(drawn[3], plain[3], atol=2e-6, rtol=0)
         assert (drawn[1].sum(1) >= 3).all()  # no EOS before min_new_tokens
 
-        monkeypatch.setattr(fused, "wanted", lambda device, dtype, head_dim: dtype == torch.bfloat16)
+        monkeypatch.setattr(fused, "wanted", lambda device, dtype, head_dim, on: on and dtype == torch.bfloat16)
         low = MODELS["qwen2"]().to(torch.bfloat16)
         ids, mask, _, logprobs = generate(low, prompts, **kwargs)
         assert lean_decode._STEPS[low].fused and ids.shape == (12, 12)
@@ -392,7 +393,7 @@ def test_fused_kernels_that_fail_on_a_device_give_way_to_the_unfused_ops(monkeyp
     plain = generate(model, prompts, **kwargs)
     monkeypatch.setattr(fused_decode, "_failure", None)
     monkeypatch.setattr(fused_decode, "_kernels", lambda: object())  # "importable"; the step asks on the CPU:
-    monkeypatch.setattr(fused_decode, "wanted", lambda device, dtype, head_dim: fused_decode._enabled())
+    monkeypatch.setattr(fused_decode, "wanted", lambda device, dtype, head_dim, on: fused_decode._enabled(on))
     calls = []
 
     def broken(*args, **kwargs):
@@ -404,7 +405,7 @@ def test_fused_kernels_that_fail_on_a_device_give_way_to_the_unfused_ops(monkeyp
     lean_decode._STEPS.pop(model, None)
     with pytest.warns(RuntimeWarning, match="fused decoding kernels failed.*PTX compile failed for sm_75"):
         again = generate(model, prompts, **kwargs)
-    assert calls == [1] and not fused_decode._enabled()
+    assert calls == [1] and not fused_decode._enabled(True)
     assert fused_decode.failure() == "RuntimeError: PTX compile failed for sm_75"  # what the benchmarks print
     for a, b in zip(again, plain):
         assert torch.equal(a, b)
@@ -601,7 +602,7 @@ def test_side_by_side_weights_are_the_projections_concatenated_for_a_generation_
     copies, or above SIDE_BY_SIDE_MAX_BYTES."""
     model = with_random_norms_and_biases(_llama(attention_bias=True)).to(torch.bfloat16)
     monkeypatch.setattr(lean_decode, "COPY_MAX_BYTES", 0)
-    monkeypatch.setattr(lean_decode.fused_decode, "wanted", lambda device, dtype, head_dim: True)
+    monkeypatch.setattr(lean_decode.fused_decode, "wanted", lambda device, dtype, head_dim, on: on)
     step = DecodeStep(model, 64)
     pairs = step.side_by_side()
     attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp

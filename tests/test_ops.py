@@ -130,7 +130,7 @@ def test_fused_logprobs_entropy_and_gradient_are_the_float32_maths_of_the_row_by
     monkeypatch.setattr(fused, "BLOCK", 16)  # several blocks per row at this test's vocabulary
     from tidyrl.models.ops import gather_logprobs_and_entropy
 
-    monkeypatch.setattr(fused, "wanted", lambda logits: True)  # (CPU tensors: the interpreter runs the kernels)
+    monkeypatch.setattr(fused, "wanted", lambda logits, on=None: True)  # (CPU tensors: the interpreter runs them)
     try:
         logits, ids = _random(B=3, T=6, V=53, seed=3)
         weights = torch.randn(3, 5, generator=torch.Generator().manual_seed(4))
@@ -171,5 +171,6 @@ def test_the_fused_kernels_serve_only_low_precision_cuda_logits(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert fused_logprobs.wanted(cpu) and not fused_logprobs.wanted(cpu.float())
     assert not fused_logprobs.wanted(cpu[0])  # (only [B, T, V])
-    monkeypatch.setenv("TIDYRL_FUSED_LOGPROBS", "0")
-    assert not fused_logprobs.wanted(cpu)
+    assert not fused_logprobs.wanted(cpu, on=False)  # kernels.fused_logprobs: false
+    monkeypatch.setenv("TIDYRL_FUSED_LOGPROBS", "0")  # a developer override: where no choice is given (`defaults`)
+    assert not fused_logprobs.wanted(cpu) and fused_logprobs.wanted(cpu, on=True)

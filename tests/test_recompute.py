@@ -8,6 +8,7 @@ import torch
 
 from conftest import completion_batch, llama, mistral, qwen2, with_random_norms_and_biases
 from tidyrl.models import forward, recompute
+from tidyrl.models.kernels import Kernels, attach
 
 # Bit-equality between code paths, which may hold on some CPU kernels only: CI reruns these tests under
 # other kernels (pytest -m kernels; tests/conftest.py).
@@ -38,7 +39,7 @@ def test_recomputed_norms_and_mlp_products_change_no_number_and_keep_fewer_bytes
     plain = _run(model, batch, weights)
     monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
     assert recompute._cheap_parts(model) == []  # off by default
-    monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")
+    attach(model, Kernels(recompute=True))  # kernels.recompute: true
     parts = recompute._cheap_parts(model)
     assert len(parts) == 2 * 2 + 1 + 2  # two layers: two norms and an MLP each, and the final norm
     checkpoints = []
@@ -57,8 +58,7 @@ def test_recomputed_norms_and_mlp_products_change_no_number_and_keep_fewer_bytes
 def test_nothing_is_recomputed_without_gradients_or_where_it_does_not_apply(monkeypatch):
     from tidyrl.models.loading import enable_gradient_checkpointing
 
-    model = llama().to(torch.bfloat16)
-    monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")
+    model = attach(llama().to(torch.bfloat16), Kernels(recompute=True))
     assert recompute._cheap_parts(model) == []  # CPU is not among RECOMPUTE_DEVICES
     monkeypatch.setattr(recompute, "RECOMPUTE_DEVICES", ("cpu",))
     assert len(recompute._cheap_parts(model)) == 7
@@ -70,8 +70,9 @@ def test_nothing_is_recomputed_without_gradients_or_where_it_does_not_apply(monk
     assert len(recompute._cheap_parts(model)) == 6  # a hooked module keeps its own forward
     enable_gradient_checkpointing(model)
     assert recompute._cheap_parts(model) == []  # whole layers recomputed already
-    monkeypatch.setenv("TIDYRL_RECOMPUTE", "0")
-    assert recompute._cheap_parts(llama().to(torch.bfloat16)) == []
+    assert recompute._cheap_parts(attach(llama().to(torch.bfloat16), Kernels(recompute=False))) == []
+    monkeypatch.setenv("TIDYRL_RECOMPUTE", "1")  # a developer override: a model tidyrl did not load takes it
+    assert len(recompute._cheap_parts(llama().to(torch.bfloat16))) == 7
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

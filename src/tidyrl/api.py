@@ -21,12 +21,14 @@ LOOPS = {
 
 
 def check_parts(cfg: Config) -> None:
-    """The checks that live with the parts a config names, before anything loads: its trackers (log.report_to)
-    and, for an RL stage, its engine (rollout.engine). Raises ConfigError listing every problem. `tidyrl.train`
-    and `tidyrl plan` call it after `load_config`'s own checks."""
+    """The checks that live with the parts a config names, before anything loads: its trackers (log.report_to),
+    for an RL stage its engine (rollout.engine), and the developer overrides of its kernels set in the environment
+    (`models.kernels.override_problems`). Raises ConfigError listing every problem. `tidyrl.train` and `tidyrl plan`
+    call it after `load_config`'s own checks."""
+    from tidyrl.models.kernels import override_problems
     from tidyrl.trackers import tracker_problems
 
-    problems = []
+    problems = override_problems()
     if cfg.algorithm in RL_ALGORITHMS:
         from tidyrl.engines import engine_problems
 

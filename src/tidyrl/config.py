@@ -18,8 +18,9 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
-from tidyrl.algorithms.choices import (DPO_LOSS_TYPES, GRPO_SCALES, KL_ESTIMATORS, LABEL_SMOOTHING_LOSS_TYPES,
-                                      LOSS_AGGREGATIONS, REFERENCE_FREE_LOSS_TYPES, SFT_LOSS_AGGREGATIONS)
+from tidyrl.algorithms.choices import (DECODE_ATTENTIONS, DPO_LOSS_TYPES, GRPO_SCALES, KL_ESTIMATORS,
+                                      LABEL_SMOOTHING_LOSS_TYPES, LAYER_KERNEL_MODES, LOSS_AGGREGATIONS,
+                                      REFERENCE_FREE_LOSS_TYPES, SFT_LOSS_AGGREGATIONS)
 from tidyrl.algorithms.table import ALGORITHMS as RL_TABLE
 from tidyrl.algorithms.table import POLICY_LOSSES
 
@@ -714,6 +715,42 @@ class LoRAConfig:
 
 
 @dataclass
+class KernelsConfig:
+    chunked_head: bool = True
+    """CUDA, bf16/fp16, a declared family on the fast path (not FSDP, not an adapter that trains the output layer):
+    the output layer applied by tidyrl a chunk of positions at a time, so the (positions, vocabulary) logits and
+    their gradient are never whole (models/chunked_head.py: the update's peak ~1.8 GB lower on Qwen2.5-0.5B).
+    false = the model's own output layer. The same numbers to float rounding."""
+    fused_decode: bool = True
+    """CUDA, bf16/fp16, the built-in engine's decode step on a declared Llama-like layout: a few Triton kernels per
+    layer (each residual add with its RMSNorm, rope with the cache writes, silu(gate) * up) and the next token drawn
+    in three kernels (models/fused_decode.py). false = the unfused step. The same tokens to float rounding."""
+    decode_attention: str = "kernel"
+    """With kernels.fused_decode: the decode step's attention, kernel (one Triton kernel with rope and the cache
+    writes, over the cache positions written so far) or sdpa (rope and the cache writes, then one SDPA call over the
+    whole cache)."""
+    fused_logprobs: bool = True
+    """CUDA, bf16/fp16 logits: log-probs and entropies in float32 by two Triton kernels, one pass over the vocabulary
+    each (models/fused_logprobs.py). false = row by row in float32. The same numbers to float rounding."""
+    layer_kernels: str = "compile"
+    """CUDA, a declared dense family on the fast path trained whole (not LoRA, FSDP2, gradient checkpointing,
+    kernels.recompute or train.exact_gradients): compile (each decoder layer of the policy compiled by torch.compile,
+    ~20 s once a run; on an H200 the 0.5B update 0.57 s against 0.86 s a rollout; where compiling fails, the model's
+    own layers, with a warning) or none (the model's own layers; models/layer_kernels.py)."""
+    recompute: bool = False
+    """CUDA, the training forward of a declared family with Llama's pre-norms: each RMSNorm and each MLP's
+    act(gate) * up recomputed in the backward pass instead of keeping their intermediates (models/recompute.py:
+    the update's peak ~1.8 GB lower on Qwen2.5-0.5B, the same numbers bit for bit, but the update ~1.3x slower on an
+    H100). The lever for an update short of memory, lighter than train.gradient_checkpointing."""
+
+    def check(self, need, cfg: "Config") -> None:
+        need(self.decode_attention in DECODE_ATTENTIONS, "kernels.decode_attention",
+             f"{self.decode_attention!r} is not one of {', '.join(DECODE_ATTENTIONS)}")
+        need(self.layer_kernels in LAYER_KERNEL_MODES, "kernels.layer_kernels",
+             f"{self.layer_kernels!r} is not one of {', '.join(LAYER_KERNEL_MODES)}")
+
+
+@dataclass
 class Config:
     algorithm: str = "grpo"
     """The algorithm: an on-policy one of the algorithm table (tidyrl.algorithms.table.ALGORITHMS, docs/algorithms.md) or an offline stage (config.OFFLINE_STAGES, docs/stages.md)."""
@@ -776,6 +813,10 @@ class Config:
     """The vLLM engine (rollout.engine: vllm)."""
     server: ServerConfig = field(default_factory=ServerConfig)
     """vLLM servers in their own processes (rollout.engine: vllm-server)."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Which of tidyrl's own CUDA kernels run (every stage, every model it loads; docs/runs.md). None applies on a
+    CPU; none changes a number beyond float rounding. The TIDYRL_* environment variables override them for
+    benchmarks only (a run names each it finds: its start, plan.json's kernel_overrides, its summary)."""
 
 
 # --------------------------------------------------------------------------
@@ -988,6 +1029,7 @@ def validate(cfg: Config) -> None:
         if RL_TABLE[cfg.algorithm].critic:
             cfg.critic.check(need, cfg)
     cfg.log.check(need, cfg)
+    cfg.kernels.check(need, cfg)
     if problems:
         raise ConfigError(problems)
 

@@ -94,6 +94,17 @@ def resolve_eval_config(config=None, *, model: Optional[str] = None, data: Optio
     return cfg, config_base_dir(config)
 
 
+def check_kernel_overrides() -> None:
+    """The developer overrides of the kernels set in the environment (`models.kernels`), checked before anything
+    loads, as `tidyrl.train` checks them (`api.check_parts`): ConfigError naming each invalid one."""
+    from tidyrl.config import ConfigError
+    from tidyrl.models.kernels import override_problems
+
+    problems = override_problems()
+    if problems:
+        raise ConfigError(problems)
+
+
 def default_output_dir(model: str) -> Path:
     """Where an evaluation goes by default: eval-<name> beside a local model folder, except for a model inside a
     run's folder (a checkpoint-N/, final/, best/ of a folder holding plan.json), whose evaluation goes beside the
@@ -125,6 +136,7 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
     from tidyrl.loops.rl_inputs import check_eval_inputs
 
     cfg, base_dir = resolve_eval_config(config, model=model, data=data, rewards=rewards, overrides=overrides)
+    check_kernel_overrides()
     seed = cfg.seed if seed is None else seed  # the sampling keys' (the held-out prompts stay the config's)
     if num_prompts is not None and num_prompts != DEFAULT_PROMPTS and num_prompts < 1:
         raise EvalError(f"--num-prompts (num_prompts) must be >= 1, or `all` (None), got {num_prompts}")
@@ -206,7 +218,8 @@ def _held_out_evaluation(cfg, inputs, accelerator, k: int, greedy: bool, seed: i
     from tidyrl.models.loading import load_causal_lm
 
     ro = cfg.rollout
-    policy = load_causal_lm(cfg.model, cfg.model_dtype).eval()  # on the host until an engine samples from it
+    # on the host until an engine samples from it
+    policy = load_causal_lm(cfg.model, cfg.model_dtype, kernels=cfg.kernels).eval()
     eos_ids = eos_token_ids(policy, inputs.tokenizer)
     pad_id = pad_token_id(inputs.tokenizer, eos_ids)
     device = accelerator.device

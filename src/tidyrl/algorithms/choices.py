@@ -1,5 +1,6 @@
-"""The values the algorithms' options take, each list owned here and read by the functions that take it, the
-config's checks (tidyrl.config) and the field docstrings the configuration reference is generated from.
+"""The values the algorithms' options (and the model kernels' options, `kernels.*`) take, each list owned here and
+read by the functions that take it, the config's checks (tidyrl.config) and the field docstrings the configuration
+reference is generated from.
 
 Pure data: imports nothing. The modules whose functions take these values import torch, which the config must
 not (a config's errors and `tidyrl plan` come back without loading it), so the lists live here and those
@@ -30,3 +31,11 @@ LABEL_SMOOTHING_LOSS_TYPES = ("sigmoid", "robust")
 REFERENCE_FREE_LOSS_TYPES = ("simpo", "orpo")
 """`dpo.loss_type` values that need no reference model (`preference.simpo_loss`,
 `preference.orpo_odds_ratio_loss`)."""
+
+DECODE_ATTENTIONS = ("kernel", "sdpa")
+"""`kernels.decode_attention`: the attentions of the fused decoding step (`models.fused_decode`): kernel (one Triton
+kernel over the cache positions written so far) or sdpa (one SDPA call over the whole cache)."""
+
+LAYER_KERNEL_MODES = ("compile", "none")
+"""`kernels.layer_kernels`: the modes of `models.layer_kernels` (compile the trained model's decoder layers where
+it applies, or keep the model's own)."""

@@ -128,7 +128,36 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
         )
     if cfg is not None:
         check_sharding(sharding_kind(accelerator), cfg)
+        if accelerator.is_main_process:  # the run's first words: what it computes differs from its config.yaml
+            for line in kernel_override_lines(cfg):
+                print(f"tidyrl: {line}", flush=True)
     return accelerator
+
+
+def run_kernels(cfg: Config):
+    """The choice of kernels this run's models carry (`models.kernels.Kernels`): the config's `kernels` section with
+    the developer overrides set in the environment in place, as `models.loading` attaches it."""
+    from tidyrl.models.kernels import Kernels, with_overrides
+
+    return with_overrides(Kernels.of(cfg.kernels))
+
+
+def kernel_overrides(cfg: Config) -> dict:
+    """plan.json's `kernel_overrides`: per developer override set in the environment (`models.kernels.OVERRIDES`),
+    {"kernels.<key>": {"variable": "TIDYRL_...=<value>", "value": what the run uses, "configured": config.yaml's}};
+    empty where none is set."""
+    from tidyrl.models.kernels import overrides
+
+    return {f"kernels.{o.key}": {"variable": f"{o.variable}={o.raw}", "value": o.value,
+                                 "configured": getattr(cfg.kernels, o.key)} for o in overrides()}
+
+
+def kernel_override_lines(cfg: Config) -> list[str]:
+    """One line per developer override in effect: what a run says at its start and in its summary."""
+    from tidyrl.models.kernels import overrides, shown
+
+    return [f"developer override: {o.describe()} (config.yaml: {shown(getattr(cfg.kernels, o.key))}); set "
+            f"kernels.{o.key} in the config to make it the run's" for o in overrides()]
 
 
 def distribution_of(accelerator) -> str:
@@ -184,7 +213,8 @@ def write_run_header(cfg: Config, plan: Plan, out: Path, accelerator, extra: Opt
     process. A one-process run's plan says world_size 1. A resumed run (`resumed`) writes plan.json again for its
     own processes, since a checkpoint resumes on any number of them (the world size, the per-process counts,
     `distribution` and the memory plan are then this run's; the totals are the same), keeping the extensions
-    recorded (`extended`); config.yaml stays the one the run started with."""
+    recorded (`extended`); config.yaml stays the one the run started with. Developer overrides of the kernels set in
+    the environment are recorded as `kernel_overrides` (`kernel_overrides`)."""
     if accelerator.is_main_process:
         path, kept = out / "plan.json", {}
         if resumed:
@@ -193,7 +223,9 @@ def write_run_header(cfg: Config, plan: Plan, out: Path, accelerator, extra: Opt
         else:
             save_config(cfg, out / "config.yaml")
         spread = {"distribution": distribution_of(accelerator)} if accelerator.num_processes > 1 else {}
-        header = {**plan.to_dict(), **spread, **(extra or {}), **kept}
+        overridden = kernel_overrides(cfg)
+        header = {**plan.to_dict(), **spread, **(extra or {}),
+                  **({"kernel_overrides": overridden} if overridden else {}), **kept}
         path.write_text(json.dumps(header, indent=2) + "\n")
 
 

@@ -172,12 +172,12 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     # 2. The policy (the checkpoint's when resuming) and the reference: the starting weights, frozen. With LoRA no
     # second copy: the reference is the policy with its adapter disabled. KTO keeps it for the per-step z0.
     model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path,
-                        device=weights_device(run.accelerator))
+                        device=weights_device(run.accelerator), kernels=cfg.kernels)
     ref_model = None
     if not cfg.lora.enabled:
         # (under FSDP2 sharded like the policy: `place_frozen`)
-        ref_model = place_frozen(load_causal_lm(cfg.model, cfg.model_dtype, device=frozen_device(run.accelerator)),
-                                 run.accelerator)
+        ref_model = place_frozen(load_causal_lm(cfg.model, cfg.model_dtype, device=frozen_device(run.accelerator),
+                                                kernels=cfg.kernels), run.accelerator)
     flat, pad_notes = choose_padding_free(cfg, model)
     run.say(pad_notes + ([adapter_note(model)] if cfg.lora.enabled else []))
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)

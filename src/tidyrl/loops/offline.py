@@ -122,13 +122,15 @@ def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     previous example's last token "predicts" in the flat row, is never a target, so nothing crosses examples."""
     import torch.nn.functional as F
 
+    from tidyrl.models.kernels import kernels_of
     from tidyrl.models.ops import gather_logprobs
 
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     logits_BTV = model(**inputs, use_cache=False).logits
     # The last position predicts nothing: read with token 0 and dropped, rather than slicing the logits (whose
     # backward would be a zero-filled copy of them all).
-    logprobs_BT = gather_logprobs(logits_BTV, F.pad(batch["input_ids"][:, 1:], (0, 1)))[:, :-1]
+    logprobs_BT = gather_logprobs(logits_BTV, F.pad(batch["input_ids"][:, 1:], (0, 1)),
+                                  fused=kernels_of(model).fused_logprobs)[:, :-1]
     mask_BT = batch["target_mask"][:, 1:]
     if "lengths" not in batch:
         return logprobs_BT, mask_BT
@@ -282,7 +284,8 @@ class OfflineRun:
         import functools
 
         from tidyrl.data import PromptStream
-        from tidyrl.loops.common import TrainResult, distribution_of, save_pretrained_atomic, write_run_header
+        from tidyrl.loops.common import (TrainResult, distribution_of, kernel_override_lines, save_pretrained_atomic,
+                                         write_run_header)
         from tidyrl.loops.training import Steps, keep_if_best
         from tidyrl.metrics import format_offline_summary
 
@@ -317,7 +320,7 @@ class OfflineRun:
         if self.is_main:
             print(format_offline_summary(cfg.algorithm, plan, steps.log.timings, time.perf_counter() - self.start,
                                          first, row, self.out, final_dir, steps.log.tracker_locations, self.best,
-                                         distribution=distribution_of(acc)),
+                                         distribution=distribution_of(acc), overrides=kernel_override_lines(cfg)),
                   flush=True)
         return TrainResult(output_dir=self.out, final_dir=final_dir, plan=plan, metrics=row,
                            is_main_process=self.is_main)

@@ -26,10 +26,13 @@ from tidyrl.loops.common import TrainResult, prepare_for_training, weights_devic
 from tidyrl.models.loading import load_model_config, load_tokenizer, placed, torch_dtype, without_dropout
 
 
-def load_reward_model(path: str, pad_id: int, dtype: str = "float32", device=None):
+def load_reward_model(path: str, pad_id: int, dtype: str = "float32", device=None, kernels=None):
     """`AutoModelForSequenceClassification` with one output, dropout off and pad_token_id set (the model finds
     each sequence's last token by it). From a causal LM folder the score head is new, initialised from the
-    current torch seed (on the host, wherever the model is then placed: `models.loading.placed`)."""
+    current torch seed (on the host, wherever the model is then placed: `models.loading.placed`). It carries the
+    choice `kernels` as every model a run loads (`models.kernels.attach`)."""
+    from tidyrl.models.kernels import attach
+
     from transformers import AutoConfig, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
@@ -39,8 +42,9 @@ def load_reward_model(path: str, pad_id: int, dtype: str = "float32", device=Non
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "score.weight newly initialized": expected here, and said by the caller
     try:
-        return placed(AutoModelForSequenceClassification.from_pretrained(path, config=model_config,
-                                                                         dtype=torch_dtype(dtype)), device)
+        return attach(placed(AutoModelForSequenceClassification.from_pretrained(path, config=model_config,
+                                                                                dtype=torch_dtype(dtype)), device),
+                      kernels)
     finally:
         hf_logging.set_verbosity(verbosity)
 
@@ -154,13 +158,13 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     if cfg.lora.enabled:  # the new score head is trained in full (peft's modules_to_save), the rest by LoRA
         from tidyrl.models.lora import adapter_note, apply_lora, load_adapter
 
-        model = load_reward_model(cfg.model, pad_id, cfg.model_dtype)
+        model = load_reward_model(cfg.model, pad_id, cfg.model_dtype, kernels=cfg.kernels)
         model = (load_adapter(model, run.resume_path, trainable=True) if run.resume_path else
                  apply_lora(model, cfg.lora, cfg.model, task="sequence_classification"))
         notes = notes + [adapter_note(model)]
     else:
         model = load_reward_model(str(run.resume_path or cfg.model), pad_id, cfg.model_dtype,
-                                  device=weights_device(run.accelerator))
+                                  device=weights_device(run.accelerator), kernels=cfg.kernels)
     run.say(notes + [f"reward model: {type(model).__name__} with one output on {cfg.model}"])
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)
 

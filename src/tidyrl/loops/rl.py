@@ -104,14 +104,14 @@ class RLRun:
         cfg, a = self.cfg, self.algo
         # A resumed run continues from the checkpoint's weights; the reference stays the starting model.
         model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, self.resume_path,
-                            device=weights_device(self.accelerator))
+                            device=weights_device(self.accelerator), kernels=cfg.kernels)
         self._say(loaded_path_note("policy", model, self.inputs.paths))
         # The reference of the KL penalty: a second, frozen copy of the starting model; with LoRA, none is loaded:
         # the policy with its adapter disabled is the starting model (`lora.reference_of`).
         self.use_reference = a.kl_coef > 0
         self.ref_model = None
         if self.use_reference and not cfg.lora.enabled:  # (under FSDP2 sharded like the policy: `place_frozen`)
-            self.ref_model = place_frozen(load_causal_lm(cfg.model, cfg.model_dtype,
+            self.ref_model = place_frozen(load_causal_lm(cfg.model, cfg.model_dtype, kernels=cfg.kernels,
                                                          device=frozen_device(self.accelerator)), self.accelerator)
             if is_sharded(self.ref_model):
                 self._say(f"KL reference: sharded like the policy, {self.world_size} shards")
@@ -261,6 +261,7 @@ class RLRun:
                  elapsed=time.perf_counter() - self.start, first_reward=self.first_reward, ahead=ahead)
 
     def _finish(self, row: dict, last_reward, log) -> TrainResult:
+        from tidyrl.loops.common import kernel_override_lines
         from tidyrl.metrics import format_summary
 
         critic = self.trainee.critic
@@ -272,7 +273,8 @@ class RLRun:
                                  last_reward, self.out, final_dir, log.tracker_locations,
                                  {k: v for k, v in row.items() if k.startswith("eval/")}, self.state.best,
                                  self.state.group_totals, engine=self.engine.name,
-                                 distribution=distribution_of(self.accelerator)), flush=True)
+                                 distribution=distribution_of(self.accelerator),
+                                 overrides=kernel_override_lines(self.cfg)), flush=True)
         return TrainResult(self.out, final_dir, self.plan, row, self.first_reward, last_reward, self.is_main)
 
     def _new_rollout(self, r: int, step: int, samples_log):
@@ -372,8 +374,8 @@ def load_teacher(cfg: Config, accelerator, tokenizer, eos_ids, say):
 
         return ServerScorer([cfg.teacher.url], timeout_s=cfg.server.timeout_s, retries=cfg.server.retries)
     if not cfg.teacher.cross_tokenizer:
-        teacher = place_frozen(load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=frozen_device(accelerator)),
-                               accelerator)
+        teacher = place_frozen(load_causal_lm(cfg.teacher.model, cfg.model_dtype, kernels=cfg.kernels,
+                                              device=frozen_device(accelerator)), accelerator)
         if is_sharded(teacher):
             say(f"teacher: sharded like the policy, {accelerator.num_processes} shards")
         return teacher
@@ -381,7 +383,7 @@ def load_teacher(cfg: Config, accelerator, tokenizer, eos_ids, say):
     from tidyrl.rollouts.teacher import CrossTokenizerTeacher
 
     ro = cfg.rollout
-    teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=accelerator.device)
+    teacher = load_causal_lm(cfg.teacher.model, cfg.model_dtype, device=accelerator.device, kernels=cfg.kernels)
     return CrossTokenizerTeacher(teacher.eval().requires_grad_(False), load_tokenizer(cfg.teacher.model), tokenizer,
                                  eos_ids, temperature=ro.temperature, chunk_size=ro.forward_batch_size,
                                  fast_path=cfg.model_fast_paths)

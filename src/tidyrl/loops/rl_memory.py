@@ -14,6 +14,7 @@ from tidyrl.config import Config, ConfigError
 from tidyrl.engines import engine_module
 from tidyrl.loops.memory_plan import (DTYPE_BYTES, MemoryInputs, MemoryPlan, Scorer, Shape, fit_problems, gib,
                                       memory_plan, parse_size)
+from tidyrl.loops.common import run_kernels
 from tidyrl.models.families import on_fast_path
 from tidyrl.models.loading import load_model_config
 
@@ -61,8 +62,7 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
         gradient_checkpointing=cfg.train.gradient_checkpointing,
         sync_each_microbatch=cfg.train.sync_each_microbatch,
         accumulation_steps=per_minibatch // cfg.train.micro_batch_size,
-        chunked_head=cuda and b < 4 and on_fast_path(model_config)
-        and os.environ.get("TIDYRL_CHUNKED_HEAD", "1") != "0",
+        chunked_head=cuda and b < 4 and on_fast_path(model_config) and run_kernels(cfg).chunked_head,
         # (lean_forward.can_run: DDP and FSDP2 wrap the policy, LoRA and gradient checkpointing wrap its modules)
         lean_update=lean(model_config) and plan.world_size == 1 and not cfg.lora.enabled
         and not cfg.train.gradient_checkpointing,

@@ -246,5 +246,5 @@ def prepare_critic(trainee: Trainee, path: str, cfg, plan, accelerator) -> None:
     train = replace(cfg.train, learning_rate=cfg.critic.learning_rate if cfg.critic.learning_rate is not None
                     else cfg.train.learning_rate)
     trainee.critic, trainee.critic_optimizer, trainee.critic_scheduler = prepare_for_training(
-        accelerator, load_critic(path, cfg.model_dtype, weights_device(accelerator)), train, plan,
+        accelerator, load_critic(path, cfg.model_dtype, weights_device(accelerator), kernels=cfg.kernels), train, plan,
         cfg.critic.lr_scheduler)

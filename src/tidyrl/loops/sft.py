@@ -102,7 +102,7 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
 
     # 2. The model (the checkpoint's when resuming), the optimizer and the LR schedule (over the plan's steps).
     model = load_policy(cfg.model, cfg.model_dtype, cfg.lora if cfg.lora.enabled else None, run.resume_path,
-                        device=weights_device(run.accelerator))
+                        device=weights_device(run.accelerator), kernels=cfg.kernels)
     flat, notes = choose_padding_free(cfg, model)  # and checks that packed rows keep examples apart
     run.say(notes + ([adapter_note(model)] if cfg.lora.enabled else []))
     model, optimizer, scheduler = prepare_for_training(run.accelerator, model, cfg.train, plan)

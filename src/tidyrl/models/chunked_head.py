@@ -22,13 +22,12 @@ causal-LM forward is exactly lm_head(base model's last hidden states) (`head_of`
 output layer is the base model's (LoRA on the projections, the output layer frozen) or inside DDP: the model's own
 forward runs, through peft's and DDP's where they wrap it (DDP's reducer must see each forward), with the output
 layer passing its input through (`passed_through`). Not for FSDP (the output layer's weight is sharded).
-`TIDYRL_CHUNKED_HEAD=0` turns it off.
+`kernels.chunked_head: false` turns it off (`models.kernels`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator, Optional
 
 import torch
@@ -53,15 +52,15 @@ def head_of(model) -> Optional[nn.Linear]:
     keep])` and nothing more, no logit scaling or soft-capping), alone, under peft or inside DDP (not sharded by FSDP,
     no accelerate hooks), in bf16/fp16 on a
     device of HEAD_DEVICES, its `lm_head` a plain linear layer without bias (under peft: neither adapted nor a
-    trained copy, `modules_to_save`); else None."""
+    trained copy, `modules_to_save`), its choice of kernels (`kernels_of`) with `chunked_head` on; else None."""
     from tidyrl.models.families import on_fast_path
-    from tidyrl.models.lean_decode import base_of
+    from tidyrl.models.kernels import kernels_of
     from tidyrl.models.lean_layer import wrapped as _wrapped
-    from tidyrl.models.sharding import ddp_inner, is_sharded
+    from tidyrl.models.sharding import base_of, ddp_inner, is_sharded
 
     peft_or_model = ddp_inner(model)
     inner = base_of(peft_or_model)
-    if os.environ.get("TIDYRL_CHUNKED_HEAD", "1") == "0" or not on_fast_path(
+    if not kernels_of(inner).chunked_head or not on_fast_path(
             inner.config, type(inner).__name__):
         return None
     head, base = getattr(inner, "lm_head", None), getattr(inner, "model", None)
@@ -91,13 +90,14 @@ def _unchanged(x: Tensor) -> Tensor:
 
 
 def head_logprobs(hidden_BTH: Tensor, weight_VH: Tensor, ids_BT: Tensor, temperature: float,
-                  with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+                  with_entropy: bool = False, fused: Optional[bool] = None) -> tuple[Tensor, Optional[Tensor]]:
     """(log-probs, entropy or None), float32 (B, T), of tokens `ids_BT` under logits = hidden W^T / temperature,
     the logits made a chunk at a time (see the module's docstring). Gradients reach `hidden_BTH` and `weight_VH`;
-    the entropy has none."""
+    the entropy has none. `fused`: whether `fused_logprobs`' kernels may serve each chunk (`kernels.fused_logprobs`;
+    None: the defaults)."""
     B, T, H = hidden_BTH.shape
     out = _ChunkedHead.apply(hidden_BTH.reshape(B * T, H), weight_VH, ids_BT.reshape(-1).long(),
-                             float(temperature), with_entropy)
+                             float(temperature), with_entropy, fused)
     logprobs, entropy = out if with_entropy else (out, None)
     return logprobs.view(B, T), entropy.view(B, T) if with_entropy else None
 
@@ -116,7 +116,8 @@ def _slice_width(positions: int, itemsize: int) -> int:
 
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NH: Tensor, weight_VH: Tensor, ids_N: Tensor, temperature: float, with_entropy: bool):
+    def forward(ctx, hidden_NH: Tensor, weight_VH: Tensor, ids_N: Tensor, temperature: float, with_entropy: bool,
+                fused: Optional[bool]):
         N, V = hidden_NH.shape[0], weight_VH.shape[0]
         lse = torch.empty(N, dtype=torch.float32, device=hidden_NH.device)
         logprobs = torch.empty_like(lse)
@@ -127,12 +128,12 @@ class _ChunkedHead(torch.autograd.Function):
             logits = F.linear(hidden_NH[start:end], weight_VH)
             if temperature != 1.0:
                 logits.div_(temperature)
-            stats = low_precision_stats(logits[None], ids_N[None, start:end], with_entropy)
+            stats = low_precision_stats(logits[None], ids_N[None, start:end], with_entropy, fused)
             lse[start:end], logprobs[start:end] = stats[2][0], stats[3][0]
             if with_entropy:
                 entropy[start:end] = stats[4][0]
             del logits, stats  # (before the next chunk's: one chunk alive at a time)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.fused = temperature, fused
         ctx.save_for_backward(hidden_NH, weight_VH, ids_N, lse)
         if with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -155,14 +156,15 @@ class _ChunkedHead(torch.autograd.Function):
                 logits.div_(ctx.temperature)
             # d/dl of this slice (its ids shifted to it), written over its logits; then the division's backward,
             # as autograd's (/ T)
-            d = low_precision_grad(logits[None], (ids_N - start)[None], lse[None], grad[None], out=logits[None])[0]
+            d = low_precision_grad(logits[None], (ids_N - start)[None], lse[None], grad[None], out=logits[None],
+                                   fused=ctx.fused)[0]
             if ctx.temperature != 1.0:
                 d.div_(ctx.temperature)
             if grad_weight is not None:
                 torch.mm(d.t(), hidden_NH, out=grad_weight[start:end])
             grad_hidden += _mm_float32(d, part)
             del logits, d  # (before the next slice's: one slice alive at a time)
-        return grad_hidden.to(hidden_NH.dtype), grad_weight, None, None, None
+        return grad_hidden.to(hidden_NH.dtype), grad_weight, None, None, None, None
 
 
 def _mm_float32(a: Tensor, b: Tensor) -> Tensor:

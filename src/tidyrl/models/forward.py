@@ -12,8 +12,9 @@ the model's forward
 (`_shared_prompt_logits`): the same maths with fewer FLOPs. Which of these a device takes is decided per device
 type by measurement (`LAYOUTS`): on CUDA the model's own forward over whole rows, measured faster there, its output
 layer applied in chunks by `models.chunked_head` where the model allows (`head_of`): the whole logits are never made;
-its decoder layers compiled where the model trains (`models.layer_kernels`); and with `TIDYRL_RECOMPUTE=1` its norms
-and MLP products recomputed in the backward pass (`models.recompute`).
+its decoder layers compiled where the model trains (`models.layer_kernels`); and with `kernels.recompute: true` its
+norms and MLP products recomputed in the backward pass (`models.recompute`). Which of these kernels a model runs is
+the choice it carries (`models.kernels.kernels_of`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tidyrl.models import layer_kernels
 from tidyrl.models.chunked_head import head_logprobs, head_of, passed_through
 from tidyrl.models.devices import to_device
 from tidyrl.models.generation import _plain_kv_cache, cache_argument, model_device, returned_cache
+from tidyrl.models.kernels import kernels_of
 from tidyrl.models.devices import width_padding
 from tidyrl.models.lean_forward import logits_if_lean
 from tidyrl.models.loading import activation_checkpointing_on
@@ -294,18 +296,18 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     if parts is None and fast_path and (head := head_of(model)) is not None:
         hidden = _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask)
         return head_logprobs(hidden, head.weight, to_device(completion_ids, hidden.device), temperature,
-                             with_entropy)
+                             with_entropy, fused=kernels_of(model).fused_logprobs)
     if parts is None:
         parts = [_onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)]
     tc, widths = completion_ids.shape[1], [p.shape[1] for p in parts]
     # A column that predicts nothing is read with token 0 and dropped: per-position maths, the same numbers.
     ids = F.pad(to_device(completion_ids, parts[0].device), (0, sum(widths) - tc)).split(widths, dim=1)
-    logprobs, entropy = [], []
+    logprobs, entropy, fused = [], [], kernels_of(model).fused_logprobs
     for logits, part_ids in zip(parts, ids):  # per column block: the same numbers as on their concatenation
         if temperature != 1.0:  # (x / 1.0 is x: skip a copy of the largest tensor of the pass)
             logits = logits / temperature
         # entropy without grad; a low-precision row is upcast once for both (tidyrl.models.ops)
-        part = gather_logprobs_and_entropy(logits, part_ids, with_entropy)
+        part = gather_logprobs_and_entropy(logits, part_ids, with_entropy, fused=fused)
         logprobs.append(part[0])
         entropy.append(part[1])
     return torch.cat(logprobs, dim=1)[:, :tc], torch.cat(entropy, dim=1)[:, :tc] if with_entropy else None

@@ -1,9 +1,10 @@
 """Fewer kernels per decoder layer in a bf16/fp16 decoding step on CUDA: Triton kernels and one attention call.
 
 Why: a CUDA graph of the lean step (`lean_decode.StaticDecode`) launches no kernel from Python, but the GPU
-still runs each one: on an H200 the unfused Qwen2.5-0.5B step (`TIDYRL_FUSED_DECODE=0`) runs ~1 100 kernels per
-token, ~3 us each, for 3.2 ms of device time, where its matmuls need ~0.35 ms (`python benchmarks/bench_decode.py
---device cuda --profile 16`; `benchmarks/count_decode_ops.py` counts the ops without a GPU). Per layer, unfused,
+still runs each one: on an H200 the unfused Qwen2.5-0.5B step (`kernels.fused_decode: false`) runs ~1 100 kernels
+per token, ~3 us each, for 3.2 ms of device time, where its matmuls need ~0.35 ms (`python
+benchmarks/bench_decode.py --device cuda --profile 16`; `benchmarks/count_decode_ops.py` counts the ops without a
+GPU). Per layer, unfused,
 RMSNorm is 8 kernels (upcast, square, mean, add, rsqrt, multiply, downcast, weight) twice, rope 3 per projection,
 the cache writes 2, the attention 5, the residual adds 2. Here, per layer:
 - `add_rms_norm`: the residual add and the RMSNorm after it in one kernel (HF's LlamaRMSNorm maths: the sum
@@ -14,7 +15,7 @@ the cache writes 2, the attention 5, the residual adds 2. Here, per layer:
 - `rope_cache_attend`: `rope_and_cache` and the attention in one kernel, which reads only the cache positions
   written so far where an SDPA call over the fixed-shape cache reads its whole capacity (on an H100 the SDPA call
   takes 0.17 ms of a Qwen2.5-0.5B token, at the bandwidth floor for the whole capacity; a rollout's average step
-  has about half of it written). `TIDYRL_DECODE_ATTENTION=sdpa` keeps `rope_and_cache` and one call of torch's
+  has about half of it written). `kernels.decode_attention: sdpa` keeps `rope_and_cache` and one call of torch's
   memory-efficient SDPA kernel (cuDNN's, which builds a plan for each new width, is not asked for), the query
   heads of a group as its queries, as `DecodeStep` does;
 - `silu_and_mul`: the MLP's silu(gate) * up in one kernel from the gate/up product (2 kernels become 1), where the
@@ -27,13 +28,13 @@ GPU, tests/test_lean_decode.py in Triton's interpreter on CPU where Triton is in
 
 The kernels themselves are in `tidyrl.models.decode_kernels`; this module decides when they serve and launches them.
 Used by `DecodeStep` for fixed-shape steps on CUDA where Triton imports, with every norm weight in the
-activations' dtype. `TIDYRL_FUSED_DECODE=0` in the environment turns it off (the unfused step then runs).
+activations' dtype. `kernels.fused_decode: false` turns it off (the unfused step then runs); the choice is the
+model's (`models.kernels.kernels_of`), read by `DecodeStep` and by `generation`'s draw.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from typing import Optional
 
@@ -41,16 +42,17 @@ import torch
 from torch import Tensor
 
 
-def wanted(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def wanted(device: torch.device, dtype: torch.dtype, head_dim: int, on: bool) -> bool:
     """Whether a step on `device` in `dtype` uses these kernels: bf16/fp16 on CUDA, a power-of-two head
-    dimension (a Triton block), Triton importable, not turned off by TIDYRL_FUSED_DECODE=0 or by a failure."""
+    dimension (a Triton block), Triton importable, `on` (the model's `kernels.fused_decode`), not turned off by a
+    failure."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim & (head_dim - 1):
         return False
-    return _enabled()
+    return _enabled(on)
 
 
-def _enabled() -> bool:
-    return os.environ.get("TIDYRL_FUSED_DECODE", "1") != "0" and _failure is None and _kernels() is not None
+def _enabled(on: bool) -> bool:
+    return on and _failure is None and _kernels() is not None
 
 
 _failure: Optional[str] = None  # why the kernels were given up in this process (`give_up`), or None
@@ -69,7 +71,7 @@ def give_up(err: BaseException) -> None:
     _failure = f"{type(err).__name__}: {err}"
     warnings.warn(f"tidyrl: the fused decoding kernels failed on this device ({_failure}); generation continues "
                   "without them (slower). Please report it with the GPU and torch/triton versions; "
-                  "TIDYRL_FUSED_DECODE=0 silences this.", RuntimeWarning, stacklevel=3)
+                  "kernels.fused_decode=false silences this.", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,12 +131,6 @@ def rope_and_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: Ten
     return q_out
 
 
-def attend_wanted() -> bool:
-    """Whether the fused step attends with `rope_cache_attend` (the default) rather than `rope_and_cache` and the
-    SDPA call over the whole capacity (`TIDYRL_DECODE_ATTENTION=sdpa`: bench_vs_trl's `tidyrl-sdpa-decode`)."""
-    return os.environ.get("TIDYRL_DECODE_ATTENTION", "kernel") != "sdpa"
-
-
 def rope_cache_attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: Tensor, keys: Tensor,
                       values: Tensor, at: Tensor, bias: Tensor, scale: float) -> Tensor:
     """`rope_and_cache` and `attention` in one kernel that reads only the cache positions written so far (0..at),
@@ -159,10 +155,10 @@ def rope_cache_attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin_signed: 
 ATTEND_BLOCK = 64
 
 
-def draw_wanted(logits: Tensor) -> bool:
-    """Whether `draw` serves these logits: on CUDA, Triton importable, not turned off by TIDYRL_FUSED_DECODE=0 or
-    by a failure (any float dtype: the kernel reads them in float32)."""
-    return logits.is_cuda and _enabled()
+def draw_wanted(logits: Tensor, on: bool) -> bool:
+    """Whether `draw` serves these logits: on CUDA, Triton importable, `on` (the model's `kernels.fused_decode`),
+    not turned off by a failure (any float dtype: the kernel reads them in float32)."""
+    return logits.is_cuda and _enabled(on)
 
 
 def draw(logits: Tensor, uniforms: Tensor, t: Tensor, *, temperature: float, eos: Tensor, ban_until: int,

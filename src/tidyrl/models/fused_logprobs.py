@@ -15,27 +15,29 @@ All arithmetic is float32, as in `ops`; the results differ from the row-by-row p
 
 Used by `ops.low_precision_stats` and `ops.low_precision_grad` (the two sides of `ops._LowPrecisionLogprobs` and of
 `models.chunked_head`'s output layer) for bf16/fp16 logits on CUDA where Triton is
-importable (it comes with CUDA builds of torch). `TIDYRL_FUSED_LOGPROBS=0` in the environment turns it off (the
-row-by-row path then runs).
+importable (it comes with CUDA builds of torch). `kernels.fused_logprobs: false` turns it off (the row-by-row path
+then runs; `models.kernels`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from tidyrl.models import kernels
+
 BLOCK = 4096  # logits per lane block: 37 blocks for a 151 936-token vocabulary
 
 
-def wanted(logits: Tensor) -> bool:
-    """Whether the fused kernels serve these logits: bf16/fp16 on CUDA, Triton importable, not turned off."""
+def wanted(logits: Tensor, on: Optional[bool] = None) -> bool:
+    """Whether the fused kernels serve these logits: bf16/fp16 on CUDA, Triton importable, `on` (the choice
+    `kernels.fused_logprobs`; None: the defaults, `models.kernels.defaults`)."""
     if not logits.is_cuda or logits.dtype not in (torch.bfloat16, torch.float16) or logits.dim() != 3:
         return False
-    if os.environ.get("TIDYRL_FUSED_LOGPROBS", "1") == "0":
+    if not (kernels.defaults().fused_logprobs if on is None else on):
         return False
     return _kernels() is not None
 

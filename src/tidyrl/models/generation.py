@@ -36,7 +36,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from tidyrl.models import fused_decode
 from tidyrl.models.devices import width_padding
-from tidyrl.models.lean_decode import Replayed, StaticDecode, attention_bias, base_of, decode_step_for
+from tidyrl.models.lean_decode import Replayed, StaticDecode, attention_bias, decode_step_for
+from tidyrl.models.sharding import base_of
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -273,7 +274,8 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         # on the sequence length on the host, which a captured graph cannot replay.
         # (the model's device made current: a graph, its stream and Triton's kernels are on the current device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            fused_draw = not filtering and fused_decode.draw_wanted(logits)  # one kernel per row (fused_decode)
+            # one kernel per row (fused_decode), where the step's choice of kernels has them
+            fused_draw = not filtering and fused_decode.draw_wanted(logits, step_fn.kernels.fused_decode)
 
             def decode():
                 def draw_at(step_logits, t):

@@ -21,37 +21,28 @@ GPU. Applied once per model, in place, on its first one-pass forward (`prepare`)
   layers), `models.recompute` (it swaps the norms' forwards on every call) or train.exact_gradients (the model's own
   forward, the same kernels on any split).
 If compiling fails (a missing compiler, an op dynamo cannot trace), the model's own layers run instead, with a
-warning (`give_up`). `TIDYRL_LAYER_KERNELS=none` keeps the model's own layers from the start.
+warning (`give_up`). `kernels.layer_kernels: none` keeps the model's own layers from the start (`models.kernels`).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
-MODES = ("compile", "none")
 DEVICES = ("cuda",)
 _APPLIED = "_tidyrl_layer_kernels"
-
-
-def chosen() -> str:
-    """The mode TIDYRL_LAYER_KERNELS names (default `compile`); another value is an error that lists the modes."""
-    mode = os.environ.get("TIDYRL_LAYER_KERNELS", "compile").strip().lower() or "compile"
-    if mode not in MODES:
-        raise ValueError(f"TIDYRL_LAYER_KERNELS={mode!r}: expected one of {', '.join(MODES)} "
-                         "(models/layer_kernels.py says what each does)")
-    return mode
 
 
 def prepare(model, exact: bool = False) -> str:
     """Compile `model`'s decoder layers (a model about to run its one-pass forward) once, in place, where the
     module's docstring says (`exact`: the model is marked for train.exact_gradients, `models.forward.exact_forward`);
-    returns the mode the model runs ("none" where it does not apply)."""
+    returns the mode the model runs: its choice `kernels_of(model).layer_kernels`, "none" where it does not apply."""
+    from tidyrl.models.kernels import kernels_of
+
     inner = _inner(model)
     done = getattr(inner, _APPLIED, None)
     if done is not None:
         return done
-    mode = chosen() if not exact and _applies(model, inner) else "none"
+    mode = kernels_of(inner).layer_kernels if not exact and _applies(model, inner) else "none"
     if mode != "none":
         for layer in inner.model.layers:
             layer.compile(dynamic=True)
@@ -73,13 +64,12 @@ def give_up(model, err: BaseException) -> bool:
     setattr(inner, _APPLIED, "none")
     why = " ".join(line.strip() for line in str(err).splitlines() if line.strip() and "TORCHDYNAMO_VERBOSE" not in line)
     warnings.warn(f"tidyrl: compiling the decoder layers failed ({type(err).__name__}: {why[:300]}); training goes on "
-                  "with the model's own layers (TIDYRL_LAYER_KERNELS=none skips the attempt)", stacklevel=2)
+                  "with the model's own layers (kernels.layer_kernels=none skips the attempt)", stacklevel=2)
     return True
 
 
 def _inner(model):
-    from tidyrl.models.lean_decode import base_of
-    from tidyrl.models.sharding import ddp_inner
+    from tidyrl.models.sharding import base_of, ddp_inner
 
     return base_of(ddp_inner(model))
 
@@ -87,7 +77,7 @@ def _inner(model):
 def _applies(model, inner) -> bool:
     from tidyrl.models.families import family_of, on_fast_path
     from tidyrl.models.loading import activation_checkpointing_on
-    from tidyrl.models.recompute import switched_on as recompute_on
+    from tidyrl.models.kernels import kernels_of
     from tidyrl.models.sharding import ddp_inner, is_sharded
 
     weight = next(inner.parameters(), None)
@@ -95,4 +85,4 @@ def _applies(model, inner) -> bool:
     name = type(inner).__name__
     return (on_fast_path(inner.config, name) and not family_of(inner.config, name).moe and ddp_inner(model) is inner and weight is not None
             and weight.device.type in DEVICES and any(p.requires_grad for p in inner.parameters())
-            and not is_sharded(inner) and not activation_checkpointing_on(inner) and not recompute_on())
+            and not is_sharded(inner) and not activation_checkpointing_on(inner) and not kernels_of(inner).recompute)

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidyrl.models import fused_decode
+from tidyrl.models.kernels import kernels_of
+from tidyrl.models.sharding import base_of
 from tidyrl.models.lean_layer import (additive_mask, after_attention, attention_inputs, family_of_model,
                                       norm_of, rms_norm, rope_factors, signed_sin)
 from tidyrl.models import lean_layer
@@ -51,12 +53,6 @@ def refusal(model, lora: bool = False) -> Optional[str]:
     """Why `DecodeStep` does not compute `model` (see `lean_layer.refusal`), or None where it does."""
     model = base_of(model) if lora else model
     return lean_layer.refusal(model, lambda module: _computable(module, lora))
-
-
-def base_of(model):
-    """The transformers model under a peft wrapper (PeftModel), or `model` itself."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if get_base is not None and hasattr(model, "peft_config") else model
 
 
 def _computable(module: nn.Module, lora: bool) -> bool:
@@ -164,7 +160,10 @@ class DecodeStep:
         # the layouts its kernels compute (Llama's norm before attention and before the MLP, no q/k norms, no
         # window, one rope), where every norm weight is in the activations' dtype (as LlamaRMSNorm's product then is).
         family = self.family
-        self.fused = fused_decode.wanted(self.embed.device, self.embed.dtype, self.head_dim) and \
+        self.kernels = kernels_of(model)  # (the choice it was built with: `matches` checks it is still the model's)
+        self.attend = self.kernels.decode_attention == "kernel"
+        self.fused = fused_decode.wanted(self.embed.device, self.embed.dtype, self.head_dim,
+                                         self.kernels.fused_decode) and \
             family.llama_norms() and family.qk_norm is None and not family.moe \
             and not family.fused_projections and not self.windows and len(self.rope_types) == 1 and all(
                 n.weight.dtype == self.embed.dtype
@@ -187,10 +186,10 @@ class DecodeStep:
 
     def matches(self, model) -> bool:
         """True while `model` still has the parameters this step was built on: the same tensors in the same
-        storage (not replaced, not moved to another device or dtype)."""
+        storage (not replaced, not moved to another device or dtype), and the same choice of kernels."""
         model = base_of(model)
         params = list(model.parameters())
-        return len(params) == len(self.params) and all(
+        return kernels_of(model) == self.kernels and len(params) == len(self.params) and all(
             a is b and a.data_ptr() == ptr for a, b, ptr in zip(params, self.params, self.pointers)) and \
             _lora_state(model) == self.lora_state
 
@@ -261,8 +260,8 @@ class DecodeStep:
         x = self._embed(tokens_B)  # (B, hidden)
         (cos, sin), = self._rope_factors(x, positions_B1).values()
         # The attention: one kernel with rope and the cache writes, over the positions written so far; or (where
-        # TIDYRL_DECODE_ATTENTION=sdpa) SDPA over the whole capacity, each group's R heads as its R queries.
-        attend = fused_decode.attend_wanted()
+        # kernels.decode_attention: sdpa) SDPA over the whole capacity, each group's R heads as its R queries.
+        attend = self.attend
         bias_rows = bias_B11L.view(B, C)
         bias = None if attend else bias_B11L.expand(B, Hkv, R, C).reshape(B * Hkv, 1, R, C)
         delta = None  # the MLP output of the layer before, added to x with the next norm

@@ -1,5 +1,7 @@
 """Loading models and tokenizers from a folder or hub id, with errors that name the config key, and the
-few facts about a loaded model that training and generation both need (its dtype, gradient checkpointing)."""
+few facts about a loaded model that training and generation both need (its dtype, gradient checkpointing). Every
+model loaded here carries the run's choice of kernels (`kernels=`, the config's `kernels` section: `models.kernels`),
+which its fast parts read from it."""
 
 from __future__ import annotations
 
@@ -119,50 +121,57 @@ def without_dropout(model_config):
     return model_config
 
 
-def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False, device=None):
-    """`AutoModelForCausalLM.from_pretrained(path)`, dropout off unless asked for, placed on `device` (`placed`).
-    A LoRA adapter folder loads as its base model with the adapter folded in (a plain model)."""
+def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False, device=None, kernels=None):
+    """`AutoModelForCausalLM.from_pretrained(path)`, dropout off unless asked for, placed on `device` (`placed`),
+    carrying the choice `kernels` (`models.kernels.attach`; None: the defaults). A LoRA adapter folder loads as its
+    base model with the adapter folded in (a plain model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from tidyrl.models.kernels import attach
     from tidyrl.models.lora import is_adapter_folder, merged_from_adapter
 
     if is_adapter_folder(path):
-        return placed(merged_from_adapter(path, lambda base: load_causal_lm(base, dtype, dropout)), device)
+        merged = merged_from_adapter(path, lambda base: load_causal_lm(base, dtype, dropout))
+        return attach(placed(merged, device), kernels)
     hf_logging.disable_progress_bar()
     model_config = AutoConfig.from_pretrained(path)
     if not dropout:
         without_dropout(model_config)
-    return placed(AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype)), device)
+    model = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype))
+    return attach(placed(model, device), kernels)
 
 
-def load_policy(model: str, dtype: str, lora=None, resume_path: Optional[Path] = None, device=None):
+def load_policy(model: str, dtype: str, lora=None, resume_path: Optional[Path] = None, device=None, kernels=None):
     """The model a stage trains: the policy in full, or with a LoRA adapter when `lora` (the options of
     `models.lora.apply_lora`) is given: a fresh one, or the checkpoint's when resuming (the base weights then
     come from `model` as at the start). The full policy is placed on `device` (`placed`); a LoRA one stays on
     the host until prepared, so that its adapter is initialised on the host, from the host's random generator, as
-    in a CPU run."""
+    in a CPU run. It carries the choice `kernels` (`load_causal_lm`), under the adapter too."""
     if lora is None:
-        return load_causal_lm(str(resume_path or model), dtype, device=device)
+        return load_causal_lm(str(resume_path or model), dtype, device=device, kernels=kernels)
     from tidyrl.models.lora import apply_lora, load_adapter
 
-    base = load_causal_lm(model, dtype)
+    base = load_causal_lm(model, dtype, kernels=kernels)
     return load_adapter(base, resume_path, trainable=True) if resume_path else apply_lora(base, lora, model)
 
 
-def load_critic(path: str, dtype: str = "float32", device=None):
+def load_critic(path: str, dtype: str = "float32", device=None, kernels=None):
     """PPO's value model: `AutoModelForTokenClassification` with one label (a value per position), from a
     causal LM (new value head, initialised on the host) or a reward model (its score head carries over). Dropout off,
-    including the classifier dropout that transformers otherwise defaults to 0.1. Placed on `device` (`placed`)."""
+    including the classifier dropout that transformers otherwise defaults to 0.1. Placed on `device` (`placed`),
+    carrying the choice `kernels` (`load_causal_lm`)."""
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
+
+    from tidyrl.models.kernels import attach
 
     hf_logging.disable_progress_bar()
     config = without_dropout(AutoConfig.from_pretrained(path))
     config.classifier_dropout = 0.0
     config.num_labels = 1
     model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch_dtype(dtype))
-    return placed(model, device)
+    return attach(placed(model, device), kernels)
 
 
 def placed(model, device=None):

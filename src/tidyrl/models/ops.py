@@ -60,8 +60,9 @@ class _LowPrecisionLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool):
-        logits_BTV, ids_BT, lse, logprobs, entropy = low_precision_stats(logits_BTV, ids_BT, with_entropy)
+    def forward(ctx, logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool, fused: bool):
+        logits_BTV, ids_BT, lse, logprobs, entropy = low_precision_stats(logits_BTV, ids_BT, with_entropy, fused)
+        ctx.fused = fused
         ctx.save_for_backward(logits_BTV, ids_BT, lse)
         if with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -70,26 +71,27 @@ class _LowPrecisionLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BT: Tensor, *_):
-        return low_precision_grad(*ctx.saved_tensors, grad_BT), None, None
+        return low_precision_grad(*ctx.saved_tensors, grad_BT, fused=ctx.fused), None, None, None
 
 
-def low_precision_stats(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool):
+def low_precision_stats(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool, fused: Optional[bool] = None):
     """(logits, ids, logsumexp, log-probs, entropy or None) of bf16/fp16 logits, the last three float32 [B, T]: on
     CUDA (`fused_logprobs.wanted`) the Triton kernel's, one pass over the vocabulary, the logits and ids returned in
-    its layout (`fused_logprobs.prepared`); elsewhere row by row, each row upcast once (`_row_stats`)."""
-    if fused_logprobs.wanted(logits_BTV):
+    its layout (`fused_logprobs.prepared`); elsewhere row by row, each row upcast once (`_row_stats`). `fused`: the
+    choice `kernels.fused_logprobs` (None: the defaults, `models.kernels.defaults`)."""
+    if fused_logprobs.wanted(logits_BTV, fused):
         logits_BTV, ids_BT = fused_logprobs.prepared(logits_BTV, ids_BT)
         return (logits_BTV, ids_BT, *fused_logprobs.logprob_stats(logits_BTV, ids_BT, with_entropy))
     return (logits_BTV, ids_BT, *_row_stats(logits_BTV, ids_BT, with_entropy))
 
 
 def low_precision_grad(logits_BTV: Tensor, ids_BT: Tensor, lse: Tensor, grad_BT: Tensor,
-                       out: Optional[Tensor] = None) -> Tensor:
+                       out: Optional[Tensor] = None, fused: Optional[bool] = None) -> Tensor:
     """d/dl of sum g [l_id - logsumexp(l)], g (onehot(id) - exp(l - logsumexp)), in the logits' dtype: the
     backward of `low_precision_stats`' log-probs, from what it returned. An id outside [0, V) matches no column (the
     ids of a slice of the vocabulary, shifted to it). `out`: a tensor of the logits' shape to write it into, which
-    may be the logits themselves (each row is read before it is written)."""
-    if fused_logprobs.wanted(logits_BTV):
+    may be the logits themselves (each row is read before it is written). `fused`: as `low_precision_stats`'."""
+    if fused_logprobs.wanted(logits_BTV, fused):
         return fused_logprobs.logits_grad(logits_BTV, ids_BT, lse, grad_BT, out=out)
     grad_logits = torch.empty_like(logits_BTV) if out is None else out
     V = logits_BTV.shape[-1]
@@ -118,7 +120,7 @@ def _row_stats(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool) -> tuple[
     return lse, logprobs, entropy
 
 
-def gather_logprobs(logits_BTV: Tensor, ids_BT: Tensor) -> Tensor:
+def gather_logprobs(logits_BTV: Tensor, ids_BT: Tensor, fused: Optional[bool] = None) -> Tensor:
     """Log-probability of each chosen token: log softmax(logits)[id].
 
         logprob_{b,t} = logits_{b,t,id_{b,t}} - logsumexp_v(logits_{b,t,v})
@@ -126,18 +128,20 @@ def gather_logprobs(logits_BTV: Tensor, ids_BT: Tensor) -> Tensor:
     Args:
         logits_BTV: [B, T, V] logits (any float dtype; bf16/fp16 are upcast to float32 one row at a time).
         ids_BT: [B, T] token ids (int64).
+        fused: bf16/fp16 logits on CUDA: whether `fused_logprobs`' kernels may serve (`kernels.fused_logprobs`;
+            None: the defaults, `models.kernels.defaults`).
 
     Returns:
         [B, T] float32 log-probabilities (float64 for float64 logits); differentiable.
     """
-    return gather_logprobs_and_entropy(logits_BTV, ids_BT, with_entropy=False)[0]
+    return gather_logprobs_and_entropy(logits_BTV, ids_BT, with_entropy=False, fused=fused)[0]
 
 
-def gather_logprobs_and_entropy(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool = True
-                                ) -> tuple[Tensor, Optional[Tensor]]:
+def gather_logprobs_and_entropy(logits_BTV: Tensor, ids_BT: Tensor, with_entropy: bool = True,
+                                fused: Optional[bool] = None) -> tuple[Tensor, Optional[Tensor]]:
     """`gather_logprobs` and, with `with_entropy`, `entropy_from_logits` (without grad) of the same logits in one
     pass over them: a low-precision row is upcast once for both. Returns (logprobs [B, T], entropy [B, T] or
-    None)."""
+    None). `fused`: as `gather_logprobs`'."""
     ids_BT = ids_BT.long()
     if logits_BTV.dtype in (torch.float32, torch.float64) or logits_BTV.dim() < 2:
         logprobs = _per_row_float32(_gather_logprobs, logits_BTV, ids_BT)
@@ -146,8 +150,8 @@ def gather_logprobs_and_entropy(logits_BTV: Tensor, ids_BT: Tensor, with_entropy
         with torch.no_grad():
             return logprobs, _per_row_float32(_entropy, logits_BTV)
     if with_entropy:
-        return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, True)
-    return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, False), None
+        return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, True, fused)
+    return _LowPrecisionLogprobs.apply(logits_BTV, ids_BT, False, fused), None
 
 
 def entropy_from_logits(logits_BTV: Tensor) -> Tensor:

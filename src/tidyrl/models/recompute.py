@@ -21,8 +21,8 @@ Used by `models.forward` around the one-pass forward of a model of a declared fa
 or inside DDP; a LoRA-adapted projection is called as the MLP calls it) with gradients on, on RECOMPUTE_DEVICES,
 and not where the model already checkpoints whole layers or FSDP shards it.
 
-Off unless `TIDYRL_RECOMPUTE=1`: measured on an H100 (docs/benchmarks.md, "NVIDIA H100": `tidyrl-recompute` beside
-`tidyrl`), it lowers the update's peak by ~1.8 GB on Qwen2.5-0.5B (12.1 to 10.3 GB) but slows the update by a third
+Off unless `kernels.recompute: true` (`models.kernels`): measured on an H100 (docs/benchmarks.md, "NVIDIA H100":
+`tidyrl-recompute` beside `tidyrl`), it lowers the update's peak by ~1.8 GB on Qwen2.5-0.5B (12.1 to 10.3 GB) but slows the update by a third
 or more (0.78-0.82 to 1.09 s a rollout; on Qwen2.5-1.5B, with checkpoints, 1.27x TRL's update where 0.84x without),
 more than its kernels and host time explain, and without it the update's peak is already under TRL's. It is the
 lever to pull when the update runs out of memory and whole-layer gradient checkpointing
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Iterator
 
 import torch
@@ -61,21 +60,16 @@ def cheap_parts_recomputed(model) -> Iterator[None]:
             del module.forward
 
 
-def switched_on() -> bool:
-    """Whether the environment turns the recompute on (TIDYRL_RECOMPUTE=1; off by default, see the docstring)."""
-    return os.environ.get("TIDYRL_RECOMPUTE", "0") == "1"
-
-
 def _cheap_parts(model) -> list[nn.Module]:
     from tidyrl.models.families import family_of, on_fast_path
-    from tidyrl.models.lean_decode import base_of
+    from tidyrl.models.kernels import kernels_of
     from tidyrl.models.lean_layer import wrapped as _wrapped
     from tidyrl.models.loading import activation_checkpointing_on
-    from tidyrl.models.sharding import ddp_inner, is_sharded
+    from tidyrl.models.sharding import base_of, ddp_inner, is_sharded
 
     model = base_of(ddp_inner(model))  # (its modules run inside DDP's and peft's forwards)
     name = type(model).__name__
-    family = family_of(model.config, name) if switched_on() else None
+    family = family_of(model.config, name) if kernels_of(model).recompute else None  # (off by default)
     # (the recomputed norm is Llama's RMSNorm, before attention and before the MLP)
     if family is None or not family.llama_norms() or \
             family.fused_projections or not on_fast_path(model.config, name):

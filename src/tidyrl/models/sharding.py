@@ -37,6 +37,12 @@ def ddp_inner(model):
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def base_of(model):
+    """The transformers model under a peft wrapper (PeftModel), or `model` itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if get_base is not None and hasattr(model, "peft_config") else model
+
+
 def _flag(environ, name: str, default: str = "false") -> bool:
     return environ.get(name, default).strip().lower() in ("1", "true", "yes")
 
