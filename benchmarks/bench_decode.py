@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 
 from tidyrl.models import fused_decode  # noqa: E402
-from tidyrl.models.generation import generate, sample_seed  # noqa: E402
+from tidyrl.models.generation import generate
+from tidyrl.models.sequences import sample_seed  # noqa: E402
 from tidyrl.models.kernels import Kernels, attach  # noqa: E402
 
 

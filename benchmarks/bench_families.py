@@ -33,7 +33,8 @@ from bench_vs_trl import in_process_setup  # noqa: E402
 
 from tidyrl.models import families  # noqa: E402
 from tidyrl.models.forward import completion_logprobs  # noqa: E402
-from tidyrl.models.generation import generate, left_pad  # noqa: E402
+from tidyrl.models.generation import generate
+from tidyrl.models.sequences import left_pad  # noqa: E402
 
 WINDOW = 16
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "olmo2", "phi3", "qwen3_moe", "olmoe")

@@ -40,7 +40,7 @@ import gc, json, os, resource, sys
 
 import accelerate, torch, transformers  # noqa: F401  the imports' memory is the baseline
 from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: F401  (transformers imports them lazily)
-import tidyrl.loops.rl as rl
+import tidyrl.loops.rl.learner as rl
 from tidyrl.cli import main
 
 

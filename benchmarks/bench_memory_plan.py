@@ -1,4 +1,4 @@
-"""The memory plan (tidyrl.loops.memory_plan) against the peak a CPU process reaches, per phase and shape.
+"""The memory plan (tidyrl.memory.plan) against the peak a CPU process reaches, per phase and shape.
 
     python benchmarks/bench_memory_plan.py        # five float32 Llama shapes (the fourth SmolLM2-135M's, the
                                                   # fifth 512-token rows) and three sft shapes (~4 min)
@@ -39,7 +39,7 @@ from pathlib import Path
 MEASURE = r'''
 import sys, torch, transformers
 from tidyrl.models.forward import completion_logprobs
-from tidyrl.loops.memory_plan import MemoryInputs, Scorer, Shape, memory_plan
+from tidyrl.memory.plan import MemoryInputs, Scorer, Shape, memory_plan
 
 
 def status(key):
@@ -113,8 +113,8 @@ MEASURE_SFT = r'''
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from tidyrl.data.offline import TokenizedSequence
-from tidyrl.loops.offline import pad_batch, target_logprobs
-from tidyrl.loops.memory_plan import OfflineInputs, Shape, memory_plan
+from tidyrl.loops.offline.loop import pad_batch, target_logprobs
+from tidyrl.memory.plan import OfflineInputs, Shape, memory_plan
 
 
 def status(key):

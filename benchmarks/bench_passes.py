@@ -51,7 +51,7 @@ from bench_vs_trl import WORKLOADS, prompt_texts, set_workload, parse_overrides 
 
 from tidyrl.models import devices as tidy_devices  # noqa: E402
 from tidyrl.models import forward as tidy_forward  # noqa: E402
-from tidyrl.models.generation import left_pad  # noqa: E402
+from tidyrl.models.sequences import left_pad  # noqa: E402
 from tidyrl.models.kernels import attach, kernels_of  # noqa: E402
 from tidyrl.models.ops import gather_logprobs_and_entropy  # noqa: E402
 from tidyrl.rollouts.record import Rollout  # noqa: E402

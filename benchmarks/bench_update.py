@@ -26,7 +26,7 @@ from bench_vs_trl import in_process_setup, prompt_texts  # noqa: E402
 from count_saved_bytes import saved_bytes  # noqa: E402
 
 from tidyrl.models.forward import completion_logprobs  # noqa: E402
-from tidyrl.models.generation import left_pad  # noqa: E402
+from tidyrl.models.sequences import left_pad  # noqa: E402
 from tidyrl.rollouts import Rollout  # noqa: E402
 
 

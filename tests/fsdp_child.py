@@ -11,7 +11,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from tidyrl.models.generation import generate, sample_seed
+from tidyrl.models.generation import generate
+
+from tidyrl.models.sequences import sample_seed
 from tidyrl.models.sharding import full_weights, is_sharded
 
 model_dir, report = sys.argv[1], sys.argv[2]

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from tidyrl.data.offline import TokenizedSequence
-from tidyrl.loops.dpo import sequence_logps_cache
+from tidyrl.loops.offline.dpo import sequence_logps_cache
 from tidyrl.models.sharding import shard_frozen
 from tidyrl.rewards.reward_models import RewardModel
 

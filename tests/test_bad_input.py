@@ -244,7 +244,7 @@ def test_a_nan_loss_stops_before_the_update_and_keeps_the_last_good_checkpoint(t
                                                                               prompt_file, monkeypatch):
     import torch
 
-    import tidyrl.loops.rl_update as losses  # the learner's step, where the loss is aggregated
+    import tidyrl.loops.rl.update as losses  # the learner's step, where the loss is aggregated
 
     real, calls = losses.aggregate_loss, []
 

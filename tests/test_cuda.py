@@ -120,7 +120,7 @@ def test_a_grpo_run_on_cuda_trains_on_the_gpu_with_exact_counts(tiny_model_dir, 
 
 
 def test_a_model_loaded_for_cuda_holds_the_files_weights_there_tied_and_never_copied_on_the_host(tmp_path):
-    """`load_causal_lm(device="cuda")` (what the stages do, `loops.common.weights_device`): the weights of the host
+    """`load_causal_lm(device="cuda")` (what the stages do, `loops.run.setup.weights_device`): the weights of the host
     load, bit for bit, on the GPU; tied weights still one Parameter; the host's peak RSS rises by the file's mapped
     pages at most, one model's size (a host copy first, then the move, peaked at two)."""
     from tidyrl.models.loading import load_causal_lm
@@ -216,7 +216,7 @@ def test_the_update_and_scoring_never_wait_for_the_gpu_inside_their_loops(tiny_m
     optimizer step to its one reduction of the metric sums (the micro-batch loop), and around every scoring
     forward. tests/test_host_syncs.py checks the same on the meta device, without a GPU."""
     from tidyrl.rollouts import scoring as rollout_module
-    from tidyrl.loops import rl
+    from tidyrl.loops.rl import learner as rl
     from tidyrl.models.collectives import Sums
 
     real_step, real_reduced, real_forward = rl.optimizer_step, Sums.reduced, rollout_module.completion_logprobs

@@ -151,7 +151,7 @@ def test_dynamic_sampling_keeps_only_groups_whose_rewards_differ(tiny_model_dir,
 
 
 def test_when_the_rounds_run_out_fill_keeps_the_plan_and_error_stops(tiny_model_dir, prompt_file, tmp_path):
-    from tidyrl.loops.rl import DynamicSamplingError
+    from tidyrl.loops.rl.learner import DynamicSamplingError
 
     filled = tidyrl.train(dynamic_config(tiny_model_dir, prompt_file, tmp_path, "fill", "flat", max_sampling_rounds=2))
     rows = read_jsonl(filled.output_dir / "metrics.jsonl")

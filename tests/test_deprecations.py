@@ -15,8 +15,8 @@ import torch
 from conftest import DEPRECATIONS, LLAMA_LAYOUTS, caused_by_tidyrl
 
 from tidyrl.models.forward import completion_logprobs
-from tidyrl.models.generation import (_buffered_cache, cache_argument, generate, left_pad, returned_cache,
-                                      sample_seed)
+from tidyrl.models.generation import _buffered_cache, generate
+from tidyrl.models.sequences import cache_argument, left_pad, returned_cache, sample_seed
 from tidyrl.models.loading import activation_checkpointing_on, enable_gradient_checkpointing
 
 

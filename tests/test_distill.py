@@ -98,7 +98,7 @@ def exact_reverse_kl(student_dir, teacher_dir) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tidyrl.models.forward import completion_logits
-    from tidyrl.models.generation import left_pad
+    from tidyrl.models.sequences import left_pad
 
     tok = AutoTokenizer.from_pretrained(student_dir)
     prompts = [tok(w + ":")["input_ids"] for w in ("apple", "pear", "fig", "kiwi", "lime", "plum", "date",

@@ -1,5 +1,5 @@
 """A module docstring names only what exists: every dotted name it puts in backticks that starts at a module of the
-package (`models.generation.sample_seed`, `table.Algorithm.advantages`, `tidyrl.loops.common`) resolves, part by
+package (`models.sequences.sample_seed`, `table.Algorithm.advantages`, `tidyrl.loops.run.setup`) resolves, part by
 part, to a module, a function, a class or a member of one; every plain class-like name (`PromptStream`) is one
 the package defines.
 

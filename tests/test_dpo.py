@@ -11,7 +11,7 @@ import torch
 from conftest import expected_lrs, read_jsonl, torchrun_train, with_sections
 
 import tidyrl
-from tidyrl.loops.offline import OFFLINE_STEP_METRICS
+from tidyrl.loops.offline.loop import OFFLINE_STEP_METRICS
 from tidyrl.plan import make_offline_plan
 
 WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach", "grape", "melon"]
@@ -219,9 +219,9 @@ def test_reference_cache_does_not_depend_on_its_chunking(tiny_model_dir, pairs_f
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tidyrl.config import load_config
-    from tidyrl.loops.common import make_accelerator
-    from tidyrl.loops.dpo import reference_logps_cache
-    from tidyrl.loops.offline import model_pad_id
+    from tidyrl.loops.run.setup import make_accelerator
+    from tidyrl.loops.offline.dpo import reference_logps_cache
+    from tidyrl.loops.offline.loop import model_pad_id
     from tidyrl.data.offline import completion_eos_ids, load_preference_pairs
 
     cfg = load_config(dpo_config(tiny_model_dir, pairs_file, tmp_path / "unused"))

@@ -80,7 +80,7 @@ def test_the_engine_checks_the_sequences_of_each_generate_call_training_and_eval
                                                                                         tmp_path, monkeypatch):
     """An engine generates a rollout's share in one call, and the held-out evaluation's share in one call: the
     engine's check (e.g. vLLM's KV cache) sees the larger, counted with one sample a prompt when greedy."""
-    from tidyrl.loops import rl_inputs
+    from tidyrl.loops.rl import inputs as rl_inputs
 
     seen = []
     monkeypatch.setattr(rl_inputs, "check_engine_inputs",
@@ -211,7 +211,9 @@ def test_one_mini_batch_per_epoch_takes_the_weights_from_the_first_step_and_resu
     uninterrupted one."""
     from safetensors.torch import load_file
 
-    from tidyrl.loops import rl, rl_update
+    from tidyrl.loops.rl import learner as rl
+
+    from tidyrl.loops.rl import update as rl_update
     from tidyrl.rollouts import scoring
 
     sampler_below_the_trainer(monkeypatch, 0.3)

@@ -11,7 +11,7 @@ import torch
 from conftest import free_port, gloo_cpu_env, grpo_config, read_jsonl, torchrun_train, write_jsonl
 
 import tidyrl
-from tidyrl.loops.exact_sums import (GRID_EXPONENT, ExactGradients, clip_exactly, exact_grad_norm,
+from tidyrl.loops.run.exact_sums import (GRID_EXPONENT, ExactGradients, clip_exactly, exact_grad_norm,
                                      global_micro_batches)
 
 
@@ -235,7 +235,7 @@ def test_ppo_on_two_processes_gives_the_one_process_policy_and_critic_bit_for_bi
 
 def test_reinforce_pp_under_fsdp2_gives_the_one_process_weights_bit_for_bit(tiny_model_dir, prompt_file, tmp_path):
     """Under FSDP2 each layer's gradient is reduce-scattered inside backward: with exact sums that reduce-scatter
-    sums grid integers (loops/exact_sums.py, ShardedExactGradients), every micro-batch, into an int64 sum per
+    sums grid integers (loops/run/exact_sums.py, ShardedExactGradients), every micro-batch, into an int64 sum per
     shard, and the clipping norm is summed exactly from the shards. 1 process against 2 shards: the same final
     weights and gradient norms (clipped: max_grad_norm below the norms), the same metrics rows."""
     cfg = _exact_rl_config(tiny_model_dir, prompt_file, tmp_path, "reinforce_pp", reinforce_pp={"kl_coef": 0.05})
@@ -420,7 +420,7 @@ def test_an_offline_stage_on_two_processes_gives_the_one_process_weights_bit_for
 
 
 def test_offline_micro_batches_are_cut_from_the_whole_batch_with_exact_gradients():
-    from tidyrl.loops.offline import micro_batches
+    from tidyrl.loops.offline.loop import micro_batches
     from tidyrl.plan import make_offline_plan
 
     length = {3: 5, 1: 2, 4: 9, 0: 1, 5: 7, 2: 3, 7: 4, 6: 8}.get
@@ -438,7 +438,7 @@ def test_offline_micro_batches_are_cut_from_the_whole_batch_with_exact_gradients
 
 def test_exact_gradients_is_accepted_under_every_sharding_tidyrl_runs():
     from tidyrl.config import load_config
-    from tidyrl.loops.common import check_sharding
+    from tidyrl.loops.run.setup import check_sharding
 
     cfg = load_config({"algorithm": "sft", "model": "m", "data": {"path": "p"},
                        "train": {"max_steps": 1, "batch_size": 2, "exact_gradients": True}})
@@ -448,7 +448,7 @@ def test_exact_gradients_is_accepted_under_every_sharding_tidyrl_runs():
 
 def test_scoring_and_generation_chunks_that_would_hold_other_episodes_on_another_split_are_refused():
     from tidyrl.config import load_config
-    from tidyrl.loops.rl_inputs import check_exact_chunks
+    from tidyrl.loops.rl.inputs import check_exact_chunks
     from tidyrl.plan import PlanError, plan_from_config
 
     def config(forward: int, generation: int):

@@ -16,7 +16,8 @@ from conftest import own_completion_logits as _own_logits
 from tidyrl.models import families, lean_decode, lean_forward
 from tidyrl.models.lean_layer import is_own_block
 from tidyrl.models.forward import completion_logprobs
-from tidyrl.models.generation import _BufferedLayer, generate, left_pad
+from tidyrl.models.generation import _BufferedLayer, generate
+from tidyrl.models.sequences import left_pad
 from tidyrl.models.ops import gather_logprobs_and_entropy
 
 # Bit-equality is not claimed here (tolerances only), but the kernels marker reruns these under other CPU kernels.
@@ -287,7 +288,7 @@ def test_a_window_is_honoured_by_scoring_where_it_once_was_not():
 def test_a_loaded_model_whose_modules_refuse_the_fast_path_is_said():
     """The config promised the fast path; a hook on a loaded module (something a pass calling no forward would
     skip) sends it to its own forward, and the run says so."""
-    from tidyrl.loops.rl_inputs import loaded_path_note
+    from tidyrl.loops.rl.inputs import loaded_path_note
 
     model = build("qwen3", random_config("qwen3", 0))
     predicted = {"policy": "fast path (qwen3)"}

@@ -55,7 +55,7 @@ def test_the_folder_takes_the_fast_path_and_ends_a_turn_with_end_of_turn(gemma3,
 
     from tidyrl.models import lean_decode
     from tidyrl.models.families import path_description
-    from tidyrl.models.generation import eos_token_ids
+    from tidyrl.models.sequences import eos_token_ids
 
     config = json.loads((gemma3 / "config.json").read_text())
     assert path_description(config) == "fast path (gemma3)"
@@ -84,7 +84,8 @@ def test_the_fast_path_gives_the_model_s_own_numbers(model, tokenizer):
     """Sampling with the lean step draws the model's own forward's tokens, and scoring's log-probs (the lean pass)
     are the model's own to float rounding over its 262k vocabulary."""
     from tidyrl.models.forward import completion_logprobs
-    from tidyrl.models.generation import generate, left_pad
+    from tidyrl.models.generation import generate
+    from tidyrl.models.sequences import left_pad
 
     prompts = [tokenizer(t)["input_ids"] for t in ("The capital of France is", "2 + 2 =") for _ in range(2)]
     kw = dict(sample_keys=list(range(4)), max_new_tokens=12, eos_ids=[EOS, END_OF_TURN], pad_id=0, batch_size=4,

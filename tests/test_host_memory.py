@@ -77,7 +77,7 @@ def test_stages_load_their_weights_onto_the_accelerator_except_on_a_cpu_and_unde
 
     from accelerate.utils import DistributedType
 
-    from tidyrl.loops.common import weights_device
+    from tidyrl.loops.run.setup import weights_device
 
     def acc(device, kind=DistributedType.NO, fsdp_version=None):
         return SimpleNamespace(device=torch.device(device), distributed_type=kind,

@@ -16,7 +16,7 @@ from conftest import with_sections
 
 import tidyrl
 from tidyrl.models.devices import to_device
-from tidyrl.loops import rl
+from tidyrl.loops.rl import learner as rl
 from tidyrl.models.collectives import Sums
 
 

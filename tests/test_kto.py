@@ -89,7 +89,7 @@ def test_z0_is_the_mean_log_ratio_of_the_global_batch_mismatched_pairs(tiny_mode
 
     from tidyrl.algorithms.preference import sequence_logps
     from tidyrl.data import PromptStream
-    from tidyrl.loops.offline import pad_batch, target_logprobs
+    from tidyrl.loops.offline.loop import pad_batch, target_logprobs
     from tidyrl.data.offline import completion_eos_ids, load_kto_examples, mismatched_sequence
 
     out = tmp_path / "run"

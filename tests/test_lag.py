@@ -181,7 +181,7 @@ def test_the_background_thread_and_the_speed_of_either_side_change_no_number(tmp
     """Lag 2: made on the learner's thread when taken; beside training with a slow engine; beside training with
     a slow learner. The same completions, metrics and final weights, bit for bit."""
     from tidyrl.engines.builtin import BuiltinEngine
-    from tidyrl.loops import rl
+    from tidyrl.loops.rl import learner as rl
 
     def run(name, background, slow_engine=0.0, slow_learner=0.0):
         monkeypatch.setattr(ahead_module, "BACKGROUND", background)
@@ -293,7 +293,7 @@ def test_under_fsdp_the_lag_takes_vllm_servers_and_is_refused_with_an_in_process
     from types import SimpleNamespace
 
     from tidyrl.config import RolloutConfig
-    from tidyrl.loops.common import check_sharding
+    from tidyrl.loops.run.setup import check_sharding
     from tidyrl.models.sharding import ShardingError
 
     def cfg(engine, lag=1, top_k=0):

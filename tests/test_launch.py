@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tidyrl.loops.common import LaunchError, check_processes_fit_devices, make_accelerator
+from tidyrl.loops.run.setup import LaunchError, check_processes_fit_devices, make_accelerator
 
 
 def test_more_processes_than_gpus_is_refused_with_both_numbers_and_the_fix():
@@ -60,7 +60,7 @@ def test_a_launched_process_destroys_its_process_group_before_the_interpreter_en
         "import torch.distributed as dist\n"
         "seen = os.path.join(os.path.dirname(__file__), 'alive-at-exit-' + os.environ['RANK'])\n"
         "atexit.register(lambda: open(seen, 'w').write(str(dist.is_initialized())))\n"
-        "from tidyrl.loops.common import make_accelerator\n"
+        "from tidyrl.loops.run.setup import make_accelerator\n"
         "accelerator = make_accelerator()\n"
         "assert accelerator.num_processes == 2 and dist.is_initialized()\n"
         "import gc, weakref, torch\n"

@@ -1,7 +1,8 @@
 """The import rules of DESIGN §6, each checked on every module (imports at top level and inside functions alike):
 
     face (cli, api, demo, evaluate, plot)
-      learner loops                                   -> plan, config, checkpoint, metrics (the run's support)
+      learner loops: rl/, offline/ above run/         -> plan, config, checkpoint, metrics (the run's support)
+        memory plan (beside the batch plan; no torch)
         rollouts (episodes -> Rollout record)
           engines   environments   rewards   data
             models
@@ -32,7 +33,9 @@ ALLOWED = {  # part -> the parts it may import (besides itself); console: tidyrl
     "rewards": {"models", "algorithms", "console"},
     "data": {"console"},
     "rollouts": {"engines", "environments", "rewards", "data", "models", "algorithms", "console"},
-    "loops": {"rollouts", "engines", "environments", "rewards", "data", "models", "algorithms", "support", "console"},
+    "loops": {"memory", "rollouts", "engines", "environments", "rewards", "data", "models", "algorithms", "support",
+              "console"},
+    "memory": {"engines", "models", "algorithms", "support", "console"},
     "support": {"algorithms", "console"},
     "console": set(),
 }
@@ -45,6 +48,7 @@ WHY = {
     "data": "data take a tokenizer and load no model",
     "rollouts": "rollouts know no learner (loops) and no run support: they are handed what they need",
     "loops": "the learner loops are below the face",
+    "memory": "the memory plan reads the config and the model's config.json, before any loop or rollout exists",
     "support": "the run's support (config, plan, checkpoint, metrics) imports only itself and the algorithm table: "
                "engine-, tracker- and model-specific checks live with those parts",
     "console": "tidyrl.console prints; every part but the algorithms may use it, so it imports no part",
@@ -181,7 +185,38 @@ def test_no_module_reaches_itself_through_its_imports():
 def test_the_checks_see_an_import_inside_a_function(tmp_path):
     """The checker itself: an import inside a function is found, and a module's part is its folder."""
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from tidyrl.loops.common import TrainResult\n")
-    assert "tidyrl.loops.common" in imported_modules(module)
-    assert (part_of("tidyrl.loops.rl"), part_of("tidyrl.config"), part_of("tidyrl.cli")) == ("loops", "support", "face")
+    module.write_text("def f():\n    from tidyrl.loops.run.setup import TrainResult\n")
+    assert "tidyrl.loops.run.setup" in imported_modules(module)
+    assert (part_of("tidyrl.loops.rl.learner"), part_of("tidyrl.config"), part_of("tidyrl.cli")) == \
+        ("loops", "support", "face")
     assert part_of("tidyrl.models.lora") == "models" and part_of("tidyrl.rollouts") == "rollouts"
+
+
+SECOND_LEVEL = [  # (modules of a folder, modules they never import, why)
+    ("tidyrl.loops.run", ("tidyrl.loops.rl", "tidyrl.loops.offline", "tidyrl.loops.stage_plan"),
+     "the run machinery is shared by the learners, below them: it knows neither"),
+    ("tidyrl.loops.rl", ("tidyrl.loops.offline",), "the RL learner and the offline learners are siblings"),
+    ("tidyrl.loops.offline", ("tidyrl.loops.rl",), "the RL learner and the offline learners are siblings"),
+    ("tidyrl.models.forward", ("tidyrl.models.generation",),
+     "the training forward shares helpers with decoding (models.sequences), not the decode loop"),
+]
+
+
+@pytest.mark.parametrize("folder,never,why", SECOND_LEVEL, ids=[s[0] for s in SECOND_LEVEL])
+def test_the_second_level_keeps_its_parts_apart(folder, never, why):
+    wrong = sorted(f"{m} -> {i}" for m, p in MODULES.items() if m == folder or m.startswith(folder + ".")
+                   for i in imported_modules(p) if any(i == n or i.startswith(n + ".") for n in never))
+    assert not wrong, f"{'; '.join(wrong)}: {why}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if part_of(m) == "memory" or m == "tidyrl.plan"),
+                         ids=str)
+def test_the_plans_import_no_torch(module):
+    """The batch plan and the memory plan are config in, numbers out: `tidyrl plan` runs them without torch (a
+    CUDA device's size is read from torch only where a run has imported it already: `sys.modules`)."""
+    heavy = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        heavy.update(n for n in names if n.split(".")[0] in ("torch", "transformers", "accelerate"))
+    assert not heavy, f"{module} imports {sorted(heavy)}"

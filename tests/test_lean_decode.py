@@ -13,8 +13,8 @@ from conftest import llama as _llama
 from tidyrl.models import generation, lean_decode
 from tidyrl.models.kernels import Kernels, attach
 from tidyrl.models.lean_decode import DecodeStep, attention_bias, supports
-from tidyrl.models.generation import (_BufferedLayer, _buffered_cache, cache_argument, generate, left_pad,
-                                      returned_cache, sample_seed)
+from tidyrl.models.generation import _BufferedLayer, _buffered_cache, generate
+from tidyrl.models.sequences import cache_argument, left_pad, returned_cache, sample_seed
 
 # Bit-equality between code paths, which may hold on some CPU kernels only: CI reruns these tests under
 # other kernels (pytest -m kernels; tests/conftest.py).

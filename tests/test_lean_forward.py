@@ -11,7 +11,7 @@ from tidyrl.models import lean_forward
 from tidyrl.models.lean_forward import can_run, completion_logits, logits_if_lean
 from tidyrl.models.loading import enable_gradient_checkpointing
 from tidyrl.models.forward import completion_logprobs
-from tidyrl.models.generation import left_pad
+from tidyrl.models.sequences import left_pad
 from tidyrl.rollouts import Rollout
 
 # Bit-equality between code paths, which may hold on some CPU kernels only: CI reruns these tests under

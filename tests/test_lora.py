@@ -59,7 +59,7 @@ def test_grpo_with_lora_holds_no_reference_copy_and_saves_a_loadable_adapter(tin
     from transformers import AutoModelForCausalLM
 
     from tidyrl.config import load_config
-    from tidyrl.loops.rl import RLRun
+    from tidyrl.loops.rl.learner import RLRun
 
     loads = count_loads(monkeypatch)
     out = tmp_path / "run"
@@ -105,7 +105,7 @@ def test_lora_reference_log_probs_are_the_base_models(tiny_model_dir, prompt_fil
     from transformers import AutoModelForCausalLM
 
     from tidyrl.config import load_config
-    from tidyrl.loops.rl import RLRun
+    from tidyrl.loops.rl.learner import RLRun
     from tidyrl.models.lora import reference_of
     from tidyrl.rollouts import score_logprobs
 
@@ -247,7 +247,7 @@ def test_forward_parameters_are_the_transformers_models_under_peft_and_module_wr
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from tidyrl.models.generation import forward_parameters
+    from tidyrl.models.sequences import forward_parameters
 
     class Wrapper(torch.nn.Module):  # DDP's shape: the wrapped model as `.module`, a forward of its own
         def __init__(self, module):

@@ -1,4 +1,4 @@
-"""The memory plan (tidyrl.loops.memory_plan): its formulas on a hand-worked shape, byte for byte, for RL and the
+"""The memory plan (tidyrl.memory.plan): its formulas on a hand-worked shape, byte for byte, for RL and the
 offline stages; the fit check and what it says to change; `tidyrl plan`'s `memory` and `--memory`; and the update's
 prediction against the tensors one micro-batch keeps."""
 
@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from tidyrl.cli import main
-from tidyrl.loops.memory_plan import (MemoryInputs, OfflineInputs, Scorer, Shape, fit_problems, memory_plan,
+from tidyrl.memory.plan import (MemoryInputs, OfflineInputs, Scorer, Shape, fit_problems, memory_plan,
                                       parse_size)
 
 # h=8, L=2, 2 heads of 4 (q=8), 1 kv head (kv=4), i=16, V=10, tied embeddings.
@@ -321,7 +321,7 @@ def test_kto_reference_stays_and_scores_mismatched_pairs():
 
 def test_longest_tokens_as_each_stage_forms_its_sequences():
     from tidyrl.data.offline import KTOExample, TokenizedPair, TokenizedSequence
-    from tidyrl.loops.offline_memory import longest_tokens
+    from tidyrl.memory.offline import longest_tokens
 
     def seq(prompt, completion):
         return TokenizedSequence([1] * (prompt + completion), [0] * prompt + [1] * completion)
@@ -339,7 +339,7 @@ def test_every_offline_stage_has_its_memory_entry():
     """What differs between the offline stages' memory plans is one table (offline_memory.STAGE_MEMORY), one entry a
     stage: a reward model's one-output head, the reference of dpo (not its reference-free losses) and of kto."""
     from tidyrl.config import OFFLINE_STAGES, load_config
-    from tidyrl.loops.offline_memory import STAGE_MEMORY
+    from tidyrl.memory.offline import STAGE_MEMORY
 
     assert set(STAGE_MEMORY) == set(OFFLINE_STAGES)
     assert [name for name, s in STAGE_MEMORY.items() if s.num_labels == 1] == ["reward"]
@@ -448,8 +448,8 @@ def test_plan_and_train_refuse_an_offline_stage_that_does_not_fit(sft_config, ca
     assert err.rstrip().endswith("lower train.micro_batch_size to 2")
     assert main(["plan", str(sft_config), "--memory", str(m4)]) == 0
     # a run refuses it before any weights load (the budget a CUDA device would give, here the same figure)
-    monkeypatch.setattr("tidyrl.loops.offline_memory.memory_budget", lambda memory: (budget, "the CUDA device's memory"))
-    monkeypatch.setattr("tidyrl.loops.sft.load_policy", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr("tidyrl.memory.offline.memory_budget", lambda memory: (budget, "the CUDA device's memory"))
+    monkeypatch.setattr("tidyrl.loops.offline.sft.load_policy", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(ConfigError, match="lower train.micro_batch_size to 2"):
         train(str(sft_config))
 
@@ -538,7 +538,7 @@ def test_the_offline_update_prediction_counts_the_tensors_the_models_own_forward
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     from tidyrl.data.offline import TokenizedSequence
-    from tidyrl.loops.offline import pad_batch, target_logprobs
+    from tidyrl.loops.offline.loop import pad_batch, target_logprobs
 
     torch.manual_seed(0)
     h, L, V, m, T = (int(x) for x in shape.split())

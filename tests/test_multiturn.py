@@ -148,7 +148,7 @@ def multiturn_config(model_dir, prompt_file, out, factory, **environment):
 
 
 def test_a_grpo_run_trains_on_model_tokens_only(tiny_model_dir, prompt_file, env_file, tmp_path, monkeypatch):
-    from tidyrl.loops import rl_update
+    from tidyrl.loops.rl import update as rl_update
 
     seen = []
     real = rl_update.loss_mask

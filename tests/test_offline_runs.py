@@ -86,7 +86,7 @@ def test_resume_from_a_checkpoint_replays_the_rest_bit_for_bit(stage, tiny_model
 
 
 def test_a_stop_signal_saves_a_checkpoint_and_resume_finishes_the_run(tiny_model_dir, tmp_path, monkeypatch):
-    import tidyrl.loops.training as training
+    import tidyrl.loops.run.steps as training
 
     data = write_jsonl(tmp_path / "data.jsonl", sft_rows())
     straight = tidyrl.train(sft_config(tiny_model_dir, data, tmp_path / "straight"))
@@ -132,7 +132,7 @@ def test_summary_and_progress_bar_show_the_loss(tiny_model_dir, tmp_path, capsys
 def test_sft_eval_split_scores_held_out_examples_and_keeps_the_best(tiny_model_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tidyrl.loops.offline import pad_batch, target_logprobs
+    from tidyrl.loops.offline.loop import pad_batch, target_logprobs
     from tidyrl.data.offline import completion_eos_ids, held_out_rows, load_sft_examples
 
     data = write_jsonl(tmp_path / "data.jsonl", sft_rows())

@@ -13,7 +13,7 @@ from test_sft import sft_config
 
 import tidyrl
 from tidyrl.config import ConfigError
-from tidyrl.loops.offline import pad_batch, packed_attention_error, target_logprobs
+from tidyrl.loops.offline.loop import pad_batch, packed_attention_error, target_logprobs
 from tidyrl.data.offline import TokenizedSequence
 
 # Bit-equality between code paths, which may hold on some CPU kernels only: CI reruns these tests under

@@ -15,7 +15,7 @@ from conftest import expected_lrs, read_jsonl, write_jsonl, torchrun_train, with
 
 import tidyrl
 from tidyrl.data import DataError
-from tidyrl.loops.offline import OFFLINE_STEP_METRICS
+from tidyrl.loops.offline.loop import OFFLINE_STEP_METRICS
 from tidyrl.data.offline import reward_model_input_ids
 from tidyrl.plan import make_offline_plan
 
@@ -176,7 +176,7 @@ def test_training_reads_the_score_at_the_last_token_also_where_pad_is_eos(tiny_m
     the head's output at that EOS: the same number the model gives the sequence alone (as the RL scorer reads it),
     not the token before it. The config keeps its pad id."""
     from tidyrl.data.offline import TokenizedPair, TokenizedSequence
-    from tidyrl.loops.reward_model import RewardStage, load_reward_model
+    from tidyrl.loops.offline.reward_model import RewardStage, load_reward_model
 
     eos = 2
     torch.manual_seed(0)

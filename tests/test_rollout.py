@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tidyrl.models.generation import filter_logits, generate, left_pad, sample_seed, eos_token_ids
+from tidyrl.models.generation import filter_logits, generate
+
+from tidyrl.models.sequences import left_pad, sample_seed, eos_token_ids
 from tidyrl.rollouts import Rollout, score_logprobs
 
 # Bit-equality between code paths, which may hold on some CPU kernels only: CI reruns these tests under
@@ -403,14 +405,14 @@ def test_a_sliding_window_cache_keeps_the_model_s_own_decoding(tmp_path, tiny_mo
     cache, one prefill per row, and stay keyed per sample."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from tidyrl.models.generation import _plain_kv_cache
+    from tidyrl.models.sequences import plain_kv_cache
 
     _, tok = tiny_model_and_tokenizer
     torch.manual_seed(0)
     model = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                              sliding_window=4, max_position_embeddings=64)).eval()
-    assert not _plain_kv_cache(model)
+    assert not plain_kv_cache(model)
     prompts = [tok(w)["input_ids"] for w in ["apple:", "fig:"] for _ in range(3)]
     common = dict(sample_keys=[sample_seed(0, 0, i) for i in range(6)], max_new_tokens=8,
                   eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)

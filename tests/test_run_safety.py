@@ -266,7 +266,7 @@ def test_a_nan_reward_stops_cleanly_naming_the_step_and_the_checkpoint(tmp_path,
 
 
 def test_a_nan_loss_stops_an_offline_stage_before_the_update(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    """sft, reward and dpo share the optimizer step (loops/offline.py): a NaN loss stops there, naming the step,
+    """sft, reward and dpo share the optimizer step (loops/offline/loop.py): a NaN loss stops there, naming the step,
     and no final/ is written from poisoned weights."""
     import tidyrl.algorithms.sft as sft
     from tidyrl.cli import main

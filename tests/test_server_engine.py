@@ -126,7 +126,7 @@ def engine_and_settings(tiny_model_dir, urls, **kw):
     return engine, prompts, settings
 
 
-KEYS = [11, 2**62 + 3, 13, 14]  # keys are 63-bit (models.generation.sample_seed)
+KEYS = [11, 2**62 + 3, 13, 14]  # keys are 63-bit (models.sequences.sample_seed)
 
 
 def builtin_generate(tiny_model_dir, prompts, settings):
@@ -588,7 +588,7 @@ def test_the_fsdp_path_of_a_lagged_run_is_the_lagged_run(tiny_model_dir, builtin
     is made, each launch's full weights are gathered (`engines.base.FullWeights`) and the servers synced from them.
     The run is the lagged run of the frozen-copy path bit for bit. (tests/fsdp_server_child.py runs the gathering on
     a real fully_shard policy in 2 processes.)"""
-    import tidyrl.loops.rl as rl
+    import tidyrl.loops.rl.learner as rl
     import tidyrl.models.sharding as sharding
     from tidyrl.rollouts import ahead, weights
 

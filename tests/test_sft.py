@@ -10,7 +10,7 @@ from conftest import expected_lrs, free_port, gloo_cpu_env, read_jsonl, write_js
 
 import tidyrl
 from tidyrl.data import DataError, PromptStream
-from tidyrl.loops.offline import OFFLINE_STEP_METRICS
+from tidyrl.loops.offline.loop import OFFLINE_STEP_METRICS
 from tidyrl.plan import PlanError, make_offline_plan
 
 WORDS = ["apple", "pear", "fig", "kiwi", "lime", "plum", "date", "lemon", "mango", "peach"]

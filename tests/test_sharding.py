@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import free_port, gloo_cpu_env
 
-from tidyrl.loops.common import check_sharding
+from tidyrl.loops.run.setup import check_sharding
 from tidyrl.models.sharding import ShardingError
 
 

@@ -176,8 +176,8 @@ def test_prepare_writes_an_ordinary_model_folder(smollm2, model, tokenizer):
 @needs_model
 def test_pad_is_eos_and_every_eos_id_is_found(smollm2, model, tokenizer):
     from tidyrl.data.offline import completion_eos_ids
-    from tidyrl.loops.offline import model_pad_id
-    from tidyrl.models.generation import eos_token_ids, pad_token_id
+    from tidyrl.loops.offline.loop import model_pad_id
+    from tidyrl.models.sequences import eos_token_ids, pad_token_id
 
     assert tokenizer.convert_ids_to_tokens(IM_END) == tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
     assert eos_token_ids(model, tokenizer) == completion_eos_ids(str(smollm2), tokenizer) == [IM_END]
@@ -205,7 +205,7 @@ def test_sft_trains_the_eos_that_ends_the_answer(tmp_path, smollm2, tokenizer, l
     stop. Padding with the same id after it is not."""
     from tidyrl.config import load_config
     from tidyrl.data.offline import completion_eos_ids, load_sft_examples
-    from tidyrl.loops.offline import pad_batch
+    from tidyrl.loops.offline.loop import pad_batch
 
     user = [{"role": "user", "content": "What is 2 + 3?"}]
     rows = ([{"messages": user + [{"role": "assistant", "content": "5"}]}, {"messages": user + [
@@ -231,7 +231,8 @@ def test_rl_completion_keeps_its_eos_and_not_the_padding(model, tokenizer):
     mask (counted in its length and scored), and the padding after it, the same id, outside."""
     from tidyrl.data.prompts import encode_prompts
     from tidyrl.models.forward import completion_logprobs
-    from tidyrl.models.generation import generate, left_pad
+    from tidyrl.models.generation import generate
+    from tidyrl.models.sequences import left_pad
 
     questions = ["What is 2 + 1?", "What is 0 * 3?", "Say hello.", "What is 4 * 9?"]
     prompts = encode_prompts([[{"role": "user", "content": q}] for q in questions], tokenizer)

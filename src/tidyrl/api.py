@@ -7,15 +7,15 @@ from pathlib import Path
 from typing import Sequence
 
 from tidyrl.config import RL_ALGORITHMS, Config, ConfigError, config_base_dir, load_config
-from tidyrl.loops.common import TrainResult
+from tidyrl.loops.run.setup import TrainResult
 from tidyrl.run_lock import release_output_dir
 
 LOOPS = {
-    **{name: "tidyrl.loops.rl" for name in RL_ALGORITHMS},  # every on-policy algorithm of the algorithm table
-    "sft": "tidyrl.loops.sft",
-    "reward": "tidyrl.loops.reward_model",
-    "dpo": "tidyrl.loops.dpo",
-    "kto": "tidyrl.loops.kto",
+    **{name: "tidyrl.loops.rl.learner" for name in RL_ALGORITHMS},  # every on-policy algorithm of the algorithm table
+    "sft": "tidyrl.loops.offline.sft",
+    "reward": "tidyrl.loops.offline.reward_model",
+    "dpo": "tidyrl.loops.offline.dpo",
+    "kto": "tidyrl.loops.offline.kto",
 }
 """algorithm -> the module whose `run(cfg, base_dir)` trains it (one explicit loop per family)."""
 

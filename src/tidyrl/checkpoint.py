@@ -57,7 +57,7 @@ failing run stops, never the maths. Any other difference (sizes, learning rate, 
 
 
 EXTENDABLE = {"train.rollouts", "train.dataset_epochs", "train.max_steps"}
-"""The length of a run: with `extend: true` a resume may change it (longer only; loops.training.continue_longer)."""
+"""The length of a run: with `extend: true` a resume may change it (longer only; loops.run.steps.continue_longer)."""
 
 
 class CheckpointError(RuntimeError):

@@ -122,8 +122,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _memory_size(text: str) -> str:
-    """`available`, or a size such as 24GiB (checked here, read by tidyrl.loops.rl_memory)."""
-    from tidyrl.loops.memory_plan import parse_size
+    """`available`, or a size such as 24GiB (checked here, read by tidyrl.memory.rl)."""
+    from tidyrl.memory.plan import parse_size
 
     if text != "available":
         try:

@@ -7,7 +7,7 @@ see what training changed:
     tidyrl eval grpo.yaml --model runs/my-run/final         # the trained model, same prompts and keys
     tidyrl eval runs/my-run/final --data test.jsonl --reward my_rewards.py:exact_match --greedy
 
-It is built from the parts training uses: the input checks (`loops.rl_inputs.check_eval_inputs`), the producer of
+It is built from the parts training uses: the input checks (`loops.rl.inputs.check_eval_inputs`), the producer of
 the episodes (`rollouts.producer.make_producer`: every engine, servers, environments and tools, multi-turn) and the
 held-out evaluation (`rollouts.evaluation.evaluate_held_out`). So a run's `eval/*` metrics of its last step and `tidyrl eval`
 of its `final/` give the same numbers.
@@ -132,8 +132,8 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
              samples_per_prompt: Optional[int] = None, greedy: Optional[bool] = None, seed: Optional[int] = None,
              output_dir: Optional[str | Path] = None, print_samples: int = 3, quiet: bool = False) -> EvalResult:
     """Evaluate one model; see the module docstring. Returns the summary written to eval.json."""
-    from tidyrl.loops.common import make_accelerator
-    from tidyrl.loops.rl_inputs import check_eval_inputs
+    from tidyrl.loops.run.setup import make_accelerator
+    from tidyrl.loops.rl.inputs import check_eval_inputs
 
     cfg, base_dir = resolve_eval_config(config, model=model, data=data, rewards=rewards, overrides=overrides)
     check_kernel_overrides()
@@ -214,7 +214,7 @@ def _held_out_evaluation(cfg, inputs, accelerator, k: int, greedy: bool, seed: i
     from tidyrl.engines import make_engine
     from tidyrl.rollouts.evaluation import evaluate_held_out
     from tidyrl.rollouts.producer import make_producer
-    from tidyrl.models.generation import eos_token_ids, pad_token_id
+    from tidyrl.models.sequences import eos_token_ids, pad_token_id
     from tidyrl.models.loading import load_causal_lm
 
     ro = cfg.rollout

@@ -206,7 +206,7 @@ def format_offline_summary(algorithm: str, plan, timings: dict, wall_s: float, f
                            overrides: Sequence[str] = ()) -> str:
     """The end-of-run summary of sft, reward and dpo: totals, wall time (and how the model was distributed:
     `distribution`, e.g. 'fsdp2, 2 shards'), the developer overrides of the kernels in effect (`overrides`, a line
-    each: `loops.common.kernel_override_lines`), each headline metric at the first step and the last (`first` holds
+    each: `loops.run.setup.kernel_override_lines`), each headline metric at the first step and the last (`first` holds
     the first step's, kept in checkpoints so a resumed run still reports it), the last eval metrics, where things
     are."""
     def value(v):
@@ -236,7 +236,7 @@ def format_summary(plan, timings: dict, wall_s: float, first_reward: Optional[fl
                    distribution: Optional[str] = None, overrides: Sequence[str] = ()) -> str:
     """The end-of-run summary: totals, wall time and its split, reward at start and end, where things are; how
     the model was distributed (`distribution`, e.g. 'fsdp2, 2 shards'), the engine that generated, and the
-    developer overrides of the kernels in effect (`overrides`, a line each: `loops.common.kernel_override_lines`).
+    developer overrides of the kernels in effect (`overrides`, a line each: `loops.run.setup.kernel_override_lines`).
 
     `timings` holds seconds per part of TIME_METRICS and `steps`, the number of optimizer steps they
     cover (fewer than the plan's after a resume: then the split covers only the steps run since).

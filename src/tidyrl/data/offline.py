@@ -321,7 +321,7 @@ def load_stage_items(cfg, tokenizer, *, packing: bool) -> tuple[list, list]:
 
 def completion_eos_ids(model_path: str, tokenizer) -> list[int]:
     """Every EOS id of the tokenizer and of the model's generation config (read without the weights): the ids
-    that end a completion in a rollout (tidyrl.models.generation.eos_token_ids)."""
+    that end a completion in a rollout (tidyrl.models.sequences.eos_token_ids)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

@@ -7,7 +7,7 @@
     engine.release()                      after generation: give memory back to training until the next sync
 
 Prompts are token ids and completions come back as token ids (token in, token out: nothing is re-tokenised),
-and each sample's random stream is its own key (`models.generation.sample_seed`), so a resumed run regenerates
+and each sample's random stream is its own key (`models.sequences.sample_seed`), so a resumed run regenerates
 the same rollout. What an engine can do it declares (`Capabilities`); the learner reads those and never an
 engine's name. A new engine is one module here, a line in `engines.ENGINES`, and its tests.
 """

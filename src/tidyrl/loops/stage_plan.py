@@ -15,7 +15,7 @@ def stage_plan(cfg: Config, base_dir: Optional[str], num_processes: int, memory:
     errors (ConfigError, DataError, ...) where it would refuse."""
     if cfg.algorithm in OFFLINE_ALGORITHMS:
         return _offline_plan(cfg, num_processes, memory, fsdp)
-    from tidyrl.loops.rl_inputs import check_rl_inputs, plan_extras
+    from tidyrl.loops.rl.inputs import check_rl_inputs, plan_extras
 
     inputs = check_rl_inputs(cfg, base_dir, num_processes, memory=memory, fsdp=fsdp)
     extras = plan_extras(cfg, inputs.plan, inputs.critic, inputs.eval_prompt_ids, inputs.memory, inputs.paths)
@@ -26,8 +26,8 @@ def _offline_plan(cfg: Config, num_processes: int, memory: Optional[str], fsdp: 
     """An offline stage's: its items tokenised as the loop does (the count of examples, pairs or packed rows and the
     longest sequence), the plan, the reference's cost (dpo, kto) and the memory plan."""
     from tidyrl.data.offline import load_stage_items
-    from tidyrl.loops import dpo, kto
-    from tidyrl.loops.offline_memory import check_offline_memory
+    from tidyrl.loops.offline import dpo, kto
+    from tidyrl.memory.offline import check_offline_memory
     from tidyrl.models.loading import load_model_config, load_tokenizer
     from tidyrl.plan import plan_from_config
 

@@ -55,3 +55,13 @@ def width_padding(width: int, device) -> int:
     import torch
 
     return -width % WIDTH_MULTIPLE.get(torch.device(device).type, 1)
+
+
+def cuda_in_use() -> bool:
+    """Whether this run's processes will take CUDA devices: a GPU is there and accelerate is not told to use the
+    CPU (ACCELERATE_USE_CPU). Known before the accelerator exists, for checks that must come first."""
+    import os
+
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")

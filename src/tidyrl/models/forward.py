@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tidyrl.models import layer_kernels
 from tidyrl.models.chunked_head import head_logprobs, head_of, passed_through
 from tidyrl.models.devices import to_device
-from tidyrl.models.generation import _plain_kv_cache, cache_argument, model_device, returned_cache
+from tidyrl.models.sequences import plain_kv_cache, cache_argument, model_device, returned_cache
 from tidyrl.models.kernels import kernels_of
 from tidyrl.models.devices import width_padding
 from tidyrl.models.lean_forward import logits_if_lean
@@ -71,7 +71,7 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
     one key keeps it finite), boolean for SDPA, additive (0 / dtype min) for eager attention."""
     inner = ddp_inner(model)
     impl = getattr(getattr(inner, "config", None), "_attn_implementation", None)
-    if mask_BL.device.type in HOST_MASK_DEVICES or impl not in ("sdpa", "eager") or not _plain_kv_cache(inner):
+    if mask_BL.device.type in HOST_MASK_DEVICES or impl not in ("sdpa", "eager") or not plain_kv_cache(inner):
         return mask_BL
     L = mask_BL.shape[1]
     columns = torch.arange(L, device=mask_BL.device)
@@ -280,7 +280,7 @@ def _can_share_prompts(model) -> bool:
         return False
     if is_sharded(inner):  # FSDP2 shards the parameters in place
         return False
-    return _plain_kv_cache(inner)
+    return plain_kv_cache(inner)
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,

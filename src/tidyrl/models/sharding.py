@@ -18,7 +18,7 @@ with the reason: FSDP1 (its forward cannot run inside `summon_full_params`, so g
 DeepSpeed (its engine steps the optimizer inside `backward` and rescales the loss by its own accumulation count,
 which bypasses tidyrl's loss normalisation, the NaN check before each update and the once-per-step LR schedule), and
 FSDP settings tidyrl would not honour (`check_fsdp_settings`). What a run's settings cannot do under FSDP2 its loop
-checks (`tidyrl.loops.common.check_sharding`).
+checks (`tidyrl.loops.run.setup.check_sharding`).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def local_grads(model) -> list:
 def check_supported(kind: str) -> None:
     """Raise ShardingError before any weights are loaded when tidyrl cannot run under `kind` (from
     `sharding_kind`) at all. What a run's settings cannot do under FSDP2 its loop checks
-    (`tidyrl.loops.common.check_sharding`)."""
+    (`tidyrl.loops.run.setup.check_sharding`)."""
     if kind == "deepspeed":
         raise ShardingError(
             "DeepSpeed is not supported yet: its engine steps the optimizer inside backward() and rescales the "

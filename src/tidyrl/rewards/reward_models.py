@@ -108,7 +108,7 @@ class RewardModel:
         import torch.nn.functional as F
 
         from tidyrl.models.devices import width_padding
-        from tidyrl.models.generation import absent_id, left_pad
+        from tidyrl.models.sequences import absent_id, left_pad
         from tidyrl.models.sharding import forward_calls
 
         self.load()

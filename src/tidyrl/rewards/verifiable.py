@@ -324,7 +324,7 @@ def _unsandboxed_note(reason: str) -> str:
 
 
 def _code_tests_before_run(allow_unsandboxed: bool = False, **_options) -> str:
-    """Checked before the run starts (tidyrl.loops.rl_inputs, `tidyrl plan` too): raises SandboxUnavailable, or
+    """Checked before the run starts (tidyrl.loops.rl.inputs, `tidyrl plan` too): raises SandboxUnavailable, or
     returns a warning line when the code will run unsandboxed, else ""."""
     reason = sandbox_module.problem()
     if reason is None:

@@ -4,7 +4,7 @@ of step 4, §6 "one rollout path").
     producer = Producer(engine, tokenizer, prompts, rewards, settings, seed, environment)
     episodes = producer.round(slot, keys, rows)  # episode keys[i] of prompt row rows[i], this process's share
 
-Training (`loops.rl`), evaluation during training and `tidyrl eval` all make their episodes here, so every
+Training (`loops.rl.learner`), evaluation during training and `tidyrl eval` all make their episodes here, so every
 engine serves single-turn prompts, multi-turn environments and evaluation alike. Sampling is keyed: episode key
 e of slot s (a rollout, or `EVAL_SLOT`) samples turn t with `sample_seed(seed, s, e)` (single turn) or
 `sample_seed(seed, s, "e.t")` (multi-turn; its environment gets "e.env"), so the episodes do not depend on the
@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from tidyrl.models.generation import left_pad, sample_seed
+from tidyrl.models.sequences import left_pad, sample_seed
 from tidyrl.rewards.functions import compute_rewards, weighted_sum
 from tidyrl.rewards.reward_models import RewardModel
 from tidyrl.rollouts.episodes import EpisodeSettings, as_episodes, build_environments, run_episodes

@@ -5,7 +5,7 @@ to the learner, one type all the way:
     rollouts.making      the rollout: the version of the weights that made it, its prompts, its making's metrics
     rollouts.scoring     the scores of the learner's models when it takes it: old, reference, teacher log-probs,
                          values, importance weights
-    the learner          advantages and returns (loops.rl_rollout)
+    the learner          advantages and returns (loops.rl.advantages)
 
 Each field says what it is per: an episode (one row per episode; a token field also one column per completion
 token, a prompt field one per prompt token, left-padded), or the whole rollout. `select`, `rows`, `joined` and
@@ -65,7 +65,7 @@ class Rollout:
     is_weights: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) truncated importance weights min(pi_trainer /
     # pi_sampler, cap); None where none are taken, or until the update takes them (rollouts.scoring.Correction)
 
-    # ---- the learner's (loops.rl_rollout)
+    # ---- the learner's (loops.rl.advantages)
     advantages: Optional[torch.Tensor] = _per(TOKEN)  # (R,) or (R, Tc)
     returns: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc) PPO: GAE returns, the critic's targets
 

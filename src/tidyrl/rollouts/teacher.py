@@ -91,7 +91,7 @@ class CrossTokenizerTeacher:
     def logprobs(self, prompts: Sequence, completions: Sequence[Sequence[int]],
                  student_logprobs: Sequence[Sequence[float]]) -> list[list[float]]:
         """Per student token of each completion, the teacher's value (see the module docstring)."""
-        from tidyrl.models.generation import left_pad
+        from tidyrl.models.sequences import left_pad
         from tidyrl.models.sharding import full_weights
         from tidyrl.rollouts.record import Rollout
         from tidyrl.rollouts.scoring import score_logprobs

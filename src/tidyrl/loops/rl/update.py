@@ -18,9 +18,9 @@ import torch
 from tidyrl.algorithms.kl import kl_per_token
 from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss, truncated_importance_weights
 from tidyrl.algorithms.ppo import clipped_value_loss
-from tidyrl.loops.exact_sums import exact_accumulator, global_micro_batches
+from tidyrl.loops.run.exact_sums import exact_accumulator, global_micro_batches
 from tidyrl.models.collectives import Sums, reduce_max, reduce_sum
-from tidyrl.loops.training import apply_update, no_sync
+from tidyrl.loops.run.steps import apply_update, no_sync
 from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
 from tidyrl.rollouts.record import Rollout, chunks
@@ -58,6 +58,17 @@ class UpdateSettings:
     sync_each_microbatch: bool
     max_grad_norm: float
     exact_gradients: bool = False
+
+    @classmethod
+    def of_run(cls, cfg, options, spec, correction) -> "UpdateSettings":
+        """A run's settings: its config, the algorithm's config section (`options`) and table entry (`spec`), and
+        where the mismatch is corrected (`correction`)."""
+        ro, train = cfg.rollout, cfg.train
+        return cls(options=options, policy_loss=options.policy_loss or spec.policy_loss,
+                   kl_in_loss=spec.kl_in == "loss", correction=correction, temperature=ro.temperature, max_new_tokens=ro.max_new_tokens,
+                   # (exact sums: the policy is marked by models.forward.exact_forward, which turns its fast paths off)
+                   fast_path=cfg.model_fast_paths, sync_each_microbatch=train.sync_each_microbatch,
+                   max_grad_norm=train.max_grad_norm, exact_gradients=train.exact_gradients)
 
 
 def loss_mask(completion_mask, truncated, action_mask, mask_truncated: bool):
@@ -228,7 +239,7 @@ def weights_for_later_epochs(rollout: Rollout, trainer_logprobs, tis_cap: float)
 def minibatch(plan, seed: int, r: int, j: int):
     """The global episodes of step j (0-based) of rollout r: mini-batch j % M of a fresh shuffle of the R episodes
     for each pass, keyed by (seed, rollout, pass); the same on every process, whatever W is."""
-    from tidyrl.models.generation import sample_seed
+    from tidyrl.models.sequences import sample_seed
 
     epoch, mb = divmod(j, plan.minibatches_per_epoch)
     gen = torch.Generator().manual_seed(sample_seed(seed, r, -1 - epoch))
@@ -240,7 +251,7 @@ def prepare_critic(trainee: Trainee, path: str, cfg, plan, accelerator) -> None:
     """PPO's critic loaded from `path` and prepared for training beside the policy: its own learning rate
     (critic.learning_rate, default the policy's) and schedule (critic.lr_scheduler), on the policy's step count and
     warm-up."""
-    from tidyrl.loops.common import prepare_for_training, weights_device
+    from tidyrl.loops.run.setup import prepare_for_training, weights_device
     from tidyrl.models.loading import load_critic
 
     train = replace(cfg.train, learning_rate=cfg.critic.learning_rate if cfg.critic.learning_rate is not None

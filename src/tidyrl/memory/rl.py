@@ -1,7 +1,7 @@
 """An RL run's memory plan from its config, before any weights load (`check_memory`, run by `check_rl_inputs` for
 `tidyrl train` and `tidyrl plan`): the shapes from the models' configs, the sizes from the batch plan, the memory a
 process has (`tidyrl plan --memory`, else the CUDA device's own where the run uses one), and the phases that would
-not fit with what to change. The formulas are `tidyrl.loops.memory_plan`'s (pure, no torch)."""
+not fit with what to change. The formulas are `tidyrl.memory.plan`'s (pure, no torch)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Optional
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, ConfigError
 from tidyrl.engines import engine_module
-from tidyrl.loops.memory_plan import (DTYPE_BYTES, MemoryInputs, MemoryPlan, Scorer, Shape, fit_problems, gib,
+from tidyrl.memory.plan import (DTYPE_BYTES, MemoryInputs, MemoryPlan, Scorer, Shape, fit_problems, gib,
                                       memory_plan, parse_size)
-from tidyrl.loops.common import run_kernels
 from tidyrl.models.families import on_fast_path
+from tidyrl.models.kernels import Kernels, with_overrides
 from tidyrl.models.loading import load_model_config
 
 
@@ -62,7 +62,8 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
         gradient_checkpointing=cfg.train.gradient_checkpointing,
         sync_each_microbatch=cfg.train.sync_each_microbatch,
         accumulation_steps=per_minibatch // cfg.train.micro_batch_size,
-        chunked_head=cuda and b < 4 and on_fast_path(model_config) and run_kernels(cfg).chunked_head,
+        chunked_head=cuda and b < 4 and on_fast_path(model_config)
+        and with_overrides(Kernels.of(cfg.kernels)).chunked_head,
         # (lean_forward.can_run: DDP and FSDP2 wrap the policy, LoRA and gradient checkpointing wrap its modules)
         lean_update=lean(model_config) and plan.world_size == 1 and not cfg.lora.enabled
         and not cfg.train.gradient_checkpointing,
@@ -75,7 +76,7 @@ def _cuda_bytes() -> Optional[int]:
     torch = sys.modules.get("torch")
     if torch is None:
         return None
-    from tidyrl.loops.common import cuda_in_use
+    from tidyrl.models.devices import cuda_in_use
 
     if not cuda_in_use():
         return None

@@ -1,6 +1,6 @@
-"""What every training loop shares: the accelerator, the output folder, the optimizer and LR schedule, and
-saving a Hugging Face folder (loading is `tidyrl.models.loading`). Each loop stays explicit; these are its
-parts."""
+"""Setting a run up and writing what it leaves: the accelerator, the output folder and its run header (config.yaml,
+plan.json), the optimizer and LR schedule of what it trains, and saving a Hugging Face folder (loading is
+`tidyrl.models.loading`). The steps themselves are `loops.run.steps`."""
 
 from __future__ import annotations
 
@@ -59,14 +59,6 @@ def check_processes_fit_devices(local_processes: int, cuda_devices: int) -> None
             f"{cuda_devices} (`torchrun --nproc_per_node {cuda_devices}` or `accelerate launch --num_processes "
             f"{cuda_devices}`), or run all processes on CPU (gloo) with ACCELERATE_USE_CPU=1 or CUDA_VISIBLE_DEVICES=''."
         )
-
-
-def cuda_in_use() -> bool:
-    """Whether this run's processes will take CUDA devices: a GPU is there and accelerate is not told to use the
-    CPU (ACCELERATE_USE_CPU). Known before the accelerator exists, for checks that must come first."""
-    import torch
-
-    return torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
 
 
 @functools.lru_cache(maxsize=None)  # registered once per process, however many runs it makes
@@ -132,14 +124,6 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
             for line in kernel_override_lines(cfg):
                 print(f"tidyrl: {line}", flush=True)
     return accelerator
-
-
-def run_kernels(cfg: Config):
-    """The choice of kernels this run's models carry (`models.kernels.Kernels`): the config's `kernels` section with
-    the developer overrides set in the environment in place, as `models.loading` attaches it."""
-    from tidyrl.models.kernels import Kernels, with_overrides
-
-    return with_overrides(Kernels.of(cfg.kernels))
 
 
 def kernel_overrides(cfg: Config) -> dict:

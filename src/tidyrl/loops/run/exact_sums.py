@@ -16,7 +16,7 @@ teacher, and the built-in engine's decode, is the model's own on any number of p
 exact_forward`: the fast paths of `models.forward` take other code paths inside DDP and are not taken under FSDP2,
 and they round differently). Under FSDP2 the integer sum happens inside FSDP2's reduce-scatter
 (`ShardedExactGradients`), and clipping reads a norm summed exactly from any split (`exact_grad_norm`). The no-grad scoring holds the same episodes per chunk on any split where
-rollout.forward_batch_size divides each process's share of the rollout. The offline loop (loops/offline.py: sft,
+rollout.forward_batch_size divides each process's share of the rollout. The offline loop (loops/offline/loop.py: sft,
 reward, dpo, kto) uses the same two parts: its micro-batches cut from the whole batch (`micro_batches`), and
 each micro-batch's loss reading only global quantities that every process computes alike (the global batch's
 normalisers, reference log-probs cached in chunks cut by index, KTO's z0 summed in one order). On a CPU, a kernel may split its sums by

@@ -4,10 +4,10 @@
         the rollout, made, scored, gathered            (tidyrl.rollouts.taking.Rollouts.take: its rewarded episodes,
                                                         made ahead beside training with rollout.lag; old / reference
                                                         / teacher log-probs and values, only where read)
-        -> rewards -> advantages                                                      (loops.rl_rollout)
+        -> rewards -> advantages                                                      (loops.rl.advantages)
         for each of E passes, for each of M mini-batches:
-            micro-batches of m with gradient accumulation -> one optimizer step   (loops.rl_update)
-            -> one LR-scheduler step -> one metrics row -> save / evaluate when due   (loops.training.Steps)
+            micro-batches of m with gradient accumulation -> one optimizer step   (loops.rl.update)
+            -> one LR-scheduler step -> one metrics row -> save / evaluate when due   (loops.run.steps.Steps)
 
 All counts come from the plan (tidyrl.plan); what differs between algorithms comes from the algorithm table
 (tidyrl.algorithms.table) and what differs between engines from their capabilities: nothing here tests an
@@ -25,15 +25,15 @@ from typing import Optional
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.console import say
 from tidyrl.config import Config, algorithm_section
-from tidyrl.loops.common import (TrainResult, distribution_of, make_accelerator, prepare_for_training,
+from tidyrl.loops.run.setup import (TrainResult, distribution_of, make_accelerator, prepare_for_training,
                                  prepare_output_dir, save_pretrained_atomic, weights_device, write_run_header)
-from tidyrl.loops.rl_inputs import check_rl_inputs, loaded_path_note, plan_extras
-from tidyrl.loops.rl_checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
-from tidyrl.loops.rl_rollout import (GROUP_COUNTS, environment_failure, estimate_advantages, multi_turn_stats,
+from tidyrl.loops.rl.inputs import check_rl_inputs, loaded_path_note, plan_extras
+from tidyrl.loops.rl.checkpoint import RunState, restore_run, rollouts_made_ahead, save_run, saved_made_ahead
+from tidyrl.loops.rl.advantages import (GROUP_COUNTS, environment_failure, estimate_advantages, multi_turn_stats,
                                      no_signal_note, rollout_rewards, rollout_stats, sample_row)
-from tidyrl.loops.rl_update import (Trainee, UpdateSettings, minibatch, optimizer_step, prepare_critic,
+from tidyrl.loops.rl.update import (Trainee, UpdateSettings, minibatch, optimizer_step, prepare_critic,
                                     weights_for_later_epochs)
-from tidyrl.loops.training import Steps, check_resume, continue_longer, keep_if_best
+from tidyrl.loops.run.steps import Steps, check_resume, continue_longer, keep_if_best
 from tidyrl.models.loading import load_causal_lm, load_policy
 from tidyrl.models.lora import adapter_note
 from tidyrl.models.sharding import is_sharded
@@ -97,7 +97,7 @@ class RLRun:
         import torch
 
         from tidyrl.algorithms.ppo import AdaptiveKLController, FixedKLController
-        from tidyrl.models.generation import eos_token_ids, pad_token_id
+        from tidyrl.models.sequences import eos_token_ids, pad_token_id
         from tidyrl.models.sharding import frozen_device, place_frozen
         from tidyrl.rewards.reward_models import RewardModel
 
@@ -176,14 +176,7 @@ class RLRun:
             is_sharded(r.fn.model) for r in self.inputs.reward_fns if isinstance(r.fn, RewardModel))
         self.rollouts = Rollouts(self.source, lag=ro.lag, total=plan.rollouts, pad_id=self.pad_id,
                                  background=self.world_size == 1 or not collective)
-        self.update_settings = UpdateSettings(
-            options=self.algo, policy_loss=self.algo.policy_loss or self.spec.policy_loss,
-            kl_in_loss=self.spec.kl_in == "loss", correction=self.correction, temperature=ro.temperature,
-            max_new_tokens=ro.max_new_tokens,
-            # (exact sums: the policy is marked by models.forward.exact_forward, which turns its fast paths off)
-            fast_path=cfg.model_fast_paths,
-            sync_each_microbatch=cfg.train.sync_each_microbatch, max_grad_norm=cfg.train.max_grad_norm,
-            exact_gradients=cfg.train.exact_gradients)
+        self.update_settings = UpdateSettings.of_run(cfg, self.algo, self.spec, self.correction)
 
     def run(self) -> TrainResult:
         from tidyrl.metrics import STEP_METRICS
@@ -261,7 +254,7 @@ class RLRun:
                  elapsed=time.perf_counter() - self.start, first_reward=self.first_reward, ahead=ahead)
 
     def _finish(self, row: dict, last_reward, log) -> TrainResult:
-        from tidyrl.loops.common import kernel_override_lines
+        from tidyrl.loops.run.setup import kernel_override_lines
         from tidyrl.metrics import format_summary
 
         critic = self.trainee.critic

@@ -1,6 +1,6 @@
 """Parts the offline loops (sft, reward, dpo, kto) share: the example stream split into micro-batches, padding,
 token log-probs, the optimizer step and the metrics log. Each loop stays explicit in its own module; these are
-its parts, as tidyrl.loops.common is for every loop.
+its parts, as tidyrl.loops.run is for every loop.
 
 The accounting is the RL loop's (DESIGN §2), with a fixed dataset in place of rollouts:
 
@@ -22,7 +22,7 @@ import torch
 from tidyrl.console import say
 from tidyrl.data.offline import TokenizedSequence
 from tidyrl.models.devices import to_device
-from tidyrl.models.generation import forward_parameters
+from tidyrl.models.sequences import forward_parameters
 from tidyrl.plan import OfflinePlan, offline_epochs_done
 
 OFFLINE_STEP_METRICS = (
@@ -48,7 +48,7 @@ def micro_batches(batch: Sequence[int], plan: OfflinePlan, rank: int, length=Non
     `whole_batch_first` (train.exact_gradients): the whole batch ordered and cut into micro-batches first, then
     shared out (`exact_sums.global_micro_batches`), so each micro-batch holds the same examples whatever W is."""
     if whole_batch_first:
-        from tidyrl.loops.exact_sums import global_micro_batches
+        from tidyrl.loops.run.exact_sums import global_micro_batches
 
         everything = sorted(batch, key=length) if length is not None else list(batch)  # stable, as below
         parts = global_micro_batches(everything, plan.micro_batch_size, rank, plan.world_size)
@@ -244,8 +244,8 @@ class OfflineRun:
     end-of-run summary). Built first, so a bad resume_from fails before any data or weights load."""
 
     def __init__(self, cfg):
-        from tidyrl.loops.common import make_accelerator
-        from tidyrl.loops.training import check_resume
+        from tidyrl.loops.run.setup import make_accelerator
+        from tidyrl.loops.run.steps import check_resume
 
         self.cfg = cfg
         self.accelerator = make_accelerator(cfg)
@@ -261,7 +261,7 @@ class OfflineRun:
     def open_output(self, notes: Sequence[str] = ()) -> None:
         """A new run takes its output folder (refused if it holds another run, unless overwrite); a resumed one
         keeps it (already held). Then the notes are printed."""
-        from tidyrl.loops.common import prepare_output_dir
+        from tidyrl.loops.run.setup import prepare_output_dir
 
         if self.resumed is None:
             prepare_output_dir(self.out, self.cfg.overwrite, self.accelerator)
@@ -279,14 +279,14 @@ class OfflineRun:
             final/: the model; the summary
 
         The skeleton (metrics log, progress bar, stop signals, checkpoint cadence) is the RL loop's,
-        `loops.training.Steps`.
+        `loops.run.steps.Steps`.
         """
         import functools
 
         from tidyrl.data import PromptStream
-        from tidyrl.loops.common import (TrainResult, distribution_of, kernel_override_lines, save_pretrained_atomic,
+        from tidyrl.loops.run.setup import (TrainResult, distribution_of, kernel_override_lines, save_pretrained_atomic,
                                          write_run_header)
-        from tidyrl.loops.training import Steps, keep_if_best
+        from tidyrl.loops.run.steps import Steps, keep_if_best
         from tidyrl.metrics import format_offline_summary
 
         cfg, acc = self.cfg, self.accelerator
@@ -329,7 +329,7 @@ class OfflineRun:
         """The checkpoint's optimizer, schedule, random state and counters restored, the metrics rows past its step
         dropped (the remaining steps write them again). Returns (its step, the first row's values, the best)."""
         from tidyrl.checkpoint import restore_optimizer, set_rng_state, truncate_jsonl
-        from tidyrl.loops.training import continue_longer
+        from tidyrl.loops.run.steps import continue_longer
 
         acc = self.accelerator
         restore_optimizer(self.resumed, "optimizer", model, optimizer)
@@ -352,10 +352,10 @@ class OfflineRun:
         (DDP averages over W processes; each loss is this process's share of the global batch loss, scaled by W
         so that the synchronised gradient is the global one), the sums reduced, clipped, stepped. Its metrics
         row. With train.exact_gradients the micro-batches are cut from the whole batch, each one's gradient goes
-        onto the integer grid and the processes' integer sums are all-reduced (loops/exact_sums.py): no DDP
+        onto the integer grid and the processes' integer sums are all-reduced (loops/run/exact_sums.py): no DDP
         synchronisation, no scale by W."""
-        from tidyrl.loops.exact_sums import exact_accumulator
-        from tidyrl.loops.training import apply_update, no_sync
+        from tidyrl.loops.run.exact_sums import exact_accumulator
+        from tidyrl.loops.run.steps import apply_update, no_sync
         from tidyrl.models.collectives import Sums
 
         cfg, acc = self.cfg, self.accelerator
@@ -418,7 +418,7 @@ class OfflineRun:
         also writes its shards."""
         from tidyrl.checkpoint import save_checkpoint
         from tidyrl.config import config_to_dict
-        from tidyrl.loops.common import distribution_of
+        from tidyrl.loops.run.setup import distribution_of
         from tidyrl.models.sharding import is_root_sharded
 
         acc = self.accelerator

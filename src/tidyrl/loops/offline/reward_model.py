@@ -2,7 +2,7 @@
 
     tokenise the pairs: prompt + chosen, prompt + rejected (whole text, as a reward model reads it)
     load `model` as AutoModelForSequenceClassification with one output (a new score head on the backbone)
-    for each optimizer step (tidyrl.loops.offline.OfflineRun.train, the loop every offline stage shares):
+    for each optimizer step (tidyrl.loops.offline.loop.OfflineRun.train, the loop every offline stage shares):
         the next train.batch_size pairs of the stream
         micro-batches of m pairs: score the 2m sequences in one forward ->
         Bradley–Terry loss per pair, summed and divided by the pairs of the whole global batch -> backward
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
+from tidyrl.loops.run.setup import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_model_config, load_tokenizer, placed, torch_dtype, without_dropout
 
 
@@ -73,8 +73,8 @@ class RewardStage:
         import torch
 
         from tidyrl.algorithms.preference import bradley_terry_loss
-        from tidyrl.loops.offline import pad_batch
-        from tidyrl.models.generation import absent_id
+        from tidyrl.loops.offline.loop import pad_batch
+        from tidyrl.models.sequences import absent_id
         from tidyrl.models.sharding import ddp_inner
 
         sequences = [p.chosen for p in pairs] + [p.rejected for p in pairs]
@@ -96,7 +96,7 @@ class RewardStage:
         return bradley_terry_loss(chosen_B, rejected_B, margin_B), chosen_B, rejected_B, margin_B, inputs
 
     def micro_batch(self, idx):
-        from tidyrl.loops.offline import batch_cells
+        from tidyrl.loops.offline.loop import batch_cells
 
         pairs = [self.pairs[i] for i in idx]
         loss_B, chosen_B, rejected_B, margin_B, inputs = self._score(pairs)
@@ -133,9 +133,9 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train a reward model from a validated Config (see `tidyrl.train`)."""
     import torch
 
-    from tidyrl.loops.offline import OfflineRun, model_pad_id
+    from tidyrl.loops.offline.loop import OfflineRun, model_pad_id
     from tidyrl.data.offline import completion_eos_ids, load_preference_pairs, pair_key, split_train_eval
-    from tidyrl.loops.offline_memory import check_offline_memory, memory_header
+    from tidyrl.memory.offline import check_offline_memory, memory_header
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads

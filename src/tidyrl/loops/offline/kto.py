@@ -3,7 +3,7 @@
     tokenise the examples (prompt + completion, a desirable / undesirable label), as DPO tokenises each side
     load the policy and, frozen, the reference: the same starting model
     the reference log-prob of every example, scored once before training (it never changes): a cache
-    for each optimizer step (tidyrl.loops.offline.OfflineRun.train, the loop every offline stage shares):
+    for each optimizer step (tidyrl.loops.offline.loop.OfflineRun.train, the loop every offline stage shares):
         the next train.batch_size examples of the stream
         the reference point z0 of the WHOLE global batch, under no_grad (KTOStage.begin_step):
             mismatched pairs (prompt of batch[i], completion of batch[i+1 mod B]) for every position i,
@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
+from tidyrl.loops.run.setup import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_causal_lm, load_model_config, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note, reference_of
 from tidyrl.models.sharding import frozen_device, place_frozen
@@ -54,7 +54,7 @@ class KTOStage:
     def _logps(self, model, sequences):
         """Sequence log-probs (b,) of the completions under `model`, and the token cells computed."""
         from tidyrl.algorithms.preference import sequence_logps
-        from tidyrl.loops.offline import batch_cells, pad_batch, target_logprobs
+        from tidyrl.loops.offline.loop import batch_cells, pad_batch, target_logprobs
 
         inputs = pad_batch(sequences, self.pad_id, self.device, flat=self.flat)
         return sequence_logps(*target_logprobs(model, inputs)), batch_cells(inputs)
@@ -143,10 +143,10 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train with KTO from a validated Config (see `tidyrl.train`)."""
     import torch
 
-    from tidyrl.loops.dpo import sequence_logps_cache
-    from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
+    from tidyrl.loops.offline.dpo import sequence_logps_cache
+    from tidyrl.loops.offline.loop import OfflineRun, choose_padding_free, model_pad_id
     from tidyrl.data.offline import completion_eos_ids, kto_key, load_kto_examples, split_train_eval
-    from tidyrl.loops.offline_memory import check_offline_memory, memory_header
+    from tidyrl.memory.offline import check_offline_memory, memory_header
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads

@@ -3,7 +3,7 @@
     tokenise the pairs: prompt + chosen, prompt + rejected, as a rollout would (prompt and completion apart,
     EOS appended); the completion tokens are the targets
     load the policy and, frozen, the reference: the same starting model (none for simpo and orpo)
-    for each optimizer step (tidyrl.loops.offline.OfflineRun.train, the loop every offline stage shares):
+    for each optimizer step (tidyrl.loops.offline.loop.OfflineRun.train, the loop every offline stage shares):
         the next train.batch_size pairs of the stream
         micro-batches of m pairs (2m sequences in one forward):
             reference sequence log-probs: read from the cache scored once before training (the reference is
@@ -21,7 +21,7 @@ from typing import Optional
 
 from tidyrl.algorithms.choices import REFERENCE_FREE_LOSS_TYPES
 from tidyrl.config import Config
-from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
+from tidyrl.loops.run.setup import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_causal_lm, load_model_config, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note, reference_of
 from tidyrl.models.sharding import forward_calls, frozen_device, place_frozen
@@ -35,7 +35,7 @@ def sequence_logps_cache(accelerator, model, sequences, pad_id: int, chunk: int)
     import torch
 
     from tidyrl.algorithms.preference import sequence_logps
-    from tidyrl.loops.offline import pad_batch, target_logprobs
+    from tidyrl.loops.offline.loop import pad_batch, target_logprobs
     from tidyrl.models.collectives import reduce_sum
 
     W, rank = accelerator.num_processes, accelerator.process_index
@@ -116,7 +116,7 @@ class PreferenceStage:
 
         from tidyrl.algorithms.preference import dpo_loss, orpo_odds_ratio_loss, sequence_logps, simpo_loss
         from tidyrl.models.devices import to_device
-        from tidyrl.loops.offline import batch_cells, pad_batch, target_logprobs
+        from tidyrl.loops.offline.loop import batch_cells, pad_batch, target_logprobs
 
         opts, b = self.opts, len(pairs)
         sequences = [p.chosen for p in pairs] + [p.rejected for p in pairs]  # chosen first
@@ -197,10 +197,10 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train with a preference loss (dpo.loss_type) from a validated Config (see `tidyrl.train`)."""
     import torch
 
-    from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
+    from tidyrl.loops.offline.loop import OfflineRun, choose_padding_free, model_pad_id
     from tidyrl.data.offline import (check_distinct_pairs, completion_eos_ids, load_preference_pairs, pair_key,
                                      split_train_eval)
-    from tidyrl.loops.offline_memory import check_offline_memory, memory_header
+    from tidyrl.memory.offline import check_offline_memory, memory_header
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads

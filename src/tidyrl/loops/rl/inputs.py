@@ -72,7 +72,7 @@ class RLInputs:
     tools: Optional[list] = None
     """The environment's tool schemas (its `tool_schemas()`), rendered into every prompt, or None."""
     memory: Any = None
-    """The memory plan (tidyrl.loops.memory_plan.MemoryPlan), or None when the model's shape is unknown."""
+    """The memory plan (tidyrl.memory.plan.MemoryPlan), or None when the model's shape is unknown."""
     paths: Optional[dict] = None
     """Which forward each model takes and why (`model_paths`): plan.json's `paths`."""
 
@@ -184,7 +184,7 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
     divide, the reward functions import, the reward models exist, every argument a reward function needs is a
     data column, PPO's critic can read the policy's tokens, and each phase's predicted memory fits the memory a
     process has (`memory`: a size, 'available', or None: the CUDA device's; `fsdp`: plan FSDP2's sharding, None: as
-    the launch asks; tidyrl.loops.rl_memory). `tidyrl plan`
+    the launch asks; tidyrl.memory.rl). `tidyrl plan`
     runs the same checks, so a plan that prints is a run that starts."""
     from tidyrl.data import load_rl_prompts, other_columns
     from tidyrl.rewards import check_reward_columns
@@ -227,7 +227,7 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
     if ALGORITHMS[cfg.algorithm].critic:
         path, why = choose_critic(cfg, tokenizer.get_vocab())
         critic = {"critic_model": path, "critic_model_reason": why}
-    from tidyrl.loops.rl_memory import check_memory
+    from tidyrl.memory.rl import check_memory
 
     memory_plan, line = check_memory(cfg, model_config, [*prompt_ids, *(eval_prompt_ids or [])], plan, critic, memory,
                                      fsdp)
@@ -352,7 +352,7 @@ def check_engine_inputs(cfg: Config, model_config, prompt_ids: list, episodes_pe
     sampler); an evaluation reads the completions alone, so a server's log-probs mode is no concern of it."""
     engine = engine_module(cfg.rollout.engine)
     if hasattr(engine, "input_problems"):
-        from tidyrl.loops.common import cuda_in_use
+        from tidyrl.models.devices import cuda_in_use
 
         longest = max(len(p) for p in prompt_ids) + cfg.rollout.max_new_tokens
         problems = engine.input_problems(cfg, model_config, not cuda_in_use(), episodes_per_process, longest,

@@ -1,7 +1,7 @@
 """An offline stage's memory plan (sft, reward, dpo, kto) from its config and its tokenised data, before any weights
 load (`check_offline_memory`, run by each offline loop and by `tidyrl plan`): the policy's shape from its config,
 the longest sequence from the data as the stage cuts, packs and pads it, the memory a process has, and the phases
-that would not fit with what to change. The formulas are `tidyrl.loops.memory_plan`'s (pure, no torch)."""
+that would not fit with what to change. The formulas are `tidyrl.memory.plan`'s (pure, no torch)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional
 
 from tidyrl.algorithms.choices import REFERENCE_FREE_LOSS_TYPES
 from tidyrl.config import Config
-from tidyrl.loops.memory_plan import DTYPE_BYTES, MemoryPlan, OfflineInputs, Shape
-from tidyrl.loops.rl_memory import memory_budget, planned
+from tidyrl.memory.plan import DTYPE_BYTES, MemoryPlan, OfflineInputs, Shape
+from tidyrl.memory.rl import memory_budget, planned
 from tidyrl.models.devices import WIDTH_MULTIPLE
 
 

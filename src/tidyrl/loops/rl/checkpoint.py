@@ -29,7 +29,7 @@ def save_run(step: int, *, accelerator, out, trainee, tokenizer, state: RunState
     and the rollouts made ahead (rollout.lag: rollout index -> this process's making, as plain values)."""
     from tidyrl.checkpoint import save_checkpoint
     from tidyrl.config import config_to_dict
-    from tidyrl.loops.common import distribution_of
+    from tidyrl.loops.run.setup import distribution_of
     from tidyrl.models.generation import SAMPLER
 
     t = trainee

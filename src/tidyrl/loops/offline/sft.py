@@ -1,7 +1,7 @@
 """Supervised fine-tuning (`algorithm: sft`), explicit from top to bottom.
 
     tokenise the examples (prompt + completion, or messages); hold out the eval split; pack the rest if asked
-    for each optimizer step (tidyrl.loops.offline.OfflineRun.train, the loop every offline stage shares):
+    for each optimizer step (tidyrl.loops.offline.loop.OfflineRun.train, the loop every offline stage shares):
         the next train.batch_size examples of the stream
         micro-batches of m: masked NLL of the target tokens, normalised by the
         target-token count of the whole global batch -> backward          (SFTStage below)
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tidyrl.config import Config
-from tidyrl.loops.common import TrainResult, prepare_for_training, weights_device
+from tidyrl.loops.run.setup import TrainResult, prepare_for_training, weights_device
 from tidyrl.models.loading import load_model_config, load_policy, load_tokenizer
 from tidyrl.models.lora import adapter_note
 
@@ -46,7 +46,7 @@ class SFTStage:
 
     def _nll(self, sequences):
         """(log-probs, target mask), (b, T-1) each, and the token cells the forward computed."""
-        from tidyrl.loops.offline import batch_cells, pad_batch, target_logprobs
+        from tidyrl.loops.offline.loop import batch_cells, pad_batch, target_logprobs
 
         inputs = pad_batch(sequences, self.pad_id, self.device, flat=self.flat)
         logprobs_BT, mask_BT = target_logprobs(self.model, inputs)
@@ -77,10 +77,10 @@ def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train with SFT from a validated Config (see `tidyrl.train`)."""
     import torch
 
-    from tidyrl.loops.offline import OfflineRun, choose_padding_free, model_pad_id
+    from tidyrl.loops.offline.loop import OfflineRun, choose_padding_free, model_pad_id
     from tidyrl.data.offline import (completion_eos_ids, load_sft_examples, pack_examples, sequence_key,
                                      split_train_eval)
-    from tidyrl.loops.offline_memory import check_offline_memory, memory_header
+    from tidyrl.memory.offline import check_offline_memory, memory_header
     from tidyrl.plan import offline_plan_from_config
 
     run = OfflineRun(cfg)  # a bad resume_from fails here, before anything loads

@@ -1,7 +1,7 @@
 """The memory plan: the predicted peak of each phase of an RL run or an offline stage, per process, from numbers
 alone. Pure Python, no torch, no files: the shapes come from a model's config (a mapping or an object with the same
 attributes), the sizes from the batch plan. `tidyrl plan` prints it and the run checks it before any weights load
-(`tidyrl.loops.rl_memory`, `tidyrl.loops.offline_memory`). Every figure is in bytes and broken into named parts;
+(`tidyrl.memory.rl`, `tidyrl.memory.offline`). Every figure is in bytes and broken into named parts;
 docs/memory.md gives the formulas with a worked example.
 
 Notation (per process):

@@ -1,4 +1,5 @@
-"""The machinery every training loop shares, RL and offline alike (one module, not one copy per loop):
+"""A run's optimizer steps, RL and offline alike: the skeleton every loop steps through (`Steps`: the metrics log,
+the progress bar, the checkpoint cadence) and its parts:
 
     no_sync         gradient accumulation without synchronisation until the last micro-batch
     apply_update    clip -> stop on NaN/inf -> optimizer step -> one LR-scheduler step -> zero the gradients
@@ -8,7 +9,7 @@
 The small collectives (Sums, reduce_sum, reduce_max, agree) are in models/collectives.py, below the loops and the
 rollouts alike.
 
-The loops themselves stay explicit in their modules (loops/rl.py, loops/offline.py); these are their parts.
+The loops themselves stay explicit in their modules (loops/rl/learner.py, loops/offline/loop.py).
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ def apply_update(accelerator, parts: Sequence[tuple], max_grad_norm: float, step
     """Clip every (model, optimizer, scheduler) of `parts` to `max_grad_norm` (<= 0: no clipping), then, if the
     loss and every gradient norm are finite, step each optimizer and its LR schedule exactly once and zero the
     gradients. Returns (the learning rate this step used, the gradient norm before clipping) per part. `exact`
-    (train.exact_gradients): the norm summed exactly, the same on any split (loops.exact_sums.exact_grad_norm).
+    (train.exact_gradients): the norm summed exactly, the same on any split (loops.run.exact_sums.exact_grad_norm).
 
     A NaN or infinite loss or norm stops the run before any update (a NaN step would poison every later one):
     NonFiniteLossError names the 1-based `step`, where the run can resume from, and `advice`."""
     from tidyrl.checkpoint import last_good_checkpoint
     from tidyrl.models.host_memory import release_freed_memory
 
-    from tidyrl.loops.exact_sums import clip_exactly
+    from tidyrl.loops.run.exact_sums import clip_exactly
     from tidyrl.models.sharding import clip_grad_norm, is_root_sharded, local_grads
 
     max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
@@ -152,7 +153,7 @@ def keep_if_best(accelerator, cfg, output_dir: Path, best: Optional[dict], row: 
     best after this evaluation (kept in checkpoints, so a resumed run compares with the runs' real best)."""
     import json
 
-    from tidyrl.loops.common import save_pretrained_atomic
+    from tidyrl.loops.run.setup import save_pretrained_atomic
 
     name = cfg.log.best_metric
     if name is None:
