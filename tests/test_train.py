@@ -223,7 +223,6 @@ def test_old_logprobs_come_from_sampling_and_only_when_several_steps_share_a_rol
                                                                                       tmp_path, monkeypatch):
     """Old log-probs exist only when E*M > 1, and cost no forward pass: the sampling pass returns them. They
     equal what scoring the rollout with the policy gives (up to float rounding)."""
-    import tidyrl.loops.rl_rollout as rl_rollout
     import tidyrl.rollouts.scoring as scoring
     from tidyrl.loops.rl import RLRun
 
@@ -231,7 +230,6 @@ def test_old_logprobs_come_from_sampling_and_only_when_several_steps_share_a_rol
     original_score = scoring.score_logprobs
     counting = lambda *a, **k: calls.append(1) or original_score(*a, **k)  # noqa: E731
     monkeypatch.setattr(scoring, "score_logprobs", counting)
-    monkeypatch.setattr(rl_rollout, "score_logprobs", counting)
     original_make = RLRun.take_rollout
 
     def take_rollout(run, r):
