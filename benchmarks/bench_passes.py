@@ -53,7 +53,6 @@ from tidyrl.models import devices as tidy_devices  # noqa: E402
 from tidyrl.models import forward as tidy_forward  # noqa: E402
 from tidyrl.models.sequences import left_pad  # noqa: E402
 from tidyrl.models.kernels import attach, kernels_of  # noqa: E402
-from tidyrl.models.ops import gather_logprobs_and_entropy  # noqa: E402
 from tidyrl.rollouts.record import Rollout  # noqa: E402
 
 PASSES = ("lean", "shared", "onepass", "onepass-rows", "onepass-exact", "trl")

@@ -392,7 +392,7 @@ def test_plan_prints_the_memory_plan_and_refuses_a_phase_that_does_not_fit(confi
     for phase in memory["per_process_bytes"].values():
         assert phase["total"] == sum(v for k, v in phase.items() if k != "total")
     assert "reference_weights" in memory["per_process_bytes"]["update"]  # the KL reference, a second model
-    assert f"tidyrl: memory: predicted peak" in err
+    assert "tidyrl: memory: predicted peak" in err
     assert main(["plan", str(config), "--memory", "1GiB"]) == 0
     assert "fits the 1.00 GiB of --memory 1GiB" in capsys.readouterr().err
     assert main(["plan", str(config), "--memory", "500KB"]) == 2

@@ -202,7 +202,7 @@ def test_rows_padded_to_a_width_multiple_give_the_same_log_probs_values_and_grad
 def test_offline_batches_padded_to_a_width_multiple_give_the_same_log_probs(packed, monkeypatch):
     """pad_batch rounds the width up to models.devices.WIDTH_MULTIPLE's multiple for the device (CUDA: 16, so that
     shapes recur); the targets' log-probs and mask are the unpadded batch's."""
-    from tidyrl.models import devices, forward
+    from tidyrl.models import devices
 
     model = llama()
     seqs = sequences(torch.Generator().manual_seed(3), [7, 3, 12, 5])

@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from tidyrl.models import fused_decode
 from tidyrl.models.devices import width_padding
-from tidyrl.models.sequences import cache_argument, left_pad, model_device, plain_kv_cache, returned_cache, sample_seed
+from tidyrl.models.sequences import cache_argument, left_pad, model_device, plain_kv_cache, returned_cache
 from tidyrl.models.lean_decode import Replayed, StaticDecode, attention_bias, decode_step_for
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from tidyrl.config import Config, save_config
+from tidyrl.models.devices import cuda_in_use
 from tidyrl.models.loading import enable_gradient_checkpointing
 from tidyrl.plan import Plan
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 from tidyrl.console import say
-from tidyrl.models.collectives import agree, reduce_sum
+from tidyrl.models.collectives import agree
 
 
 class TrainingInterrupted(RuntimeError):
