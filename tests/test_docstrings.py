@@ -114,6 +114,6 @@ def test_a_module_docstring_names_what_exists(module):
 def test_the_check_finds_a_missing_name_and_follows_imports_and_classes():
     assert resolves(["engines", "base", "Capabilities", "can_sleep"], "tidyrl")
     assert resolves(["table", "Algorithm", "advantages"], "tidyrl.algorithms")
-    assert resolves(["generation", "sample_seed"], "tidyrl.models")
+    assert resolves(["sequences", "sample_seed"], "tidyrl.models")
     assert not resolves(["vllm", "model_problems"], "tidyrl.engines")
     assert not resolves(["table", "Algorithm", "no_such_field"], "tidyrl.algorithms")

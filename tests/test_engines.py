@@ -81,10 +81,12 @@ def test_the_engine_checks_the_sequences_of_each_generate_call_training_and_eval
     """An engine generates a rollout's share in one call, and the held-out evaluation's share in one call: the
     engine's check (e.g. vLLM's KV cache) sees the larger, counted with one sample a prompt when greedy."""
     from tidyrl.loops.rl import inputs as rl_inputs
+    from tidyrl.loops.run import inputs as run_inputs
 
     seen = []
-    monkeypatch.setattr(rl_inputs, "check_engine_inputs",
-                        lambda cfg, model_config, ids, sequences, training=True: seen.append((sequences, training)))
+    for module in (rl_inputs, run_inputs):  # the RL learner's checks and `tidyrl eval`'s
+        monkeypatch.setattr(module, "check_engine_inputs",
+                            lambda cfg, model_config, ids, sequences, training=True: seen.append((sequences, training)))
     base = config(tiny_model_dir, prompt_file, tmp_path / "run")  # 2 prompts x 4 samples = 8 episodes a rollout
     greedy = load_config({**base, "data": {**base["data"], "eval_path": str(prompt_file)}})  # 10 held-out prompts
     sampled = load_config({**base, "data": {**base["data"], "eval_path": str(prompt_file)},
@@ -95,7 +97,7 @@ def test_the_engine_checks_the_sequences_of_each_generate_call_training_and_eval
     assert seen == [(8, True), (10, True), (40, True), (20, True)]
     seen.clear()
     for k in (None, 1, 3):  # `tidyrl eval`: all the prompts' completions in one call
-        rl_inputs.check_eval_inputs(load_config(base), None, data=str(prompt_file), samples_per_prompt=k)
+        run_inputs.check_eval_inputs(load_config(base), None, data=str(prompt_file), samples_per_prompt=k)
     assert seen == [(40, False), (10, False), (30, False)]  # an evaluation trains on no log-probs
 
 

@@ -137,7 +137,7 @@ def test_malformed_calls_come_back_as_errors_and_the_episode_goes_on():
 def test_the_template_renders_no_tools_so_the_environment_offers_none_and_schemas_are_refused(tok):
     from tidyrl.config import ConfigError
     from tidyrl.environments import ToolEnvironment
-    from tidyrl.loops.rl.inputs import check_template_renders_tools
+    from tidyrl.loops.run.inputs import check_template_renders_tools
 
     assert Multiply.tool_schemas() is None
     schemas = ToolEnvironment.tool_schemas.__func__(Multiply)  # what the base class would offer

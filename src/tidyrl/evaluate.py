@@ -7,10 +7,10 @@ see what training changed:
     tidyrl eval grpo.yaml --model runs/my-run/final         # the trained model, same prompts and keys
     tidyrl eval runs/my-run/final --data test.jsonl --reward my_rewards.py:exact_match --greedy
 
-It is built from the parts training uses: the input checks (`loops.rl.inputs.check_eval_inputs`), the producer of
-the episodes (`rollouts.producer.make_producer`: every engine, servers, environments and tools, multi-turn) and the
-held-out evaluation (`rollouts.evaluation.evaluate_held_out`). So a run's `eval/*` metrics of its last step and `tidyrl eval`
-of its `final/` give the same numbers.
+It is built from the parts training uses: the input checks (`loops.run.inputs.check_eval_inputs`), the producer of
+the episodes (`rollouts.producer.make_producer`: every engine, servers, environments and tools, multi-turn) and
+the held-out evaluation (`rollouts.evaluation.evaluate_held_out`). So a run's `eval/*` metrics of its last step
+and `tidyrl eval` of its `final/` give the same numbers.
 
 What is evaluated:
 - prompts: the config's held-out prompts (data.eval_path, or data.eval_fraction of data.path: those training
@@ -133,7 +133,7 @@ def evaluate(config=None, *, model: Optional[str] = None, data: Optional[str] = 
              output_dir: Optional[str | Path] = None, print_samples: int = 3, quiet: bool = False) -> EvalResult:
     """Evaluate one model; see the module docstring. Returns the summary written to eval.json."""
     from tidyrl.loops.run.setup import make_accelerator
-    from tidyrl.loops.rl.inputs import check_eval_inputs
+    from tidyrl.loops.run.inputs import check_eval_inputs
 
     cfg, base_dir = resolve_eval_config(config, model=model, data=data, rewards=rewards, overrides=overrides)
     check_kernel_overrides()

@@ -1,30 +1,28 @@
 """Fewer kernels per decoder layer in a bf16/fp16 decoding step on CUDA: Triton kernels and one attention call.
 
-Why: a CUDA graph of the lean step (`lean_decode.StaticDecode`) launches no kernel from Python, but the GPU
-still runs each one: on an H200 the unfused Qwen2.5-0.5B step (`kernels.fused_decode: false`) runs ~1 100 kernels
-per token, ~3 us each, for 3.2 ms of device time, where its matmuls need ~0.35 ms (`python
-benchmarks/bench_decode.py --device cuda --profile 16`; `benchmarks/count_decode_ops.py` counts the ops without a
-GPU). Per layer, unfused,
-RMSNorm is 8 kernels (upcast, square, mean, add, rsqrt, multiply, downcast, weight) twice, rope 3 per projection,
-the cache writes 2, the attention 5, the residual adds 2. Here, per layer:
-- `add_rms_norm`: the residual add and the RMSNorm after it in one kernel (HF's LlamaRMSNorm maths: the sum
-  rounded to the model's dtype as `x + delta` rounds it, normalised in float32, cast back, times the weight);
-- `rope_and_cache`: rope of the query and key heads (RoFormer eq. 34, half-split layout, as `lean_layer.rope`:
-  x * cos rounded, plus roll(x) * signed sin in one rounding as `addcmul`) and the key and value written into the
+Why: a CUDA graph of the lean step (`lean_decode.StaticDecode`) launches no kernel from Python, but the GPU still
+runs each one, and at decoding's sizes the unfused step's many small kernels take far longer than its matmuls
+(docs/benchmarks.md, "Fused decoding kernels and the whole token in one CUDA graph"; `python
+benchmarks/bench_decode.py --device cuda --profile 16` profiles it, `benchmarks/count_decode_ops.py` counts the ops
+without a GPU). Per layer, unfused, RMSNorm is 8 kernels (upcast, square, mean, add, rsqrt, multiply, downcast,
+weight) twice, rope 3 per projection, the cache writes 2, the attention 5, the residual adds 2. Here, per layer:
+- `add_rms_norm`: the residual add and the RMSNorm after it in one kernel (HF's LlamaRMSNorm maths: the sum rounded
+  to the model's dtype as `x + delta` rounds it, normalised in float32, cast back, times the weight);
+- `rope_and_cache`: rope of the query and key heads (RoFormer eq. 34, half-split layout, as `lean_layer.rope`: x *
+  cos rounded, plus roll(x) * signed sin in one rounding as `addcmul`) and the key and value written into the
   fixed-shape cache at the step's device-side position, one kernel;
 - `rope_cache_attend`: `rope_and_cache` and the attention in one kernel, which reads only the cache positions
-  written so far where an SDPA call over the fixed-shape cache reads its whole capacity (on an H100 the SDPA call
-  takes 0.17 ms of a Qwen2.5-0.5B token, at the bandwidth floor for the whole capacity; a rollout's average step
+  written so far where an SDPA call over the fixed-shape cache reads its whole capacity (a rollout's average step
   has about half of it written). `kernels.decode_attention: sdpa` keeps `rope_and_cache` and one call of torch's
-  memory-efficient SDPA kernel (cuDNN's, which builds a plan for each new width, is not asked for), the query
-  heads of a group as its queries, as `DecodeStep` does;
+  memory-efficient SDPA kernel (cuDNN's, which builds a plan for each new width, is not asked for), the query heads
+  of a group as its queries, as `DecodeStep` does;
 - `silu_and_mul`: the MLP's silu(gate) * up in one kernel from the gate/up product (2 kernels become 1), where the
-  step has q/k/v and gate/up side by side (`DecodeStep.side_by_side`: 7 matmuls per layer become 4).
-And per token, `draw`: the next token drawn and its log-prob in three kernels, where the unfused draw is ~35
-kernels, each a pass over a (rows, vocabulary) float32 tensor (`generation.sample_from_logits`'s two-level
-inverse transform, the same sums in the same precisions).
-The results equal the unfused step's up to rounding (summation order, rsqrt): tests/test_cuda.py compiled on a
-GPU, tests/test_lean_decode.py in Triton's interpreter on CPU where Triton is installed.
+  step has q/k/v and gate/up side by side (`DecodeStep.side_by_side`: 7 matmuls per layer become 4). And per token,
+  `draw`: the next token drawn and its log-prob in three kernels, where the unfused draw is ~35 kernels, each a pass
+  over a (rows, vocabulary) float32 tensor (`generation.sample_from_logits`'s two-level inverse transform, the same
+  sums in the same precisions). The results equal the unfused step's up to rounding (summation order, rsqrt):
+  tests/test_cuda.py compiled on a GPU, tests/test_lean_decode.py in Triton's interpreter on CPU where Triton is
+  installed.
 
 The kernels themselves are in `tidyrl.models.decode_kernels`; this module decides when they serve and launches them.
 Used by `DecodeStep` for fixed-shape steps on CUDA where Triton imports, with every norm weight in the

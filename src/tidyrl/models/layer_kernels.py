@@ -2,27 +2,24 @@
 fewer, fused kernels, the same maths to bf16 rounding.
 
 Why: at the sizes RL post-training runs on one GPU the update waits on the host's kernel launches more than on the
-GPU. On an H200 the model's own forward and backward of Qwen2.5-0.5B's update (8 micro-batches of 16 x ~273
-tokens) launched 28 967 kernels a rollout, ~150 per layer and micro-batch, where the matmuls are 21: the RMSNorms,
-rotary embedding, residual adds, casts and silu(gate) * up each run as a few elementwise kernels both ways, and the
-GPU was busy 385 ms of the update's 853 (`bench_vs_trl.py --profile`, docs/benchmarks.md). Compiled, inductor fuses
-those parts into a few Triton kernels a layer each way; the matmuls and attention stay cuBLAS's and cuDNN's. Measured
-on that H200 (`bench_vs_trl.py --libraries tidyrl,tidyrl-eager-layers`): the update 0.568 s a rollout against
-0.859 s, its peak 10 230 MiB against 12 027 (the fused backward keeps fewer intermediates), 102.7 episodes/s against
-79.4. Not taken: Liger Kernel's RMSNorm, SwiGLU and rotary embedding on the model instance (update 0.837 s against
-0.861 in the same call).
+GPU: per layer and micro-batch the model's own forward and backward launch many times more kernels than its
+matmuls, as the RMSNorms, rotary embedding, residual adds, casts and silu(gate) * up each run as a few elementwise
+kernels both ways (`bench_vs_trl.py --profile`). Compiled, inductor fuses those parts into a few Triton kernels a
+layer each way; the matmuls and attention stay cuBLAS's and cuDNN's, and the fused backward keeps fewer
+intermediates (`bench_vs_trl.py --libraries tidyrl,tidyrl-eager-layers`; the figures and Liger Kernel's, which is
+not taken, are in docs/benchmarks.md, "The trained model's decoder layers compiled").
 
-Each layer is compiled with dynamic shapes: every layer of the model and every width shares one compilation per
-grad mode (layers differ only in their parameters, which dynamo takes as inputs), about 20 s once per run on that
-GPU. Applied once per model, in place, on its first one-pass forward (`prepare`), where it is safe and pays:
+Each layer is compiled with dynamic shapes: every layer of the model and every width shares one compilation per grad
+mode (layers differ only in their parameters, which dynamo takes as inputs), once per run. Applied once per model,
+in place, on its first one-pass forward (`prepare`), where it is safe and pays:
 - a causal LM of a declared family on the fast path (`families.on_fast_path`) on CUDA whose parameters train (the
-  policy, not a frozen reference or teacher: their no-grad scoring measured no faster compiled), alone or inside DDP;
+  policy, not a frozen reference or teacher: their no-grad scoring measured no faster compiled), alone or inside
+  DDP;
 - not under LoRA (peft's wrappers), FSDP2 (sharded parameters), gradient checkpointing (checkpoints around the
   layers), `models.recompute` (it swaps the norms' forwards on every call) or train.exact_gradients (the model's own
-  forward, the same kernels on any split).
-If compiling fails (a missing compiler, an op dynamo cannot trace), the model's own layers run instead, with a
-warning (`give_up`). `kernels.layer_kernels: none` keeps the model's own layers from the start (`models.kernels`).
-"""
+  forward, the same kernels on any split). If compiling fails (a missing compiler, an op dynamo cannot trace), the
+  model's own layers run instead, with a warning (`give_up`). `kernels.layer_kernels: none` keeps the model's own
+  layers from the start (`models.kernels`)."""
 
 from __future__ import annotations
 

@@ -2,32 +2,28 @@
 act(gate) * up recomputed in the backward pass from their inputs, instead of keeping their intermediates.
 
 Why: in bf16, LlamaRMSNorm (and Qwen2's, Mistral's) keeps a float32 copy of its input (twice the bf16 size) and its
-bf16 normalised output for the backward pass, and the MLP keeps silu(gate) beside gate, up and their product. On
-Qwen2.5-0.5B's update micro-batch (16 x 257 positions) that is ~15 MB per norm and 40 MB per MLP: ~1.7 GB of the
-update's peak, which on CUDA is the run's peak (`python benchmarks/count_saved_bytes.py` counts it). Kept instead:
+bf16 normalised output for the backward pass, and the MLP keeps silu(gate) beside gate, up and their product: a
+large share of the update's peak, which on CUDA is the run's peak (`python benchmarks/count_saved_bytes.py` counts
+it; docs/benchmarks.md has the counts). Kept instead:
 the norm's bf16 input, and the MLP's gate and up, as the product's inputs. Recomputing is a few elementwise kernels
 per layer in the backward pass; the matmuls are not recomputed.
 
-Each part is one autograd function (`NormRecomputed`, `SiluTimesRecomputed`) whose backward pass recomputes the
-few elementwise values it needs and runs the very ops autograd would have run on the model's own graph, in the same
+Each part is one autograd function (`NormRecomputed`, `SiluTimesRecomputed`) whose backward pass recomputes the few
+elementwise values it needs and runs the very ops autograd would have run on the model's own graph, in the same
 order, so the log-probs and gradients are the model's bit for bit (tests/test_recompute.py). Not
-`torch.utils.checkpoint`: its bookkeeping (a hook per saved tensor, a second graph per recompute) costs 0.32 ms of
-host time per part on a 2-core CPU, the functions 0.044 ms (`python benchmarks/bench_recompute.py`, which runs both
-around the same parts); on an H100 the 0.5B update took 1.18 s a rollout with checkpoints, 1.09 s with the
-functions. Another activation than SiLU, or a norm in float32 or whose weight has another dtype than its input,
-still takes a checkpoint.
+`torch.utils.checkpoint`: its bookkeeping (a hook per saved tensor, a second graph per recompute) costs several
+times the functions' host time per part (`python benchmarks/bench_recompute.py` runs both around the same parts;
+docs/benchmarks.md). Another activation than SiLU, or a norm in float32 or whose weight has another dtype than its
+input, still takes a checkpoint.
 
-Used by `models.forward` around the one-pass forward of a model of a declared family with Llama's pre-norms (alone, under peft
-or inside DDP; a LoRA-adapted projection is called as the MLP calls it) with gradients on, on RECOMPUTE_DEVICES,
-and not where the model already checkpoints whole layers or FSDP shards it.
+Used by `models.forward` around the one-pass forward of a model of a declared family with Llama's pre-norms (alone,
+under peft or inside DDP; a LoRA-adapted projection is called as the MLP calls it) with gradients on, on
+RECOMPUTE_DEVICES, and not where the model already checkpoints whole layers or FSDP shards it.
 
-Off unless `kernels.recompute: true` (`models.kernels`): measured on an H100 (docs/benchmarks.md, "NVIDIA H100":
-`tidyrl-recompute` beside `tidyrl`), it lowers the update's peak by ~1.8 GB on Qwen2.5-0.5B (12.1 to 10.3 GB) but slows the update by a third
-or more (0.78-0.82 to 1.09 s a rollout; on Qwen2.5-1.5B, with checkpoints, 1.27x TRL's update where 0.84x without),
-more than its kernels and host time explain, and without it the update's peak is already under TRL's. It is the
-lever to pull when the update runs out of memory and whole-layer gradient checkpointing
-(train.gradient_checkpointing) would cost more.
-"""
+Off unless `kernels.recompute: true` (`models.kernels`): measured on a GPU (docs/benchmarks.md: `tidyrl-recompute`
+beside `tidyrl`), it lowers the update's peak but slows the update by more than its kernels and host time explain,
+and without it the update's peak is already under TRL's. It is the lever to pull when the update runs out of memory
+and whole-layer gradient checkpointing (train.gradient_checkpointing) would cost more."""
 
 from __future__ import annotations
 

@@ -1,2 +1,2 @@
 """The run machinery every learner shares: the accelerator, the output folder and run header (setup.py), the
-steps' skeleton, stop signals, resume checks (steps.py), and gradient sums exact over any split (exact_sums.py)."""
+inputs a run's episodes need (inputs.py), the steps' skeleton, stop signals, resume (steps.py), exact sums."""
