@@ -5,7 +5,7 @@ Why: at the sizes RL post-training runs on one GPU the update waits on the host'
 GPU. On an H200 the model's own forward and backward of Qwen2.5-0.5B's update (8 micro-batches of 16 x ~273
 tokens) launched 28 967 kernels a rollout, ~150 per layer and micro-batch, where the matmuls are 21: the RMSNorms,
 rotary embedding, residual adds, casts and silu(gate) * up each run as a few elementwise kernels both ways, and the
-GPU was busy 385 ms of the update's 853 (`bench_vs_trl.py --profile`, docs/benchmarks.md). Compiled, inductor fuses
+GPU was busy 385 ms of the update's 853 (`bench_vs_trl.py --profile`, docs/benchmarking.md). Compiled, inductor fuses
 those parts into a few Triton kernels a layer each way; the matmuls and attention stay cuBLAS's and cuDNN's. Measured
 on that H200 (`bench_vs_trl.py --libraries tidyrl,tidyrl-eager-layers`): the update 0.568 s a rollout against
 0.859 s, its peak 10 230 MiB against 12 027 (the fused backward keeps fewer intermediates), 102.7 episodes/s against
