@@ -1,7 +1,7 @@
 """Count the ops a fixed-shape decoding unit runs per token (what a CUDA graph replays), with and without the fused
 kernels of tidyrl.models.fused_decode, on a Qwen2.5-0.5B-shaped model (24 layers, 14 query / 2 key-value heads,
 bf16; narrow, so that it runs on a CPU). On a GPU each op is about one kernel, and at a 0.5B model's size a decode
-step's time is mostly their count (docs/benchmarks.md, "NVIDIA H100": the decode profile).
+step's time is mostly their count (docs/benchmarking.md, "Fused decoding kernels ...": the decode profile).
 
     python benchmarks/count_decode_ops.py                          # the unfused step (no Triton needed)
     TRITON_INTERPRET=1 python benchmarks/count_decode_ops.py       # both, the fused kernels in Triton's interpreter

@@ -43,7 +43,7 @@ def phase_done(device: torch.device | str) -> None:
 
 # Devices where the rows [prompt, completion] of a forward are left-padded up to a multiple of this many columns.
 # On CUDA a shape seen for the first time costs far more than the same shape again (cuDNN's attention plans,
-# cuBLAS's heuristics, new allocator blocks; docs/benchmarks.md measures it), and a rollout's chunks have as many
+# cuBLAS's heuristics, new allocator blocks; docs/benchmarking.md measures it), and a rollout's chunks have as many
 # widths as their longest prompts and completions. Padding the width to a multiple of 16 makes shapes recur, for at most
 # 15 masked columns a row (the positions and every real column's maths unchanged). Elsewhere rows keep their width.
 # (Generation's fixed-shape cache is rounded up the same way: SDPA's memory-efficient kernel wants its bias aligned.)

@@ -91,7 +91,7 @@ def model_mask(model, mask_BL: torch.Tensor, queries: int) -> torch.Tensor:
 #   "onepass"  the model's forward over [prompt, completion] with logits_to_keep: always applies (layouts listed
 #              after it are never tried), and runs where none listed applies
 # Chosen per device by measurement (benchmarks/bench_passes.py: each layout's scoring chunk and update micro-batch
-# side by side on the device; docs/benchmarks.md, "Which layout on which device"):
+# side by side on the device; docs/benchmarking.md, "Which layout on which device"):
 # - CPU (and the default): the lean pass, faster there than the model's forward per update micro-batch.
 # - CUDA: the model's own forward over whole rows, faster there than the lean and the shared-prompt passes with
 #   short prompts: at these sizes the GPU waits on the host's launches, and the model's forward, with fewer and
@@ -109,7 +109,7 @@ def layouts_for(device: torch.device | str) -> tuple[str, ...]:
 
 # Devices where a batch whose rows repeat long prompts takes the lean pass first although LAYOUTS does not list it,
 # from this share of the rows' columns that are repeated prompt tokens on (the columns running each prompt once
-# saves). Measured at two shares (docs/benchmarks.md, "Which layout on which device"), the lean pass's time over the
+# saves). Measured at two shares (docs/benchmarking.md, "Which layout on which device"), the lean pass's time over the
 # one-pass forward's crosses 1 near 18 % when interpolated linearly; 25 % keeps a margin
 # (`bench_passes.py --prompt-width N` measures other points).
 LEAN_FROM_SHARE: dict[str, float] = {"cuda": 0.25}

@@ -2,7 +2,7 @@
 
 Why: a CUDA graph of the lean step (`lean_decode.StaticDecode`) launches no kernel from Python, but the GPU still
 runs each one, and at decoding's sizes the unfused step's many small kernels take far longer than its matmuls
-(docs/benchmarks.md, "Fused decoding kernels and the whole token in one CUDA graph"; `python
+(docs/benchmarking.md, "Fused decoding kernels and the whole token in one CUDA graph"; `python
 benchmarks/bench_decode.py --device cuda --profile 16` profiles it, `benchmarks/count_decode_ops.py` counts the ops
 without a GPU). Per layer, unfused, RMSNorm is 8 kernels (upcast, square, mean, add, rsqrt, multiply, downcast,
 weight) twice, rope 3 per projection, the cache writes 2, the attention 5, the residual adds 2. Here, per layer:

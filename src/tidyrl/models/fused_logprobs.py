@@ -2,7 +2,7 @@
 
 The row-by-row float32 path of `tidyrl.models.ops` is exact but, on a GPU, writes the vocabulary over and over:
 each row's float32 copy, logsumexp's shifted and exponentiated copies, softmax, p * l, and in the backward pass
-the upcast, shift, exp and product again, ~12 kernels per row (docs/benchmarks.md, "Log-probs of bf16 logits in two
+the upcast, shift, exp and product again, ~12 kernels per row (docs/benchmarking.md, "Log-probs of bf16 logits in two
 Triton kernels", has the bytes written on a real model's shape). Here:
 - the forward pass reads each position's logits once, keeping per lane a running maximum m, sum s = sum exp(l - m)
   and sum t = sum exp(l - m) * l (the "online softmax" of Milakov & Gimelshein 2018, rescaling both sums when m

@@ -6,7 +6,8 @@ draws its own uniforms, one per token, all at once before decoding; a token is d
 transform sampling (`sample_from_logits`: the first token whose cumulative probability exceeds the uniform), so a
 sequence's draws never depend on which other sequences share its chunk.
 
-What makes it fast, none of which changes a draw or the maths (docs/benchmarks.md has the profiles and figures):
+What makes it fast, none of which changes a draw or the maths (docs/benchmarks.md has the figures,
+docs/benchmarking.md the profiles):
 - the k samples of a prompt share one prompt pass: each distinct prompt is prefilled once and its keys/values
   are copied to its samples;
 - keys and values are written into buffers allocated once (`_BufferedLayer`) instead of concatenated at every

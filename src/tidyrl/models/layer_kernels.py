@@ -7,7 +7,7 @@ matmuls, as the RMSNorms, rotary embedding, residual adds, casts and silu(gate) 
 kernels both ways (`bench_vs_trl.py --profile`). Compiled, inductor fuses those parts into a few Triton kernels a
 layer each way; the matmuls and attention stay cuBLAS's and cuDNN's, and the fused backward keeps fewer
 intermediates (`bench_vs_trl.py --libraries tidyrl,tidyrl-eager-layers`; the figures and Liger Kernel's, which is
-not taken, are in docs/benchmarks.md, "The trained model's decoder layers compiled").
+not taken, are in docs/benchmarking.md, "The trained model's decoder layers compiled").
 
 Each layer is compiled with dynamic shapes: every layer of the model and every width shares one compilation per grad
 mode (layers differ only in their parameters, which dynamo takes as inputs), once per run. Applied once per model,
@@ -17,9 +17,10 @@ in place, on its first one-pass forward (`prepare`), where it is safe and pays:
   DDP;
 - not under LoRA (peft's wrappers), FSDP2 (sharded parameters), gradient checkpointing (checkpoints around the
   layers), `models.recompute` (it swaps the norms' forwards on every call) or train.exact_gradients (the model's own
-  forward, the same kernels on any split). If compiling fails (a missing compiler, an op dynamo cannot trace), the
-  model's own layers run instead, with a warning (`give_up`). `kernels.layer_kernels: none` keeps the model's own
-  layers from the start (`models.kernels`)."""
+  forward, the same kernels on any split).
+If compiling fails (a missing compiler, an op dynamo cannot trace), the model's own layers run instead, with a
+warning (`give_up`). `kernels.layer_kernels: none` keeps the model's own layers from the start (`models.kernels`).
+"""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ Qwen3, Mistral, Gemma 3, OLMo 2, Phi-3; sliding windows included).
 
 Why: in the overhead-bound regime (a small model, a few dozen rows) a Hugging Face decoding step is
 mostly the fixed cost of its module calls, mask and position bookkeeping, output dataclasses and
-kwargs plumbing, not arithmetic (docs/benchmarks.md). This step does the same maths with plain tensor ops,
-on the model's own parameters, or for small models on a transposed, concatenated copy of them
-(`COPY_MAX_BYTES`; rewritten in place before every generation, so never out of date).
+kwargs plumbing, not arithmetic (docs/benchmarking.md, "Where the time goes on a CPU"). This step does the same
+maths with plain tensor ops, on the model's own parameters, or for small models on a transposed, concatenated copy
+of them (`COPY_MAX_BYTES`; rewritten in place before every generation, so never out of date).
 
 The layer is `models.lean_layer`'s (the one layer function the training pass shares); this module adds what a
 decoding step does around it:

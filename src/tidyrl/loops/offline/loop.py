@@ -83,7 +83,7 @@ def pad_batch(sequences: Sequence[TokenizedSequence], pad_id: int, device, flat:
     from tidyrl.models.devices import width_padding
 
     # On CUDA the width is rounded up to a multiple (models.devices.WIDTH_MULTIPLE), so that shapes recur: a width
-    # the attention kernel has not seen costs it a new plan (measured in docs/benchmarks.md), and every batch has
+    # the attention kernel has not seen costs it a new plan (measured in docs/benchmarking.md), and every batch has
     # its own.
     longest = max(len(s.input_ids) for s in sequences)
     width = longest + width_padding(longest, device)
