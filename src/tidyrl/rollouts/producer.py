@@ -132,8 +132,9 @@ def make_producer(cfg, engine, tokenizer, dataset, prompt_ids: list, eos_ids, pa
                   columns: list, reward_fns: list, environment=None, tools=None, pool=None, greedy: bool = False,
                   seed: Optional[int] = None):
     """The producer of `dataset`'s episodes through `engine` with the run config's (`cfg`) rollout settings, its
-    seed and prompt column (and the environment's settings, if any); `greedy`: the most likely token at every step (top_k = 1); `seed`: the sampling keys'
-    (default: the config's). Training, its held-out evaluation and `tidyrl eval` make theirs here."""
+    seed and prompt column (and the environment's settings, if any); `greedy`: the most likely token at every step
+    (top_k = 1); `seed`: the sampling keys' (default: the config's). Training, its held-out evaluation and `tidyrl
+    eval` make theirs here."""
     from tidyrl.engines import SamplingSettings
 
     ro, env = cfg.rollout, cfg.environment

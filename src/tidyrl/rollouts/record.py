@@ -128,8 +128,7 @@ class Rollout:
                 return [x for v in values for x in v]
             if values[0].dim() == 2:
                 width = max(v.shape[1] for v in values)
-                fill = pad_id if name in ("prompt_ids", "completion_ids") else 0
-                values = [_padded(v, width, fill, left=kind == PROMPT) for v in values]
+                values = [_padded(v, width, _filler(name, pad_id), left=kind == PROMPT) for v in values]
             return torch.cat(values)
 
         return replace(first, **{f.name: cat(f.name, f.metadata["per"], [getattr(p, f.name) for p in parts])
@@ -151,8 +150,8 @@ class Rollout:
                 return gather_object(list(value))
             t = value.to(accelerator.device)
             if t.dim() == 2:
-                fill = pad_id if name in ("prompt_ids", "completion_ids") else 0
-                t = accelerator.pad_across_processes(t, dim=1, pad_index=fill, pad_first=kind == PROMPT)
+                t = accelerator.pad_across_processes(t, dim=1, pad_index=_filler(name, pad_id),
+                                                     pad_first=kind == PROMPT)
             return accelerator.gather(t).cpu()
 
         return replace(self, **{f.name: cat(f.name, f.metadata["per"], getattr(self, f.name)) for f in fields(self)})
@@ -160,6 +159,11 @@ class Rollout:
     def to_dict(self) -> dict:
         """Tensors and plain values only (what a checkpoint's `weights_only` load reads back: `Rollout(**d)`)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _filler(name: str, pad_id: int) -> int:
+    """What pads a 2D field to a common width: the pad id for token ids, 0 for masks and per-token values."""
+    return pad_id if name in ("prompt_ids", "completion_ids") else 0
 
 
 def _padded(t: torch.Tensor, width: int, fill, left: bool) -> torch.Tensor:

@@ -168,8 +168,9 @@ def teacher_logprobs(teacher, rollout: Rollout, temperature: float, chunk_size: 
                      student=None):
     """A teacher's log-probs (R, Tc) of the episodes' completion tokens, 0 past each completion: a local model
     scored as the KL reference is (no grad, in chunks, at the rollout's temperature); a teacher of another
-    tokenizer (`rollouts.teacher.CrossTokenizerTeacher`: the episodes' `prompts` re-rendered for it, its values mapped onto the student's tokens by characters; `student`: the student's
-    log-probs, for the tokens it has no value for); or a teacher served by vLLM (`engines.server.ServerScorer`:
+    tokenizer (`rollouts.teacher.CrossTokenizerTeacher`: the episodes' `prompts` re-rendered for it, its values
+    mapped onto the student's tokens by characters; `student`: the student's log-probs, for the tokens it has no
+    value for); or a teacher served by vLLM (`engines.server.ServerScorer`:
     each episode's prompt and completion sent as one prompt, its log-probs read back at temperature 1)."""
     if isinstance(teacher, torch.nn.Module):  # (sharded under FSDP2: a layer gathered at a time, as the reference)
         return score_logprobs(teacher, rollout, temperature, chunk_size, fast_path=fast_path)

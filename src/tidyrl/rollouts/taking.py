@@ -39,7 +39,8 @@ class Rollouts:
         k = source.samples_per_prompt
         scored = score_rollout(made, scorers, source.accelerator,
                                prompts=[made.prompts[e // k] for e in source.episodes])
-        rollout = scored.gathered(source.accelerator, self.pad_id)
+        # (the completions' texts were the rewards': the learner decodes the rows it shows, so they are not gathered)
+        rollout = replace(scored, completions=None).gathered(source.accelerator, self.pad_id)
         if self.lag:  # how far behind the weights that made it, and what the learner waited for it
             rollout = replace(rollout, info={**rollout.info, "async/policy_lag": r - rollout.version,
                                              "time/wait_rollout_s": waited})

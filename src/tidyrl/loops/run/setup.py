@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from tidyrl.config import Config, save_config
+from tidyrl.console import say
 from tidyrl.models.devices import cuda_in_use
 from tidyrl.models.loading import enable_gradient_checkpointing
 from tidyrl.plan import Plan
@@ -92,8 +93,9 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
 
     A launch that asks for FSDP2 (`models.sharding.launch_sharding`) is sharded by tidyrl (`prepare_for_training`),
     on CPU and GPU alike: accelerate is kept out of it (it forms the process group only; on a CPU it would train
-    plain DDP and say nothing). Every process reads the weights and shards the whole model it read. With `cfg`, a sharding mode the launch asks for and
-    tidyrl cannot run `cfg` under is refused here (`check_sharding`), before any weights load."""
+    plain DDP and say nothing). Every process reads the weights and shards the whole model it read. With `cfg`, a
+    sharding mode the launch asks for and tidyrl cannot run `cfg` under is refused here (`check_sharding`), before
+    any weights load."""
     import torch
     from accelerate import Accelerator
 
@@ -121,9 +123,8 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
         )
     if cfg is not None:
         check_sharding(sharding_kind(accelerator), cfg)
-        if accelerator.is_main_process:  # the run's first words: what it computes differs from its config.yaml
-            for line in kernel_override_lines(cfg):
-                print(f"tidyrl: {line}", flush=True)
+        # the run's first words: what it computes differs from its config.yaml
+        say(kernel_override_lines(cfg), main=accelerator.is_main_process)
     return accelerator
 
 
