@@ -59,6 +59,8 @@ def type_name(hint) -> str:
     if hint is Any:
         return "any"
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Union and set(args) == {int, str}:  # a batch-size knob
+        return "integer or `auto`"
     if origin is Union:
         rest = [a for a in args if a is not type(None)]
         return " or ".join(type_name(a) for a in rest) + (" or null" if len(rest) < len(args) else "")

@@ -161,7 +161,7 @@ def test_type_errors_name_the_key_the_type_and_the_value():
     assert found == [  # in the order of the input
         "model must be a string, got 3 (int)",
         "train.rollouts must be an integer, got '8' (str)",
-        "train.micro_batch_size must be an integer, got True (bool)",
+        "train.micro_batch_size must be an integer or auto, got True (bool)",
         "train.learning_rate must be a number, got 'fast' (str)",
         "seed must be an integer, got 1.5 (float)",
         "overwrite must be true or false, got 1 (int)",
@@ -224,7 +224,7 @@ def test_validate_schedulers():
 def test_validate_catches_wrong_types_in_a_hand_built_config():
     cfg = load_config(minimal())
     cfg.train.micro_batch_size = "8"
-    assert problems(validate, cfg) == ["train.micro_batch_size must be an integer, got '8' (str)"]
+    assert problems(validate, cfg) == ["train.micro_batch_size must be an integer or auto, got '8' (str)"]
 
 
 def test_empty_config_says_what_is_missing():

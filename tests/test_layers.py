@@ -9,9 +9,10 @@
               algorithms (pure tensor maths)
 
 A part may use the parts below it, never the ones above; the run's support modules use only each other and the
-algorithm table; every part but the algorithms may print through tidyrl.console, which imports no part; and no
-module reaches itself through its imports (no circles). docs/architecture.md draws the
-same picture. Model code also tests no engine or algorithm name and takes no config: it takes arguments.
+algorithm table; every part but the algorithms may print through tidyrl.console and mark the work it has done in
+tidyrl.liveness, which import no part; and no module reaches itself through its imports (no circles).
+docs/architecture.md draws the same picture. Model code also tests no engine or algorithm name and takes no config:
+it takes arguments.
 """
 
 from __future__ import annotations
@@ -25,19 +26,21 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "tidyrl"
 FACE = {"api", "cli", "demo", "evaluate", "plot", "__init__", "__main__"}
 SUPPORT = {"config", "plan", "checkpoint", "metrics", "trackers", "run_lock"}
 
-ALLOWED = {  # part -> the parts it may import (besides itself); console: tidyrl.console, the one printing helper
+ALLOWED = {  # part -> the parts it may import (besides itself); console: tidyrl.console, the one printing
+    # helper; liveness: tidyrl.liveness, the record of the work last done
     "algorithms": set(),
-    "models": {"algorithms", "console"},
-    "engines": {"models", "algorithms", "console"},
-    "environments": {"console"},
-    "rewards": {"models", "algorithms", "console"},
-    "data": {"console"},
-    "rollouts": {"engines", "environments", "rewards", "data", "models", "algorithms", "console"},
+    "models": {"algorithms", "console", "liveness"},
+    "engines": {"models", "algorithms", "console", "liveness"},
+    "environments": {"console", "liveness"},
+    "rewards": {"models", "algorithms", "console", "liveness"},
+    "data": {"console", "liveness"},
+    "rollouts": {"engines", "environments", "rewards", "data", "models", "algorithms", "console", "liveness"},
     "loops": {"memory", "rollouts", "engines", "environments", "rewards", "data", "models", "algorithms", "support",
-              "console"},
-    "memory": {"engines", "models", "algorithms", "support", "console"},
-    "support": {"algorithms", "console"},
+              "console", "liveness"},
+    "memory": {"engines", "models", "algorithms", "support", "console", "liveness"},
+    "support": {"algorithms", "console", "liveness"},
     "console": set(),
+    "liveness": set(),
 }
 WHY = {
     "algorithms": "algorithms are pure tensor maths: they import no other tidyrl part and take no config",
@@ -52,6 +55,8 @@ WHY = {
     "support": "the run's support (config, plan, checkpoint, metrics) imports only itself and the algorithm table: "
                "engine-, tracker- and model-specific checks live with those parts",
     "console": "tidyrl.console prints; every part but the algorithms may use it, so it imports no part",
+    "liveness": "tidyrl.liveness records the last piece of work done; every part but the algorithms marks it, so it "
+                "imports no part",
 }
 
 
@@ -64,15 +69,16 @@ def module_name(path: Path) -> str:
 
 def imported_modules(path: Path) -> set[str]:
     """Every tidyrl module `path` imports, at top level or inside functions (`from tidyrl.x import y` counts as
-    tidyrl.x.y where that is a module, else tidyrl.x)."""
+    tidyrl.x.y where that is a module, and as tidyrl.x where y is not)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names
-                         if f"{node.module}.{alias.name}" in MODULES)
+            modules = {f"{node.module}.{alias.name}" for alias in node.names} & MODULES.keys()
+            names.update(modules)
+            if len(modules) < len(node.names):  # a name of the module itself (`from tidyrl import liveness`: none)
+                names.add(node.module)
     return {n for n in names if n == "tidyrl" or n.startswith("tidyrl.")}
 
 

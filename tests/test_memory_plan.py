@@ -448,7 +448,8 @@ def test_plan_and_train_refuse_an_offline_stage_that_does_not_fit(sft_config, ca
     assert err.rstrip().endswith("lower train.micro_batch_size to 2")
     assert main(["plan", str(sft_config), "--memory", str(m4)]) == 0
     # a run refuses it before any weights load (the budget a CUDA device would give, here the same figure)
-    monkeypatch.setattr("tidyrl.memory.offline.memory_budget", lambda memory: (budget, "the CUDA device's memory"))
+    monkeypatch.setattr("tidyrl.memory.rl.memory_budget",
+                        lambda memory, key="--memory": (budget, "the CUDA device's memory"))
     monkeypatch.setattr("tidyrl.loops.offline.sft.load_policy", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(ConfigError, match="lower train.micro_batch_size to 2"):
         train(str(sft_config))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tidyrl.config import RL_ALGORITHMS, Config, ConfigError, config_base_dir, load_config
+from tidyrl.loops.run.faults import report_fault, stop_watching
 from tidyrl.loops.run.setup import TrainResult
 from tidyrl.run_lock import release_output_dir
 
@@ -53,5 +54,9 @@ def train(config: Config | dict | str | Path, overrides: Sequence[str] = ()) -> 
     loop = importlib.import_module(LOOPS[cfg.algorithm])
     try:
         return loop.run(cfg, config_base_dir(config))
+    except BaseException as err:  # several processes: the others end at once with this one's message
+        report_fault(err)
+        raise
     finally:  # the output folder's lock, taken by the loop (tidyrl.run_lock), is given back however it ends
+        stop_watching()
         release_output_dir(cfg.output_dir)

@@ -149,10 +149,10 @@ class RolloutConfig:
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
     top_k: int = 0
     """Keep only the top_k most likely tokens (0 = off)."""
-    generation_batch_size: int = 64
-    """Sequences generated at once, per process. A memory knob: it never changes the completions."""
-    forward_batch_size: int = 64
-    """Sequences scored at once without grad (old and reference log-probs), per process. A memory knob only."""
+    generation_batch_size: Union[int, str] = 64
+    """Sequences generated at once, per process. A memory knob: it never changes the completions. `auto`: the largest that fits the memory a process has (train.memory_budget; docs/memory.md, "auto batch sizes")."""
+    forward_batch_size: Union[int, str] = 64
+    """Sequences scored at once without grad (old and reference log-probs), per process. A memory knob only. `auto`: the largest that fits (as generation_batch_size)."""
     engine: str = "builtin"
     """What generates the completions: an engine of the engine registry (tidyrl.engines.ENGINES; docs/engines.md says what each does and needs): tidyrl's own decode loop on the policy, vLLM in each process (tuned by the `vllm` section) or vLLM servers in their own processes (addressed by the `server` section)."""
     tis_cap: Optional[float] = None
@@ -175,8 +175,11 @@ class RolloutConfig:
         return self.top_k > 0 or self.top_p < 1.0
 
     def check(self, need, cfg: "Config") -> None:
-        for name in ("prompts_per_rollout", "generation_batch_size", "forward_batch_size"):
-            need(getattr(self, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(self, name)}")
+        need(self.prompts_per_rollout >= 1, "rollout.prompts_per_rollout",
+             f"must be >= 1, got {self.prompts_per_rollout}")
+        for name in ("generation_batch_size", "forward_batch_size"):
+            need(is_auto(getattr(self, name)) or getattr(self, name) >= 1, f"rollout.{name}",
+                 f"must be >= 1 or auto, got {getattr(self, name)}")
         grouped = cfg.algorithm in RL_TABLE and RL_TABLE[cfg.algorithm].grouped
         need(not grouped or self.samples_per_prompt >= 2, "rollout.samples_per_prompt",
              f"must be >= 2 for {cfg.algorithm}: a group of one completion has no baseline, so its advantage is 0; "
@@ -266,9 +269,10 @@ class TrainConfig:
     """E: passes over one rollout's episodes (PPO epochs, GRPO's mu)."""
     minibatches_per_epoch: int = 1
     """M: each pass is split into M mini-batches, one optimizer step each."""
-    micro_batch_size: int = 8
+    micro_batch_size: Union[int, str] = 8
     """m: completions (sft, kto: examples; reward, dpo: pairs) per forward/backward, per process. A memory knob:
-    gradient accumulation is derived from it."""
+    gradient accumulation is derived from it. RL stages: `auto`, the largest divisor of each process's share of a
+    mini-batch that fits the memory a process has (train.memory_budget; docs/memory.md, "auto batch sizes")."""
     learning_rate: float = 1.0e-6
     """Peak learning rate of AdamW."""
     lr_scheduler: str = "cosine"
@@ -297,6 +301,10 @@ class TrainConfig:
     """sft, reward, dpo, kto: order each process's share of a step by length before cutting it into micro-batches, so each pads little. Same examples per step, same gradient (up to summation order)."""
     padding_free: Optional[bool] = None
     """sft, dpo, kto: each micro-batch as one row of its examples side by side, no padding (positions restart; the model is checked to keep examples apart). null = on where the attention has a varlen kernel (flash_attention_2/3), off otherwise (on CPU, group_by_length is faster: docs/benchmarks.md)."""
+    memory_budget: Optional[str] = None
+    """The memory one process may use (a size: 24GiB, 800MiB): what `auto` batch sizes must fit and the memory plan is checked against before any weights load. null = the CUDA device's memory where the run uses one, else for `auto` the host's available memory shared among the processes on it (and no check). `tidyrl plan --memory` sets it for a plan."""
+    watchdog_s: float = 900.0
+    """Several processes: a process that finishes no piece of work (a generation batch, a reward call, a scoring chunk, a micro-batch, a checkpoint) for this many seconds once the steps have begun hangs, and the run ends on every process, naming it and printing its stacks (docs/runs.md, "When a process fails"). Must exceed the longest such piece. 0 = never (a hang then waits for the collective timeout). A process that fails or dies ends the run within seconds either way."""
 
     def check(self, need, cfg: "Config") -> None:
         offline = cfg.algorithm in OFFLINE_ALGORITHMS
@@ -308,9 +316,21 @@ class TrainConfig:
             need(offline or getattr(self, name) is None, f"train.{name}",
                  f"only for sft, reward, dpo and kto; {cfg.algorithm} steps once per mini-batch of a rollout "
                  "(train.rollouts or train.dataset_epochs, train.minibatches_per_epoch); set it to null")
-        for name in ("epochs_per_rollout", "minibatches_per_epoch", "micro_batch_size"):
+        for name in ("epochs_per_rollout", "minibatches_per_epoch"):
             need(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if is_auto(self.micro_batch_size):
+            need(not offline, "train.micro_batch_size",
+                 f"auto is chosen from the RL stages' memory plan; {cfg.algorithm} needs a number (tidyrl plan "
+                 "--memory SIZE says which fit)")
+            need(not self.exact_gradients, "train.micro_batch_size",
+                 "auto with train.exact_gradients: the weights are the same bit for bit for the same micro-batch "
+                 "size only, and auto's would follow the budget and the number of processes; set a number (the "
+                 "no-grad chunk sizes may stay auto: they change no weight)")
+        else:
+            need(self.micro_batch_size >= 1, "train.micro_batch_size",
+                 f"must be >= 1 or auto, got {self.micro_batch_size}")
         need(self.learning_rate >= 0, "train.learning_rate", f"must be >= 0, got {self.learning_rate}")
+        need(self.watchdog_s >= 0, "train.watchdog_s", f"must be >= 0 seconds (0 = no watchdog), got {self.watchdog_s}")
         need(self.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {self.weight_decay}")
         need(0 <= self.adam_beta1 < 1, "train.adam_beta1", f"must be in [0, 1), got {self.adam_beta1}")
         need(0 <= self.adam_beta2 < 1, "train.adam_beta2", f"must be in [0, 1), got {self.adam_beta2}")
@@ -1243,9 +1263,20 @@ def _build(cls, data, prefix: str, problems: list[str]):
     return cls(**values)
 
 
+def is_auto(value) -> bool:
+    """Whether a batch-size knob is `auto` (resolved from the memory plan before any weights load:
+    tidyrl.memory.rl.resolve_auto)."""
+    return value == "auto"
+
+
 def _coerce(hint, value, key: str, problems: list[str]):
     """`value` as the annotated type `hint`, or the value unchanged with a problem appended."""
     args = typing.get_args(hint)
+    if typing.get_origin(hint) is Union and set(args) == {int, str}:  # an integer or `auto`
+        if (isinstance(value, int) and not isinstance(value, bool)) or is_auto(value):
+            return value
+        problems.append(f"{key} must be an integer or auto, got {_show(value)} ({type(value).__name__})")
+        return value
     if typing.get_origin(hint) is Union:  # Optional[X]
         if value is None:
             return None

@@ -18,7 +18,8 @@ def stage_plan(cfg: Config, base_dir: Optional[str], num_processes: int, memory:
     from tidyrl.loops.rl.inputs import check_rl_inputs, plan_extras
 
     inputs = check_rl_inputs(cfg, base_dir, num_processes, memory=memory, fsdp=fsdp)
-    extras = plan_extras(cfg, inputs.plan, inputs.critic, inputs.eval_prompt_ids, inputs.memory, inputs.paths)
+    extras = plan_extras(cfg, inputs.plan, inputs.critic, inputs.eval_prompt_ids, inputs.memory, inputs.paths,
+                         inputs.auto)
     return {**inputs.plan.to_dict(), **extras}, inputs.report.splitlines()
 
 

@@ -10,7 +10,7 @@ import sys
 from typing import Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
-from tidyrl.config import Config, ConfigError
+from tidyrl.config import Config, ConfigError, is_auto
 from tidyrl.engines import engine_module
 from tidyrl.memory.plan import (DTYPE_BYTES, MemoryInputs, MemoryPlan, Scorer, Shape, fit_problems, gib,
                                       memory_plan, parse_size)
@@ -93,16 +93,136 @@ def available_host_bytes() -> Optional[int]:
         return None
 
 
-def memory_budget(memory: Optional[str]) -> tuple[Optional[int], str]:
+def budget_of(cfg: Config, memory: Optional[str]) -> tuple[Optional[int], str]:
+    """`memory_budget` of `tidyrl plan --memory` where given, else of train.memory_budget."""
+    return memory_budget(memory) if memory else memory_budget(cfg.train.memory_budget, key="train.memory_budget")
+
+
+def memory_budget(memory: Optional[str], key: str = "--memory") -> tuple[Optional[int], str]:
     """(bytes a process has, where that figure comes from) for `memory`: a size ('24GiB'), 'available' (the host's
     available memory), or None: the CUDA device's total where the run uses one, else no budget (a CPU run is not
     refused on a prediction)."""
     if memory == "available":
         return available_host_bytes(), "the host's available memory (MemAvailable)"
     if memory is not None:
-        return parse_size(memory), f"--memory {memory}"
+        try:
+            return parse_size(memory), f"{key} {memory}"
+        except ValueError as err:
+            raise ConfigError([f"{key}: {err}"]) from None
     cuda = _cuda_bytes()
     return (cuda, "the CUDA device's memory") if cuda else (None, "")
+
+
+AUTO_KNOBS = {"rollout.generation_batch_size": "generation", "rollout.forward_batch_size": "scoring",
+              "train.micro_batch_size": "update"}
+"""The knobs that may be `auto` -> the phase of the memory plan whose peak each one sets."""
+AUTO_MARGIN = 0.10
+"""`auto` batch sizes fit the budget less this fraction: room for what the plan does not count (the allocator's
+fragmentation, a kernel's scratch buffers; docs/memory.md has the measured ratios)."""
+
+
+def knob(cfg: Config, name: str):
+    section, key = name.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def set_knob(cfg: Config, name: str, value: int) -> None:
+    section, key = name.split(".")
+    setattr(getattr(cfg, section), key, value)
+
+
+def auto_knobs(cfg: Config) -> list[str]:
+    """The batch-size knobs `cfg` sets to `auto`."""
+    return [name for name in AUTO_KNOBS if is_auto(knob(cfg, name))]
+
+
+def auto_budget(cfg: Config, memory: Optional[str]) -> tuple[Optional[int], str]:
+    """(bytes a process has, where that figure comes from) for `auto`: as `budget_of`, and on a machine whose
+    budget is otherwise unknown (a CPU run without one), the host's available memory shared among the processes on
+    it."""
+    budget, source = budget_of(cfg, memory)
+    if budget is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        available = available_host_bytes()
+        if available:
+            budget = available // local
+            source = "the host's available memory (MemAvailable)" + (f" / {local} processes" if local > 1 else "")
+    return budget, source
+
+
+def candidates(name: str, share: int, must_divide: bool) -> list[int]:
+    """The values `auto` may take for knob `name`, largest first: for the update's micro-batch the divisors of
+    `share` (each process's episodes a mini-batch: the batch plan's rule), for a no-grad chunk the divisors of
+    `share` (each process's episodes a rollout) where `must_divide` (train.exact_gradients), else the sizes of
+    `share` cut into n equal chunks (the largest chunk ceil(share / n), for n = 1, 2, ...): the fewest chunks."""
+    if name == "train.micro_batch_size" or must_divide:
+        return [d for d in range(share, 0, -1) if share % d == 0]
+    return sorted({-(-share // n) for n in range(1, share + 1)}, reverse=True)
+
+
+def resolve_auto(cfg: Config, names: list[str], model_config, prompt_ids: list, plan, critic: Optional[dict], *,
+                 memory: Optional[str], fsdp: bool, exact_chunks: bool, recorded: Optional[dict] = None) -> dict:
+    """Set each knob of `names` (those `cfg` set to `auto`: `auto_knobs`) in `cfg` itself, before anything reads it,
+    to the largest of its `candidates` whose phase of the memory plan fits the budget (`auto_budget`) less
+    AUTO_MARGIN; the smallest where none fits
+    (the memory check then names the fix). `plan`: the batch plan made with the auto knobs at 1; `exact_chunks`:
+    the no-grad chunks must divide each process's episodes (train.exact_gradients). `recorded`: plan.json's
+    `auto_batch_sizes` of the run being resumed, whose values are kept where the processes and the budget are the
+    same (the host's available memory counts as the same budget: it moves from one start to the next), recomputed
+    (and said so) where not: micro-batching changes no number of the plan. Returns plan.json's `auto_batch_sizes`
+    (the values, the budget and its source, and whether they were recomputed)."""
+    budget, source = auto_budget(cfg, memory)
+    same = (recorded is not None and recorded.get("world_size") == plan.world_size
+            and recorded.get("source") == source
+            and (recorded.get("budget_bytes") == budget or source.startswith("the host's available memory")))
+    per_minibatch, share = plan.episodes_per_minibatch_per_process, plan.episodes_per_rollout_per_process
+    chosen, why = {}, ""
+    if same:
+        chosen = {n: recorded["values"][n] for n in names if n in recorded.get("values", {})}
+        why = "kept from the run it resumes"
+    elif recorded is not None:
+        why = (f"recomputed for {plan.world_size} process(es) and {source} (the run it resumes had "
+               f"{recorded.get('world_size')} and {recorded.get('source')}: "
+               + ", ".join(f"{n}={v}" for n, v in recorded.get("values", {}).items()) + ")")
+    if budget is None:
+        raise ConfigError([f"{', '.join(names)}: auto needs to know the memory a process has, and this machine "
+                           "does not say; set train.memory_budget (e.g. 24GiB) or a number"])
+    usable = int(budget * (1 - AUTO_MARGIN))
+    inputs = memory_inputs(cfg, model_config, prompt_ids, plan, critic, cuda=source.startswith("the CUDA"),
+                           fsdp=fsdp, device_bytes=budget)
+    for name in names:
+        if name in chosen:
+            continue
+        options = candidates(name, per_minibatch if name == "train.micro_batch_size" else share, exact_chunks)
+        chosen[name] = options[-1]
+        for value in options:
+            phases = memory_plan(_with_knob(inputs, name, value, per_minibatch)).phases
+            phase = next((p for p in phases if p.name == AUTO_KNOBS[name]), None)
+            if phase is None or phase.total <= usable:
+                chosen[name] = value
+                break
+    for name in names:
+        set_knob(cfg, name, chosen[name])
+    return {"values": {n: chosen[n] for n in names}, "world_size": plan.world_size, "budget_bytes": budget,
+            "source": source, "margin": AUTO_MARGIN, "fits": gib(usable), **({"note": why} if why else {})}
+
+
+def _with_knob(inputs: MemoryInputs, name: str, value: int, per_minibatch: int) -> MemoryInputs:
+    from dataclasses import replace
+
+    if name == "train.micro_batch_size":
+        return replace(inputs, micro_batch_size=value, accumulation_steps=per_minibatch // value)
+    return replace(inputs, **{name.split(".")[1]: value})
+
+
+def auto_line(auto: Optional[dict]) -> Optional[str]:
+    """The run's first words on its `auto` batch sizes."""
+    if not auto:
+        return None
+    values = ", ".join(f"{n}={v}" for n, v in auto["values"].items())
+    return (f"auto batch sizes: {values} (the largest whose predicted peak fits {auto['fits']}: "
+            f"{100 * (1 - auto['margin']):.0f} % of {gib(auto['budget_bytes'])}, {auto['source']})"
+            + (f"; {auto['note']}" if auto.get("note") else ""))
 
 
 def check_memory(cfg: Config, model_config, prompt_ids: list, plan, critic: Optional[dict],
@@ -113,7 +233,7 @@ def check_memory(cfg: Config, model_config, prompt_ids: list, plan, critic: Opti
     shape keys the formulas need gives no plan (and says so)."""
     from tidyrl.models.sharding import launch_sharding
 
-    budget, source = memory_budget(memory)
+    budget, source = budget_of(cfg, memory)
     fsdp = plan.world_size > 1 and (launch_sharding() == "fsdp2" if fsdp is None else fsdp)
     try:
         inputs = memory_inputs(cfg, model_config, prompt_ids, plan, critic, cuda=source.startswith("the CUDA"),

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from tidyrl import liveness
 from tidyrl.models import fused_decode
 from tidyrl.models.devices import width_padding
 from tidyrl.models.sequences import cache_argument, left_pad, model_device, plain_kv_cache, returned_cache
@@ -158,6 +159,7 @@ def generate(
         ids[chunk, : c_ids.shape[1]] = c_ids.cpu()
         mask[chunk, : c_mask.shape[1]] = c_mask.cpu()
         logprobs[chunk, : c_logprobs.shape[1]] = c_logprobs.cpu()
+        liveness.mark(f"generated sequences {start + 1}-{min(start + batch_size, len(prompts))} of {len(prompts)}")
     ended = (ids.unsqueeze(-1) == torch.as_tensor(list(eos_ids))).any(-1) & (mask > 0)
     truncated = ~ended.any(-1)
     return (ids, mask, truncated, logprobs) if return_logprobs else (ids, mask, truncated)

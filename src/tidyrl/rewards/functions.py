@@ -33,6 +33,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from tidyrl import liveness
+
 
 class RewardError(RuntimeError):
     """A reward function could not be loaded or returned something unusable."""
@@ -305,6 +307,7 @@ def compute_rewards(
             raw = func.fn(**kwargs)
         except Exception as error:
             _raise_on_failing_sample(func, kwargs, offered, n, error)
+        liveness.mark(f"called reward function {func.name!r}")
         if inspect.isawaitable(raw):  # an `async def` reward (e.g. one that calls a judge over HTTP)
             awaiting[func.name] = raw
         else:

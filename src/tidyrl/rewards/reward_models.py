@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from tidyrl import liveness
+
 
 class RewardModelError(RuntimeError):
     """A reward model cannot be used as configured; the message says what to do."""
@@ -132,6 +134,7 @@ class RewardModel:
                                     position_ids=positions.to(device)).logits  # (B, 1)
                 if k < len(starts):
                     scores += logits[:, 0].float().cpu().tolist()
+                liveness.mark(f"scored chunk {k + 1} of {calls} with reward model {self.path}")
         return scores
 
 

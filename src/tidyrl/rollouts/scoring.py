@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tidyrl import liveness
 from tidyrl.algorithms.losses import truncated_importance_weights
 from tidyrl.models.collectives import Sums, reduce_max
 from tidyrl.models.devices import to_device
@@ -32,6 +33,7 @@ def score_logprobs(model, rollout: Rollout, temperature: float, chunk_size: int,
         if out is None:
             out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=lp.device)
         out[idx[0]: idx[-1] + 1, : lp.shape[1]] = lp.float() * to_device(part.completion_mask, lp.device)
+        liveness.mark(f"scored episodes {idx[0] + 1}-{idx[-1] + 1} of {len(rollout)}")
     return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
 
 
@@ -45,6 +47,7 @@ def score_values(critic, rollout: Rollout, chunk_size: int) -> torch.Tensor:
         if out is None:
             out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=v.device)
         out[idx[0]: idx[-1] + 1, : v.shape[1]] = v.float() * to_device(part.completion_mask, v.device)
+        liveness.mark(f"valued episodes {idx[0] + 1}-{idx[-1] + 1} of {len(rollout)}")
     return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
 
 

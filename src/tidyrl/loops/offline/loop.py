@@ -19,6 +19,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
+from tidyrl import liveness
 from tidyrl.console import say
 from tidyrl.data.offline import TokenizedSequence
 from tidyrl.models.devices import to_device
@@ -248,7 +249,7 @@ class OfflineRun:
         from tidyrl.loops.run.steps import check_resume
 
         self.cfg = cfg
-        self.accelerator = make_accelerator(cfg)
+        self.accelerator = make_accelerator(cfg, watch=True)
         self.world_size, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         self.is_main = self.accelerator.is_main_process
         self.out = Path(cfg.output_dir)
@@ -375,6 +376,7 @@ class OfflineRun:
             if exact is not None:  # this micro-batch's gradient onto the grid (no floating-point sum across them)
                 exact.add()
             sums.add(**values)
+            liveness.mark(f"micro-batch {k + 1} of {len(parts)} of an optimizer step")
         if exact is not None:  # the integer sums over every process, as the gradients
             exact.reduce(acc)
         totals = sums.reduced(acc)

@@ -49,17 +49,21 @@ class RLInputs:
     """The memory plan (tidyrl.memory.plan.MemoryPlan), or None when the model's shape is unknown."""
     paths: Optional[dict] = None
     """Which forward each model takes and why (`model_paths`): plan.json's `paths`."""
+    auto: Optional[dict] = None
+    """The batch sizes `auto` chose (`memory.rl.resolve_auto`): plan.json's `auto_batch_sizes`."""
 
 
-def plan_extras(cfg, plan, critic_choice: Optional[dict], eval_prompt_ids, memory=None, paths=None) -> dict:
+def plan_extras(cfg, plan, critic_choice: Optional[dict], eval_prompt_ids, memory=None, paths=None,
+                auto=None) -> dict:
     """What plan.json (and `tidyrl plan`) say beside the plan's counts: the engine that generates, the lag of the
     rollouts made ahead (rollout.lag: the counts are the same at any lag), PPO's critic and why, the held-out
     prompts, which forward each model takes and why (`paths`, `model_paths`), and the memory plan (`memory`: per
-    process, each phase's predicted peak and its parts in bytes)."""
+    process, each phase's predicted peak and its parts in bytes), and the batch sizes `auto` chose (`auto`)."""
     return {"engine": cfg.rollout.engine, **({"lag": cfg.rollout.lag} if cfg.rollout.lag else {}),
             **(critic_choice or {}), **({"eval_prompts": len(eval_prompt_ids)} if eval_prompt_ids else {}),
             **scoring_passes(cfg, plan), **({"paths": paths} if paths else {}),
-            **({"memory": memory.to_dict()} if memory is not None else {})}
+            **({"memory": memory.to_dict()} if memory is not None else {}),
+            **({"auto_batch_sizes": auto} if auto else {})}
 
 
 CLASSIFIER_PATH = "its own forward (a classifier: the fast path computes causal LMs)"
@@ -151,22 +155,47 @@ def check_exact_chunks(cfg: Config, plan) -> None:
 
 
 def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memory: Optional[str] = None,
-                    fsdp: Optional[bool] = None) -> RLInputs:
+                    fsdp: Optional[bool] = None, recorded_auto: Optional[dict] = None) -> RLInputs:
     """Everything an RL run can check before any weights load, in order: the policy and tokenizer exist (at once,
     offline too), the data file reads, every prompt fits the context with max_new_tokens, the plan's sizes
     divide, the reward functions import, the reward models exist, every argument a reward function needs is a
     data column, PPO's critic can read the policy's tokens, and each phase's predicted memory fits the memory a
     process has (`memory`: a size, 'available', or None: the CUDA device's; `fsdp`: plan FSDP2's sharding, None: as
     the launch asks; tidyrl.memory.rl). `tidyrl plan`
-    runs the same checks, so a plan that prints is a run that starts."""
+    runs the same checks, so a plan that prints is a run that starts.
+
+    The batch-size knobs set to `auto` are resolved here, in `cfg` itself, before anything reads them
+    (`memory.rl.resolve_auto`; `recorded_auto`: plan.json's `auto_batch_sizes` of the run a resume continues)."""
     from tidyrl.data import load_rl_prompts, other_columns
+    from tidyrl.memory.rl import auto_knobs, auto_line, check_memory, resolve_auto, set_knob
+    from tidyrl.models.sharding import launch_sharding
     from tidyrl.rewards import check_reward_columns
 
     model_config, tokenizer = read_policy(cfg)
     dataset, eval_dataset = held_out_split(cfg, load_rl_prompts(cfg))
     environment, tools = read_environment(cfg, base_dir, tokenizer)
     dataset, prompt_ids, report = encode_prompt_set(cfg, dataset, tokenizer, model_config, tools)
+    # The held-out prompts and PPO's critic first: the memory plan that chooses `auto` batch sizes reads them.
+    eval_prompt_ids, fit_report = None, ""
+    if eval_dataset is not None:
+        eval_dataset, eval_prompt_ids, fit_report = encode_prompt_set(cfg, eval_dataset, tokenizer, model_config,
+                                                                      tools)
+    critic = None
+    if ALGORITHMS[cfg.algorithm].critic:
+        path, why = choose_critic(cfg, tokenizer.get_vocab())
+        critic = {"critic_model": path, "critic_model_reason": why}
+    auto = auto_knobs(cfg)
+    for name in auto:  # the batch plan at 1 (which every rule allows), then each knob from the memory plan
+        set_knob(cfg, name, 1)
     plan = plan_from_config(cfg, len(dataset), world_size)
+    auto_sizes = None
+    if auto:
+        sharded = plan.world_size > 1 and (launch_sharding() == "fsdp2" if fsdp is None else fsdp)
+        auto_sizes = resolve_auto(cfg, auto, model_config, [*prompt_ids, *(eval_prompt_ids or [])], plan, critic,
+                                  memory=memory, fsdp=sharded, exact_chunks=cfg.train.exact_gradients,
+                                  recorded=recorded_auto)
+        plan = plan_from_config(cfg, len(dataset), world_size)
+        report = "\n".join(filter(None, [report, auto_line(auto_sizes)]))
     check_exact_chunks(cfg, plan)
     if plan.prompts_per_rollout > len(dataset):  # correct by the plan's formula, rarely what was meant
         report = "\n".join(filter(None, [report, repeated_prompts_warning(plan, len(dataset))]))
@@ -175,10 +204,8 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
     for line in lines:
         report = f"{report}\n{line}" if report else line
     # An engine generates a rollout's share in one call, and the held-out evaluation's share in one call too.
-    eval_prompt_ids, eval_report, eval_share = None, "", 0
+    eval_report, eval_share = "", 0
     if eval_dataset is not None:
-        eval_dataset, eval_prompt_ids, fit_report = encode_prompt_set(cfg, eval_dataset, tokenizer, model_config,
-                                                                      tools)
         check_reward_columns(reward_fns, other_columns(eval_dataset, cfg.data.prompt_column))
         k = 1 if cfg.log.eval_decoding == "greedy" else cfg.rollout.samples_per_prompt
         eval_share = -(-len(eval_prompt_ids) * k // plan.world_size)
@@ -196,11 +223,6 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
                         max(plan.episodes_per_rollout_per_process, eval_share))
     if ALGORITHMS[cfg.algorithm].teacher:
         check_teacher(cfg, tokenizer)
-    critic = None
-    if ALGORITHMS[cfg.algorithm].critic:
-        path, why = choose_critic(cfg, tokenizer.get_vocab())
-        critic = {"critic_model": path, "critic_model_reason": why}
-    from tidyrl.memory.rl import check_memory
 
     memory_plan, line = check_memory(cfg, model_config, [*prompt_ids, *(eval_prompt_ids or [])], plan, critic, memory,
                                      fsdp)
@@ -208,7 +230,7 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
     paths = model_paths(cfg, model_config, critic)
     report = "\n".join(filter(None, [report, *(f"{role}: {path}" for role, path in paths.items())]))
     return RLInputs(tokenizer, dataset, prompt_ids, report, plan, columns, reward_fns, critic, eval_dataset,
-                    eval_prompt_ids, eval_report, environment, tools, memory_plan, paths)
+                    eval_prompt_ids, eval_report, environment, tools, memory_plan, paths, auto_sizes)
 
 
 def check_teacher(cfg: Config, tokenizer) -> None:

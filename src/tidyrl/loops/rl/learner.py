@@ -47,6 +47,14 @@ from tidyrl.rollouts.weights import behaviour_copy
 __all__ = ["run", "DynamicSamplingError"]
 
 
+def recorded_auto_sizes(out: Path) -> Optional[dict]:
+    """plan.json's `auto_batch_sizes` of the run a resume continues (None where it chose none)."""
+    import json
+
+    path = out / "plan.json"
+    return json.loads(path.read_text()).get("auto_batch_sizes") if path.exists() else None
+
+
 def run(cfg: Config, base_dir: Optional[str] = None) -> TrainResult:
     """Train with an on-policy RL algorithm from a validated Config (see `tidyrl.train`)."""
     return RLRun(cfg, base_dir).run()
@@ -63,14 +71,15 @@ class RLRun:
         from tidyrl.rewards.reward_models import RunningMoments
 
         self.cfg, self.spec, self.algo = cfg, ALGORITHMS[cfg.algorithm], algorithm_section(cfg)
-        self.accelerator = make_accelerator(cfg)
+        self.accelerator = make_accelerator(cfg, watch=True)
         self.world_size, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         self.is_main = self.accelerator.is_main_process
         self.out = Path(cfg.output_dir)
         # Everything cheap and checkable first: checkpoint, model and tokenizer paths, data, prompt lengths, plan,
         # rewards, output folder. No weights are loaded before all of it has passed.
         self.resume_path, self.resumed = check_resume(cfg, self.out, self.accelerator)
-        self.inputs = inputs = check_rl_inputs(cfg, base_dir, self.world_size)
+        self.inputs = inputs = check_rl_inputs(cfg, base_dir, self.world_size,
+                                               recorded_auto=recorded_auto_sizes(self.out) if self.resumed else None)
         self.plan, self.tokenizer = inputs.plan, inputs.tokenizer
         self.env_pool = None
         if inputs.environment is not None:
@@ -187,7 +196,7 @@ class RLRun:
         step, elapsed, self.first_reward, unfinished = 0, 0.0, None, None
         write_run_header(cfg, plan, self.out, self.accelerator,
                          plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids, self.inputs.memory,
-                                     self.inputs.paths),
+                                     self.inputs.paths, self.inputs.auto),
                          resumed=self.resumed is not None)
         if self.resumed is not None:
             step, elapsed, self.first_reward, unfinished, made_ahead = restore_run(

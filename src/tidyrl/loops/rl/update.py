@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from tidyrl import liveness
 from tidyrl.algorithms.kl import kl_per_token
 from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss, truncated_importance_weights
 from tidyrl.algorithms.ppo import clipped_value_loss
@@ -127,6 +128,7 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
                                 trainer_logprobs, in_update_weights)
         if exact is not None:  # this micro-batch's gradient onto the grid (no floating-point sum across them)
             exact.add()
+        liveness.mark(f"micro-batch {i + 1} of {len(micro_batches)} of optimizer step {step}")
     if exact is not None:  # the integer sums over every process, as the gradients
         exact.reduce(accelerator)
     sums = sums.reduced(accelerator)

@@ -85,7 +85,7 @@ def _destroy_process_group_at_exit() -> None:
     atexit.register(destroy)
 
 
-def make_accelerator(cfg: Optional[Config] = None, **kwargs):
+def make_accelerator(cfg: Optional[Config] = None, *, watch: bool = False, **kwargs):
     """The one Accelerator of a run. Under torchrun / accelerate launch on a machine without CUDA,
     accelerate only forms a (gloo) process group when asked for CPU explicitly; without this, each
     process would silently train alone and all would write the same output_dir. On CUDA, more processes per
@@ -95,7 +95,9 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
     on CPU and GPU alike: accelerate is kept out of it (it forms the process group only; on a CPU it would train
     plain DDP and say nothing). Every process reads the weights and shards the whole model it read. With `cfg`, a
     sharding mode the launch asks for and tidyrl cannot run `cfg` under is refused here (`check_sharding`), before
-    any weights load."""
+    any weights load. With `watch` (a training run, which reports its exception in `tidyrl.train` and stops the
+    watch there) and several processes, each process watches the others from here on (`loops.run.faults`: a fault
+    on one ends them all, a hang after train.watchdog_s)."""
     import torch
     from accelerate import Accelerator
 
@@ -122,6 +124,10 @@ def make_accelerator(cfg: Optional[Config] = None, **kwargs):
             "check the launcher's environment (MASTER_ADDR, MASTER_PORT, RANK)."
         )
     if cfg is not None:
+        from tidyrl.loops.run.faults import watch_faults
+
+        if watch:  # a fault on one process ends them all (loops.run.faults)
+            watch_faults(accelerator, cfg.train.watchdog_s)
         check_sharding(sharding_kind(accelerator), cfg)
         # the run's first words: what it computes differs from its config.yaml
         say(kernel_override_lines(cfg), main=accelerator.is_main_process)

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from tidyrl import liveness
 from tidyrl.console import say
 from tidyrl.models.collectives import agree
 
@@ -243,7 +244,10 @@ class Steps:
         self.stop = StopSignals()
 
     def __enter__(self) -> "Steps":
+        from tidyrl.loops.run.faults import arm_watchdog
+
         self.stop.__enter__()
+        arm_watchdog()  # from here on, a process that finishes no work for train.watchdog_s hangs
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -265,14 +269,21 @@ class Steps:
     def checkpoint_when_due(self, step: int, save) -> None:
         """`save()` (checkpoint-<step>) every log.save_every steps before the last, and after a stop signal, on
         which the run then ends with how to resume."""
+        liveness.mark(f"optimizer step {step}")
         if agree(self.accelerator, self.stop.requested):
-            save()
+            self._save(step, save)
             raise TrainingInterrupted(
                 f"stopped by {self.stop.name} after optimizer step {step} of {self.total}; checkpoint saved to "
                 f"{self.out}/checkpoint-{step}. Resume with: tidyrl train CONFIG.yaml resume_from=latest")
         every = self.cfg.log.save_every
         if every and step % every == 0 and step < self.total:
-            save()
+            self._save(step, save)
+
+    @staticmethod
+    def _save(step: int, save) -> None:
+        liveness.mark(f"optimizer step {step}; saving checkpoint-{step}")
+        save()
+        liveness.mark(f"saved checkpoint-{step}")
 
     def finished(self, step: int) -> None:
         """The run took exactly the plan's optimizer steps, and the bar says so."""
