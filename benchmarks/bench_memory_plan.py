@@ -7,7 +7,7 @@
     python benchmarks/bench_memory_plan.py --family gemma3-270m             # Gemma 3 270M's own shape
     python benchmarks/bench_memory_plan.py --sft                            # the first sft shape alone
     python benchmarks/bench_memory_plan.py --offline            # tidyrl train: sft and dpo in float32, bfloat16,
-                                                                # with LoRA, under FSDP2 on 2 processes (~2 min)
+                                                                # with LoRA, under FSDP2 on 2 processes (~3 min)
     python benchmarks/bench_memory_plan.py --offline bfloat16   # one of them
     python benchmarks/bench_memory_plan.py --smollm2 MODEL      # tidyrl train: GRPO and SFT on SmolLM2-135M-Instruct
                                                                 # (MODEL: its folder, examples/smollm2; ~2 min)
@@ -37,7 +37,7 @@ above the RSS at its start, the phase's second call (AdamW's moments made by the
 calls done), or for dpo's reference, which scores once before training, a second call after the run's own; under
 FSDP2 the larger of the two processes'. Beside it `tidyrl plan CONFIG` (`--num-processes 2 --fsdp`) and the phase's
 parts beyond the resident ones (the policy's and reference's weights, AdamW's moments); `resident` is the RSS at
-the phase's start above the imports', which also holds the tokenizer, data and runtime (about 100 MiB here).
+the phase's start above the imports', which also holds the tokenizer, data and runtime (100-150 MiB here).
 
 - `--offline`: a Llama of h L V = 256 4 8 000 (the first sft shape's) with tidyrl's character tokenizer; sft on 32
   examples of 127 and 128 tokens in micro-batches of 4, dpo on 32 such pairs in micro-batches of 2 (4 rows), two
@@ -45,7 +45,8 @@ the phase's start above the imports', which also holds the tokenizer, data and r
   over 2 processes (float32, gradients whole until the step's last micro-batch).
 - `--smollm2 MODEL`: examples/smollm2's arithmetic task (prepare.py) in float32; GRPO with a KL reference (0.05,
   so that the reference's scoring runs), 2 rollouts of 2 prompts x 4 samples of up to 32 new tokens, one optimizer
-  step each over micro-batches of 4, at the example's temperature 0.7 and at 1.0; SFT on 24 worked answers, 3 steps of 8 in micro-batches of 4.
+  step each over micro-batches of 4, at the example's temperature 0.7 and at 1.0; SFT on 24 worked answers, 3
+  steps of 8 in micro-batches of 4.
 
 The ratio measured / predicted is printed; the target is 0.85-1.15 (docs/memory.md has the figures). What moves it
 from machine to machine: which kernels the CPU runs and their scratch buffers.
@@ -316,8 +317,8 @@ def offline_config(folder: Path, stage: str, variant: str, model: Path, data: Pa
 def write_smollm2(folder: Path, model: Path) -> list[tuple[str, Path]]:
     """The GRPO and SFT configs of the SmolLM2 runs (`--smollm2 MODEL`) and their data (examples/smollm2/prepare.py's
     arithmetic task): GRPO with a KL reference (so that a scoring phase runs), 2 rollouts of 2 prompts x 4 samples
-    of up to 32 new tokens, micro-batches of 4, at the example's temperature 0.7 and at 1.0; SFT on the worked answers, 3 steps of 8 examples in micro-batches
-    of 4."""
+    of up to 32 new tokens, micro-batches of 4, at the example's temperature 0.7 and at 1.0; SFT on 24 of the worked
+    answers, 3 steps of 8 examples in micro-batches of 4."""
     import yaml
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "smollm2"))
@@ -457,7 +458,7 @@ def runs_of_tidyrl_train(args, env: dict) -> None:
         if args.smollm2:
             for name, config in write_smollm2(folder, Path(args.smollm2).resolve()):
                 measured, plan = run_phases(config, 1, folder, env)
-                print_phases(f"SmolLM2-135M-Instruct {name}", measured, plan)
+                print_phases(f"SmolLM2-135M {name}", measured, plan)
 
 
 if __name__ == "__main__":
