@@ -58,15 +58,33 @@ def test_each_phase_by_hand_in_bytes():
     assert plan.phase("generation").parts == {**resident,
                                                "kv_cache": 2 * 2 * 4 * 10 * 3 * 4,  # 2 L kv T g b = 1920
                                                "sampling_logits": 3 * 10 * (4 + 4)}  # g V (b + 4) = 240
-    # the layers' working set (f T 56 b = 4480) outweighs the output layer's logits and logsumexp's float32 copy of
-    # them (f C V b + f C V 4 = 800): the two are never alive together, the larger counts
+    # the largest of the forward's moments: a layer's, the hidden states in and out 2 f T h b = 1280 and its working
+    # set f T 56 b = 4480 (5760); the output layer's, 1280 and the logits f C V b = 400 (1680); and, the forward
+    # returned, the logits and logsumexp's float32 copy of them, f C V b + f C V 4 = 800
     assert plan.phase("scoring").parts == {**resident,
                                             "reference_hidden_states": 2 * 2 * 10 * 8 * 4,  # 2 f T h b = 1280
                                             "reference_layer_working_set": 2 * 10 * 56 * 4}  # 4480
-    wide = Shape.of({**CONFIG, "vocab_size": 1000})  # here the output layer's: f C V (b + 4) = 80000
+    # V = 1000: the returned logits and their copy, f C V (b + 4) = 80000, more than the output layer's moment (1280 +
+    # f C V b 40000 = 41280): the hidden states are gone by then
+    wide = Shape.of({**CONFIG, "vocab_size": 1000})
+    wide_resident = {**resident, "reference_weights": wide.parameters() * 4}
     assert memory_plan(inputs(scorers=(Scorer("reference", wide, 4, True),))).phase("scoring").parts == {
-        **resident, "reference_weights": wide.parameters() * 4, "reference_hidden_states": 1280,
-        "reference_logits": 2 * 5 * 1000 * 4, "reference_logsumexp_temporaries": 2 * 5 * 1000 * 4}
+        **wide_resident, "reference_logits": 2 * 5 * 1000 * 4, "reference_logsumexp_temporaries": 2 * 5 * 1000 * 4}
+    # at temperature 0.7 the logits divided by it are one more copy beside them, f C V b = 40000
+    assert memory_plan(inputs(scorers=(Scorer("reference", wide, 4, True),), temperature=0.7)).phase(
+        "scoring").parts == {**wide_resident, "reference_logits": 40000, "reference_scaled_logits": 40000,
+                             "reference_logsumexp_temporaries": 40000}
+    # bf16 (b = 2): the logits f C V b = 20000, and a sequence at a time its float32 upcast and logsumexp's shifted
+    # copy, 2 C V 4 = 40000 (the layer's moment: 2 f T h b 640 + f T 56 b 2240; the output layer's 640 + 20000);
+    # at temperature 0.7 the scaled bf16 copy, 20000
+    bf16_wide = (Scorer("reference", wide, 2, True),)
+    bf16_resident = {"policy_weights": 1272 * 2, "optimizer_state": 2 * 1272 * 2,
+                     "reference_weights": wide.parameters() * 2}
+    assert memory_plan(inputs(dtype_bytes=2, scorers=bf16_wide)).phase("scoring").parts == {
+        **bf16_resident, "reference_logits": 2 * 5 * 1000 * 2, "reference_logsoftmax_one_sequence": 2 * 5 * 1000 * 4}
+    assert memory_plan(inputs(dtype_bytes=2, scorers=bf16_wide, temperature=0.7)).phase("scoring").parts == {
+        **bf16_resident, "reference_logits": 20000, "reference_scaled_logits": 20000,
+        "reference_logsoftmax_one_sequence": 40000}
     assert plan.phase("update").parts == {**resident, "gradients": 5088,
                                            "activations": 2 * 10 * 2 * 128 * 4,  # m T L a b = 20480
                                            "attention": 2016,  # the lean pass's probabilities, worked out below
@@ -83,9 +101,12 @@ def test_each_phase_by_hand_in_bytes():
     # the chunked output layer (CUDA, bf16): two chunks of at most 256 MiB, here the whole 2 m C V b
     chunked = memory_plan(inputs(dtype_bytes=2, chunked_head=True, scorers=())).phase("update").parts
     assert chunked["logit_chunks"] == 2 * 2 * 5 * 10 * 2 and "logits" not in chunked
-    # bf16 logits without the chunked layer: upcast to float32 one sequence at a time, C V 4
+    # bf16 logits without the chunked layer: upcast to float32 one sequence at a time; the backward holds three
+    # sequences' float32 logits (the previous one's gradient, the next's upcast and its difference), 3 C V 4
     bf16 = memory_plan(inputs(dtype_bytes=2, scorers=())).phase("update").parts
-    assert (bf16["logits"], bf16["logsoftmax_one_sequence"]) == (2 * 2 * 5 * 10 * 2, 5 * 10 * 4)
+    assert (bf16["logits"], bf16["logsoftmax_one_sequence"]) == (2 * 2 * 5 * 10 * 2, 3 * 5 * 10 * 4)
+    # the update's logits are not counted again at a temperature (the scaled copy is freed as the forward returns)
+    assert memory_plan(inputs(temperature=0.7)).phase("update") == plan.phase("update")
 
 
 def test_fsdp_shards_the_policy_and_whole_gradients_wait_for_the_last_microbatch():
@@ -96,14 +117,42 @@ def test_fsdp_shards_the_policy_and_whole_gradients_wait_for_the_last_microbatch
     assert update["gathered_layers"] == 2 * 592 * 4
     # the full weights for the call, a copy beside the shard
     assert sharded.phase("generation").parts["gathered_weights"] == 5088
-    # each of the reference's forwards gathers its root shard group (embeddings, final norm; the head is tied) for
-    # the whole forward and two decoder layers: (V h + h + 2 * 592) b, here all of it (L = 2) ...
-    assert sharded.phase("scoring").parts["reference_gathered_weights"] == (80 + 8 + 2 * 592) * 4
-    # ... and of 4 layers, two stay sharded: (2456 - 2 * 592) * 4
+    # each of the reference's forwards gathers its shard groups: a layer runs beside the root group (embeddings,
+    # final norm; the head is tied: R = (V h + h) b = 352) and its own parameters and all-gather buffer, 2 * 592 * 4
+    # = 4736; that layer moment (1280 + 4480 + 352 + 4736 = 10848) is the largest: the output layer's holds R and
+    # the last layer's buffer with the hidden states and logits (1280 + 400 + 352 + 2368 = 4400), the first layer's
+    # all-gather the root group twice, its buffer and the embeddings' output (704 + 2368 + f T h b 640 = 3712)
+    assert sharded.phase("scoring").parts == {
+        "policy_weights": 2544, "optimizer_state": 5088, "reference_weights": 2544,
+        "reference_hidden_states": 1280, "reference_layer_working_set": 4480,
+        "reference_gathered_weights": (80 + 8 + 2 * 592) * 4}
+    # ... whatever the layers: of 4, two stay sharded, R + 2 * 592 * 4 again
     deep = Shape.of({**CONFIG, "num_hidden_layers": 4})
     scoring = memory_plan(inputs(world_size=2, fsdp=True, scorers=(Scorer("reference", deep, 4, True),))).phase(
         "scoring").parts
     assert (scoring["reference_weights"], scoring["reference_gathered_weights"]) == (2456 * 4 // 2, 1272 * 4)
+    # V = 1000 (tied, R = (8000 + 8) * 4 = 32032, l = 2368): the returned logits and their copy, 80000, outweigh the
+    # output layer's moment (1280 + 40000 + 32032 + 2368 = 75680) and the first all-gather's (640 + 64064 + 2368 =
+    # 67072): the root group is resharded as the forward returns, before the log-softmax, nothing gathered is left
+    wide = Shape.of({**CONFIG, "vocab_size": 1000})
+    parts = memory_plan(inputs(world_size=2, fsdp=True, scorers=(Scorer("reference", wide, 4, True),))).phase(
+        "scoring").parts
+    assert (parts["reference_logits"], parts["reference_logsumexp_temporaries"]) == (40000, 40000)
+    assert "reference_gathered_weights" not in parts and "reference_hidden_states" not in parts
+    # one sequence per forward (f = 1): the first layer's all-gather, 2 R + l = 66432 beside f T h b = 320, outweighs
+    # the returned logits (40000) and the output layer's moment (640 + 20000 + 32032 + 2368 = 55040)
+    parts = memory_plan(inputs(world_size=2, fsdp=True, forward_batch_size=1,
+                               scorers=(Scorer("reference", wide, 4, True),))).phase("scoring").parts
+    assert {k: v for k, v in parts.items() if k.startswith("reference_") and k != "reference_weights"} == {
+        "reference_hidden_states": 320, "reference_gathered_weights": 2 * 32032 + 2368}
+    # untied (R = (2 * 8000 + 8) * 4 = 64032), 7 new tokens (T = 13, C = 8): the output layer's moment, R + l with the
+    # hidden states 2 f T h b = 1664 and the logits f C V b = 64000, 132064 bytes, outweighs the first all-gather's
+    # (128064 + 2368 + 832 = 131264), the returned logits' (128000) and a layer's (1664 + 5824 + 64032 + 4736)
+    untied = Shape.of({**CONFIG, "vocab_size": 1000, "tie_word_embeddings": False})
+    parts = memory_plan(inputs(world_size=2, fsdp=True, new_tokens=7,
+                               scorers=(Scorer("reference", untied, 4, True),))).phase("scoring").parts
+    assert {k: v for k, v in parts.items() if k.startswith("reference_") and k != "reference_weights"} == {
+        "reference_hidden_states": 1664, "reference_logits": 64000, "reference_gathered_weights": 64032 + 2368}
     # a teacher of another tokenizer is not sharded: whole on every process, nothing gathered
     teacher = memory_plan(inputs(world_size=2, fsdp=True, scorers=(Scorer("teacher", SHAPE, 4, True, sharded=False),)))
     assert teacher.phase("scoring").parts["teacher_weights"] == 5088
@@ -157,6 +206,11 @@ def test_the_lean_pass_holds_a_layers_outputs_by_hand():
     assert {k: v for k, v in memory_plan(inputs(scorers=(Scorer("reference", wide, 4, True, lean=True),))).phase(
         "scoring").parts.items() if k.startswith("reference_") and k != "reference_weights"} == {
         "reference_logits": 40000, "reference_logsumexp_temporaries": 40000}
+    # at temperature 0.7 the returned logits divided by it (models.forward.completion_logprobs) beside them, f C V b
+    assert {k: v for k, v in memory_plan(inputs(scorers=(Scorer("reference", wide, 4, True, lean=True),),
+                                                temperature=0.7)).phase("scoring").parts.items()
+            if k.startswith("reference_") and k != "reference_weights"} == {
+        "reference_logits": 40000, "reference_scaled_logits": 40000, "reference_logsumexp_temporaries": 40000}
     # FSDP2 shards the scorer, and a one-token completion is the model's ordinary forward: the model's own
     assert "reference_held_layer" not in memory_plan(inputs(scorers=lean, world_size=2, fsdp=True)).phase(
         "scoring").parts
@@ -256,10 +310,10 @@ def test_sft_update_by_hand_in_bytes():
     assert memory_plan(offline("sft", gradient_checkpointing=True)).phase("update").parts["activations"] == \
         2 * 10 * (64 + 576 + 96)
     # bf16: the norms keep a float32 copy of their input, e = 2*8*(4 + 4) + 96*2 = 320, final norm 64; the logits
-    # in bf16 and one sequence's float32 log-softmax, T V 4
+    # in bf16 and, a sequence at a time, three sequences' float32 logits in the log-softmax's backward, 3 T V 4
     bf16 = memory_plan(offline("sft", dtype_bytes=2)).phase("update").parts
     assert bf16["activations"] == 2 * 10 * (2 * 320 + 64)
-    assert (bf16["logits"], bf16["logsoftmax_one_sequence"]) == (2 * 2 * 10 * 10 * 2, 10 * 10 * 4)
+    assert (bf16["logits"], bf16["logsoftmax_one_sequence"]) == (2 * 2 * 10 * 10 * 2, 3 * 10 * 10 * 4)
 
 
 def test_reward_update_has_a_score_head_not_a_vocabulary():
@@ -282,7 +336,8 @@ def test_dpo_reference_scores_pairs_then_is_freed():
     plan = memory_plan(offline("dpo"))
     # scoring, before the first step (no AdamW moments yet): the policy, the reference, and a chunk of m pairs,
     # f = 2m = 4 sequences: hidden states 2 f T h b = 2560 and the layers' working set f T 56 b = 8960 (more than the
-    # output layer's logits and logsumexp's float32 copy, f T V (b + 4) = 3200)
+    # output layer's moment, 2560 and the logits f T V b = 1600, and the returned logits with logsumexp's float32
+    # copy, f T V (b + 4) = 3200)
     assert plan.phase("scoring").parts == {
         "policy_weights": 5088, "reference_weights": 5088,
         "reference_hidden_states": 2 * 4 * 10 * 8 * 4, "reference_layer_working_set": 4 * 10 * 56 * 4}
@@ -297,7 +352,8 @@ def test_dpo_reference_scores_pairs_then_is_freed():
     assert [p.name for p in memory_plan(offline("dpo", reference=False)).phases] == ["update"]
     # LoRA: the reference is the policy with its adapter off, no second copy of the weights
     assert "reference_weights" not in memory_plan(offline("dpo", lora_r=2)).phase("scoring").parts
-    # FSDP2 over 2: weights halved, the reference's root group and two layers gathered for each forward
+    # FSDP2 over 2: weights halved; in a layer's moment (the largest, as above) the reference's root group (V h + h)
+    # b and the layer's parameters and all-gather buffer, 2 * 592 * 4
     sharded = memory_plan(offline("dpo", world_size=2, fsdp=True)).phase("scoring").parts
     assert (sharded["reference_weights"], sharded["reference_gathered_weights"]) == (2544, (80 + 8 + 2 * 592) * 4)
 

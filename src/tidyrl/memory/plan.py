@@ -27,24 +27,30 @@ Phases (each = what stays resident across the run + what the phase adds):
     generation   FSDP2: the full weights gathered for the call, P*b (a copy beside the shard); KV cache
                  2*L*kv*T*g*b; the last position's logits and float32 probabilities g*V*(b + 4); vLLM in-process: its
                  reservation
-    scoring      per scorer, the largest: hidden states in and out of a layer 2*f*T*h*b, and the larger of one
-                 layer's working set f*T*(h + max(2*q + 2*kv, 3*i))*b (no grad: one layer's intermediates alive at a
-                 time) and the output layer's: logits f*C*V*b and the log-softmax's float32 copy, f*C*V*4 for
-                 float32 logits (logsumexp over the whole batch), C*V*4 for bf16/fp16 (upcast a sequence at a time);
-                 a value or reward head has no logits; FSDP2, a sharded scorer (each forward gathers a shard group
-                 at a time): its embeddings, final norm and head for the whole forward and two decoder layers,
-                 (P - (L - 2) * per layer) * b. That is the model's own forward (CUDA, model_fast_paths off,
-                 train.exact_gradients, FSDP2, other layouts); a Llama-layout scorer on a CPU runs the lean pass
-                 (models.lean_forward), whose local names hold one layer's outputs until the next layer rebinds
-                 them, the last layer's until the output layer has run: f*T*k*b held, k = h + 2*i + 4*q + 5*kv +
-                 2*head_dim (x, gate and up, q/k/v fused and roped, the keys/values with their prompt's, the two
-                 attention outputs and their concatenation, rope's cos and sin; q + 2*kv in place of 2*q + 3*kv
-                 where the linear weights exceed 32 MiB and q/k/v run apart) and the attention masks, then the
-                 largest of: a layer's norm output and SwiGLU's two products f*T*(h + 2*i)*b, or the norm output
-                 and the scores, their masked float32 sum and softmax f*H*Q*K*(b + 8) of the larger attention call
-                 (prompts P x P, completions (C - 2) x (T - 1); while f*H*Q*K*4 <= 32 MiB, else torch's fused
-                 kernel); the output layer's input, its norm and logits f*C*(2*h + V)*b; or, the pass returned,
-                 the logits and the log-softmax's as above
+    scoring      per scorer, the largest of its forward's moments: a layer's, the hidden states in and out of it
+                 2*f*T*h*b and its working set f*T*(h + max(2*q + 2*kv, 3*i))*b (no grad: one layer's intermediates
+                 alive at a time); the output layer's, the hidden states and logits f*C*V*b; and, the forward
+                 returned and its hidden states gone, the logits and the log-softmax's float32 copies, f*C*V*4 for
+                 float32 logits (logsumexp's shifted copy of the whole batch), 2*C*V*4 for bf16/fp16 (a sequence at
+                 a time: its upcast and logsumexp's shifted copy of that), and at a temperature other than 1 the
+                 logits divided by it, another f*C*V*b (all but the chunked output layer, which divides in place);
+                 a value or reward head has no logits; FSDP2, a sharded scorer (each group's all-gather output kept
+                 until the next group's all-gather, beside the parameters copied out of it): R + 2*l gathered in a
+                 layer's moment (the root group: embeddings, final norm, head, R = (P - L * per layer) * b, and a
+                 layer's parameters and all-gather output, l = per layer * b), R + l in the output layer's, and at
+                 the first layer's all-gather the root group twice with it, 2*R + l beside the embeddings' output
+                 f*T*h*b; none once the forward has returned (the root group resharded). That is the model's own
+                 forward (CUDA, model_fast_paths off, train.exact_gradients, FSDP2, other layouts); a Llama-layout
+                 scorer on a CPU runs the lean pass (models.lean_forward), whose local names hold one layer's
+                 outputs until the next layer rebinds them, the last layer's until the output layer has run: f*T*k*b
+                 held, k = h + 2*i + 4*q + 5*kv + 2*head_dim (x, gate and up, q/k/v fused and roped, the keys/values
+                 with their prompt's, the two attention outputs and their concatenation, rope's cos and sin; q + 2*kv
+                 in place of 2*q + 3*kv where the linear weights exceed 32 MiB and q/k/v run apart) and the attention
+                 masks, then the largest of: a layer's norm output and SwiGLU's two products f*T*(h + 2*i)*b, or
+                 the norm output and the scores, their masked float32 sum and softmax f*H*Q*K*(b + 8) of the larger
+                 attention call (prompts P x P, completions (C - 2) x (T - 1); while f*H*Q*K*4 <= 32 MiB, else
+                 torch's fused kernel); the output layer's input, its norm and logits f*C*(2*h + V)*b; or, the pass
+                 returned, the logits and the log-softmax's copies (and the temperature's) as above
     update       gradients trainable bytes (/W; FSDP2 without train.sync_each_microbatch and with accumulation:
                  whole until the last micro-batch); activations: the lean pass (MemoryInputs.lean_update) m*T*L*a*b
                  and per layer its attention's probabilities, m*H*Q*K*4 (+ b below float32: their cast) for each
@@ -53,9 +59,10 @@ Phases (each = what stays resident across the run + what the phase adds):
                  stages' below with r = m, and per layer SDPA's mask cast from boolean, m*T*T*b (gradient
                  checkpointing: the layer inputs and one layer recomputed); logits and their gradient 2*m*C*V*b and the
                  log-softmax's float32 copies, 2*m*C*V*4 for float32 logits (the gather's and logsumexp's
-                 gradients before they sum), C*V*4 for bf16/fp16 (the chunked output layer on CUDA: two chunks of
-                 at most 256 MiB); FSDP2: two layers' gathered weights; a critic's gradients and activations
-                 beside the policy's
+                 gradients before they sum), 3*C*V*4 for bf16/fp16 (a sequence at a time: the previous one's float32
+                 gradient still bound beside the next's upcast and its difference or exponential; the forward holds
+                 two) (the chunked output layer on CUDA: two chunks of at most 256 MiB); FSDP2: two layers' gathered
+                 weights; a critic's gradients and activations beside the policy's
 
 with a = 2*n*h + 3*q + 2*kv + 4*i (+ q + kv with q/k norms), the elements one token keeps per layer for the
 backward pass (each of the layer's n hidden-size norms' input and output: n = 2, Gemma 3's sandwich n = 4; the
@@ -259,6 +266,8 @@ class MemoryInputs:
     critic: Optional[Shape] = None
     engine_reserve: int = 0
     """Bytes the generation engine reserves for itself (vLLM in-process: gpu_memory_utilization * device)."""
+    temperature: float = 1.0
+    """rollout.temperature: the log-prob scorers divide their logits by it where it is not 1, a copy of them."""
 
 
 @dataclass(frozen=True)
@@ -315,17 +324,25 @@ def _trainable_bytes(x: MemoryInputs) -> int:
     return x.policy.parameters() * x.dtype_bytes
 
 
-def _logits(rows: int, positions: int, vocab: int, b: int, chunked: bool, both_sides: bool) -> dict:
+def _logits(rows: int, positions: int, vocab: int, b: int, chunked: bool, both_sides: bool,
+            scaled: bool = False) -> dict:
     """The output layer's logits (and in the update their gradient) and the log-softmax's float32 working copies:
     float32 logits go through logsumexp whole (its shifted copy is the logits' size; in the backward the gather's
-    and logsumexp's gradients are two more before they sum), lower precisions are upcast a sequence at a time
-    (models.ops)."""
+    and logsumexp's gradients are two more before they sum); lower precisions are upcast a sequence at a time
+    (models.ops): the forward holds a sequence's upcast and logsumexp's shifted copy of it, two sequences' float32
+    logits, the backward three (the previous sequence's float32 gradient, still bound until the next is made,
+    beside the next's upcast and its difference or exponential). `scaled`: the logits divided by a temperature
+    other than 1 before the log-softmax (models.forward.completion_logprobs), a copy in their dtype beside them
+    (the chunked output layer divides each chunk in place)."""
     whole = rows * positions * vocab * b
     if chunked:
         return {"logit_chunks": (2 if both_sides else 1) * min(CHUNK_BYTES, whole)}
+    parts = {"logits": (2 if both_sides else 1) * whole, **({"scaled_logits": whole} if scaled else {})}
     if b >= 4:
-        return {"logits": (2 if both_sides else 1) * whole, "logsumexp_temporaries": (2 if both_sides else 1) * whole}
-    return {"logits": (2 if both_sides else 1) * whole, "logsoftmax_one_sequence": positions * vocab * 4}
+        parts["logsumexp_temporaries"] = (2 if both_sides else 1) * whole
+    else:
+        parts["logsoftmax_one_sequence"] = (3 if both_sides else 2) * positions * vocab * 4
+    return parts
 
 
 def _activations(s: Shape, rows: int, T: int, b: int) -> int:
@@ -383,43 +400,66 @@ def _scoring(x: MemoryInputs, resident: dict) -> Optional[Phase]:
     f, T, C = min(x.forward_batch_size, x.episodes_per_process), x.prompt_tokens + x.new_tokens, x.new_tokens + 1
     best = None
     gathering = x.fsdp and x.world_size > 1
+    scaled = x.temperature != 1.0  # (the log-prob scorers score at the rollout's temperature)
     models = [(sc.name, sc.shape, sc.dtype_bytes, sc.logits, sc.sharded and gathering,
                sc.lean and sc.logits and not (sc.sharded and gathering) and C >= 3) for sc in x.scorers]
     if x.critic is not None:
         models.append(("critic", x.critic, x.dtype_bytes, False, False, False))
     for name, shape, b, logits, gathered, lean in models:
         if lean:  # (completions of at most one read token take the model's own forward)
-            work = _lean_forward(name, shape, b, f, x.prompt_tokens, T, C)
+            work = _lean_forward(name, shape, b, f, x.prompt_tokens, T, C, scaled)
         else:
-            work = _no_grad_forward(name, shape, b, f, T, C if logits else 0, x.chunked_head and b < 4, gathered)
+            work = _no_grad_forward(name, shape, b, f, T, C if logits else 0, x.chunked_head and b < 4, gathered,
+                                    scaled)
         if best is None or sum(work.values()) > sum(best.values()):
             best = work
     return None if best is None else Phase("scoring", {**resident, **best})
 
 
-def _no_grad_forward(name: str, shape: Shape, b: int, f: int, T: int, C: int, chunked: bool, gathered: bool) -> dict:
-    """What one forward without grad of f sequences of T tokens adds: the hidden states in and out of a layer, and
-    the larger of one layer's working set and the output layer's logits at C positions (C = 0: a scalar head, no
-    logits); `gathered`: FSDP2's root shard group and two decoder layers gathered for it."""
-    # the layers' working set is gone before the output layer runs: whichever of the two is larger
-    work = {f"{name}_layer_working_set": f * T * shape.working_elements() * b}
-    if C:
-        head = {f"{name}_{k}": v for k, v in _logits(f, C, shape.vocab, b, chunked, False).items()}
-        work = head if sum(head.values()) > sum(work.values()) else work
-    work = {f"{name}_hidden_states": 2 * f * T * shape.hidden * b, **work}
-    if gathered:  # the root shard group (embeddings, final norm, head) for the whole forward, and two layers
-        work[f"{name}_gathered_weights"] = (shape.parameters() - max(shape.layers - 2, 0)
-                                            * shape.layer_parameters()) * b
-    return work
+def _no_grad_forward(name: str, shape: Shape, b: int, f: int, T: int, C: int, chunked: bool, gathered: bool,
+                     scaled: bool = False) -> dict:
+    """What one forward without grad of f sequences of T tokens adds, at the largest of its moments: a layer's (the
+    hidden states in and out of it, and its working set); the output layer's (the hidden states and the logits at
+    C positions; the chunked output layer: a chunk of them); and, the model's forward returned and its hidden
+    states gone, the logits with the log-softmax's working copies (`_logits`; `scaled`: and the logits divided by
+    the temperature). C = 0: a scalar head, no logits.
+
+    `gathered`: FSDP2 shards the scorer, a group per decoder layer (l = its parameters' bytes) and the root group
+    (embeddings, final norm, head: R bytes). Each forward all-gathers a group into a buffer, copies the parameters
+    out of it and keeps the buffer until the next group's all-gather has run (torch's FSDPParamGroup.
+    wait_for_unshard): a layer runs with R + 2l gathered (the root group, its parameters and its buffer), the output
+    layer with R + l (the last layer's buffer), and the first layer's all-gather finds the root group twice, 2R + l
+    beside the embeddings' output f T h b. The root group is resharded and the last buffer freed when the forward
+    returns, before the log-softmax runs."""
+    hidden = {f"{name}_hidden_states": 2 * f * T * shape.hidden * b}
+    layer = {**hidden, f"{name}_layer_working_set": f * T * shape.working_elements() * b}
+    moments = [layer]
+    head = {}
+    if C and chunked:  # the log-probs of each chunk are made beside the hidden states
+        head = {**hidden, **{f"{name}_{k}": v for k, v in _logits(f, C, shape.vocab, b, True, False).items()}}
+    elif C:
+        head = {**hidden, f"{name}_logits": f * C * shape.vocab * b}
+        moments.append({f"{name}_{k}": v for k, v in _logits(f, C, shape.vocab, b, False, False, scaled).items()})
+    if head:
+        moments.append(head)
+    if gathered:
+        root = (shape.parameters() - shape.layers * shape.layer_parameters()) * b
+        one = shape.layer_parameters() * b
+        layer[f"{name}_gathered_weights"] = root + 2 * one
+        if head:
+            head[f"{name}_gathered_weights"] = root + one
+        moments.append({f"{name}_hidden_states": f * T * shape.hidden * b, f"{name}_gathered_weights": 2 * root + one})
+    return max(moments, key=lambda parts: sum(parts.values()))
 
 
-def _lean_forward(name: str, s: Shape, b: int, f: int, P: int, T: int, C: int) -> dict:
+def _lean_forward(name: str, s: Shape, b: int, f: int, P: int, T: int, C: int, scaled: bool = False) -> dict:
     """What the lean pass (models.lean_forward) adds without grad for f sequences of P prompt and T tokens, C
     positions with logits: the largest of its three moments. Its loop's local names keep one layer's outputs alive
     until the next layer rebinds them, and the last layer's until the output layer has run (f*T*k*b, see the module
     docstring); with them a layer's norm output and SwiGLU's two products or the attention's scores (the previous
     layer's gate and up still held), or the output layer's input, its norm and logits. Once the pass returns only
-    its logits remain, with the log-softmax's working copies (as the model's own forward)."""
+    its logits remain, with the log-softmax's working copies (as the model's own forward; `scaled`: and the logits
+    divided by the temperature)."""
     h, q, kv, i, D = s.hidden, s.q, s.kv, s.intermediate, s.head_dim
     # q/k/v as one product and roped as one (q + 2kv, then q + kv), or three products roped apart (q + 2kv)
     projections = 2 * q + 3 * kv if s.linear_weight_elements() * b <= LEAN_COPY_MAX_BYTES else q + 2 * kv
@@ -434,7 +474,7 @@ def _lean_forward(name: str, s: Shape, b: int, f: int, P: int, T: int, C: int) -
     held[f"{name}_attention_masks"] = masks
     layer = {**held, f"{name}_layer_working_set": f * T * h * b + max(2 * f * T * i * b, scores)}
     head = {**held, f"{name}_head_input": 2 * f * C * h * b, f"{name}_logits": f * C * s.vocab * b}
-    returned = {f"{name}_{k}": v for k, v in _logits(f, C, s.vocab, b, False, False).items()}
+    returned = {f"{name}_{k}": v for k, v in _logits(f, C, s.vocab, b, False, False, scaled).items()}
     return max((layer, head, returned), key=lambda parts: sum(parts.values()))
 
 

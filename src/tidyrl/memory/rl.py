@@ -67,7 +67,7 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
         # (lean_forward.can_run: DDP and FSDP2 wrap the policy, LoRA and gradient checkpointing wrap its modules)
         lean_update=lean(model_config) and plan.world_size == 1 and not cfg.lora.enabled
         and not cfg.train.gradient_checkpointing,
-        scorers=tuple(scorers), critic=critic_shape, engine_reserve=reserve)
+        scorers=tuple(scorers), critic=critic_shape, engine_reserve=reserve, temperature=cfg.rollout.temperature)
 
 
 def _cuda_bytes() -> Optional[int]:
