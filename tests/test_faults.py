@@ -58,7 +58,7 @@ def test_the_first_fault_posted_is_the_one_every_process_names(watch, capsys):
         second.report(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
     assert "tidyrl[2]: error: process 1 failed: ValueError: reward exploded. Every process" in capsys.readouterr().err
     with pytest.raises(Ended):  # a process that read it in its beat ends with it too
-        third._end_on(third.store.get(third.key("fault")).decode())
+        third._end_on(third._fault())
     assert "tidyrl[0]: error: process 1 failed: ValueError: reward exploded" in capsys.readouterr().err
 
 
@@ -105,6 +105,15 @@ def test_where_every_process_waits_the_oldest_work_is_named(watch, capfd, monkey
     assert "process 1 hangs: it has finished no work for 20 s" in capfd.readouterr().err
 
 
+def test_a_failing_process_whose_teardown_hangs_ends_with_its_own_fault(watch, capfd):
+    w1 = watch(1, world=2)
+    w1.report(ValueError("reward exploded"))  # it ends by itself: the others' faults are not its own
+    w1._end_on({"kind": "failed", "message": "process 0 failed: something else"})
+    with pytest.raises(Ended):  # but watchdog_s later it has not ended: a teardown that waits, ended by its watch
+        w1._hang()
+    assert "tidyrl[1]: error: process 1 failed: ValueError: reward exploded. Every process" in capfd.readouterr().err
+
+
 def test_a_silent_process_is_named_and_a_finished_one_is_not(watch, monkeypatch):
     from tidyrl.loops.run import faults
 
@@ -119,7 +128,9 @@ def test_a_silent_process_is_named_and_a_finished_one_is_not(watch, monkeypatch)
     clock[0] += faults.SILENT_S + 1  # process 1 beats no more; process 0 does
     w0._beat()
     w0._check_silent()
-    fault = w0.store.get(w0.key("fault")).decode()
+    fault = w0._fault()
+    assert fault["kind"] == "silent"
+    fault = fault["message"]
     assert fault.startswith(f"process 1 stopped answering {faults.SILENT_S + 1:.0f} s ago, without a word")
     assert "process 2" not in fault
 

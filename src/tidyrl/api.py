@@ -9,6 +9,7 @@ from typing import Sequence
 from tidyrl.config import RL_ALGORITHMS, Config, ConfigError, config_base_dir, load_config
 from tidyrl.loops.run.faults import report_fault, stop_watching
 from tidyrl.loops.run.setup import TrainResult
+from tidyrl.loops.run.steps import TrainingInterrupted
 from tidyrl.run_lock import release_output_dir
 
 LOOPS = {
@@ -54,6 +55,8 @@ def train(config: Config | dict | str | Path, overrides: Sequence[str] = ()) -> 
     loop = importlib.import_module(LOOPS[cfg.algorithm])
     try:
         return loop.run(cfg, config_base_dir(config))
+    except (KeyboardInterrupt, TrainingInterrupted):  # not a fault: every process stops after its step and saves
+        raise
     except BaseException as err:  # several processes: the others end at once with this one's message
         report_fault(err)
         raise

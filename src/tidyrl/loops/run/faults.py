@@ -7,9 +7,9 @@ process on another machine, nor any of it under a launcher that is not torchrun.
 run holds a `FaultWatch`: a thread with its own connection to the launch's key-value store (the TCP store at
 MASTER_ADDR:MASTER_PORT that the process group was formed through), which every `BEAT_S`
 
-- writes this process's beat: a counter, and how long it has gone without finishing a piece of work
-  (`tidyrl.liveness`, which the loops, rollouts, engines and rewards mark);
-- reads the run's fault key: a message another process posted there (`report`, called as a run's exception leaves
+- writes this process's beat: a counter, when it last finished a piece of work and what (`tidyrl.liveness`, which
+  the loops, rollouts, engines and rewards mark), and whether it waits in a collective (`waiting_for_others`);
+- reads the run's fault key: a fault another process posted there (its kind and message) (`report`, called as a run's exception leaves
   `tidyrl.train`) ends this process at once with that message (os._exit: a process waiting in a collective cannot be
   stopped any other way; every file the run writes is flushed line by line or written whole and renamed, so nothing
   written is lost);
@@ -46,7 +46,6 @@ SILENT_S = 20.0
 process is doing; 20x leaves room for a busy host)."""
 SILENT_CHECK_S = 5.0
 """How often the main process reads the other processes' beats."""
-HANG_STACKS = "; each process's threads' stacks follow in its output"
 EXIT_GRACE_S = 2.0
 """How long a process waits, once another has posted its failure, before it ends: the failing one ends first."""
 EXIT_CODE = 3
@@ -57,6 +56,13 @@ _current: Optional["FaultWatch"] = None
 
 BROKEN_COLLECTIVE = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
 """What gloo's and NCCL's errors say when another process of the collective has gone."""
+FAILED, HANGS, SILENT = "failed", "hangs", "silent"
+"""The kinds of fault a process posts: its own exception, a hang, a process that stopped answering."""
+
+
+def broke_collective(err: BaseException) -> bool:
+    """Whether `err` is a collective's error because another process of it has gone."""
+    return any(words in str(err) for words in BROKEN_COLLECTIVE)
 
 
 def message_of(err: BaseException) -> str:
@@ -65,7 +71,7 @@ def message_of(err: BaseException) -> str:
     text = str(err)
     if type(err).__module__.startswith("tidyrl"):
         return text
-    if any(words in text for words in BROKEN_COLLECTIVE):
+    if broke_collective(err):
         text = (f"{text.splitlines()[0] if text else ''} -- another process ended without a word (killed, or the "
                 "host's out-of-memory killer): the launcher's summary names it and its exit status")
     return f"{type(err).__name__}: {text}"
@@ -115,23 +121,28 @@ class FaultWatch:
         """Post this process's fault for the others (the first process to post is the one every process names)."""
         self.failing = True  # from here on this process ends by itself, whatever its watch reads
         message = message_of(err)
-        if any(words in str(err) for words in BROKEN_COLLECTIVE):  # its traceback shows the collective's words only
+        if broke_collective(err):  # its traceback shows the collective's words only
             say(f"error: {message}", err=True, prefix=f"tidyrl[{self.rank}]")
-        if self._post(f"process {self.rank} failed: {message}"):
+        if self._post(FAILED, f"process {self.rank} failed: {message}"):
             return
         try:  # another process failed first: this exception is what its end did to this one (a broken collective)
-            posted = self.store.get(self.key("fault")).decode()
+            posted = self._fault()
         except Exception:
-            posted = ""
-        if posted:
+            posted = None
+        if posted is not None:
             self._exit(posted)
 
-    def _post(self, message: str) -> bool:
-        """Set the fault key unless another process has; True where this message is the run's."""
+    def _post(self, kind: str, message: str) -> bool:
+        """Set the fault key to (`kind`, `message`) unless another process has; True where this fault is the run's."""
+        fault = json.dumps({"kind": kind, "message": message})
         try:
-            return self.store.compare_set(self.key("fault"), "", message).decode() == message
+            return self.store.compare_set(self.key("fault"), "", fault).decode() == fault
         except Exception:  # the store is gone (its host ended): the launcher ends the rest
             return False
+
+    def _fault(self) -> dict:
+        """The fault posted for the run: {"kind": FAILED, HANGS or SILENT, "message": ...}."""
+        return json.loads(self.store.get(self.key("fault")))
 
     def _beat(self) -> None:
         self._beats += 1
@@ -145,7 +156,7 @@ class FaultWatch:
             try:
                 self._beat()
                 if self.store.check([self.key("fault")]):
-                    self._end_on(self.store.get(self.key("fault")).decode())
+                    self._end_on(self._fault())
                 if self.armed and self.watchdog_s and liveness.idle_s() > self.watchdog_s:
                     self._hang()
                 if self.rank == 0 and time.monotonic() - last_silent_check >= SILENT_CHECK_S:
@@ -153,8 +164,9 @@ class FaultWatch:
                     self._check_silent()
             except Exception as err:  # the store is unreachable: its host is gone, and the launcher ends the rest
                 if not self._stop.is_set() and not self.failing:
-                    self._exit(f"the run's key-value store stopped answering ({type(err).__name__}: {err}); "
-                               "the process that held it has ended")
+                    self._exit({"kind": SILENT, "message": f"the run's key-value store stopped answering "
+                                                           f"({type(err).__name__}: {err}); the process that held it "
+                                                           "has ended"})
                 return
 
     def _beats_of_all(self) -> dict[int, dict]:
@@ -174,7 +186,7 @@ class FaultWatch:
             if beat["beat"] != counter:
                 self._seen[rank] = (beat["beat"], now)
             elif rank != self.rank and now - since > SILENT_S:
-                self._post(f"process {rank} stopped answering {now - since:.0f} s ago, without a word (killed? "
+                self._post(SILENT, f"process {rank} stopped answering {now - since:.0f} s ago, without a word (killed? "
                            f"the host's out-of-memory killer, or a lost machine); its last work done: {beat['last']}")
         for rank in set(range(self.world_size)) - set(self._seen):
             self._seen[rank] = (-1, now)
@@ -183,6 +195,8 @@ class FaultWatch:
         """This process has finished no work for watchdog_s: the run hangs. Named: the process that is not waiting
         in a collective (`waiting_for_others`) whose last finished work is the oldest; where every process waits
         (collectives that do not match), the one whose last work is the oldest."""
+        if self.failing:  # this process posted its own fault watchdog_s ago and has not ended: it ends now
+            self._exit(self._fault())
         beats = {r: b for r, b in self._beats_of_all().items() if not b.get("done")}
         when, what = liveness.last()
         beats[self.rank] = {"when": when, "last": what, "waiting": waiting_for_others()}
@@ -191,21 +205,23 @@ class FaultWatch:
         others = "; ".join(f"process {r} " + ("waits in a collective" if beats[r]["waiting"] else
                                               f"last finished {beats[r]['last']}")
                            for r in sorted(beats) if r != hung)
-        self._post(f"process {hung} hangs: it has finished no work for {time.time() - beats[hung]['when']:.0f} s "
-                   f"(train.watchdog_s = {self.watchdog_s:g}); the last it finished: {beats[hung]['last']}"
-                   + (f" ({others})" if others else "") + HANG_STACKS)
-        self._end_on(self.store.get(self.key("fault")).decode())
+        self._post(HANGS, f"process {hung} hangs: it has finished no work for "
+                          f"{time.time() - beats[hung]['when']:.0f} s (train.watchdog_s = {self.watchdog_s:g}); the "
+                          f"last it finished: {beats[hung]['last']}" + (f" ({others})" if others else "")
+                          + "; each process's threads' stacks follow in its output")
+        self._end_on(self._fault())
 
-    def _end_on(self, message: str) -> None:
+    def _end_on(self, fault: dict) -> None:
         if self.failing:
             return  # this process reports its own fault and ends by itself
-        if " failed: " in message:  # the failing process ends first, so the launcher's summary names it as the cause
+        if fault["kind"] == FAILED:  # the failing process ends first, so the launcher's summary names it as the cause
             time.sleep(EXIT_GRACE_S)
-        self._exit(message)
+        self._exit(fault)
 
-    def _exit(self, message: str) -> None:
-        say(f"error: {message.rstrip('.')}. Every process of the run stops.", err=True, prefix=f"tidyrl[{self.rank}]")
-        if message.endswith(HANG_STACKS):
+    def _exit(self, fault: dict) -> None:
+        say(f"error: {fault['message'].rstrip('.')}. Every process of the run stops.", err=True,
+            prefix=f"tidyrl[{self.rank}]")
+        if fault["kind"] == HANGS:
             say("where each thread of this process is:", err=True, prefix=f"tidyrl[{self.rank}]")
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stdout.flush()
@@ -261,8 +277,9 @@ def arm_watchdog() -> None:
 
 def report_fault(err: BaseException) -> None:
     """A run's exception, as it leaves `tidyrl.train`: posted for the other processes, which end with its message.
-    Ctrl-C and SIGTERM are not faults: every process stops after its step and saves (loops.run.steps.StopSignals)."""
-    if _current is not None and not isinstance(err, KeyboardInterrupt) and type(err).__name__ != "TrainingInterrupted":
+    (Ctrl-C and SIGTERM are not faults, and `tidyrl.train` reports neither: every process stops after its step and
+    saves, loops.run.steps.StopSignals.)"""
+    if _current is not None:
         _current.report(err)
 
 
