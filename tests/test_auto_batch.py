@@ -92,6 +92,19 @@ def test_the_budgets_choose_differently(auto_yaml):
     assert small["train.micro_batch_size"] < 8
 
 
+def test_every_process_takes_the_sizes_of_the_smallest_budget_among_them(auto_yaml):
+    from tidyrl.config import load_config
+    from tidyrl.loops.rl.inputs import check_rl_inputs
+
+    def chosen(smallest):
+        cfg = load_config(auto_yaml, ["train.memory_budget=64MiB"])
+        return check_rl_inputs(cfg, str(auto_yaml.parent), 1, smallest=smallest).auto
+
+    alone, least = chosen(None), chosen(lambda budget: 1677722)  # another process has 1.6 MiB only
+    assert alone["budget_bytes"] == 64 * 2**20 and least["budget_bytes"] == 1677722
+    assert least["values"] == auto_plan(auto_yaml, "1677722")[0]["auto_batch_sizes"]["values"] != alone["values"]
+
+
 def test_auto_is_refused_where_it_could_change_the_weights_or_has_no_plan(auto_yaml, tmp_path):
     from tidyrl.config import ConfigError, load_config
 

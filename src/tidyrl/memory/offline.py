@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from tidyrl.algorithms.choices import REFERENCE_FREE_LOSS_TYPES
 from tidyrl.config import Config
 from tidyrl.memory.plan import DTYPE_BYTES, MemoryPlan, OfflineInputs, Shape
-from tidyrl.memory.rl import budget_of, planned
+from tidyrl.memory.rl import budget_of, planned, plans_fsdp2
 from tidyrl.models.devices import WIDTH_MULTIPLE
 
 
@@ -90,10 +90,8 @@ def check_offline_memory(cfg: Config, model_config, items: list, held_out: list,
     not fit the memory a process has (`memory`: a size, 'available', or None: the CUDA device's where the run uses
     one), by how much, and what to change. `fsdp`: whether the policy is sharded with FSDP2 over the plan's
     processes (None: as the launch asks). A model config without the shape keys the formulas need gives no plan."""
-    from tidyrl.models.sharding import launch_sharding
-
     budget, source = budget_of(cfg, memory)
-    fsdp = plan.world_size > 1 and (launch_sharding() == "fsdp2" if fsdp is None else fsdp)
+    fsdp = plans_fsdp2(plan, fsdp)
     tokens, reference_tokens = longest_tokens(cfg.algorithm, items, held_out, cfg.data.max_length)
     try:
         inputs = offline_memory_inputs(cfg, model_config, tokens, reference_tokens, plan,

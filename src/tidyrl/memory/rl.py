@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, ConfigError, is_auto
@@ -93,6 +93,14 @@ def available_host_bytes() -> Optional[int]:
         return None
 
 
+def plans_fsdp2(plan, fsdp: Optional[bool]) -> bool:
+    """Whether the memory plan shards the policy with FSDP2 over the plan's processes: `fsdp` where given
+    (`tidyrl plan --fsdp`), else as the launch asks."""
+    from tidyrl.models.sharding import launch_sharding
+
+    return plan.world_size > 1 and (launch_sharding() == "fsdp2" if fsdp is None else fsdp)
+
+
 def budget_of(cfg: Config, memory: Optional[str]) -> tuple[Optional[int], str]:
     """`memory_budget` of `tidyrl plan --memory` where given, else of train.memory_budget."""
     return memory_budget(memory) if memory else memory_budget(cfg.train.memory_budget, key="train.memory_budget")
@@ -161,7 +169,8 @@ def candidates(name: str, share: int, must_divide: bool) -> list[int]:
 
 
 def resolve_auto(cfg: Config, names: list[str], model_config, prompt_ids: list, plan, critic: Optional[dict], *,
-                 memory: Optional[str], fsdp: bool, exact_chunks: bool, recorded: Optional[dict] = None) -> dict:
+                 memory: Optional[str], fsdp: bool, exact_chunks: bool, recorded: Optional[dict] = None,
+                 smallest: Optional[Callable[[int], int]] = None) -> dict:
     """Set each knob of `names` (those `cfg` set to `auto`: `auto_knobs`) in `cfg` itself, before anything reads it,
     to the largest of its `candidates` whose phase of the memory plan fits the budget (`auto_budget`) less
     AUTO_MARGIN; the smallest where none fits
@@ -169,9 +178,13 @@ def resolve_auto(cfg: Config, names: list[str], model_config, prompt_ids: list, 
     the no-grad chunks must divide each process's episodes (train.exact_gradients). `recorded`: plan.json's
     `auto_batch_sizes` of the run being resumed, whose values are kept where the processes and the budget are the
     same (the host's available memory counts as the same budget: it moves from one start to the next), recomputed
-    (and said so) where not: micro-batching changes no number of the plan. Returns plan.json's `auto_batch_sizes`
-    (the values, the budget and its source, and whether they were recomputed)."""
+    (and said so) where not: micro-batching changes no number of the plan. `smallest`: the least of a number over
+    the run's processes (models.collectives.reduce_min), so that every process takes the same sizes whatever memory
+    each one reads (a host's available memory moves; GPUs may differ). Returns plan.json's `auto_batch_sizes` (the
+    values, the budget and its source, and whether they were recomputed)."""
     budget, source = auto_budget(cfg, memory)
+    if smallest is not None and budget is not None:
+        budget = smallest(budget)
     same = (recorded is not None and recorded.get("world_size") == plan.world_size
             and recorded.get("source") == source
             and (recorded.get("budget_bytes") == budget or source.startswith("the host's available memory")))
@@ -231,10 +244,8 @@ def check_memory(cfg: Config, model_config, prompt_ids: list, plan, critic: Opti
     fit the memory a process has (`memory_budget`), by how much, and what to change. `fsdp`: whether the policy is
     sharded with FSDP2 over the plan's processes (None: as the launch asks). A model config without the
     shape keys the formulas need gives no plan (and says so)."""
-    from tidyrl.models.sharding import launch_sharding
-
     budget, source = budget_of(cfg, memory)
-    fsdp = plan.world_size > 1 and (launch_sharding() == "fsdp2" if fsdp is None else fsdp)
+    fsdp = plans_fsdp2(plan, fsdp)
     try:
         inputs = memory_inputs(cfg, model_config, prompt_ids, plan, critic, cuda=source.startswith("the CUDA"),
                                fsdp=fsdp, device_bytes=budget)

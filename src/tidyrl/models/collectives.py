@@ -21,6 +21,16 @@ def reduce_max(accelerator, value: float) -> float:
     return float(accelerator.reduce(torch.tensor([value], device=accelerator.device), reduction="max").cpu())
 
 
+def reduce_min(accelerator, value: int) -> int:
+    """The smallest of a per-process integer over processes, exactly (int64; e.g. the memory each process has)."""
+    if accelerator.num_processes == 1:
+        return value
+    import torch
+
+    negated = torch.tensor([-value], dtype=torch.int64, device=accelerator.device)
+    return -int(accelerator.reduce(negated, reduction="max").cpu().item())
+
+
 def agree(accelerator, flag: bool) -> bool:
     """True in every process if it is true in any (so that all stop at the same step)."""
     if accelerator.num_processes == 1:

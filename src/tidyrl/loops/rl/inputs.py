@@ -6,7 +6,7 @@ forward each model takes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tidyrl.algorithms.table import ALGORITHMS
 from tidyrl.config import Config, ConfigError
@@ -155,7 +155,8 @@ def check_exact_chunks(cfg: Config, plan) -> None:
 
 
 def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memory: Optional[str] = None,
-                    fsdp: Optional[bool] = None, recorded_auto: Optional[dict] = None) -> RLInputs:
+                    fsdp: Optional[bool] = None, recorded_auto: Optional[dict] = None,
+                    smallest: Optional[Callable[[int], int]] = None) -> RLInputs:
     """Everything an RL run can check before any weights load, in order: the policy and tokenizer exist (at once,
     offline too), the data file reads, every prompt fits the context with max_new_tokens, the plan's sizes
     divide, the reward functions import, the reward models exist, every argument a reward function needs is a
@@ -165,10 +166,10 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
     runs the same checks, so a plan that prints is a run that starts.
 
     The batch-size knobs set to `auto` are resolved here, in `cfg` itself, before anything reads them
-    (`memory.rl.resolve_auto`; `recorded_auto`: plan.json's `auto_batch_sizes` of the run a resume continues)."""
+    (`memory.rl.resolve_auto`; `recorded_auto`: plan.json's `auto_batch_sizes` of the run a resume continues;
+    `smallest`: the least of a number over the run's processes, so that all take the same sizes)."""
     from tidyrl.data import load_rl_prompts, other_columns
-    from tidyrl.memory.rl import auto_knobs, auto_line, check_memory, resolve_auto, set_knob
-    from tidyrl.models.sharding import launch_sharding
+    from tidyrl.memory.rl import auto_knobs, auto_line, check_memory, plans_fsdp2, resolve_auto, set_knob
     from tidyrl.rewards import check_reward_columns
 
     model_config, tokenizer = read_policy(cfg)
@@ -190,10 +191,9 @@ def check_rl_inputs(cfg: Config, base_dir: Optional[str], world_size: int, memor
     plan = plan_from_config(cfg, len(dataset), world_size)
     auto_sizes = None
     if auto:
-        sharded = plan.world_size > 1 and (launch_sharding() == "fsdp2" if fsdp is None else fsdp)
         auto_sizes = resolve_auto(cfg, auto, model_config, [*prompt_ids, *(eval_prompt_ids or [])], plan, critic,
-                                  memory=memory, fsdp=sharded, exact_chunks=cfg.train.exact_gradients,
-                                  recorded=recorded_auto)
+                                  memory=memory, fsdp=plans_fsdp2(plan, fsdp), exact_chunks=cfg.train.exact_gradients,
+                                  recorded=recorded_auto, smallest=smallest)
         plan = plan_from_config(cfg, len(dataset), world_size)
         report = "\n".join(filter(None, [report, auto_line(auto_sizes)]))
     check_exact_chunks(cfg, plan)

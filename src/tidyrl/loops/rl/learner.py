@@ -34,6 +34,7 @@ from tidyrl.loops.rl.advantages import (GROUP_COUNTS, environment_failure, estim
 from tidyrl.loops.rl.update import (Trainee, UpdateSettings, minibatch, optimizer_step, prepare_critic,
                                     weights_for_later_epochs)
 from tidyrl.loops.run.steps import Steps, check_resume, continue_longer, keep_if_best
+from tidyrl.models.collectives import reduce_min
 from tidyrl.models.loading import load_causal_lm, load_policy
 from tidyrl.models.lora import adapter_note
 from tidyrl.models.sharding import is_sharded
@@ -79,7 +80,8 @@ class RLRun:
         # rewards, output folder. No weights are loaded before all of it has passed.
         self.resume_path, self.resumed = check_resume(cfg, self.out, self.accelerator)
         self.inputs = inputs = check_rl_inputs(cfg, base_dir, self.world_size,
-                                               recorded_auto=recorded_auto_sizes(self.out) if self.resumed else None)
+                                               recorded_auto=recorded_auto_sizes(self.out) if self.resumed else None,
+                                               smallest=functools.partial(reduce_min, self.accelerator))
         self.plan, self.tokenizer = inputs.plan, inputs.tokenizer
         self.env_pool = None
         if inputs.environment is not None:

@@ -121,9 +121,9 @@ class FaultWatch:
         """Post this process's fault for the others (the first process to post is the one every process names)."""
         self.failing = True  # from here on this process ends by itself, whatever its watch reads
         message = message_of(err)
-        if broke_collective(err):  # its traceback shows the collective's words only
-            say(f"error: {message}", err=True, prefix=f"tidyrl[{self.rank}]")
         if self._post(FAILED, f"process {self.rank} failed: {message}"):
+            if broke_collective(err):  # no other process said why: its traceback shows the collective's words only
+                say(f"error: {message}", err=True, prefix=f"tidyrl[{self.rank}]")
             return
         try:  # another process failed first: this exception is what its end did to this one (a broken collective)
             posted = self._fault()
