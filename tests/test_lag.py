@@ -135,6 +135,7 @@ def test_each_rollout_is_made_by_the_weights_the_lag_names_and_scored_by_the_lea
     cfg = golden_runs.ppo_reward_model(tmp_path)
     cfg["rollout"]["lag"] = lag
     cfg["train"]["rollouts"] = 4
+    cfg["train"]["memory_probe"] = False  # (its made-up episodes would be scored first: not a rollout's)
     per_rollout = cfg["train"]["epochs_per_rollout"] * cfg["train"]["minibatches_per_epoch"]
     cfg["log"].update({"save_every": per_rollout, "keep_last": 10})
     generated_by, critic_of = {}, []

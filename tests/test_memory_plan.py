@@ -52,6 +52,15 @@ def test_parameters_of_a_llama_layout_by_hand():
     assert Shape.of(SimpleNamespace(**CONFIG)) == SHAPE
 
 
+def test_the_decode_steps_prefill_holds_each_prompts_scores():
+    # g=3 prompts of P=6 tokens, H=2 heads, float32: g P P (H (b + 8) + b) = 3 * 36 * (2 * 12 + 4) = 3024
+    generation = memory_plan(inputs(lean_prefill=True)).phase("generation").parts
+    assert generation["prefill_attention"] == 3024
+    assert generation.keys() - memory_plan(inputs()).phase("generation").parts.keys() == {"prefill_attention"}
+    # bfloat16: the scores in b, their float32 copy and softmax: 3 * 36 * (2 * (2 + 8) + 2) = 2376
+    assert memory_plan(inputs(lean_prefill=True, dtype_bytes=2)).phase("generation").parts["prefill_attention"] == 2376
+
+
 def test_each_phase_by_hand_in_bytes():
     plan = memory_plan(inputs())
     resident = {"policy_weights": 1272 * 4, "optimizer_state": 2 * 1272 * 4, "reference_weights": 1272 * 4}

@@ -46,7 +46,7 @@ RESUMABLE_CHANGES = {
     "resume_from", "overwrite", "output_dir", "extend",
     "rollout.generation_batch_size", "rollout.forward_batch_size",
     "train.micro_batch_size", "train.gradient_checkpointing", "train.sync_each_microbatch",
-    "train.group_by_length", "train.padding_free", "train.watchdog_s", "train.memory_budget",
+    "train.group_by_length", "train.padding_free", "train.watchdog_s", "train.memory_budget", "train.memory_probe",
     "log.progress_bar", "log.save_every", "log.keep_last", "lora.save_merged",
     "environment.max_error_fraction",
     "server.urls", "server.timeout_s", "server.retries", "server.sync_dir", "server.sync_timeout_s",

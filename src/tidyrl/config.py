@@ -303,6 +303,8 @@ class TrainConfig:
     """sft, dpo, kto: each micro-batch as one row of its examples side by side, no padding (positions restart; the model is checked to keep examples apart). null = on where the attention has a varlen kernel (flash_attention_2/3), off otherwise (on CPU, group_by_length is faster: docs/benchmarks.md)."""
     memory_budget: Optional[str] = None
     """The memory one process may use (a size: 24GiB, 800MiB): what `auto` batch sizes must fit and the memory plan is checked against before any weights load. null = the CUDA device's memory where the run uses one, else for `auto` the host's available memory shared among the processes on it (and no check). `tidyrl plan --memory` sets it for a plan."""
+    memory_probe: bool = True
+    """Before the first rollout, run each phase once at its largest shapes (the longest prompt with all of rollout.max_new_tokens: a generation batch, a scoring chunk, an update micro-batch), so that a run that will not fit stops in its first minute with the memory plan's figure beside the measured one. Changes no number of the run; its figures and seconds are printed and written into plan.json (docs/memory.md, "the worst case first")."""
     watchdog_s: float = 900.0
     """Several processes: a process that finishes no piece of work (a generation batch, a reward call, a scoring chunk, a micro-batch, a checkpoint) for this many seconds once the steps have begun hangs, and the run ends on every process, naming it and printing its stacks (docs/runs.md, "When a process fails"). Must exceed the longest such piece. 0 = never (a hang then waits for the collective timeout). A process that fails or dies ends the run within seconds either way."""
 

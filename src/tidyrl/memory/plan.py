@@ -258,6 +258,9 @@ class MemoryInputs:
     accumulation_steps: int = 1
     chunked_head: bool = False
     """The output layer applied in chunks (CUDA, bf16/fp16, a plain causal LM; not under FSDP2)."""
+    lean_prefill: bool = False
+    """The built-in engine prefills with tidyrl's decode step (models.lean_decode: a declared family with
+    model_fast_paths on, not train.exact_gradients), whose attention over each prompt holds its scores whole."""
     lean_update: bool = False
     """The policy's update runs tidyrl's lean pass (models.lean_forward: a Llama layout on a CPU, model_fast_paths
     on, not train.exact_gradients, one process, no LoRA adapter, no gradient checkpointing), not the model's own
@@ -391,6 +394,11 @@ def _generation(x: MemoryInputs, resident: dict) -> Phase:
         parts["gathered_weights"] = s.parameters() * b
     parts["kv_cache"] = 2 * s.layers * s.kv * T * g * b
     parts["sampling_logits"] = g * s.vocab * (b + 4)
+    if x.lean_prefill:
+        # the decode step's prefill (lean_decode.DecodeStep.prefill), every prompt counted as distinct: a layer's
+        # scores, their masked sum and its float32 softmax, g H P P (b + 8), beside the additive mask g P P b
+        P = x.prompt_tokens
+        parts["prefill_attention"] = g * P * P * (s.heads * (b + 8) + b)
     if x.engine_reserve:
         parts["engine_reserve"] = x.engine_reserve
     return Phase("generation", parts)

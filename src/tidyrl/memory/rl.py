@@ -65,6 +65,8 @@ def memory_inputs(cfg: Config, model_config, prompt_ids: list, plan, critic: Opt
         chunked_head=cuda and b < 4 and on_fast_path(model_config)
         and with_overrides(Kernels.of(cfg.kernels)).chunked_head,
         # (lean_forward.can_run: DDP and FSDP2 wrap the policy, LoRA and gradient checkpointing wrap its modules)
+        lean_prefill=cfg.model_fast_paths and not cfg.train.exact_gradients and on_fast_path(model_config)
+        and getattr(getattr(engine, "CAPABILITIES", None), "samples_trained_weights", False),
         lean_update=lean(model_config) and plan.world_size == 1 and not cfg.lora.enabled
         and not cfg.train.gradient_checkpointing,
         scorers=tuple(scorers), critic=critic_shape, engine_reserve=reserve, temperature=cfg.rollout.temperature)

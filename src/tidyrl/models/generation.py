@@ -150,7 +150,11 @@ def generate(
     logprobs = torch.zeros((len(prompts), max_new_tokens))
     for start in range(0, len(prompts), batch_size):
         chunk = slice(start, start + batch_size)
-        with torch.inference_mode():  # less bookkeeping per op than no_grad; only our copies leave the block
+        rows = prompts[chunk]
+        shapes = (f"sequences {start + 1}-{start + len(rows)} of {len(prompts)}: prompts of up to "
+                  f"{max(len(p) for p in rows)} tokens + up to {max_new_tokens} new")
+        # (less bookkeeping per op than no_grad; only our copies leave the block)
+        with liveness.working("generation", shapes), torch.inference_mode():
             c_ids, c_mask, c_logprobs = _generate_chunk(
                 model, prompts[chunk], sample_keys[chunk], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                 pad_id=pad_id, min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -27,6 +27,7 @@ computes it (Hu et al. 2021, eq. 3).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Callable, Optional
@@ -304,7 +305,7 @@ class DecodeStep:
         x = self._embed(ids.reshape(-1))  # (U*Lp, hidden)
         ropes = self._rope_factors(x, positions)
         eye = torch.eye(Lp, dtype=torch.bool, device=ids.device)
-        causal = eye.cumsum(0).bool()  # (Lp queries, Lp keys)
+        causal = torch.ones_like(eye).tril()  # (Lp queries, Lp keys); (a bool cumsum would make an int64 copy)
         biases = {}
         for window in (None, *self.windows):
             allowed = causal if window is None else causal & ~causal.tril(-window)  # query - key < window
@@ -533,3 +534,21 @@ def decode_step_for(model, max_positions: int) -> Optional[DecodeStep]:
         step = _STEPS[model] = DecodeStep(model, max_positions)
         return step
     return step.refresh(max_positions)
+
+
+@contextlib.contextmanager
+def kept_as_is(model):
+    """Around generations that must leave no trace on later ones (the worst-case probe, `loops.rl.probe`): the
+    step kept for `model` and its rope tables are put back as they were (the tables are tabulated up to the
+    longest sequence seen so far, and one tabulated up to another length need not round each position alike)."""
+    model = base_of(model)
+    step = _STEPS.get(model)
+    tables = None if step is None else (step.rope_tables, step.max_positions)
+    try:
+        yield
+    finally:
+        if step is None:
+            _STEPS.pop(model, None)
+        else:
+            _STEPS[model] = step
+            step.rope_tables, step.max_positions = tables

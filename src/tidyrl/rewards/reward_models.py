@@ -130,8 +130,10 @@ class RewardModel:
                     ids, mask = F.pad(ids, (extra, 0), value=filler), F.pad(mask, (extra, 0))
                 positions = (mask.cumsum(-1) - 1).clamp(min=0)
                 self.model.config.pad_token_id = filler  # pooling: the last token that is not `filler`
-                logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                    position_ids=positions.to(device)).logits  # (B, 1)
+                with liveness.working("scoring", f"reward model {self.path}: {ids.shape[0]} rows of {ids.shape[1]} "
+                                      "tokens"):
+                    logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                        position_ids=positions.to(device)).logits  # (B, 1)
                 if k < len(starts):
                     scores += logits[:, 0].float().cpu().tolist()
                 liveness.mark(f"scored chunk {k + 1} of {calls} with reward model {self.path}")

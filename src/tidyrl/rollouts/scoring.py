@@ -29,7 +29,8 @@ def score_logprobs(model, rollout: Rollout, temperature: float, chunk_size: int,
     out = None  # on the model's device: one copy to the host at the end, no synchronisation per chunk
     for idx in chunks(range(len(rollout)), chunk_size):
         part = rollout.select(idx)
-        lp, _ = completion_logprobs(model, *part.sequences, temperature, fast_path=fast_path)
+        with liveness.working("scoring", _shapes(part, idx, rollout)):
+            lp, _ = completion_logprobs(model, *part.sequences, temperature, fast_path=fast_path)
         if out is None:
             out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=lp.device)
         out[idx[0]: idx[-1] + 1, : lp.shape[1]] = lp.float() * to_device(part.completion_mask, lp.device)
@@ -43,12 +44,19 @@ def score_values(critic, rollout: Rollout, chunk_size: int) -> torch.Tensor:
     out = None  # as in score_logprobs: on the critic's device until the end
     for idx in chunks(range(len(rollout)), chunk_size):
         part = rollout.select(idx)
-        v = completion_values(critic, *part.sequences)
+        with liveness.working("scoring", _shapes(part, idx, rollout)):
+            v = completion_values(critic, *part.sequences)
         if out is None:
             out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=v.device)
         out[idx[0]: idx[-1] + 1, : v.shape[1]] = v.float() * to_device(part.completion_mask, v.device)
         liveness.mark(f"valued episodes {idx[0] + 1}-{idx[-1] + 1} of {len(rollout)}")
     return out.cpu() if out is not None else torch.zeros(rollout.completion_ids.shape)
+
+
+def _shapes(part: Rollout, idx, rollout: Rollout) -> str:
+    """A scoring chunk's shapes, in words (`liveness.working`)."""
+    return (f"episodes {idx[0] + 1}-{idx[-1] + 1} of {len(rollout)}: {len(part)} rows of "
+            f"{part.prompt_ids.shape[1]} prompt + {part.completion_ids.shape[1]} completion tokens")
 
 
 @dataclass(frozen=True)

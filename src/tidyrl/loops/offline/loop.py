@@ -270,6 +270,23 @@ class OfflineRun:
 
     def train(self, stage: OfflineStage, model, optimizer, scheduler, tokenizer, plan: OfflinePlan,
               num_examples: int, eval_examples: int = 0, header: Optional[dict] = None):
+        """`_train`; an out-of-memory error ends it with where it struck, the planned and the measured peak, and
+        what to change (`loops.run.out_of_memory`)."""
+        from tidyrl.loops.run.out_of_memory import out_of_memory
+        from tidyrl.models.peak_memory import is_out_of_memory
+
+        try:
+            return self._train(stage, model, optimizer, scheduler, tokenizer, plan, num_examples, eval_examples,
+                               header)
+        except BaseException as err:
+            if not is_out_of_memory(err):
+                raise
+            phases = (header or {}).get("memory", {}).get("per_process_bytes")
+            raise out_of_memory(err, self.cfg, phases and {k: v["total"] for k, v in phases.items()},
+                                self.accelerator.device, self.out, self.rank) from err
+
+    def _train(self, stage: OfflineStage, model, optimizer, scheduler, tokenizer, plan: OfflinePlan,
+               num_examples: int, eval_examples: int = 0, header: Optional[dict] = None):
         """The loop (DESIGN §2), from step 0 or the resumed checkpoint's step to the plan's last:
 
             for step: the next B examples of the stream (each dataset epoch a fresh shuffle by seed)
@@ -370,7 +387,9 @@ class OfflineRun:
         for k, idx in enumerate(parts):
             last = k == len(parts) - 1
             sync = exact.micro_batch_sync(last) if exact is not None else cfg.train.sync_each_microbatch or last
-            with no_sync(acc, [model], sync):
+            shapes = (f"micro-batch {k + 1} of {len(parts)} of optimizer step {step}: {len(idx)} examples of up to "
+                      f"{max(stage.length(i) for i in idx)} tokens")
+            with liveness.working("update", shapes), no_sync(acc, [model], sync):
                 loss, values = stage.micro_batch(idx)
                 acc.backward(loss if exact is not None else loss * self.world_size)
             if exact is not None:  # this micro-batch's gradient onto the grid (no floating-point sum across them)

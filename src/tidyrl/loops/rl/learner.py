@@ -190,16 +190,46 @@ class RLRun:
         self.update_settings = UpdateSettings.of_run(cfg, self.algo, self.spec, self.correction)
 
     def run(self) -> TrainResult:
+        """The loop (`_run`); an out-of-memory error ends it with where it struck, the planned and the measured
+        peak, and what to change (`loops.run.out_of_memory`)."""
+        from tidyrl.loops.run.out_of_memory import out_of_memory
+        from tidyrl.models.peak_memory import is_out_of_memory
+
+        self.probing = False
+        try:
+            return self._run()
+        except BaseException as err:
+            if not is_out_of_memory(err):
+                raise
+            memory = self.inputs.memory
+            raise out_of_memory(err, self.cfg, memory and {p.name: p.total for p in memory.phases},
+                                self.accelerator.device, self.out, self.rank, probing=self.probing,
+                                share=self.plan.episodes_per_rollout_per_process) from err
+
+    def _probe(self) -> Optional[dict]:
+        """train.memory_probe: each phase once at its largest shapes, before the first rollout (`loops.rl.probe`)."""
+        from tidyrl.loops.rl.probe import probe_line, run_probe
+
+        if not self.cfg.train.memory_probe:
+            return None
+        self.probing = True
+        probe = run_probe(self)
+        self.probing = False
+        self._say(probe_line(probe))
+        return probe
+
+    def _run(self) -> TrainResult:
         from tidyrl.metrics import STEP_METRICS
 
         self._load_models()
         cfg, plan = self.cfg, self.plan
+        probe = self._probe()
         per_rollout = plan.optimizer_steps_per_rollout
         step, elapsed, self.first_reward, unfinished = 0, 0.0, None, None
+        extras = plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids, self.inputs.memory,
+                             self.inputs.paths, self.inputs.auto)
         write_run_header(cfg, plan, self.out, self.accelerator,
-                         plan_extras(cfg, plan, self.inputs.critic, self.inputs.eval_prompt_ids, self.inputs.memory,
-                                     self.inputs.paths, self.inputs.auto),
-                         resumed=self.resumed is not None)
+                         {**extras, **({"memory_probe": probe} if probe else {})}, resumed=self.resumed is not None)
         if self.resumed is not None:
             step, elapsed, self.first_reward, unfinished, made_ahead = restore_run(
                 self.resumed, accelerator=self.accelerator, out=self.out, trainee=self.trainee, state=self.state,

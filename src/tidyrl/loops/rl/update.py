@@ -123,7 +123,10 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
     for i, idx in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = exact.micro_batch_sync(last) if exact is not None else settings.sync_each_microbatch or last
-        with no_sync(accelerator, models, sync):  # the last micro-batch synchronises (DESIGN §2)
+        shapes = (f"micro-batch {i + 1} of {len(micro_batches)} of optimizer step {step}: {len(idx)} episodes of up "
+                  f"to {rollout.prompt_ids.shape[1]} prompt + {rollout.completion_ids.shape[1]} completion tokens")
+        # (the last micro-batch synchronises, DESIGN §2)
+        with liveness.working("update", shapes), no_sync(accelerator, models, sync):
             peak = _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator, sums, peak,
                                 trainer_logprobs, in_update_weights)
         if exact is not None:  # this micro-batch's gradient onto the grid (no floating-point sum across them)
