@@ -55,6 +55,8 @@ def test_grpo_run_writes_every_output_with_exact_counts(tiny_model_dir, prompt_f
     plan = json.loads((out / "plan.json").read_text())
     memory = plan.pop("memory")  # the memory plan (tests/test_memory_plan.py holds its numbers)
     assert memory["peak_phase"] in ("generation", "scoring", "update") and memory["peak_bytes"] > 0
+    probe = plan.pop("memory_probe")  # the worst case first (tests/test_memory_probe.py)
+    assert set(probe["phases"]) == {"generation", "scoring", "update"} and probe["seconds"] >= 0
     # R = 4*4 = 16; E*M = 4 steps per rollout; 3 rollouts -> 12 steps, 48 episodes; accumulation 16/(2*1*2) = 4.
     assert plan == {**make_plan(prompts_per_rollout=4, samples_per_prompt=4, epochs_per_rollout=2,
                                 minibatches_per_epoch=2, micro_batch_size=2, rollouts=3, num_prompts=10,
