@@ -46,7 +46,8 @@ the phase's start above the imports', which also holds the tokenizer, data and r
 - `--smollm2 MODEL`: examples/smollm2's arithmetic task (prepare.py) in float32; GRPO with a KL reference (0.05,
   so that the reference's scoring runs), 2 rollouts of 2 prompts x 4 samples of up to 32 new tokens, one optimizer
   step each over micro-batches of 4, at the example's temperature 0.7 and at 1.0; SFT on 24 worked answers, 3
-  steps of 8 in micro-batches of 4.
+  steps of 8 in micro-batches of 4; and the same GRPO with all three batch sizes `auto` under two budgets
+  (train.memory_budget 2600MiB and 3GiB; AUTO_BUDGETS), the sizes chosen printed below its phases.
 
 The ratio measured / predicted is printed; the target is 0.85-1.15 (docs/memory.md has the figures). What moves it
 from machine to machine: which kernels the CPU runs and their scratch buffers.
@@ -242,6 +243,8 @@ OFFLINE_VARIANTS = ("float32", "bfloat16", "lora", "fsdp2")
 2 gloo processes (float32)."""
 FSDP_YAML = Path(__file__).resolve().parent.parent / "examples" / "accelerate" / "fsdp.yaml"
 RESIDENT = ("policy_weights", "optimizer_state", "reference_weights")
+AUTO_BUDGETS = ("2600MiB", "3GiB")
+"""`--smollm2`: the train.memory_budget of the two GRPO runs whose batch sizes are all `auto`."""
 
 
 SHAPES = ("256 4 8000 4 32 96", "256 8 2000 8 32 96", "512 2 16000 2 32 160", "576 30 49152 4 64 128",
@@ -335,14 +338,21 @@ def write_smollm2(folder: Path, model: Path) -> list[tuple[str, Path]]:
             "grpo": {"kl_coef": 0.05},
             "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 4, "max_new_tokens": 32,
                         "temperature": 0.7, "generation_batch_size": 8, "forward_batch_size": 4},
-            "train": {"rollouts": 2, "micro_batch_size": 4, "learning_rate": 1e-5}, "log": log}
+            # (no worst-case probe: the phases measured are the run's own, their second calls)
+            "train": {"rollouts": 2, "micro_batch_size": 4, "learning_rate": 1e-5, "memory_probe": False},
+            "log": log}
     sft = {"algorithm": "sft", "model": str(model), "seed": 0, "overwrite": True,
            "data": {"path": str(folder / "sft.jsonl")},
            "train": {"batch_size": 8, "micro_batch_size": 4, "dataset_epochs": 1, "learning_rate": 2e-5}, "log": log}
     # the same GRPO at temperature 1: the scoring's log-softmax reads the logits as they are, not a scaled copy
     plain = {**grpo, "rollout": {**grpo["rollout"], "temperature": 1.0}}
+    # every batch size `auto` under two budgets (the resident weights, moments and reference are ~2.2 GiB)
+    auto = [(f"grpo-auto-{budget}", {**grpo, "rollout": {**grpo["rollout"], "generation_batch_size": "auto",
+                                                          "forward_batch_size": "auto"},
+                                     "train": {**grpo["train"], "micro_batch_size": "auto",
+                                               "memory_budget": budget}}) for budget in AUTO_BUDGETS]
     configs = []
-    for name, cfg in (("grpo", grpo), ("grpo-temperature-1", plain), ("sft", sft)):
+    for name, cfg in (("grpo", grpo), ("grpo-temperature-1", plain), ("sft", sft), *auto):
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
         configs.append((name, folder / f"{name}.yaml"))
     return configs
@@ -459,6 +469,12 @@ def runs_of_tidyrl_train(args, env: dict) -> None:
             for name, config in write_smollm2(folder, Path(args.smollm2).resolve()):
                 measured, plan = run_phases(config, 1, folder, env)
                 print_phases(f"SmolLM2-135M {name}", measured, plan)
+                if "auto" in name:
+                    import json
+
+                    chosen = json.loads((folder / f"run-{config.stem}" / "plan.json").read_text())["auto_batch_sizes"]
+                    print(f"{'':36} auto: " + ", ".join(f"{k}={v}" for k, v in chosen["values"].items())
+                          + f" (fits {chosen['fits']})", flush=True)
 
 
 if __name__ == "__main__":

@@ -494,10 +494,11 @@ def test_a_bf16_grpo_run_scores_and_trains_through_the_chunked_head(monkeypatch,
 
     monkeypatch.setattr(forward, "head_logprobs", chunked_head.head_logprobs)
     chunked = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "chunked", lora)
-    # the reference model's scoring of 8 episodes in chunks of 4 (no grad), then 2 epochs x 2 micro-batches
-    assert calls == [False, False, True, True, True, True], calls
+    # the worst-case probe's reference chunk (no grad) and micro-batch; then the reference model's scoring of 8
+    # episodes in chunks of 4 (no grad), then 2 epochs x 2 micro-batches
+    assert calls == [False, True] + [False, False, True, True, True, True], calls
     whole = bf16_grpo_metrics(tiny_model_dir, prompt_file, tmp_path / "whole", lora, kernels={"chunked_head": False})
-    assert len(calls) == 6 and len(chunked) == len(whole) == 2  # kernels.chunked_head: false: the whole logits
+    assert len(calls) == 8 and len(chunked) == len(whole) == 2  # kernels.chunked_head: false: the whole logits
     for run, on in (("chunked", True), ("whole", False)):  # the choice is in the run's config.yaml
         assert yaml.safe_load((tmp_path / run / "config.yaml").read_text())["kernels"]["chunked_head"] is on
     for got, want in zip(chunked, whole):  # (step 2: after an update whose gradients differ by bf16 units)
