@@ -227,14 +227,14 @@ def test_an_out_of_memory_error_in_an_offline_stage_says_where(tiny_model_dir, t
     data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"{w}:", "completion": w[::-1]} for w in WORDS])
     calls, micro = [], sft.SFTStage.micro_batch
 
-    def fails_in_the_fifth(self, idx):
+    def fails_in_the_sixth(self, idx):
         calls.append(idx)
-        if len(calls) == 5:  # step 3's first micro-batch (two a step)
+        if len(calls) == 6:  # the worst-case probe's micro-batch, then two a step: step 3's first
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
                                "memory: you tried to allocate 1027587136 bytes. Error code 12 (Cannot allocate memory)")
         return micro(self, idx)
 
-    monkeypatch.setattr(sft.SFTStage, "micro_batch", fails_in_the_fifth)
+    monkeypatch.setattr(sft.SFTStage, "micro_batch", fails_in_the_sixth)
     out = tmp_path / "run"
     with pytest.raises(OutOfMemory) as caught:
         train(sft_config(tiny_model_dir, data, out, log={"save_every": 1, "progress_bar": False}))
@@ -245,6 +245,9 @@ def test_an_out_of_memory_error_in_an_offline_stage_says_where(tiny_model_dir, t
     # (auto is for the RL stages)
     assert "Lower train.micro_batch_size (now 2), or set train.gradient_checkpointing: true" in message
     assert f"The last good checkpoint is {out / 'checkpoint-2'} (resume_from=latest)." in message
+    # the probe's micro-batch: the 2 longest examples (the reversed words after "word:", the stage's lengths)
+    longest = sorted(WORDS, key=len, reverse=True)[:2]
+    assert sorted(len(WORDS[i]) for i in calls[0]) == sorted(len(w) for w in longest)
 
 
 def test_other_errors_are_not_out_of_memory():

@@ -275,6 +275,7 @@ class OfflineRun:
         from tidyrl.loops.run.out_of_memory import out_of_memory
         from tidyrl.models.peak_memory import is_out_of_memory
 
+        self.probing = False
         try:
             return self._train(stage, model, optimizer, scheduler, tokenizer, plan, num_examples, eval_examples,
                                header)
@@ -283,7 +284,7 @@ class OfflineRun:
                 raise
             phases = (header or {}).get("memory", {}).get("per_process_bytes")
             raise out_of_memory(err, self.cfg, phases and {k: v["total"] for k, v in phases.items()},
-                                self.accelerator.device, self.out, self.rank) from err
+                                self.accelerator.device, self.out, self.rank, probing=self.probing) from err
 
     def _train(self, stage: OfflineStage, model, optimizer, scheduler, tokenizer, plan: OfflinePlan,
                num_examples: int, eval_examples: int = 0, header: Optional[dict] = None):
@@ -308,12 +309,14 @@ class OfflineRun:
         from tidyrl.metrics import format_offline_summary
 
         cfg, acc = self.cfg, self.accelerator
+        probe = self._probe(stage, model, optimizer, plan, num_examples, header)
         step, first, self.best = (self._resume(model, optimizer, scheduler, plan) if self.resumed is not None
                                   else (0, {}, None))
         if self.resumed is None:
             self.start = time.perf_counter()
         write_run_header(cfg, plan, self.out, acc,
-                         {**({"eval_examples": eval_examples} if eval_examples else {}), **(header or {})},
+                         {**({"eval_examples": eval_examples} if eval_examples else {}), **(header or {}),
+                          **({"memory_probe": probe} if probe else {})},
                          resumed=self.resumed is not None)
         stream = PromptStream(num_examples, cfg.seed)
         eval_every = cfg.log.eval_every
@@ -363,6 +366,53 @@ class OfflineRun:
             truncate_jsonl(self.out / "metrics.jsonl", lambda row: row["step"] <= step)
         acc.wait_for_everyone()
         return step, first, state.get("best")
+
+    def _probe(self, stage: OfflineStage, model, optimizer, plan: OfflinePlan, num_examples: int,
+               header: Optional[dict]) -> Optional[dict]:
+        """train.memory_probe: before the first step, the update's worst case once: the global batch of the
+        longest examples begun (`stage.begin_step`: its normalisers, KTO's reference point) and a micro-batch of
+        the m longest, forward and backward, with a later micro-batch's company (`worst_case.later_micro_batch`;
+        under FSDP2 with accumulation a first micro-batch runs before it), no collective of the gradients under DDP,
+        no optimizer step, no trace (`worst_case.no_trace`). Returns plan.json's `memory_probe`, or None."""
+        from types import SimpleNamespace
+
+        from tidyrl.loops.run.exact_sums import exact_accumulator
+        from tidyrl.loops.run.steps import no_sync
+        from tidyrl.loops.run.worst_case import figures, later_micro_batch, no_trace, probe_line
+        from tidyrl.models import peak_memory
+        from tidyrl.models.sharding import is_root_sharded
+
+        if not self.cfg.train.memory_probe:
+            return None
+        self.probing = True
+        order = sorted(range(num_examples), key=lambda i: (-stage.length(i), i))  # the same on every process
+        batch, idx = order[: plan.batch_size], order[: plan.micro_batch_size]
+        phase = ((header or {}).get("memory") or {}).get("per_process_bytes", {}).get("update")
+        planned = phase and SimpleNamespace(total=phase["total"], parts={k: v for k, v in phase.items()
+                                                                         if k != "total"})
+        sharded, steps = is_root_sharded(model), plan.gradient_accumulation_steps
+        shapes = f"{len(idx)} examples of up to {stage.length(idx[0])} tokens"
+        t0 = time.perf_counter()
+        fresh = not optimizer.state
+        with no_trace([model]), peak_memory.measured(self.accelerator.device) as got:
+            model.train()
+            stage.begin_step(batch)
+            exact = exact_accumulator([model]) if self.cfg.train.exact_gradients else None  # (resident in a step)
+            with later_micro_batch([(model, optimizer)], steps > 1, sharded):
+                for i in range(2 if sharded and steps > 1 else 1):
+                    last = i == steps - 1
+                    sync = sharded and (exact.micro_batch_sync(last) if exact is not None
+                                        else self.cfg.train.sync_each_microbatch or last)
+                    with liveness.working("update", f"the worst-case probe: {shapes}"), \
+                            no_sync(self.accelerator, [model], sync):
+                        loss, _ = stage.micro_batch(idx)
+                        self.accelerator.backward(loss)
+            del exact
+        probe = {"phases": {"update": figures(shapes, got[0], planned, fresh)},
+                 "seconds": round(time.perf_counter() - t0, 3)}
+        self.probing = False
+        self.say([probe_line(probe, "the first step")])
+        return probe
 
     def _step(self, stage: OfflineStage, model, optimizer, scheduler, plan: OfflinePlan, batch: list, step: int
               ) -> dict:

@@ -208,10 +208,11 @@ class RLRun:
 
     def _probe(self) -> Optional[dict]:
         """train.memory_probe: each phase once at its largest shapes, before the first rollout (`loops.rl.probe`)."""
-        from tidyrl.loops.rl.probe import probe_line, run_probe
-
         if not self.cfg.train.memory_probe:
             return None
+        from tidyrl.loops.rl.probe import run_probe
+        from tidyrl.loops.run.worst_case import probe_line
+
         self.probing = True
         probe = run_probe(self)
         self.probing = False
