@@ -51,6 +51,7 @@ def test_dpo_run_counts_and_raises_the_margin(tiny_model_dir, pairs_file, tmp_pa
     # N = 12 pairs, B = 4, 2 epochs: 6 steps, 24 pairs.
     plan = json.loads((out / "plan.json").read_text())
     assert set(plan.pop("memory")["per_process_bytes"]) == {"scoring", "update"}  # tests/test_memory_plan.py
+    assert set(plan.pop("memory_probe")["phases"]) == {"update"}  # the worst case first (test_memory_probe.py)
     assert plan == make_offline_plan(batch_size=4, micro_batch_size=2, dataset_epochs=2.0, num_examples=12).to_dict() | {
         "reference": "scored once before training, cached",
         "reference_sequences": 24, "reference_forward_passes": 6}  # 12 pairs in chunks of m = 2

@@ -257,3 +257,37 @@ def test_other_errors_are_not_out_of_memory():
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("DefaultCPUAllocator: can't allocate memory"))  # (only the allocator's)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_the_probe_changes_no_number_on_two_processes(sharding, tiny_model_dir, long_prompt_file, tmp_path):
+    """Under DDP (the probe's micro-batch keeps its gradient local) and FSDP2 (its generation gathers the weights,
+    its scoring and its two micro-batches run the collectives every process runs): the same weights and metrics
+    with and without the probe, on 2 gloo processes."""
+    import yaml
+    from safetensors.torch import load_file
+    from test_faults import FSDP_YAML
+
+    from conftest import free_port, gloo_cpu_env
+
+    got = {}
+    for probe in (True, False):
+        out = tmp_path / f"probe-{probe}"
+        cfg = grpo_config(tiny_model_dir, long_prompt_file, out, rollouts=2, grpo={"kl_coef": 0.05},
+                          train={"micro_batch_size": 1, "memory_probe": probe})
+        cfg["rewards"] = [{"function": "tidyrl.demo:anagram_reward"}]
+        path = tmp_path / f"probe-{probe}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        launcher = (["-m", "accelerate.commands.launch", "--config_file", str(FSDP_YAML), "--num_processes", "2",
+                     "--main_process_port", str(free_port())] if sharding == "fsdp2" else
+                    ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())])
+        done = subprocess.run([sys.executable, *launcher, "-m", "tidyrl", "train", str(path)], capture_output=True,
+                              text=True, timeout=300, env=gloo_cpu_env())
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("memory probe: the worst case" in done.stdout) is probe
+        rows = [{k: v for k, v in r.items() if not k.startswith("time")} for r in read_jsonl(out / "metrics.jsonl")]
+        got[probe] = rows, load_file(next((out / "final").glob("*.safetensors")))
+    (rows, weights), (rows0, weights0) = got[True], got[False]
+    assert rows == rows0
+    assert all(torch.equal(weights[k], weights0[k]) for k in weights0)

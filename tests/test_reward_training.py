@@ -68,6 +68,7 @@ def test_reward_model_learns_a_separable_preference(tiny_model_dir, tmp_path):
     # N = 32 pairs, B = 8, 3 epochs: 12 steps, 96 pairs; accumulation 8 / 4 = 2.
     plan = json.loads((out / "plan.json").read_text())
     assert "score_logits" in plan.pop("memory")["per_process_bytes"]["update"]  # a score head, no vocabulary
+    assert set(plan.pop("memory_probe")["phases"]) == {"update"}  # the worst case first (test_memory_probe.py)
     assert plan == make_offline_plan(batch_size=8, micro_batch_size=4, dataset_epochs=3.0, num_examples=32,
                                      warmup_steps=2).to_dict()
     rows = read_jsonl(out / "metrics.jsonl")

@@ -276,7 +276,8 @@ def test_a_nan_loss_stops_an_offline_stage_before_the_update(tmp_path, tiny_mode
     def poisoned(*args, **kwargs):
         calls.append(1)
         loss = real(*args, **kwargs)
-        return loss * float("nan") if len(calls) > 4 else loss  # 2 micro-batches a step: NaN from step 3
+        # the worst-case probe's micro-batch, then 2 a step: NaN from step 3
+        return loss * float("nan") if len(calls) > 5 else loss
 
     monkeypatch.setattr(sft, "sft_loss", poisoned)
     data = tmp_path / "sft.jsonl"

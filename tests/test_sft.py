@@ -50,6 +50,7 @@ def test_sft_run_writes_exact_counts_and_lowers_the_loss(tiny_model_dir, sft_fil
     # N = 10, B = 4, 3 epochs: ceil(30 / 4) = 8 steps, 32 examples; accumulation 4 / (1 * 2) = 2.
     plan = json.loads((out / "plan.json").read_text())
     assert plan.pop("memory")["peak_phase"] == "update"  # the memory plan (tests/test_memory_plan.py)
+    assert set(plan.pop("memory_probe")["phases"]) == {"update"}  # the worst case first (test_memory_probe.py)
     assert plan == make_offline_plan(batch_size=4, micro_batch_size=2, dataset_epochs=3.0, num_examples=10,
                                      warmup_steps=1).to_dict()
     assert (plan["total_optimizer_steps"], plan["total_examples"], plan["gradient_accumulation_steps"]) == (8, 32, 2)
