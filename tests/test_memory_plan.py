@@ -170,6 +170,30 @@ def test_fsdp_shards_the_policy_and_whole_gradients_wait_for_the_last_microbatch
     assert held.phase("update").parts["gradients"] == 5088  # no_sync keeps them unsharded (Transformers #29425)
 
 
+def test_a_backward_that_accumulates_makes_the_vocabularys_gradients_fresh_beside_the_accumulated_ones():
+    # one micro-batch per step: its backward's gradients become the accumulated ones, nothing beside them
+    assert "fresh_gradients" not in memory_plan(inputs(accumulation_steps=1)).phase("update").parts
+    # four: the output layer's gradient made fresh, V h b = 10 * 8 * 4 = 320, while the activations are alive; tied,
+    # three of it at the backward's end (960), which the alive parts (20480 + 2016 + 800 + 800) outweigh
+    assert memory_plan(inputs(accumulation_steps=4)).phase("update").parts["fresh_gradients"] == 320
+    # h = 64, V = 1000, one episode a micro-batch: V h b = 256000; the activations 46080, attention 1008, logits and
+    # their log-softmax copies 2 * 40000 are gone when the embeddings' gradient is made beside the output layer's held
+    # one and their sum, 3 * 256000 = 768000 in all: 768000 - 127088 beyond them
+    wide = Shape.of({**CONFIG, "hidden_size": 64, "head_dim": 32, "vocab_size": 1000})
+    one_each = inputs(policy=wide, micro_batch_size=1, accumulation_steps=8, scorers=())
+    parts = memory_plan(one_each).phase("update").parts
+    assert (parts["activations"], parts["attention"], parts["logits"], parts["logsumexp_temporaries"]) == \
+        (46080, 1008, 40000, 40000)
+    assert parts["fresh_gradients"] == 3 * 256000 - 127088 == 640912
+    # untied: one at a time, V h b
+    untied = memory_plan(replace(one_each, policy=replace(wide, tied=False))).phase("update").parts
+    assert untied["fresh_gradients"] == 256000
+    # LoRA trains neither the output layer nor the embeddings
+    assert "fresh_gradients" not in memory_plan(replace(one_each, lora_r=2)).phase("update").parts
+    # the offline stages alike: sft in two micro-batches of the shape above (tied, the alive parts outweigh 960)
+    assert memory_plan(offline("sft", accumulation_steps=2)).phase("update").parts["fresh_gradients"] == 320
+
+
 def test_lora_trains_float32_adapters_only():
     update = memory_plan(inputs(lora_r=2, scorers=())).phase("update").parts
     assert (update["policy_weights"], update["optimizer_state"], update["gradients"]) == (5088, 2 * 512 * 4, 512 * 4)
@@ -626,3 +650,44 @@ def test_the_offline_update_prediction_counts_the_tensors_the_models_own_forward
     assert update["policy_weights"] == sum(p.numel() * 4 for p in model.parameters())
     predicted = update["activations"] + (update["logits"] // 2 if stage == "sft" else 0)
     assert 0.90 <= saved / predicted <= 1.0, (saved, predicted)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_a_mixture_of_experts_counts_every_experts_weights_and_the_active_experts_activations(family):
+    """Every expert's weights, gradients and AdamW moments exactly (the plan's parameters against the model's own,
+    a dense layer among the sparse ones for Qwen3-MoE), and what autograd saves for one micro-batch through the lean
+    pass against the predicted activations, attention and one side of the logits: k experts' inputs, outputs and
+    SwiGLU's tensors per token in each sparse layer, with the router's logits and softmax (measured 1.07x and
+    1.08x: the lean pass's q/k/v weights, copied into one, are saved and not counted; the peak is 0.96-1.11x of
+    the plan's in benchmarks/bench_memory_plan.py --family qwen3_moe)."""
+    import transformers
+
+    from tidyrl.models.forward import completion_logprobs
+    from tidyrl.models.tiny import build_tiny_moe
+
+    torch.manual_seed(0)
+    h, L, V, m, P, C, E, k, i_e = 128, 3, 500, 2, 16, 48, 8, 2, 96
+    model = build_tiny_moe(family, V, hidden_size=h, num_layers=L, num_heads=4, num_kv_heads=2, num_experts=E,
+                           experts_per_token=k, expert_size=i_e)
+    if family == "qwen3_moe":  # the first layer dense, of intermediate size 160
+        cfg = {**model.config.to_dict(), "mlp_only_layers": [0], "intermediate_size": 160}
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**cfg))
+    shape = Shape.of(model.config.to_dict())
+    assert (shape.experts, shape.experts_per_token, shape.expert_size) == (E, k, i_e)
+    assert shape.sparse_layers == (2 if family == "qwen3_moe" else 3)
+    assert shape.parameters() == sum(p.numel() for p in model.parameters())
+    # by hand: attention 2 x 128 x 128 + 2 x 128 x 64 (q, o; k, v of 2 kv heads of 32), q/k norms (per head: 2 x 32;
+    # over the projection: 128 + 64), 2 norms; a sparse MLP 8 experts x 3 x 128 x 96 + the router's 8 x 128
+    attention = 2 * 128 * 128 + 2 * 128 * 64 + (2 * 32 if family == "qwen3_moe" else 128 + 64) + 2 * 128
+    sparse = 8 * 3 * 128 * 96 + 8 * 128
+    dense = 3 * 128 * 160 if family == "qwen3_moe" else sparse
+    assert shape.parameters() - 2 * V * h - h == 3 * attention + 2 * sparse + dense
+    prompt, completion = torch.randint(0, V, (m, P)), torch.randint(0, V, (m, C))
+    (logprobs, _), saved = _saved_bytes(lambda: completion_logprobs(
+        model, prompt, torch.ones_like(prompt), completion, torch.ones_like(completion), 1.0), model)
+    x = MemoryInputs(policy=shape, dtype_bytes=4, prompt_tokens=P, new_tokens=C, generation_batch_size=m,
+                     forward_batch_size=m, micro_batch_size=m, episodes_per_process=m, lean_update=True)
+    update = memory_plan(x).phase("update").parts
+    assert update["gradients"] == update["policy_weights"] == 4 * sum(p.numel() for p in model.parameters())
+    predicted = update["activations"] + update["attention"] + update["logits"] // 2
+    assert 0.85 <= saved / predicted <= 1.15, (saved, predicted)

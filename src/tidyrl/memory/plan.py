@@ -17,6 +17,12 @@ Parameters of a Llama-layout decoder (Llama, Qwen2/3, Mistral; other causal LMs 
     total      = V*h (embeddings) + L * per layer + h (final norm) + V*h (output layer, unless tied)
                  (a sequence classifier's head is num_labels*h instead of V*h)
     LoRA       = r * (in + out) per adapted linear layer (every one of q,k,v,o,gate,up,down by default), float32
+    MoE        a mixture-of-experts layer (Qwen3-MoE, OLMoE: the S sparse layers of `Shape.sparse_layers`) has E
+               experts of size i_e and a router in place of the dense MLP: E * (3*h*i_e + h); each token is sent
+               to k experts, and keeps for the backward pass, per expert, its gathered input and weighted output
+               and the expert's 4*i_e (k * (2*h + 4*i_e)), with the router's logits and float32 softmax (2*E), in
+               place of the dense MLP's 4*i; without grad its working set is k * (2*h + 3*i_e) + 2*E; LoRA's
+               gate/up/down names adapt no expert (the experts are stacked parameters, not linear layers)
 
 Phases (each = what stays resident across the run + what the phase adds):
 
@@ -62,7 +68,11 @@ Phases (each = what stays resident across the run + what the phase adds):
                  gradients before they sum), 3*C*V*4 for bf16/fp16 (a sequence at a time: the previous one's float32
                  gradient still bound beside the next's upcast and its difference or exponential; the forward holds
                  two) (the chunked output layer on CUDA: two chunks of at most 256 MiB); FSDP2: two layers' gathered
-                 weights; a critic's gradients and activations beside the policy's
+                 weights; a critic's gradients and activations beside the policy's; where a step accumulates
+                 micro-batches (full fine-tuning), a later micro-batch's fresh gradient of the vocabulary's weights
+                 beside the accumulated one, V*h*b, and with tied embeddings the output layer's held until the
+                 embeddings' is made and summed, 3*V*h*b at the backward's end, less the activations and logits
+                 gone by then (at least V*h*b)
 
 with a = 2*n*h + 3*q + 2*kv + 4*i (+ q + kv with q/k norms), the elements one token keeps per layer for the
 backward pass (each of the layer's n hidden-size norms' input and output: n = 2, Gemma 3's sandwich n = 4; the
@@ -79,7 +89,8 @@ whole logits).
                  per layer (each RMSNorm keeps its input upcast to float32 and its normalised input and output;
                  the final norm once; gradient checkpointing: r*T*(L*h*b + e + h*(4 + 2*b))); a reward model's
                  score head: r*T*num_labels*b instead of logits (LoRA: its head trained in full); kto: its
-                 reference resident (dpo's is freed once its log-probs are cached)
+                 reference resident (dpo's is freed once its log-probs are cached); accumulating, the fresh
+                 gradients as RL's
     scoring      the frozen reference's no-grad forward (dpo but its reference-free losses: 2m rows before the
                  first step, without AdamW state; kto: m rows, every step's z0 beside AdamW state, the longest
                  mismatched pair's tokens); with LoRA the policy with its adapter off, no second copy
@@ -148,10 +159,20 @@ class Shape:
     tied: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_projection: bool = False
+    """The q/k norms are over the whole projection (OLMo 2, OLMoE: q + kv weights), not per head (2 head_dim)."""
     norms: int = 2
     """Hidden-size RMSNorms per decoder layer (Gemma 3's sandwich: 4)."""
     num_labels: int = 0
     """A sequence classifier's labels (its head is num_labels*h); 0 = a causal LM (its head is V*h)."""
+    experts: int = 0
+    """A mixture-of-experts layer's experts E (0: a dense model)."""
+    experts_per_token: int = 0
+    """The experts k each token is sent to."""
+    expert_size: int = 0
+    """Each expert's intermediate size i_e."""
+    sparse_layers: int = 0
+    """The decoder layers S whose MLP is a mixture of experts (the other L - S are dense, of size i)."""
 
     @classmethod
     def of(cls, config, classifier: bool = False) -> "Shape":
@@ -165,7 +186,8 @@ class Shape:
             raise ValueError("the model config has no hidden_size, num_hidden_layers, num_attention_heads or "
                              "vocab_size; its memory cannot be planned")
         family = family_of(config)  # (None for an architecture without a declaration: read from the config alone)
-        return cls(hidden=hidden, layers=layers, heads=heads,
+        moe = _moe_shape(config, layers) if family is not None and family.moe else {}
+        return cls(**moe,hidden=hidden, layers=layers, heads=heads,
                    kv_heads=_read(config, "num_key_value_heads", default=heads),
                    head_dim=_read(config, "head_dim", default=hidden // heads),
                    intermediate=_read(config, "intermediate_size", "n_inner", default=4 * hidden),
@@ -173,6 +195,7 @@ class Shape:
                    qkv_bias=(family is not None and family.qkv_bias) or bool(_read(config, "attention_bias",
                                                                                     default=False)),
                    qk_norm=family is not None and family.qk_norm is not None,
+                   qk_norm_projection=family is not None and family.qk_norm == "projection",
                    norms=len(family.norms) if family is not None else 2,
                    num_labels=_read(config, "num_labels", default=1) if classifier else 0)
 
@@ -184,38 +207,77 @@ class Shape:
     def kv(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def layer_parameters(self) -> int:
-        h, q, kv, i = self.hidden, self.q, self.kv, self.intermediate
+    def _attention_parameters(self) -> int:
+        """A layer's attention and its two norms (and q/k norms, biases)."""
+        h, q, kv = self.hidden, self.q, self.kv
         return (h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-                + (2 * self.head_dim if self.qk_norm else 0) + 3 * h * i + 2 * h)
+                + ((q + kv if self.qk_norm_projection else 2 * self.head_dim) if self.qk_norm else 0) + 2 * h)
+
+    def _mlp_parameters(self, sparse: bool) -> int:
+        """A dense MLP's 3 h i, or a mixture of experts' E experts of 3 h i_e and its router's E h."""
+        h = self.hidden
+        return self.experts * (3 * h * self.expert_size + h) if sparse else 3 * h * self.intermediate
+
+    def layer_parameters(self) -> int:
+        """The parameters of the largest decoder layer (a sparse one where the model has them)."""
+        return self._attention_parameters() + self._mlp_parameters(self.sparse_layers > 0)
 
     def parameters(self) -> int:
-        h, V = self.hidden, self.vocab
+        h, V, L, S = self.hidden, self.vocab, self.layers, self.sparse_layers
         head = self.num_labels * h if self.num_labels else (0 if self.tied else V * h)
-        return V * h + self.layers * self.layer_parameters() + h + head
+        layers = L * self._attention_parameters() + (L - S) * self._mlp_parameters(False) + \
+            S * self._mlp_parameters(True)
+        return V * h + layers + h + head
+
+    def mlp_saved_elements(self) -> int:
+        """Elements one token keeps for the backward pass in all the layers' MLPs: a dense one's gate, up,
+        act(gate) and product, 4 i; a mixture of experts' per expert it is sent to its gathered input and its
+        weighted output (2 h) and the expert's 4 i_e, with the router's logits and float32 softmax (2 E)."""
+        S = self.sparse_layers
+        sparse = self.experts_per_token * (2 * self.hidden + 4 * self.expert_size) + 2 * self.experts
+        return (self.layers - S) * 4 * self.intermediate + S * sparse
+
+    def mlp_working_elements(self) -> int:
+        """Elements per token of the largest MLP's working set without grad beyond its input: a dense one's gate,
+        up and product, 3 i; a mixture of experts', per expert it is sent to, its gathered input, gate and up,
+        product and weighted output, k (2 h + 3 i_e), and the router's logits and softmax, 2 E."""
+        dense = 3 * self.intermediate if self.sparse_layers < self.layers else 0
+        sparse = (self.experts_per_token * (2 * self.hidden + 3 * self.expert_size) + 2 * self.experts
+                  if self.sparse_layers else 0)
+        return max(dense, sparse)
 
     def lora_parameters(self, r: int, targets: Optional[tuple] = None) -> int:
         """r*(in + out) per adapted linear layer of every decoder layer (`targets`: their names; None = all)."""
         h, q, kv, i = self.hidden, self.q, self.kv, self.intermediate
         sides = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
                  "up_proj": (h, i), "down_proj": (i, h)}
-        return self.layers * sum(r * (a + b) for name, (a, b) in sides.items() if targets is None or name in targets)
+        # (a mixture of experts' MLP has no gate_proj, up_proj or down_proj linear layer: its experts are stacked
+        # parameters, which those names do not adapt)
+        per_layer = {name: r * (a + b) for name, (a, b) in sides.items() if targets is None or name in targets}
+        mlp = sum(v for name, v in per_layer.items() if name in ("gate_proj", "up_proj", "down_proj"))
+        return self.layers * sum(per_layer.values()) - self.sparse_layers * mlp
 
     def linear_weight_elements(self) -> int:
         """Elements of every nn.Linear weight (the decoder layers' projections and the output layer, tied or not):
         what decides whether the lean pass fuses q/k/v."""
         h, q, kv, i = self.hidden, self.q, self.kv, self.intermediate
-        return self.layers * (2 * h * q + 2 * h * kv + 3 * h * i) + self.vocab * h
+        return self.layers * (2 * h * q + 2 * h * kv) + (self.layers - self.sparse_layers) * 3 * h * i + \
+            self.vocab * h
 
     def working_elements(self) -> int:
         """Elements per token of one layer's largest set of live intermediates without grad: the norm's output with
         the attention's q, k, v and output (h + 2q + 2kv), or with the MLP's gate, up and product (h + 3i)."""
-        return self.hidden + max(2 * self.q + 2 * self.kv, 3 * self.intermediate)
+        return self.hidden + max(2 * self.q + 2 * self.kv, self.mlp_working_elements())
 
     def activation_elements(self) -> int:
-        """a: elements one token keeps per layer for the backward pass (see the module docstring)."""
-        return (2 * self.norms * self.hidden + 3 * self.q + 2 * self.kv + 4 * self.intermediate
-                + (self.q + self.kv if self.qk_norm else 0))
+        """a: elements one token keeps per layer for the backward pass, the layers' mean (see the module docstring;
+        a mixture of experts' MLP as `mlp_saved_elements`)."""
+        return self.attention_saved_elements() + self.mlp_saved_elements() // self.layers
+
+    def attention_saved_elements(self) -> int:
+        """Elements one token keeps per layer beside the MLP's: the norms' input and output, the attention's q, k, v
+        and output and o_proj's input, a q/k norm's normalised input."""
+        return 2 * self.norms * self.hidden + 3 * self.q + 2 * self.kv + (self.q + self.kv if self.qk_norm else 0)
 
 
 @dataclass(frozen=True)
@@ -302,6 +364,19 @@ class MemoryPlan:
                 "peak_phase": self.peak.name, "peak_bytes": self.peak.total}
 
 
+def _moe_shape(config, layers: int) -> dict:
+    """A mixture-of-experts config's experts, k, expert size and sparse layers (Qwen3-MoE: every layer not in
+    `mlp_only_layers` whose index + 1 is a multiple of `decoder_sparse_step`; OLMoE: every layer)."""
+    experts = _read(config, "num_experts", "num_local_experts", default=0)
+    if not experts:
+        return {}
+    only = set(_read(config, "mlp_only_layers", default=()) or ())
+    step = _read(config, "decoder_sparse_step", default=1) or 1
+    sparse = sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
+    return {"experts": experts, "experts_per_token": _read(config, "num_experts_per_tok"),
+            "expert_size": _read(config, "moe_intermediate_size", "intermediate_size"), "sparse_layers": sparse}
+
+
 def _div(n: int, w: int) -> int:
     return -(-n // w)
 
@@ -350,7 +425,7 @@ def _logits(rows: int, positions: int, vocab: int, b: int, chunked: bool, both_s
 
 def _activations(s: Shape, rows: int, T: int, b: int) -> int:
     """What the lean pass's backward keeps of rows x T tokens besides the attention's probabilities: rows T L a b."""
-    return rows * T * s.layers * s.activation_elements() * b
+    return rows * T * (s.layers * s.attention_saved_elements() + s.mlp_saved_elements()) * b
 
 
 def _own_forward_activations(s: Shape, rows: int, T: int, b: int, checkpointing: bool) -> int:
@@ -359,8 +434,9 @@ def _own_forward_activations(s: Shape, rows: int, T: int, b: int, checkpointing:
     and normalised input and output, h (4 + 2b) n times (n = Shape.norms),
     and the attention's and MLP's (3q + 2kv + 4i) b; the final norm's h (4 + 2b) once. With gradient checkpointing
     the L layer inputs and one layer recomputed."""
-    layer = s.norms * s.hidden * (4 + 2 * b) + (3 * s.q + 2 * s.kv + 4 * s.intermediate) * b
-    kept = (s.layers * s.hidden * b + layer) if checkpointing else s.layers * layer
+    attention = s.norms * s.hidden * (4 + 2 * b) + (3 * s.q + 2 * s.kv) * b
+    layer = attention + -(-s.mlp_saved_elements() // s.layers) * b  # (the largest layer's, recomputed)
+    kept = (s.layers * s.hidden * b + layer) if checkpointing else s.layers * attention + s.mlp_saved_elements() * b
     return rows * T * (kept + s.hidden * (4 + 2 * b))
 
 
@@ -471,7 +547,9 @@ def _lean_forward(name: str, s: Shape, b: int, f: int, P: int, T: int, C: int, s
     h, q, kv, i, D = s.hidden, s.q, s.kv, s.intermediate, s.head_dim
     # q/k/v as one product and roped as one (q + 2kv, then q + kv), or three products roped apart (q + 2kv)
     projections = 2 * q + 3 * kv if s.linear_weight_elements() * b <= LEAN_COPY_MAX_BYTES else q + 2 * kv
-    held = {f"{name}_held_layer": f * T * (h + 2 * i + projections + 2 * kv + 2 * q + 2 * D) * b}
+    # (a mixture of experts' block keeps nothing of its own once it returns: no gate and up held)
+    mlp_held = 2 * i if s.sparse_layers < s.layers else 0
+    held = {f"{name}_held_layer": f * T * (h + mlp_held + projections + 2 * kv + 2 * q + 2 * D) * b}
     scores, masks = 0, 0
     for queries, keys in ((P, P), (C - 2, T - 1)):  # the prompts' attention call, the completions'
         n = f * s.heads * queries * keys
@@ -480,10 +558,31 @@ def _lean_forward(name: str, s: Shape, b: int, f: int, P: int, T: int, C: int, s
         # the scores (b), their float32 sum with the mask, and its softmax (float32): b + 8 bytes each
         scores = max(scores, n * (b + 8) if math else 0)
     held[f"{name}_attention_masks"] = masks
-    layer = {**held, f"{name}_layer_working_set": f * T * h * b + max(2 * f * T * i * b, scores)}
+    mlp = 2 * i if s.sparse_layers < s.layers else 0
+    if s.sparse_layers:
+        mlp = max(mlp, s.mlp_working_elements())
+    layer = {**held, f"{name}_layer_working_set": f * T * h * b + max(f * T * mlp * b, scores)}
     head = {**held, f"{name}_head_input": 2 * f * C * h * b, f"{name}_logits": f * C * s.vocab * b}
     returned = {f"{name}_{k}": v for k, v in _logits(f, C, s.vocab, b, False, False, scaled).items()}
     return max((layer, head, returned), key=lambda parts: sum(parts.values()))
+
+
+def _fresh_gradients(s: Shape, parts: dict, b: int, accumulating: bool) -> dict:
+    """A backward that adds into gradients an earlier micro-batch left (`accumulating`) makes each parameter's
+    gradient fresh beside its accumulated one before adding it; the largest are the vocabulary's, V*h*b: the output
+    layer's made first, while the activations are alive, the embeddings' last. Tied, the output layer's is held
+    until the embeddings' is made and the two summed, three V*h*b at the backward's end, when the activations
+    (`parts`' activations, attention and logits, counted already) are gone. Full fine-tuning only: LoRA trains
+    neither."""
+    if not accumulating:
+        return {}
+    one = s.vocab * s.hidden * b
+    alive = sum(v for k, v in parts.items() if k in _BACKWARD_ALIVE)
+    return {"fresh_gradients": max(one, 3 * one - alive) if s.tied and not s.num_labels else one}
+
+
+_BACKWARD_ALIVE = frozenset({"activations", "attention", "logits", "logsumexp_temporaries",
+                             "logsoftmax_one_sequence", "logit_chunks", "score_logits"})
 
 
 def _update(x: MemoryInputs, resident: dict) -> Phase:
@@ -504,6 +603,7 @@ def _update(x: MemoryInputs, resident: dict) -> Phase:
         parts["activations"] = _own_forward_activations(s, m, T, b, x.gradient_checkpointing)
         parts["attention"] = (1 if x.gradient_checkpointing else s.layers) * _own_attention(b, m, T)
     parts.update(_logits(m, C, s.vocab, b, x.chunked_head and not x.fsdp, True))
+    parts.update(_fresh_gradients(s, parts, b, x.accumulation_steps > 1 and not x.lora_r))
     if x.critic is not None:  # the critic's own forward (models.forward.completion_values)
         c = x.critic
         parts["critic_gradients"] = (c.parameters() * b if whole_grads else _div(c.parameters() * b, W))
@@ -601,6 +701,7 @@ def _offline_plan(x: OfflineInputs) -> MemoryPlan:
         parts["score_logits"] = x.rows * T * s.num_labels * b
     else:
         parts.update(_logits(x.rows, T, s.vocab, b, False, True))
+    parts.update(_fresh_gradients(s, parts, b, x.accumulation_steps > 1 and not x.lora_r))
     phases.append(Phase("update", parts))
     return MemoryPlan(tuple(phases))
 

@@ -8,8 +8,11 @@ Hugging Face folder, so training loads them through the real `from_pretrained` p
 
 from __future__ import annotations
 
+import functools
 import string
 from pathlib import Path
+
+from tidyrl.models.families import FAMILIES
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " .,:;!?+-=*/()'\"\n"
@@ -189,6 +192,43 @@ def build_tiny_llama(vocab_size: int, *, hidden_size: int = 64, num_layers: int 
     return LlamaForCausalLM(config)
 
 
+MOE_FAMILIES = tuple(f.name for f in FAMILIES if f.moe)
+"""`build_tiny_moe` and `save_tiny_model(family=...)`: the mixture-of-experts families tidyrl declares."""
+
+
+def build_tiny_moe(family: str, vocab_size: int, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                   num_experts: int = 4, experts_per_token: int = 2, expert_size: int | None = None,
+                   norm_topk_prob: bool = True, max_position_embeddings: int = 256, seed: int = 0,
+                   bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0,
+                   num_kv_heads: int | None = None, tie_word_embeddings: bool = False,
+                   router_aux_loss_coef: float = 0.01, output_router_logits: bool = False):
+    """A randomly initialised mixture-of-experts causal LM, reproducible from `seed`: `Qwen3MoeForCausalLM`
+    (`family="qwen3_moe"`: q/k norms per head, every layer sparse) or `OlmoeForCausalLM` ("olmoe": q/k norms over
+    the projection), `num_experts` experts of `expert_size` (default 2 * hidden_size) per layer, the top
+    `experts_per_token` chosen per token. The router's auxiliary loss (Switch Transformer's load balancing) is the
+    model's own training's where `output_router_logits`, at `router_aux_loss_coef`."""
+    import torch
+    import transformers
+
+    if family not in MOE_FAMILIES:
+        raise ValueError(f"family={family!r}: choose one of {MOE_FAMILIES}")
+    size = expert_size or 2 * hidden_size
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
+                  max_position_embeddings=max_position_embeddings, bos_token_id=bos_token_id,
+                  eos_token_id=eos_token_id, pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings,
+                  num_experts=num_experts, num_experts_per_tok=experts_per_token, norm_topk_prob=norm_topk_prob,
+                  router_aux_loss_coef=router_aux_loss_coef, output_router_logits=output_router_logits)
+    declared = next(f for f in FAMILIES if f.name == family)
+    config = transformers.AutoConfig.for_model(declared.model_type or declared.name, **common, intermediate_size=size)
+    if hasattr(config, "moe_intermediate_size"):  # (experts of their own size, every layer sparse)
+        config.update(dict(head_dim=hidden_size // num_heads, moe_intermediate_size=size, decoder_sparse_step=1,
+                           mlp_only_layers=[]))
+    model_class = getattr(transformers, declared.architectures[0])
+    torch.manual_seed(seed)
+    return model_class(config)
+
+
 TOKENIZERS = ("chars", "bytes")
 """`save_tiny_model(tokenizer=...)`: "chars" (the default: 59 symbols, a 256-token context, the demo's model)
 or "bytes" (a byte-level BPE with tool-calling chat template and a 512-token context: a model that can write
@@ -198,8 +238,9 @@ or "bytes" (a byte-level BPE with tool-calling chat template and a 512-token con
 def save_tiny_model(folder: str | Path, *, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
                     num_heads: int = 4, alphabet: str = DEFAULT_ALPHABET,
                     chat_template: str | None = CHAT_TEMPLATE, tokenizer: str = "chars",
-                    max_position_embeddings: int | None = None) -> Path:
-    """Build a tokenizer and a tiny Llama and save both into `folder` (a Hugging Face model folder). With
+                    max_position_embeddings: int | None = None, family: str | None = None) -> Path:
+    """Build a tokenizer and a tiny Llama (`family`: or a mixture of experts of `MOE_FAMILIES`, `build_tiny_moe`'s
+    defaults) and save both into `folder` (a Hugging Face model folder). With
     `tokenizer="chars"` (default) the character tokenizer of `alphabet` and `chat_template`, a 256-token context;
     with `tokenizer="bytes"` the byte-level BPE of `build_bytes_tokenizer` and its tool-calling template (a
     `chat_template` other than the default replaces it), a 512-token context."""
@@ -212,7 +253,8 @@ def save_tiny_model(folder: str | Path, *, seed: int = 0, hidden_size: int = 64,
     else:
         tok = build_char_tokenizer(alphabet, chat_template)
     context = max_position_embeddings or (512 if tokenizer == "bytes" else 256)
-    model = build_tiny_llama(
+    build = build_tiny_llama if family is None else functools.partial(build_tiny_moe, family)
+    model = build(
         len(tok), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seed=seed,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         max_position_embeddings=context,

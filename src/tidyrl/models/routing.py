@@ -1,0 +1,261 @@
+"""Mixture-of-experts routing, recorded and replayed: which experts every token of a forward was sent to in every
+mixture-of-experts layer, and a forward made to send its tokens to given experts.
+
+A mixture-of-experts layer (Shazeer et al. 2017; the top-k softmax router of Qwen3-MoE and OLMoE) sends token t to
+the k experts of the largest router probabilities p_t = softmax(W_r x_t) and sums their outputs weighted by those
+probabilities (renormalised over the k where the config's `norm_topk_prob` says so):
+
+    y_t = sum over e in E_t of w_te * expert_e(x_t),   E_t = top-k(p_t),   w_te = p_te (/ sum over E_t of p_te')
+
+The sampler and the trainer compute p_t from the same weights on other batch shapes and kernels, so rounding flips
+some choices of E_t, and a flipped choice changes the token's output: the trainer's log-probs are then those of
+another function than the one that sampled. Rollout routing replay (R3: Ma et al. 2025, "Stabilizing MoE
+Reinforcement Learning by Aligning Training and Inference Routers", arXiv:2510.11370) records E_t in the sampler
+and forces it in the trainer's forward: the trainer's w_te are still its own softmax's at the recorded experts, so
+the router keeps its gradient (through w_te), while which experts run is the sampler's.
+
+`routed(model, ...)` gives every mixture-of-experts block of the model (the model's own `...SparseMoeBlock`, of a
+family with `moe` in `models.families`) tidyrl's forward of it for the duration of a block: the same operations as
+the model's own forward, on either layout transformers has had (the router a linear layer and the experts a list of
+MLPs, transformers 4.x; the router a `...TopKRouter` module and the experts one `...Experts` module of stacked
+weights, transformers 5), so that without replay its numbers are the model's own bit for bit (tests/test_routing.py),
+with three additions: the chosen experts recorded per layer, the router's logits kept (for the load-balancing loss
+of the update, `load_balancing_loss`), and given experts replayed.
+
+Routes are (rows, positions, MoE layers, k) integer tensors, one row per sequence of the forward's batch and one
+position per token of its input: -1 where nothing was recorded (padding; the last sampled token, which the sampler
+never fed back), where the forward takes its own choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidyrl.models.families import family_of
+
+NO_ROUTE = -1
+"""A position of a route tensor with no recorded experts: the forward routes it itself."""
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One mixture-of-experts block of a model: its decoder layer's index and how it routes."""
+    layer: int
+    block: nn.Module
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+
+
+def moe_layers(model) -> list[MoeLayer]:
+    """The model's mixture-of-experts blocks in layer order (a wrapper such as DDP, FSDP2 or peft around the model
+    alike); [] for a dense model or an architecture without a declared family that has them."""
+    config = getattr(model, "config", None)
+    family = family_of(config) if config is not None else None
+    if family is None:
+        inner = getattr(model, "module", None) or getattr(getattr(model, "base_model", None), "model", None)
+        family = family_of(inner.config) if inner is not None and hasattr(inner, "config") else None
+    if family is None or not family.moe:
+        return []
+    found = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("SparseMoeBlock"):
+            parts = name.split(".")
+            layer = int(parts[parts.index("layers") + 1])
+            gate = module.gate
+            experts = getattr(module, "num_experts", None) or getattr(gate, "num_experts", None) or \
+                gate.out_features
+            top_k = getattr(module, "top_k", None) or gate.top_k
+            norm = getattr(module, "norm_topk_prob", None)
+            norm = gate.norm_topk_prob if norm is None else norm
+            found.append(MoeLayer(layer, module, int(experts), int(top_k), bool(norm)))
+    return found
+
+
+@dataclass
+class Routing:
+    """What the blocks did in the forwards run inside `routed`, per MoE layer in layer order: the experts chosen
+    (`chosen`: one (tokens, k) tensor per call, in call order) and, with `keep_logits`, the router's logits
+    ((tokens, experts), with their graph). With `routes`, the experts each position was sent to came from it; the
+    experts the forward's own router would have chosen there are `own` (for the changed-decision count)."""
+    layers: list[MoeLayer]
+    routes: Optional[torch.Tensor] = None
+    record: bool = True
+    keep_logits: bool = False
+    chosen: list[list[torch.Tensor]] = field(default_factory=list)
+    own: list[list[torch.Tensor]] = field(default_factory=list)
+    replayed: list[list[torch.Tensor]] = field(default_factory=list)
+    logits: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.layers)
+        self.chosen, self.own = [[] for _ in range(n)], [[] for _ in range(n)]
+        self.replayed, self.logits = [[] for _ in range(n)], [[] for _ in range(n)]
+        if self.routes is not None:
+            check_routes(self.routes, self.layers)
+
+    def routes_of(self, rows: int, positions: int) -> torch.Tensor:
+        """What was chosen in the last forward, of (rows, positions) tokens, as a route tensor (rows, positions,
+        layers, k)."""
+        return torch.stack([c[-1].reshape(rows, positions, -1) for c in self.chosen], dim=2)
+
+    def changed_fraction(self) -> Optional[float]:
+        """Of the replayed decisions (each replayed position's k experts in each layer), the fraction the forward's
+        own router would have made otherwise (a replayed expert outside the router's own top-k); None where nothing
+        was replayed."""
+        changed = total = 0
+        for chosen, own, replayed in zip(self.chosen, self.own, self.replayed):
+            for c, o, r in zip(chosen, own, replayed):
+                c, o = c[r], o[r]
+                changed += int((~(c[:, :, None] == o[:, None, :]).any(-1)).sum())
+                total += c.numel()
+        return changed / total if total else None
+
+
+def check_routes(routes: torch.Tensor, layers: Sequence[MoeLayer], rows: Optional[int] = None,
+                 positions: Optional[int] = None) -> None:
+    """ValueError unless `routes` is a route tensor for these layers (and, where given, a forward of rows x
+    positions tokens): (rows, positions, MoE layers, k) integers, each -1 or an expert index."""
+    if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.dtype.is_floating_point:
+        shape = tuple(routes.shape) if isinstance(routes, torch.Tensor) else type(routes).__name__
+        raise ValueError(f"routes must be an integer tensor (rows, positions, MoE layers, k); got {shape}")
+    k, experts = layers[0].top_k, layers[0].num_experts
+    want = (rows if rows is not None else routes.shape[0], positions if positions is not None else routes.shape[1],
+            len(layers), k)
+    if tuple(routes.shape) != want:
+        raise ValueError(f"routes of shape {tuple(routes.shape)} for a forward that needs {want} (rows, positions, "
+                         f"{len(layers)} MoE layers, top-{k} experts)")
+    if routes.numel() and (int(routes.min()) < NO_ROUTE or int(routes.max()) >= experts):
+        raise ValueError(f"routes name experts outside 0..{experts - 1} (or -1 for none): "
+                         f"{int(routes.min())}..{int(routes.max())}")
+
+
+def routing_weights(logits: torch.Tensor, experts: torch.Tensor, norm_topk_prob: bool,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """w_te: the router's float32 softmax at the given experts (tokens, k), renormalised over them where the config
+    says so, in `dtype`: the model's own router's operations, at any experts."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    weights = probs.gather(-1, experts)
+    if norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype)
+
+
+def _experts_forward(block: nn.Module, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum over e of w_te * expert_e(x_t), on the block's own experts: transformers 5's `...Experts` module as it
+    is; transformers 4.x's list of MLPs by its block's own loop (each expert hit, in order, its tokens' outputs
+    added in place)."""
+    if not isinstance(block.experts, nn.ModuleList):
+        return block.experts(x, experts, weights)
+    out = torch.zeros_like(x)
+    mask = F.one_hot(experts, num_classes=len(block.experts)).permute(2, 1, 0)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+        slot, token = torch.where(mask[e].squeeze(0))
+        y = block.experts[e](x[None, token].reshape(-1, x.shape[-1])) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(x.dtype))
+    return out
+
+
+def _block_forward(state: Routing, j: int, hidden_states: torch.Tensor):
+    layer = state.layers[j]
+    block = layer.block
+    B, T, h = hidden_states.shape
+    x = hidden_states.view(-1, h)
+    if isinstance(block.gate, nn.Linear):  # transformers 4.x: the block routes
+        logits = block.gate(x)
+        probs = F.softmax(logits, dim=1, dtype=torch.float)
+        top, own = torch.topk(probs, layer.top_k, dim=-1)
+        dtype = x.dtype
+    else:  # transformers 5: the router module routes
+        logits, top, own = block.gate(x)
+        dtype = logits.dtype
+    chosen = own
+    if state.routes is not None:
+        check_routes(state.routes, state.layers, B, T)
+        given = state.routes[:, :, j].reshape(-1, layer.top_k).to(own.device)
+        replayed = (given >= 0).all(-1)
+        chosen = torch.where(replayed[:, None], given, own)
+        weights = routing_weights(logits, chosen, layer.norm_topk_prob, dtype)
+        state.own[j].append(own.detach())
+        state.replayed[j].append(replayed)
+    elif isinstance(block.gate, nn.Linear):
+        weights = top
+        if layer.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(dtype)
+    else:
+        weights = top
+    if state.record:
+        state.chosen[j].append(chosen.detach())
+    if state.keep_logits:
+        state.logits[j].append(logits)
+    out = _experts_forward(block, x, chosen, weights).reshape(B, T, h)
+    return (out, logits) if isinstance(block.gate, nn.Linear) else out
+
+
+@contextlib.contextmanager
+def routed(model, routes: Optional[torch.Tensor] = None, *, record: bool = True,
+           keep_logits: bool = False) -> Iterator[Routing]:
+    """Run the model's mixture-of-experts blocks through tidyrl's forward of them (module docstring) until the
+    block ends: recording the experts chosen, keeping the router's logits, and with `routes` (a route tensor of
+    each forward's batch: call `replay` between forwards of other batches) sending each position with a route to
+    its experts. Yields the `Routing`; a dense model runs as it is (no layers)."""
+    state = Routing(moe_layers(model), routes, record, keep_logits)
+    patched = []
+    try:
+        for j, layer in enumerate(state.layers):
+            layer.block.forward = _bound(state, j)
+            patched.append(layer.block)
+        yield state
+    finally:
+        for block in patched:
+            del block.forward  # (the instance attribute: the class's forward again)
+
+
+def _bound(state: Routing, j: int):
+    def forward(hidden_states):
+        return _block_forward(state, j, hidden_states)
+    return forward
+
+
+def replay(state: Routing, routes: Optional[torch.Tensor]) -> None:
+    """The routes the next forwards inside `routed` replay (None: their own routing)."""
+    if routes is not None:
+        check_routes(routes, state.layers)
+    state.routes = routes
+
+
+def expert_load(chosen: torch.Tensor, num_experts: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fraction of the token-expert assignments of each layer that went to each expert: (layers, experts),
+    each row summing to 1, from a route tensor (rows, positions, layers, k); positions where `mask` (rows,
+    positions) is 0, or with no route, left out."""
+    keep = (chosen >= 0).all(-1)  # (rows, positions, layers)
+    if mask is not None:
+        keep = keep & (mask > 0)[:, :, None]
+    counts = torch.zeros(chosen.shape[2], num_experts, dtype=torch.float64)
+    for j in range(chosen.shape[2]):
+        picked = chosen[:, :, j][keep[:, :, j]].reshape(-1).long()
+        counts[j] = torch.bincount(picked, minlength=num_experts).double()
+    total = counts.sum(-1, keepdim=True)
+    return torch.where(total > 0, counts / total.clamp(min=1), counts)
+
+
+def load_metrics(load: torch.Tensor, layers: Sequence[MoeLayer]) -> dict:
+    """Metrics of an expert load (`expert_load`): per MoE layer `moe/layer_{i}/max_over_mean` (the busiest
+    expert's share over the mean share 1/experts: 1 = balanced, experts = every token to one expert) and
+    `moe/layer_{i}/load` (each expert's share), and `moe/max_over_mean` (the layers' largest)."""
+    out = {}
+    worst = 0.0
+    for row, layer in zip(load, layers):
+        ratio = float(row.max()) * len(row) if float(row.sum()) > 0 else 0.0
+        out[f"moe/layer_{layer.layer}/max_over_mean"] = ratio
+        out[f"moe/layer_{layer.layer}/load"] = [round(float(v), 6) for v in row]
+        worst = max(worst, ratio)
+    out["moe/max_over_mean"] = worst
+    return out

@@ -1,0 +1,153 @@
+"""Mixture-of-experts routing recorded and replayed (tidyrl.models.routing): tidyrl's forward of the blocks is the
+model's own bit for bit, records the experts the model's own router chooses, sends each token to replayed experts
+exactly (checked per layer), keeps the router's gradient, and refuses a route tensor of the wrong shape; the expert
+load by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidyrl.models.routing import (NO_ROUTE, check_routes, expert_load, load_metrics, moe_layers, replay, routed)
+from tidyrl.models.tiny import MOE_FAMILIES, build_tiny_moe, build_tiny_llama
+
+VOCAB = 40
+
+
+def tiny(family: str, num_layers: int = 3, **kw):
+    return build_tiny_moe(family, VOCAB, hidden_size=32, num_layers=num_layers, num_heads=4, num_experts=6,
+                          experts_per_token=2, seed=3, **kw).eval()
+
+
+def batch(rows: int = 3, positions: int = 9):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (rows, positions), generator=g)
+    mask = torch.ones(rows, positions, dtype=torch.long)
+    mask[0, :3] = 0  # a left-padded row
+    return ids, mask
+
+
+def random_routes(rows: int, positions: int, layers: int, experts: int, k: int, seed: int = 1) -> torch.Tensor:
+    """k distinct experts per position and layer, drawn at random."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(rows, positions, layers, experts, generator=g).argsort(-1)[..., :k]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_the_routed_forward_is_the_models_own_and_records_its_routers_choice(family, norm_topk_prob):
+    model = tiny(family, norm_topk_prob=norm_topk_prob)
+    ids, mask = batch()
+    layers = moe_layers(model)
+    assert [m.layer for m in layers] == [0, 1, 2] and {(m.num_experts, m.top_k) for m in layers} == {(6, 2)}
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        with routed(model) as state:
+            ours = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(ours, own.logits)
+    routes = state.routes_of(*ids.shape)
+    assert routes.shape == (3, 9, 3, 2)
+    for j, logits in enumerate(own.router_logits):  # the model's own router: the top 2 of its softmax
+        top = torch.topk(torch.softmax(logits.float(), -1), 2, dim=-1).indices.reshape(3, 9, 2)
+        assert torch.equal(routes[:, :, j], top)
+    # the blocks are the model's own again after the block
+    assert all("forward" not in vars(m.block) for m in layers)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_replayed_routes_are_taken_exactly_and_the_router_keeps_its_gradient(family):
+    model = tiny(family)
+    ids, mask = batch()
+    with torch.no_grad(), routed(model) as state:
+        own = model(input_ids=ids, attention_mask=mask).logits
+    recorded = state.routes_of(*ids.shape)
+    # replaying the model's own choice changes nothing, bit for bit, and no decision
+    with torch.no_grad(), routed(model, recorded) as state:
+        again = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(again, own) and state.changed_fraction() == 0.0
+    # other experts everywhere but one row's last position (no route: the router's own choice)
+    routes = random_routes(3, 9, 3, 6, 2)
+    routes[2, -1] = NO_ROUTE
+    with routed(model, routes) as state:
+        out = model(input_ids=ids, attention_mask=mask).logits
+    taken = state.routes_of(*ids.shape)
+    for j in range(3):  # per layer: the replayed experts, and the router's own where there was none
+        assert torch.equal(taken[:, :, j][routes[:, :, j, 0] >= 0].reshape(-1, 2),
+                           routes[:, :, j][routes[:, :, j, 0] >= 0].reshape(-1, 2))
+        assert torch.equal(taken[2, -1, j], recorded[2, -1, j])
+    assert not torch.allclose(out, own, atol=1e-4)
+    # the changed decisions: of one layer (its input the same as without replay, so its router's own choice is the
+    # recorded one), counted by hand over the 26 replayed positions x 2
+    one = tiny(family, num_layers=1)
+    with torch.no_grad(), routed(one) as state:
+        one(input_ids=ids, attention_mask=mask)
+    own_sets = state.routes_of(*ids.shape)[:, :, 0]
+    given = random_routes(3, 9, 1, 6, 2)
+    given[2, -1] = NO_ROUTE
+    with torch.no_grad(), routed(one, given) as state:
+        one(input_ids=ids, attention_mask=mask)
+    replayed = given[:, :, 0, 0] >= 0
+    changed = sum(int(e not in o.tolist()) for g, o in zip(given[:, :, 0][replayed], own_sets[replayed]) for e in g)
+    assert 0 < changed < 52 and state.changed_fraction() == changed / 52
+    # the router's weights get gradients through w_te; an expert no route names gets none
+    routes[..., :] = torch.tensor([0, 1])
+    with routed(model, routes):
+        loss = model(input_ids=ids, attention_mask=mask).logits.logsumexp(-1).sum()
+    model.zero_grad()
+    loss.backward()
+    gate = moe_layers(model)[1].block.gate.weight.grad
+    assert gate is not None and gate.abs().sum() > 0
+    experts = moe_layers(model)[1].block.experts
+    if isinstance(experts, torch.nn.ModuleList):  # transformers 4.x: a module per expert
+        grads = [e.down_proj.weight.grad for e in experts]
+        assert all(g is not None and g.abs().sum() > 0 for g in grads[:1]) and all(
+            g is None or g.abs().sum() == 0 for g in grads[2:])
+    else:
+        per_expert = experts.down_proj.grad.abs().sum(dim=(1, 2))
+        assert (per_expert[:2] > 0).all() and (per_expert[2:] == 0).all()
+
+
+def test_routes_of_the_wrong_shape_or_experts_are_refused():
+    model = tiny("qwen3_moe")
+    ids, mask = batch()
+    layers = moe_layers(model)
+    with pytest.raises(ValueError, match=r"routes of shape \(3, 9, 2, 2\) for a forward that needs \(3, 9, 3, 2\)"):
+        check_routes(random_routes(3, 9, 2, 6, 2), layers)
+    with pytest.raises(ValueError, match=r"needs \(3, 9, 3, 2\)"):
+        check_routes(random_routes(3, 9, 3, 6, 1), layers)
+    with pytest.raises(ValueError, match="outside 0..5"):
+        check_routes(torch.full((3, 9, 3, 2), 6), layers)
+    with pytest.raises(ValueError, match="integer tensor"):
+        check_routes(torch.zeros(3, 9, 3, 2), layers)
+    # a forward of other positions than the routes': refused in the forward, naming both
+    with routed(model, random_routes(3, 8, 3, 6, 2)), pytest.raises(ValueError, match=r"\(3, 8, 3, 2\).*\(3, 9, 3, 2\)"):
+        model(input_ids=ids, attention_mask=mask)
+    with routed(model) as state, pytest.raises(ValueError, match="outside"):
+        replay(state, torch.full((3, 9, 3, 2), -2))
+
+
+def test_a_dense_model_has_no_moe_layers_and_runs_as_it_is():
+    model = build_tiny_llama(VOCAB, hidden_size=16, num_heads=2).eval()
+    ids, mask = batch()
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=mask).logits
+        with routed(model) as state:
+            assert state.layers == [] and torch.equal(model(input_ids=ids, attention_mask=mask).logits, own)
+
+
+def test_expert_load_and_its_metrics_by_hand():
+    # 2 rows x 3 positions, 2 layers, top-2 of 4 experts; row 1's last position is padding, row 0's first unrouted
+    routes = torch.tensor([
+        [[[0, 1], [2, 3]], [[0, 2], [2, 3]], [[0, 1], [3, 1]]],
+        [[[1, 0], [2, 0]], [[3, 0], [2, 3]], [[3, 3], [3, 3]]],
+    ])
+    routes[0, 0] = NO_ROUTE
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    load = expert_load(routes, 4, mask)
+    # layer 0 over 4 positions x 2: expert 0 x4, 1 x2, 2 x1, 3 x1; layer 1: 0 x1, 1 x1, 2 x3, 3 x3
+    assert load.tolist() == [[4 / 8, 2 / 8, 1 / 8, 1 / 8], [1 / 8, 1 / 8, 3 / 8, 3 / 8]]
+    model = tiny("olmoe")
+    layers = moe_layers(model)[:2]
+    metrics = load_metrics(load, layers)
+    assert metrics["moe/layer_0/max_over_mean"] == 0.5 * 4 and metrics["moe/layer_1/max_over_mean"] == 0.375 * 4
+    assert metrics["moe/max_over_mean"] == 2.0 and metrics["moe/layer_1/load"] == [0.125, 0.125, 0.375, 0.375]
