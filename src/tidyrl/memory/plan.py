@@ -187,7 +187,7 @@ class Shape:
                              "vocab_size; its memory cannot be planned")
         family = family_of(config)  # (None for an architecture without a declaration: read from the config alone)
         moe = _moe_shape(config, layers) if family is not None and family.moe else {}
-        return cls(**moe,hidden=hidden, layers=layers, heads=heads,
+        return cls(**moe, hidden=hidden, layers=layers, heads=heads,
                    kv_heads=_read(config, "num_key_value_heads", default=heads),
                    head_dim=_read(config, "head_dim", default=hidden // heads),
                    intermediate=_read(config, "intermediate_size", "n_inner", default=4 * hidden),
@@ -241,10 +241,13 @@ class Shape:
         """Elements per token of the largest MLP's working set without grad beyond its input: a dense one's gate,
         up and product, 3 i; a mixture of experts', per expert it is sent to, its gathered input, gate and up,
         product and weighted output, k (2 h + 3 i_e), and the router's logits and softmax, 2 E."""
-        dense = 3 * self.intermediate if self.sparse_layers < self.layers else 0
-        sparse = (self.experts_per_token * (2 * self.hidden + 3 * self.expert_size) + 2 * self.experts
-                  if self.sparse_layers else 0)
-        return max(dense, sparse)
+        return max(3 * self.intermediate if self.sparse_layers < self.layers else 0, self.expert_working_elements())
+
+    def expert_working_elements(self) -> int:
+        """A mixture of experts' part of `mlp_working_elements`, k (2 h + 3 i_e) + 2 E (0 for a dense model)."""
+        if not self.sparse_layers:
+            return 0
+        return self.experts_per_token * (2 * self.hidden + 3 * self.expert_size) + 2 * self.experts
 
     def lora_parameters(self, r: int, targets: Optional[tuple] = None) -> int:
         """r*(in + out) per adapted linear layer of every decoder layer (`targets`: their names; None = all)."""
@@ -435,7 +438,7 @@ def _own_forward_activations(s: Shape, rows: int, T: int, b: int, checkpointing:
     and the attention's and MLP's (3q + 2kv + 4i) b; the final norm's h (4 + 2b) once. With gradient checkpointing
     the L layer inputs and one layer recomputed."""
     attention = s.norms * s.hidden * (4 + 2 * b) + (3 * s.q + 2 * s.kv) * b
-    layer = attention + -(-s.mlp_saved_elements() // s.layers) * b  # (the largest layer's, recomputed)
+    layer = attention + _div(s.mlp_saved_elements(), s.layers) * b  # (the largest layer's, recomputed)
     kept = (s.layers * s.hidden * b + layer) if checkpointing else s.layers * attention + s.mlp_saved_elements() * b
     return rows * T * (kept + s.hidden * (4 + 2 * b))
 
@@ -547,9 +550,9 @@ def _lean_forward(name: str, s: Shape, b: int, f: int, P: int, T: int, C: int, s
     h, q, kv, i, D = s.hidden, s.q, s.kv, s.intermediate, s.head_dim
     # q/k/v as one product and roped as one (q + 2kv, then q + kv), or three products roped apart (q + 2kv)
     projections = 2 * q + 3 * kv if s.linear_weight_elements() * b <= LEAN_COPY_MAX_BYTES else q + 2 * kv
-    # (a mixture of experts' block keeps nothing of its own once it returns: no gate and up held)
-    mlp_held = 2 * i if s.sparse_layers < s.layers else 0
-    held = {f"{name}_held_layer": f * T * (h + mlp_held + projections + 2 * kv + 2 * q + 2 * D) * b}
+    # a dense MLP's gate and up (a mixture of experts' block keeps nothing of its own once it returns)
+    gate_up = 2 * i if s.sparse_layers < s.layers else 0
+    held = {f"{name}_held_layer": f * T * (h + gate_up + projections + 2 * kv + 2 * q + 2 * D) * b}
     scores, masks = 0, 0
     for queries, keys in ((P, P), (C - 2, T - 1)):  # the prompts' attention call, the completions'
         n = f * s.heads * queries * keys
@@ -558,9 +561,7 @@ def _lean_forward(name: str, s: Shape, b: int, f: int, P: int, T: int, C: int, s
         # the scores (b), their float32 sum with the mask, and its softmax (float32): b + 8 bytes each
         scores = max(scores, n * (b + 8) if math else 0)
     held[f"{name}_attention_masks"] = masks
-    mlp = 2 * i if s.sparse_layers < s.layers else 0
-    if s.sparse_layers:
-        mlp = max(mlp, s.mlp_working_elements())
+    mlp = max(gate_up, s.expert_working_elements())  # SwiGLU's two products, or the experts' working set
     layer = {**held, f"{name}_layer_working_set": f * T * h * b + max(f * T * mlp * b, scores)}
     head = {**held, f"{name}_head_input": 2 * f * C * h * b, f"{name}_logits": f * C * s.vocab * b}
     returned = {f"{name}_{k}": v for k, v in _logits(f, C, s.vocab, b, False, False, scaled).items()}

@@ -19,8 +19,8 @@ family with `moe` in `models.families`) tidyrl's forward of it for the duration 
 the model's own forward, on either layout transformers has had (the router a linear layer and the experts a list of
 MLPs, transformers 4.x; the router a `...TopKRouter` module and the experts one `...Experts` module of stacked
 weights, transformers 5), so that without replay its numbers are the model's own bit for bit (tests/test_routing.py),
-with three additions: the chosen experts recorded per layer, the router's logits kept (for the load-balancing loss
-of the update, `load_balancing_loss`), and given experts replayed.
+with three additions: the chosen experts recorded per layer, the router's logits kept (for a load-balancing loss in
+the update), and given experts replayed.
 
 Routes are (rows, positions, MoE layers, k) integer tensors, one row per sequence of the forward's batch and one
 position per token of its input: -1 where nothing was recorded (padding; the last sampled token, which the sampler
@@ -125,23 +125,34 @@ def check_routes(routes: torch.Tensor, layers: Sequence[MoeLayer], rows: Optiona
     if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.dtype.is_floating_point:
         shape = tuple(routes.shape) if isinstance(routes, torch.Tensor) else type(routes).__name__
         raise ValueError(f"routes must be an integer tensor (rows, positions, MoE layers, k); got {shape}")
-    k, experts = layers[0].top_k, layers[0].num_experts
+    _check_shape(routes, layers, rows, positions)
+    experts = layers[0].num_experts
+    if routes.numel() and (int(routes.min()) < NO_ROUTE or int(routes.max()) >= experts):
+        raise ValueError(f"routes name experts outside 0..{experts - 1} (or -1 for none): "
+                         f"{int(routes.min())}..{int(routes.max())}")
+
+
+def _check_shape(routes: torch.Tensor, layers: Sequence[MoeLayer], rows: Optional[int],
+                 positions: Optional[int]) -> None:
+    """`check_routes`'s shape rule alone (what each block's call checks: no device synchronisation)."""
+    k = layers[0].top_k
     want = (rows if rows is not None else routes.shape[0], positions if positions is not None else routes.shape[1],
             len(layers), k)
     if tuple(routes.shape) != want:
         raise ValueError(f"routes of shape {tuple(routes.shape)} for a forward that needs {want} (rows, positions, "
                          f"{len(layers)} MoE layers, top-{k} experts)")
-    if routes.numel() and (int(routes.min()) < NO_ROUTE or int(routes.max()) >= experts):
-        raise ValueError(f"routes name experts outside 0..{experts - 1} (or -1 for none): "
-                         f"{int(routes.min())}..{int(routes.max())}")
 
 
 def routing_weights(logits: torch.Tensor, experts: torch.Tensor, norm_topk_prob: bool,
                     dtype: torch.dtype) -> torch.Tensor:
     """w_te: the router's float32 softmax at the given experts (tokens, k), renormalised over them where the config
     says so, in `dtype`: the model's own router's operations, at any experts."""
-    probs = F.softmax(logits, dim=-1, dtype=torch.float)
-    weights = probs.gather(-1, experts)
+    return _normalised(F.softmax(logits, dim=-1, dtype=torch.float).gather(-1, experts), norm_topk_prob, dtype)
+
+
+def _normalised(weights: torch.Tensor, norm_topk_prob: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The k float32 router probabilities of each token, renormalised over them where the config says so, in
+    `dtype` (the routers' own last steps)."""
     if norm_topk_prob:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights.to(dtype)
@@ -177,20 +188,15 @@ def _block_forward(state: Routing, j: int, hidden_states: torch.Tensor):
         dtype = logits.dtype
     chosen = own
     if state.routes is not None:
-        check_routes(state.routes, state.layers, B, T)
+        _check_shape(state.routes, state.layers, B, T)
         given = state.routes[:, :, j].reshape(-1, layer.top_k).to(own.device)
         replayed = (given >= 0).all(-1)
         chosen = torch.where(replayed[:, None], given, own)
         weights = routing_weights(logits, chosen, layer.norm_topk_prob, dtype)
         state.own[j].append(own.detach())
         state.replayed[j].append(replayed)
-    elif isinstance(block.gate, nn.Linear):
-        weights = top
-        if layer.norm_topk_prob:
-            weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(dtype)
-    else:
-        weights = top
+    else:  # (transformers 5's router has normalised and cast its own)
+        weights = _normalised(top, layer.norm_topk_prob, dtype) if isinstance(block.gate, nn.Linear) else top
     if state.record:
         state.chosen[j].append(chosen.detach())
     if state.keep_logits:
