@@ -47,7 +47,8 @@ process is doing; 20x leaves room for a busy host)."""
 SILENT_CHECK_S = 5.0
 """How often the main process reads the other processes' beats."""
 EXIT_GRACE_S = 2.0
-"""How long a process waits, once another has posted its failure, before it ends: the failing one ends first."""
+"""How long a process waits, once another has posted its failure, before it ends (the failing one ends first), and
+how long the process that posts a hang's verdict waits after printing it (the others read and print it first)."""
 EXIT_CODE = 3
 """The exit status of a process the watch ends (it did not fail itself: another one did, or it hung)."""
 _runs = count()
@@ -205,10 +206,14 @@ class FaultWatch:
         others = "; ".join(f"process {r} " + ("waits in a collective" if beats[r]["waiting"] else
                                               f"last finished {beats[r]['last']}")
                            for r in sorted(beats) if r != hung)
-        self._post(HANGS, f"process {hung} hangs: it has finished no work for "
-                          f"{time.time() - beats[hung]['when']:.0f} s (train.watchdog_s = {self.watchdog_s:g}); the "
-                          f"last it finished: {beats[hung]['last']}" + (f" ({others})" if others else "")
-                          + "; each process's threads' stacks follow in its output")
+        verdict = {"kind": HANGS, "message": f"process {hung} hangs: it has finished no work for "
+                   f"{time.time() - beats[hung]['when']:.0f} s (train.watchdog_s = {self.watchdog_s:g}); the last it "
+                   f"finished: {beats[hung]['last']}" + (f" ({others})" if others else "")
+                   + "; each process's threads' stacks follow in its output"}
+        if self._post(verdict["kind"], verdict["message"]):
+            # The run's verdict: printed here at once, then the others read it (within BEAT_S) and print theirs
+            # before this process ends, which would have the launcher stop them before they had.
+            self._exit(verdict, linger_s=EXIT_GRACE_S)
         self._end_on(self._fault())
 
     def _end_on(self, fault: dict) -> None:
@@ -218,7 +223,8 @@ class FaultWatch:
             time.sleep(EXIT_GRACE_S)
         self._exit(fault)
 
-    def _exit(self, fault: dict) -> None:
+    def _exit(self, fault: dict, linger_s: float = 0.0) -> None:
+        """Print `fault` (a hang: with this process's threads' stacks) and end the process, `linger_s` later."""
         say(f"error: {fault['message'].rstrip('.')}. Every process of the run stops.", err=True,
             prefix=f"tidyrl[{self.rank}]")
         if fault["kind"] == HANGS:
@@ -226,6 +232,7 @@ class FaultWatch:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stdout.flush()
         sys.stderr.flush()
+        time.sleep(linger_s)
         os._exit(EXIT_CODE)
 
 
