@@ -83,39 +83,87 @@ class Routing:
     """What the blocks did in the forwards run inside `routed`, per MoE layer in layer order: the experts chosen
     (`chosen`: one (tokens, k) tensor per call, in call order) and, with `keep_logits`, the router's logits
     ((tokens, experts), with their graph). With `routes`, the experts each position was sent to came from it; the
-    experts the forward's own router would have chosen there are `own` (for the changed-decision count)."""
+    experts the forward's own router would have chosen there are `own` (for the changed-decision count).
+
+    `routes` is a route tensor of the episodes' rows (rows, positions, layers, k). By default every forward is
+    over those rows as they are; a pass that lays the tokens out otherwise (the distinct prompts once, the
+    completions after them) says so with `expect`: per forward call, where each of its tokens sits among the
+    routes' rows x positions."""
     layers: list[MoeLayer]
     routes: Optional[torch.Tensor] = None
     record: bool = True
     keep_logits: bool = False
+    calls: list[torch.Tensor] = field(default_factory=list)
     chosen: list[list[torch.Tensor]] = field(default_factory=list)
     own: list[list[torch.Tensor]] = field(default_factory=list)
     replayed: list[list[torch.Tensor]] = field(default_factory=list)
     logits: list[list[torch.Tensor]] = field(default_factory=list)
+    given: list[Optional[torch.Tensor]] = field(default_factory=list)
+    made: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.routes is not None:
+            check_routes(self.routes, self.layers)
+        self._clear()
+
+    def _clear(self) -> None:
         n = len(self.layers)
         self.chosen, self.own = [[] for _ in range(n)], [[] for _ in range(n)]
         self.replayed, self.logits = [[] for _ in range(n)], [[] for _ in range(n)]
-        if self.routes is not None:
-            check_routes(self.routes, self.layers)
+        self.made = [0] * n
+        self.given = [None if self.routes is None else _given(self.routes, index) for index in self.calls]
 
-    def routes_of(self, rows: int, positions: int) -> torch.Tensor:
-        """What was chosen in the last forward, of (rows, positions) tokens, as a route tensor (rows, positions,
-        layers, k)."""
-        return torch.stack([c[-1].reshape(rows, positions, -1) for c in self.chosen], dim=2)
+    def routes_of(self, rows: int, positions: int, call: int = -1) -> torch.Tensor:
+        """What was chosen in a forward (the last by default) of (rows, positions) tokens, as a route tensor (rows,
+        positions, layers, k)."""
+        return self.chosen_in(call).reshape(rows, positions, len(self.layers), -1)
+
+    def chosen_in(self, call: int = -1) -> torch.Tensor:
+        """The experts chosen in one forward call (the last by default), per token and layer: (tokens, layers, k)."""
+        return torch.stack([c[call] for c in self.chosen], dim=1)
 
     def changed_fraction(self) -> Optional[float]:
         """Of the replayed decisions (each replayed position's k experts in each layer), the fraction the forward's
         own router would have made otherwise (a replayed expert outside the router's own top-k); None where nothing
         was replayed."""
+        changed, total = self.changed_decisions()
+        return changed / total if total else None
+
+    def changed_decisions(self) -> tuple[int, int]:
+        """`changed_fraction`'s two counts: the replayed decisions the own router would have made otherwise, and
+        all replayed decisions."""
         changed = total = 0
         for chosen, own, replayed in zip(self.chosen, self.own, self.replayed):
             for c, o, r in zip(chosen, own, replayed):
                 c, o = c[r], o[r]
                 changed += int((~(c[:, :, None] == o[:, None, :]).any(-1)).sum())
                 total += c.numel()
-        return changed / total if total else None
+        return changed, total
+
+    def masks(self, mask: torch.Tensor) -> list[torch.Tensor]:
+        """Per expected forward call (`expect`), which of its tokens sit where `mask` (the routes' rows x positions)
+        is nonzero: (tokens,) booleans."""
+        flat = mask.reshape(-1) != 0
+        return [(index >= 0) & flat.to(index.device)[index.clamp(min=0)] for index in self.calls]
+
+
+def expect(state: Routing, calls: Sequence[torch.Tensor]) -> None:
+    """The forward calls the next pass makes, in order: for each, where each of its tokens (in the order its blocks
+    see them, rows x positions flattened) sits among the routes' rows x positions flattened (-1: nowhere, a
+    position the forward routes itself). Clears what earlier forwards recorded. A block called more often than
+    this (a layer recomputed in backward under gradient checkpointing) takes the routes of its call modulo their
+    number again and records nothing more."""
+    state.calls = [torch.as_tensor(index, dtype=torch.long) for index in calls]
+    state._clear()
+
+
+def _given(routes: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The routes (tokens, layers, k) of one forward call's tokens: the route tensor's at `index`, -1 where it is
+    -1."""
+    flat = routes.reshape(-1, *routes.shape[2:])
+    index = index.to(flat.device)
+    picked = flat[index.clamp(min=0)]
+    return torch.where((index >= 0)[:, None, None], picked, torch.full_like(picked, NO_ROUTE))
 
 
 def check_routes(routes: torch.Tensor, layers: Sequence[MoeLayer], rows: Optional[int] = None,
@@ -186,23 +234,41 @@ def _block_forward(state: Routing, j: int, hidden_states: torch.Tensor):
     else:  # transformers 5: the router module routes
         logits, top, own = block.gate(x)
         dtype = logits.dtype
+    call, state.made[j] = state.made[j], state.made[j] + 1
+    fresh = not state.calls or call < len(state.calls)  # (else a recomputation of an expected call)
+    given = _routes_for_call(state, j, call, B, T)
     chosen = own
-    if state.routes is not None:
-        _check_shape(state.routes, state.layers, B, T)
-        given = state.routes[:, :, j].reshape(-1, layer.top_k).to(own.device)
+    if given is not None:
+        given = given.to(own.device)
         replayed = (given >= 0).all(-1)
         chosen = torch.where(replayed[:, None], given, own)
         weights = routing_weights(logits, chosen, layer.norm_topk_prob, dtype)
-        state.own[j].append(own.detach())
-        state.replayed[j].append(replayed)
+        if fresh:
+            state.own[j].append(own.detach())
+            state.replayed[j].append(replayed)
     else:  # (transformers 5's router has normalised and cast its own)
         weights = _normalised(top, layer.norm_topk_prob, dtype) if isinstance(block.gate, nn.Linear) else top
-    if state.record:
+    if state.record and fresh:
         state.chosen[j].append(chosen.detach())
-    if state.keep_logits:
+    if state.keep_logits and fresh:
         state.logits[j].append(logits)
     out = _experts_forward(block, x, chosen, weights).reshape(B, T, h)
     return (out, logits) if isinstance(block.gate, nn.Linear) else out
+
+
+def _routes_for_call(state: Routing, j: int, call: int, rows: int, positions: int) -> Optional[torch.Tensor]:
+    """The routes (tokens, k) that layer j's `call`-th block call of (rows, positions) tokens replays, or None."""
+    if state.routes is None:
+        return None
+    if not state.calls:  # every forward over the routes' own rows
+        _check_shape(state.routes, state.layers, rows, positions)
+        return state.routes[:, :, j].reshape(-1, state.layers[j].top_k)
+    n = len(state.calls)
+    given = state.given[call % n]
+    if given.shape[0] != rows * positions:
+        raise ValueError(f"a forward of {rows} x {positions} tokens where the expected call {call % n} has "
+                         f"{given.shape[0]}")
+    return given[:, j]
 
 
 @contextlib.contextmanager
@@ -231,10 +297,12 @@ def _bound(state: Routing, j: int):
 
 
 def replay(state: Routing, routes: Optional[torch.Tensor]) -> None:
-    """The routes the next forwards inside `routed` replay (None: their own routing)."""
+    """The routes the next forwards inside `routed` replay (None: their own routing), over their own rows unless
+    `expect` says otherwise; clears what earlier forwards recorded."""
     if routes is not None:
         check_routes(routes, state.layers)
     state.routes = routes
+    state._clear()
 
 
 def expert_load(chosen: torch.Tensor, num_experts: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
