@@ -151,3 +151,83 @@ def test_expert_load_and_its_metrics_by_hand():
     metrics = load_metrics(load, layers)
     assert metrics["moe/layer_0/max_over_mean"] == 0.5 * 4 and metrics["moe/layer_1/max_over_mean"] == 0.375 * 4
     assert metrics["moe/max_over_mean"] == 2.0 and metrics["moe/layer_1/load"] == [0.125, 0.125, 0.375, 0.375]
+
+
+def episodes(rows_per_prompt: int = 2):
+    """Three prompts (one left-padded), each with `rows_per_prompt` right-padded completions."""
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(3, VOCAB, (3, 5), generator=g)
+    p_mask = torch.ones(3, 5, dtype=torch.long)
+    p_mask[1, :2] = 0
+    prompt_ids, prompt_mask = prompts.repeat_interleave(rows_per_prompt, 0), p_mask.repeat_interleave(rows_per_prompt, 0)
+    B = len(prompt_ids)
+    completion_ids = torch.randint(3, VOCAB, (B, 6), generator=g)
+    completion_mask = torch.ones(B, 6, dtype=torch.long)
+    completion_mask[0, 4:] = 0
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def sampler_routes(prompt_ids, completion_ids, layers: int, experts: int, k: int) -> torch.Tensor:
+    """Routes over [prompt, completion] as a sampler records them: the rows of one prompt share its prefill's
+    routes, the last sampled token has none (never fed back)."""
+    B, Lp = prompt_ids.shape
+    routes = random_routes(B, Lp + completion_ids.shape[1], layers, experts, k, seed=7)
+    _, inverse = torch.unique(prompt_ids, dim=0, return_inverse=True)
+    for b in range(B):
+        routes[b, :Lp] = routes[int((inverse == inverse[b]).nonzero()[0])][:Lp]
+    routes[:, -1] = NO_ROUTE
+    return routes
+
+
+LAYOUT_CASES = {"lean": (("lean", "onepass"), True), "shared": (("shared", "onepass"), True),
+                "onepass-chunked-head": (("onepass",), True), "onepass-own-head": (("onepass",), False)}
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("layout", list(LAYOUT_CASES))
+def test_every_training_layout_replays_each_tokens_route_and_scores_the_replayed_models_log_probs(
+        family, layout, monkeypatch):
+    """The lean pass (distinct prompts once and the completions in one call), the shared-prompt passes (two calls)
+    and the one-pass forward each send every token of [prompt, completion] to the experts its route names (checked
+    per layer and call) and give the log-probs of the model's own forward over whole rows with the same routes."""
+    from tidyrl.models import forward
+    from tidyrl.models.forward import completion_logprobs
+
+    layouts, fast_path = LAYOUT_CASES[layout]
+    monkeypatch.setattr(forward, "DEFAULT_LAYOUTS", layouts)
+    model = tiny(family)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = episodes()
+    routes = sampler_routes(prompt_ids, completion_ids, 3, 6, 2)
+    rows = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad(), routed(model, routes):  # the reference: the model's own forward over whole rows
+        own = model(input_ids=rows, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    reference = torch.log_softmax(own[:, 4:-1].float(), -1).gather(-1, completion_ids[..., None])[..., 0]
+    with torch.no_grad(), routed(model, routes) as state:
+        logprobs, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
+                                          fast_path=fast_path, routing=state)
+    real = completion_mask > 0
+    assert torch.allclose(logprobs[real], reference[real], atol=2e-5), (logprobs - reference).abs().max()
+    calls = {"lean": 1, "shared": 2}.get(layout, 1)
+    assert len(state.calls) == calls and all(len(c) == calls for c in state.chosen)
+    flat = routes.reshape(-1, 3, 2)
+    replayed = own_routed = 0
+    for call, index in enumerate(state.calls):
+        taken, named = state.chosen_in(call), index >= 0
+        given = named.clone()
+        given[named] = (flat[index[named]] >= 0).all(-1).all(-1)
+        assert torch.equal(taken[given], flat[index[given]])  # every layer at once: (tokens, layers, k)
+        replayed, own_routed = replayed + int(given.sum()), own_routed + int((named & ~given).sum())
+    # every position of [prompt, completion] once, but the distinct prompts' k - 1 copies where prompts are run once;
+    # the last completion column (no route: the router's own) left out of the lean and shared passes
+    once = layout in ("lean", "shared")
+    assert (replayed, own_routed) == ((6 * 11 - 3 * 5 - 6, 0) if once else (6 * 11 - 6, 6))
+
+
+def test_a_route_tensor_for_other_rows_than_the_batch_is_refused_before_the_forward():
+    from tidyrl.models.forward import completion_logprobs
+
+    model = tiny("qwen3_moe")
+    prompt_ids, prompt_mask, completion_ids, completion_mask = episodes()
+    with routed(model, random_routes(6, 10, 3, 6, 2)) as state, pytest.raises(ValueError, match=r"\(6, 10\).*6 rows of 5 \+ 6"):
+        completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0, routing=state)

@@ -30,10 +30,11 @@ from tidyrl.models.devices import to_device
 from tidyrl.models.sequences import plain_kv_cache, cache_argument, model_device, returned_cache
 from tidyrl.models.kernels import kernels_of
 from tidyrl.models.devices import width_padding
-from tidyrl.models.lean_forward import logits_if_lean
+from tidyrl.models.lean_forward import distinct_prompts, logits_if_lean
 from tidyrl.models.loading import activation_checkpointing_on
 from tidyrl.models.ops import gather_logprobs_and_entropy
 from tidyrl.models.recompute import cheap_parts_recomputed
+from tidyrl.models.routing import Routing, expect
 from tidyrl.models.sharding import ddp_inner, is_sharded
 
 
@@ -145,28 +146,32 @@ def _padded_widths(device: torch.device, prompt_ids, prompt_mask, completion_ids
 
 
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                      fast_path: bool = True) -> torch.Tensor:
+                      fast_path: bool = True, routing: Optional[Routing] = None) -> torch.Tensor:
     """Logits that predict each completion token: (B, Tc, V). Only Tc + 1 positions are projected.
-    `fast_path`: the lean pass for declared families where it applies (`models.lean_forward.can_run`)."""
-    parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    `fast_path`: the lean pass for declared families where it applies (`models.lean_forward.can_run`). `routing`:
+    see `completion_logprobs`."""
+    parts = _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path,
+                                    routing)
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))[:, :completion_ids.shape[1]]
 
 
 def _completion_logit_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                            fast_path: bool) -> list[torch.Tensor]:
+                            fast_path: bool, routing: Optional[Routing] = None) -> list[torch.Tensor]:
     """`completion_logits` as the passes give it: consecutive (B, t_i, V) column blocks (two for the shared-prompt
     passes, whose concatenation would copy the largest tensor of the pass; `completion_logprobs` reads each),
     possibly one column wider than the completions (the one-pass forward's last position, which predicts nothing:
     slicing it off would cost the backward pass a zero-filled copy of the whole logits)."""
-    parts = _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    parts = _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path, routing)
     return parts if parts is not None else [_onepass_logits(model, prompt_ids, prompt_mask, completion_ids,
-                                                            completion_mask)]
+                                                            completion_mask, routing)]
 
 
-def _onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+def _onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                    routing: Optional[Routing] = None) -> torch.Tensor:
     """The model's forward over [prompt, completion]: (B, Tc + 1, V), position t predicting completion token t, the
     last one nothing."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    _expect_rows(routing, inputs["input_ids"].shape, prompt_ids.shape[1], completion_ids.shape[1])
     with cheap_parts_recomputed(model):  # (with gradients: norms and MLP products recomputed in backward)
         return _own_forward(model, inputs, completion_ids.shape[1] + 1).logits
 
@@ -200,7 +205,7 @@ def _exact(model) -> bool:
 
 
 def _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                          fast_path: bool) -> Optional[list[torch.Tensor]]:
+                          fast_path: bool, routing: Optional[Routing] = None) -> Optional[list[torch.Tensor]]:
     """The logits of the first layout in the device's order (LAYOUTS; the lean pass first for long repeated
     prompts) that applies, when it is the lean or the shared-prompt pass; None where the one-pass forward is next
     (always for a model marked by `exact_forward`)."""
@@ -209,12 +214,14 @@ def _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, comple
     tc, device = completion_ids.shape[1], model_device(model)
     for layout in _layouts_for_batch(device, prompt_ids, prompt_mask, completion_ids, fast_path):
         if layout == "lean" and fast_path:
-            lean = logits_if_lean(model, *_padded_widths(device, prompt_ids, prompt_mask, completion_ids,
-                                                         completion_mask))
+            padded = _padded_widths(device, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            if routing is not None:
+                _expect_lean(routing, padded, prompt_ids.shape[1], completion_ids.shape[1])
+            lean = logits_if_lean(model, *padded)
             if lean is not None:
                 return [lean]  # (possibly wider than tc: the padding's columns are read with token 0 and dropped)
         elif layout == "shared" and tc > 1:
-            shared = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            shared = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, routing)
             if shared is not None:
                 return shared
         elif layout == "onepass":
@@ -222,11 +229,13 @@ def _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, comple
     return None
 
 
-def _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+def _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                    routing: Optional[Routing] = None) -> torch.Tensor:
     """The one-pass forward's last hidden states at the positions that predict the completion tokens (B, Tc, H):
     the causal LM's own forward over [prompt, completion] (through DDP where it runs inside it), its output layer
     `head` passing its input through."""
     inputs = model_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    _expect_rows(routing, inputs["input_ids"].shape, prompt_ids.shape[1], completion_ids.shape[1])
     tc = completion_ids.shape[1]
     # (with gradients: norms and MLP products recomputed in backward)
     with cheap_parts_recomputed(model), passed_through(head):
@@ -234,19 +243,25 @@ def _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, comple
     return hidden[:, :tc]
 
 
-def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask
-                          ) -> Optional[list[torch.Tensor]]:
+def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                          routing: Optional[Routing] = None) -> Optional[list[torch.Tensor]]:
     """`completion_logits` in two passes: the U distinct prompts once (U, Lp), then the B completions
     (B, Tc - 1) on the prompts' keys and values indexed per row. Gradients flow through that index into the
     shared prompt pass, where backward sums them: the gradient of a prompt's k copies. Returns the logits of
     the first completion token (B, 1, V) and of the rest (B, Tc - 1, V). None when it would not help (every
     prompt distinct) or cannot be used (see `_can_share_prompts`)."""
-    rows = torch.cat([prompt_ids, prompt_mask], dim=1)  # a prompt is its ids and its padding
-    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    if len(unique) == len(rows) or not _can_share_prompts(model):
+    unique, inverse = distinct_prompts(prompt_ids, prompt_mask)
+    if len(unique) == len(prompt_ids) or not _can_share_prompts(model):
         return None
     device = model_device(model)
     lp = prompt_ids.shape[1]
+    if routing is not None:  # the prompts' pass, then the completions' but their last token
+        width = lp + completion_ids.shape[1]
+        columns = torch.arange(width)
+        first = _first_rows(inverse, len(unique))
+        routing_calls = [first[:, None] * width + columns[None, :lp],
+                         torch.arange(len(prompt_ids))[:, None] * width + columns[None, lp:-1]]
+        expect(routing, [index.reshape(-1) for index in routing_calls])
     u_ids, u_mask = to_device(unique[:, :lp], device), to_device(unique[:, lp:], device)
     u_pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
     # The prompt pass runs the module inside DDP, so that every process makes exactly one DDP forward per
@@ -283,22 +298,64 @@ def _can_share_prompts(model) -> bool:
     return plain_kv_cache(inner)
 
 
+def _first_rows(inverse: torch.Tensor, distinct: int) -> torch.Tensor:
+    """Each distinct prompt's first row (distinct,): the row whose routes its once-run prompt replays (the k rows of
+    a group share the prompt and, from one sampler's prefill, its routes)."""
+    rows = torch.arange(len(inverse))
+    return torch.full((distinct,), len(inverse), dtype=torch.long).scatter_reduce(0, inverse.cpu(), rows, "amin")
+
+
+def _expect_rows(routing: Optional[Routing], shape, prompt: int, completion: int) -> None:
+    """The one-pass forward over (rows, columns): the rows [prompt, completion], left-padded by columns - prompt -
+    completion (WIDTH_MULTIPLE's padding: no route)."""
+    if routing is None:
+        return
+    rows, columns = shape
+    left, width = columns - prompt - completion, prompt + completion
+    at = torch.arange(columns) - left
+    index = torch.where(at >= 0, torch.arange(rows)[:, None] * width + at[None, :], -1)
+    expect(routing, [index.reshape(-1)])
+
+
+def _expect_lean(routing: Routing, padded, prompt: int, completion: int) -> None:
+    """The lean pass's one call: the distinct prompts' tokens (U x Lp'), then every row's completion tokens but the
+    last column (B x (Tc' - 1)), of prompts left-padded and completions right-padded to Lp' and Tc'
+    (`_padded_widths`)."""
+    prompt_ids, prompt_mask, completion_ids, _ = padded
+    left, right = prompt_ids.shape[1] - prompt, completion_ids.shape[1] - completion
+    width = prompt + completion
+    unique, inverse = distinct_prompts(prompt_ids, prompt_mask)
+    first = _first_rows(inverse, len(unique))
+    p_at = torch.arange(prompt_ids.shape[1]) - left
+    p_index = torch.where(p_at >= 0, first[:, None] * width + p_at[None, :], -1)
+    c_at = torch.arange(completion + right - 1)
+    c_index = torch.where(c_at < completion, torch.arange(len(inverse))[:, None] * width + prompt + c_at[None, :], -1)
+    expect(routing, [torch.cat([p_index.reshape(-1), c_index.reshape(-1)])])
+
+
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,
-                        with_entropy: bool = False, fast_path: bool = True
+                        with_entropy: bool = False, fast_path: bool = True, routing: Optional[Routing] = None
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs (B, Tc) of the completion tokens under `model` at `temperature`, and optionally the
     per-token entropy (computed without grad). Gradients flow when called outside no_grad. `fast_path`: see
     `completion_logits`; off, also the model's own output layer (whole logits), not `models.chunked_head` (always
-    off for a model marked by `exact_forward`)."""
+    off for a model marked by `exact_forward`). `routing`: the `models.routing.routed` state of a mixture of
+    experts, its routes (if any) over the rows [prompt, completion] (B, Lp + Tc, layers, k): each pass tells it where
+    its forward calls' tokens sit among those rows (`routing.expect`), so that every token replays its own route
+    whatever the layout, and what was chosen can be read back per call."""
     fast_path = fast_path and not _exact(model)
-    parts = _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path)
+    if routing is not None and routing.routes is not None and \
+            tuple(routing.routes.shape[:2]) != (len(prompt_ids), prompt_ids.shape[1] + completion_ids.shape[1]):
+        raise ValueError(f"routes over {tuple(routing.routes.shape[:2])} rows x positions for a batch of "
+                         f"{len(prompt_ids)} rows of {prompt_ids.shape[1]} + {completion_ids.shape[1]} positions")
+    parts = _lean_or_shared_parts(model, prompt_ids, prompt_mask, completion_ids, completion_mask, fast_path, routing)
     # the one-pass forward, its output layer in chunks (not with `fast_path` off: the model's own output layer)
     if parts is None and fast_path and (head := head_of(model)) is not None:
-        hidden = _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        hidden = _onepass_hidden(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, routing)
         return head_logprobs(hidden, head.weight, to_device(completion_ids, hidden.device), temperature,
                              with_entropy, fused=kernels_of(model).fused_logprobs)
     if parts is None:
-        parts = [_onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)]
+        parts = [_onepass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, routing)]
     tc, widths = completion_ids.shape[1], [p.shape[1] for p in parts]
     # A column that predicts nothing is read with token 0 and dropped: per-position maths, the same numbers.
     ids = F.pad(to_device(completion_ids, parts[0].device), (0, sum(widths) - tc)).split(widths, dim=1)

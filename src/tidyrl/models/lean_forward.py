@@ -60,8 +60,7 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     B, Lp = prompt_ids.shape
     Tc = completion_ids.shape[1]
     Tq = Tc - 1  # completion tokens read as inputs: the last one predicts nothing that is scored
-    # The distinct prompts (a prompt is its ids and its padding), U of them; row b's is unique[inverse[b]].
-    unique, inverse = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    unique, inverse = distinct_prompts(prompt_ids, prompt_mask)
     U = unique.shape[0]
     # (torch.unique on host tensors: on a GPU it would wait for the device to learn the output's size.)
     u_ids, u_mask = to_device(unique[:, :Lp], device), to_device(unique[:, Lp:], device).bool()
@@ -110,6 +109,13 @@ def completion_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     last = x_p.view(U, Lp, -1).split([Lp - 1, 1], dim=1)[1][:, 0]
     h = torch.cat([last.index_select(0, inverse)[:, None], x_c.view(B, Tq, -1)], dim=1)  # (B, Tc, hidden)
     return _linear(_trained_norm(h, norm_of(inner.norm, family.norm)), model.lm_head)  # (B, Tc, V)
+
+
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct prompts (a prompt is its ids and its padding) as rows [ids, mask] (U, 2 Lp), sorted, and each
+    row's among them (B,): row b's prompt is unique[inverse[b]]. The one order of the passes that run each prompt
+    once (and of what maps their tokens back to rows: `models.forward`)."""
+    return torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
 
 
 def _masks(u_mask: torch.Tensor, c_mask: torch.Tensor, inverse: torch.Tensor, Lp: int, Tq: int,

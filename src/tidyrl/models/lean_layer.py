@@ -275,8 +275,11 @@ def refusal(model, computable: Callable[[nn.Module], bool]) -> Optional[str]:
         return f"its embedding is a {type(embed).__name__}"
     if is_sharded(model):  # FSDP shards the parameters in place (and whole ones are gathered only for a while)
         return "its parameters are sharded"
+    # (a mixture-of-experts block is called as the module it is, with whatever runs around it: routing replay's
+    # forward, a hook; so are the modules inside it)
+    own_blocks = tuple(f"{name}." for name, module in model.named_modules() if is_own_block(module, family))
     for module_name, module in model.named_modules():
-        if wrapped(module):
+        if wrapped(module) and not f"{module_name}.".startswith(own_blocks):
             return f"{module_name or 'the model'} has a hook or its own forward"
     for i, layer in enumerate(inner.layers):
         attn, mlp = layer.self_attn, layer.mlp
