@@ -231,3 +231,52 @@ def test_a_route_tensor_for_other_rows_than_the_batch_is_refused_before_the_forw
     prompt_ids, prompt_mask, completion_ids, completion_mask = episodes()
     with routed(model, random_routes(6, 10, 3, 6, 2)) as state, pytest.raises(ValueError, match=r"\(6, 10\).*6 rows of 5 \+ 6"):
         completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0, routing=state)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("fast_path", [True, False], ids=["lean-decode", "own-forward"])
+def test_the_engine_records_every_tokens_route_and_the_replayed_trainer_scores_the_samplers_log_probs(
+        family, fast_path):
+    """The built-in engine's routes: the same draws as without recording; every prompt token's experts (from the
+    prefill of its distinct prompt) and every sampled token's (from the step that fed it back) are the ones a
+    forward over the whole rows replaying them takes, and that forward's log-probs are the sampler's to rounding;
+    -1 at the prompts' padding, at the last sampled token and past each end."""
+    from tidyrl.models.forward import completion_logprobs
+    from tidyrl.models.generation import generate
+    from tidyrl.models.sequences import left_pad
+
+    model = tiny(family)
+    prompts = [[5, 6, 7, 8], [9, 10], [5, 6, 7, 8], [11, 12, 13]]
+    settings = dict(sample_keys=[1, 2, 3, 4], max_new_tokens=7, eos_ids=[2], pad_id=0, batch_size=3,
+                    return_logprobs=True, fast_path=fast_path)
+    ids, mask, _, logprobs = generate(model, prompts, **settings)
+    r_ids, r_mask, _, r_logprobs, prompt_routes, completion_routes = generate(model, prompts, return_routes=True,
+                                                                              **settings)
+    assert torch.equal(ids, r_ids) and torch.equal(mask, r_mask) and torch.equal(logprobs, r_logprobs)
+    assert prompt_routes.shape == (4, 4, 3, 2) and completion_routes.shape == (4, 7, 3, 2)
+    assert prompt_routes.dtype == torch.int16
+    p_ids, p_mask = left_pad(prompts, 0)
+    assert ((prompt_routes >= 0).all(-1).all(-1) == (p_mask > 0)).all()
+    assert torch.equal(prompt_routes[0], prompt_routes[2])  # one prefill of the shared prompt
+    lengths = mask.sum(1).long()
+    fed = torch.arange(7)[None] < (lengths - 1)[:, None]  # every sampled token but the last
+    assert ((completion_routes >= 0).all(-1).all(-1) == fed).all()
+    routes = torch.cat([prompt_routes, completion_routes], 1).long()
+    with torch.no_grad(), routed(model, routes) as state:
+        trainer, _ = completion_logprobs(model, p_ids, p_mask, ids, mask, 1.0, routing=state)
+        assert state.changed_fraction() == 0.0  # the trainer's own router agrees here (one kernel, one batch)
+    real = mask > 0
+    assert torch.allclose(trainer[real], logprobs[real], atol=1e-5)
+    for call, index in enumerate(state.calls):
+        named = (index >= 0)
+        named[named.clone()] = (routes.reshape(-1, 3, 2)[index[named]] >= 0).all(-1).all(-1)
+        assert torch.equal(state.chosen_in(call)[named], routes.reshape(-1, 3, 2)[index[named]])
+
+
+def test_a_dense_model_records_no_routes():
+    from tidyrl.models.generation import generate
+
+    model = build_tiny_llama(VOCAB, hidden_size=16, num_heads=2).eval()
+    out = generate(model, [[5, 6]], sample_keys=[1], max_new_tokens=3, eos_ids=[2], pad_id=0, batch_size=1,
+                   return_logprobs=True, return_routes=True)
+    assert len(out) == 6 and out[4] is None and out[5] is None

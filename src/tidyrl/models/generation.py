@@ -21,6 +21,11 @@ docs/benchmarking.md the profiles):
 - finished rows leave the decoding batch (except with fixed shapes: a CUDA graph replays one batch size);
 - the sampling pass returns each token's log-prob, the sampler's log-probs of the rollout: no separate
   scoring pass of the policy.
+
+With `return_routes`, a mixture-of-experts model's routes come back too (`models.routing`): the experts every
+prompt token went to in the prefill and every sampled token in the decode step that fed it back, per layer, what
+the trainer replays (rollout routing replay). Recording decodes with growing shapes (a captured graph records
+nothing).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from tidyrl.models import fused_decode
 from tidyrl.models.devices import width_padding
 from tidyrl.models.sequences import cache_argument, left_pad, model_device, plain_kv_cache, returned_cache
 from tidyrl.models.lean_decode import Replayed, StaticDecode, attention_bias, decode_step_for
+from tidyrl.models.routing import NO_ROUTE, ROUTE_DTYPE, Routing, moe_layers, routed, routing_shape, take
 
 
 SAMPLER = "inverse-transform-float64"
@@ -128,6 +134,7 @@ def generate(
     return_logprobs: bool = False,
     fast_path: bool = True,
     static_cache: Optional[bool] = None,
+    return_routes: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Sample one completion per prompt, in chunks of `batch_size`.
 
@@ -143,35 +150,65 @@ def generate(
     forward, without its per-call overhead); False always calls the model's own forward.
     `static_cache`: with the fast path, decode with fixed shapes (`lean_decode.StaticDecode`), each step one
     CUDA graph replay on a GPU; None = on CUDA devices only.
+    `return_routes` (with `return_logprobs`): two more tensors, a mixture-of-experts model's routes
+    (`models.routing`), ROUTE_DTYPE: the prompts' (B, longest prompt, MoE layers, k), left-aligned as `left_pad`
+    pads them, and the completions' (B, max_new_tokens, MoE layers, k), at position t the experts completion token
+    t was sent to when fed back (none for the last one, never fed); -1 at padding and past the end. None for a
+    dense model.
     """
     assert len(prompts) == len(sample_keys)
     ids = torch.full((len(prompts), max_new_tokens), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), max_new_tokens))
     logprobs = torch.zeros((len(prompts), max_new_tokens))
-    for start in range(0, len(prompts), batch_size):
-        chunk = slice(start, start + batch_size)
-        rows = prompts[chunk]
-        shapes = (f"sequences {start + 1}-{start + len(rows)} of {len(prompts)}: prompts of up to "
-                  f"{max(len(p) for p in rows)} tokens + up to {max_new_tokens} new")
-        # (less bookkeeping per op than no_grad; only our copies leave the block)
-        with liveness.working("generation", shapes), torch.inference_mode():
-            c_ids, c_mask, c_logprobs = _generate_chunk(
-                model, prompts[chunk], sample_keys[chunk], max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                pad_id=pad_id, min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                fast_path=fast_path, static_cache=static_cache,
-            )
-        ids[chunk, : c_ids.shape[1]] = c_ids.cpu()
-        mask[chunk, : c_mask.shape[1]] = c_mask.cpu()
-        logprobs[chunk, : c_logprobs.shape[1]] = c_logprobs.cpu()
-        liveness.mark(f"generated sequences {start + 1}-{min(start + batch_size, len(prompts))} of {len(prompts)}")
+    layers = moe_layers(model) if return_routes else []
+    recording = routed(model) if layers else contextlib.nullcontext()
+    if layers:
+        k, Lp = layers[0].top_k, max(len(p) for p in prompts)
+        prompt_routes = torch.full((len(prompts), Lp, len(layers), k), NO_ROUTE, dtype=ROUTE_DTYPE)
+        completion_routes = torch.full((len(prompts), max_new_tokens, len(layers), k), NO_ROUTE, dtype=ROUTE_DTYPE)
+    with recording as routing:
+        for start in range(0, len(prompts), batch_size):
+            chunk = slice(start, min(start + batch_size, len(prompts)))
+            routes = _generate_chunks_of(model, prompts, sample_keys, chunk, ids, mask, logprobs, routing,
+                                         max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                                         min_new_tokens=min_new_tokens, temperature=temperature, top_p=top_p,
+                                         top_k=top_k, fast_path=fast_path, static_cache=static_cache)
+            if routing is not None:
+                c_prompt, c_completion = routes
+                prompt_routes[chunk, Lp - c_prompt.shape[1]:] = c_prompt.cpu()
+                completion_routes[chunk, :c_completion.shape[1]] = c_completion.cpu()
     ended = (ids.unsqueeze(-1) == torch.as_tensor(list(eos_ids))).any(-1) & (mask > 0)
     truncated = ~ended.any(-1)
-    return (ids, mask, truncated, logprobs) if return_logprobs else (ids, mask, truncated)
+    out = (ids, mask, truncated, logprobs) if return_logprobs else (ids, mask, truncated)
+    if return_routes:
+        out += (prompt_routes, completion_routes) if layers else (None, None)
+    return out
+
+
+def _generate_chunks_of(model, prompts, sample_keys, chunk: slice, ids, mask, logprobs, routing: Optional[Routing],
+                        **settings) -> list:
+    """The `chunk` of `generate`'s prompts, written into its ids, mask and log-probs; with `routing`, its routes
+    [prompts', completions'] (`_generate_chunk`), else []."""
+    rows = prompts[chunk]
+    shapes = (f"sequences {chunk.start + 1}-{chunk.start + len(rows)} of {len(prompts)}: prompts of up to "
+              f"{max(len(p) for p in rows)} tokens + up to {settings['max_new_tokens']} new")
+    # (less bookkeeping per op than no_grad; only our copies leave the block)
+    with liveness.working("generation", shapes), torch.inference_mode():
+        c_ids, c_mask, c_logprobs, *routes = _generate_chunk(model, rows, sample_keys[chunk], routing=routing,
+                                                             **settings)
+    ids[chunk, : c_ids.shape[1]] = c_ids.cpu()
+    mask[chunk, : c_mask.shape[1]] = c_mask.cpu()
+    logprobs[chunk, : c_logprobs.shape[1]] = c_logprobs.cpu()
+    liveness.mark(f"generated sequences {chunk.start + 1}-{chunk.start + len(rows)} of {len(prompts)}")
+    return routes
 
 
 def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, min_new_tokens, temperature,
-                    top_p, top_k, fast_path=True, static_cache=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode one chunk: (ids, mask, log-probs of the sampled tokens), each (B, steps taken). Where the model's
+                    top_p, top_k, fast_path=True, static_cache=None, routing: Optional[Routing] = None
+                    ) -> tuple[torch.Tensor, ...]:
+    """Decode one chunk: (ids, mask, log-probs of the sampled tokens), each (B, steps taken), and with `routing`
+    (a `models.routing.routed` state recording the model's choices) the routes of the prompts (B, Lp, MoE layers,
+    k) and of the completions (B, steps taken, MoE layers, k), -1 at padding. Where the model's
     cache is a plain per-layer key/value cache (most decoder LMs), three things make it lean without changing
     any draw: each distinct prompt is prefilled once and its cache copied to its samples (GRPO/RLOO chunks hold
     k samples of each prompt); keys and values are written into buffers allocated once instead of being
@@ -205,7 +242,14 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
         out = model(input_ids=u_ids, attention_mask=u_attn, position_ids=u_pos, use_cache=True, logits_to_keep=1)
         u_logits, prefill_cache = out.logits[:, -1, :], returned_cache(out)
     logits = u_logits[inv]  # (B, V)
-    fixed = step_fn is not None and (static_cache if static_cache is not None else device.type == "cuda")
+    if routing is not None:  # each distinct prompt's routes to its rows, none at padding
+        prompt_routes = take(routing).view(len(unique), Lp, *routing_shape(routing))[inv]
+        prompt_routes.masked_fill_(~u_attn[inv].bool()[:, :, None, None], NO_ROUTE)
+        completion_routes = torch.full((B, max_new_tokens, *routing_shape(routing)), NO_ROUTE,
+                                       dtype=prompt_routes.dtype, device=device)
+    # (recording: growing shapes, whose every step's routes can be read)
+    fixed = step_fn is not None and (static_cache if static_cache is not None else device.type == "cuda") and \
+        routing is None
     capacity = Lp + max_new_tokens
     if fixed:  # (on CUDA a multiple of 16 positions, those past the last token never written: masked throughout)
         capacity += width_padding(capacity, device)
@@ -294,13 +338,18 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
                 out = model(input_ids=token[:, None], attention_mask=attn[..., : Lp + step + 1],
                             position_ids=next_pos, **{cache_arg: cache}, use_cache=True)
                 logits = out.logits[:, -1, :]
+            if routing is not None:  # the experts of the token just fed back
+                completion_routes[at, step] = take(routing).to(completion_routes.dtype)
             next_pos = next_pos + 1
     ids = ids[:, :steps]
     # A position is part of the completion up to and including the first EOS: where no EOS came before it (rows
     # emit padding after theirs, or left the batch with padding in place, whatever pad_id is).
     is_eos = torch.isin(ids, eos)
     alive = (is_eos.cumsum(-1) == is_eos.long()).float()
-    return ids, alive, logprobs[:, :steps]
+    if routing is None:
+        return ids, alive, logprobs[:, :steps]
+    completion_routes = completion_routes[:, :steps].masked_fill_(alive[:, :, None, None] == 0, NO_ROUTE)
+    return ids, alive, logprobs[:, :steps], prompt_routes, completion_routes
 
 
 def draw_tokens(logits_BV: torch.Tensor, uniforms_B: torch.Tensor, *, temperature: float, top_k: int, top_p: float,

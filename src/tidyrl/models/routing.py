@@ -41,6 +41,9 @@ from tidyrl.models.families import family_of
 
 NO_ROUTE = -1
 """A position of a route tensor with no recorded experts: the forward routes it itself."""
+ROUTE_DTYPE = torch.int16
+"""What routes are carried as (a rollout's, a checkpoint's): up to 32767 experts, 2 bytes per token, layer and
+choice."""
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,20 @@ def _bound(state: Routing, j: int):
     def forward(hidden_states):
         return _block_forward(state, j, hidden_states)
     return forward
+
+
+def take(state: Routing) -> torch.Tensor:
+    """The experts chosen in the forward just run (tokens, layers, k), ROUTE_DTYPE, forgetting what was recorded
+    (a decode loop's memory stays one step's)."""
+    chosen = state.chosen_in(-1).to(ROUTE_DTYPE)
+    for recorded in state.chosen:
+        recorded.clear()
+    return chosen
+
+
+def routing_shape(state: Routing) -> tuple[int, int]:
+    """(MoE layers, k): a route tensor's last two sizes for this model."""
+    return len(state.layers), state.layers[0].top_k
 
 
 def replay(state: Routing, routes: Optional[torch.Tensor]) -> None:
