@@ -159,6 +159,8 @@ class RolloutConfig:
     """Truncated importance sampling against the sampler/trainer mismatch (Yao et al. 2025): each token's loss is weighted by min(pi_trainer / pi_sampler, tis_cap) on the sampled token. null = 2.0 with engine vllm or vllm-server or with rollout.lag >= 1, off with builtin; 0 = off."""
     lag: int = 0
     """L: rollouts made ahead, beside training. Rollout r is generated with the weights after rollout r - 1 - L's updates (the starting weights for r <= L) while the learner trains on earlier ones; fixed by the config, never by timing, so the run is the same whatever the speed of either side. 0 = on-policy (generate, then train). The gap is corrected by the truncated importance weights (rollout.tis_cap). docs/async.md."""
+    routing_replay: bool = True
+    """Rollout routing replay (R3: Ma et al. 2025, arXiv:2510.11370) for a mixture-of-experts policy: the engine records the experts it sent every prompt and sampled token to in every MoE layer, and the trainer's forwards (scoring, the reference, the update) send each token to those experts, the router's weights still its own (so it keeps its gradient). false: the trainer routes itself (the recorded routes are then only compared: routing/changed_fraction). Needs an engine that returns routes (docs/engines.md); a dense policy has none to replay. docs/moe.md."""
     behaviour_logprobs: str = "sampler"
     """The old log-probs of the PPO-style ratio: sampler (the engine's own, returned with the tokens) or trainer (recomputed by the policy's forward after generation; then no importance correction is needed)."""
     dynamic_sampling: bool = False

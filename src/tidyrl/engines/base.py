@@ -4,6 +4,9 @@
     engine.generate(prompts, sample_keys, settings)
         -> (completion_ids (B, max_new_tokens), completion_mask (B, max_new_tokens), truncated (B,),
             logprobs (B, max_new_tokens): the sampler's log-prob of each sampled token, 0 past the end)
+           and with settings.record_routes (an engine whose capabilities say `records_routes`) two more:
+           a mixture of experts' routes of the prompts (B, longest prompt, MoE layers, k), left-aligned, and of the
+           completions (B, max_new_tokens, MoE layers, k) (`models.generation.generate`; None for a dense model)
     engine.release()                      after generation: give memory back to training until the next sync
 
 Prompts are token ids and completions come back as token ids (token in, token out: nothing is re-tokenised),
@@ -30,6 +33,8 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    record_routes: bool = False
+    """Return a mixture of experts' routes too (rollout routing replay; engines with `records_routes`)."""
 
     @classmethod
     def of_rollout(cls, rollout, eos_ids: Sequence[int], pad_id: int) -> "SamplingSettings":
@@ -59,6 +64,9 @@ class Capabilities:
     default_tis_cap: float
     """The truncated importance sampling cap used when rollout.tis_cap is unset (0 = off): on where the sampler
     is another program whose log-probs differ from the trainer's (Yao et al. 2025)."""
+    records_routes: bool = False
+    """It returns the experts a mixture-of-experts policy chose for every token (`SamplingSettings.record_routes`),
+    which the trainer replays (rollout.routing_replay)."""
 
 
 class Engine(Protocol):

@@ -9,7 +9,7 @@ from tidyrl.engines.base import Capabilities, SamplingSettings, in_process_fsdp_
 
 
 CAPABILITIES = Capabilities(samples_trained_weights=True, needs_weight_sync=False, can_sleep=False,
-                            default_tis_cap=0.0)
+                            default_tis_cap=0.0, records_routes=True)
 """What the engine declares, known before it is built (the config's checks read it)."""
 
 
@@ -35,7 +35,7 @@ class BuiltinEngine:
         return generate(self.policy, prompts, sample_keys=sample_keys, max_new_tokens=settings.max_new_tokens,
                         min_new_tokens=settings.min_new_tokens, eos_ids=settings.eos_ids, pad_id=settings.pad_id,
                         batch_size=settings.batch_size, temperature=settings.temperature, top_p=settings.top_p,
-                        top_k=settings.top_k, return_logprobs=True,
+                        top_k=settings.top_k, return_logprobs=True, return_routes=settings.record_routes,
                         fast_path=self.fast_path)
 
 

@@ -96,6 +96,8 @@ class Routing:
     routes: Optional[torch.Tensor] = None
     record: bool = True
     keep_logits: bool = False
+    replay: bool = True
+    """False: the routes are only compared with the forward's own choice (`changed_fraction`), which it takes."""
     calls: list[torch.Tensor] = field(default_factory=list)
     chosen: list[list[torch.Tensor]] = field(default_factory=list)
     own: list[list[torch.Tensor]] = field(default_factory=list)
@@ -130,18 +132,25 @@ class Routing:
         own router would have made otherwise (a replayed expert outside the router's own top-k); None where nothing
         was replayed."""
         changed, total = self.changed_decisions()
-        return changed / total if total else None
+        return float(changed) / float(total) if float(total) else None
 
-    def changed_decisions(self) -> tuple[int, int]:
+    def changed_decisions(self) -> tuple:
         """`changed_fraction`'s two counts: the replayed decisions the own router would have made otherwise, and
-        all replayed decisions."""
+        all replayed decisions (tensors on the forward's device: no synchronisation; 0 where none)."""
         changed = total = 0
-        for chosen, own, replayed in zip(self.chosen, self.own, self.replayed):
-            for c, o, r in zip(chosen, own, replayed):
-                c, o = c[r], o[r]
-                changed += int((~(c[:, :, None] == o[:, None, :]).any(-1)).sum())
-                total += c.numel()
+        for j, (own, replayed) in enumerate(zip(self.own, self.replayed)):
+            for call, (o, r) in enumerate(zip(own, replayed)):
+                c = self._given_in(j, call, o.shape[0]).to(o.device)[r]
+                o = o[r]
+                changed = changed + (~(c[:, :, None] == o[:, None, :]).any(-1)).sum()
+                total = total + r.sum() * c.shape[-1]
         return changed, total
+
+    def _given_in(self, j: int, call: int, tokens: int) -> torch.Tensor:
+        """The routes layer j's `call`-th recorded call was given (tokens, k)."""
+        if not self.calls:
+            return self.routes[:, :, j].reshape(tokens, -1)
+        return self.given[call][:, j]
 
     def masks(self, mask: torch.Tensor) -> list[torch.Tensor]:
         """Per expected forward call (`expect`), which of its tokens sit where `mask` (the routes' rows x positions)
@@ -244,11 +253,12 @@ def _block_forward(state: Routing, j: int, hidden_states: torch.Tensor):
     if given is not None:
         given = given.to(own.device)
         replayed = (given >= 0).all(-1)
-        chosen = torch.where(replayed[:, None], given, own)
-        weights = routing_weights(logits, chosen, layer.norm_topk_prob, dtype)
         if fresh:
             state.own[j].append(own.detach())
             state.replayed[j].append(replayed)
+    if given is not None and state.replay:
+        chosen = torch.where(replayed[:, None], given, own)
+        weights = routing_weights(logits, chosen, layer.norm_topk_prob, dtype)
     else:  # (transformers 5's router has normalised and cast its own)
         weights = _normalised(top, layer.norm_topk_prob, dtype) if isinstance(block.gate, nn.Linear) else top
     if state.record and fresh:
@@ -275,13 +285,14 @@ def _routes_for_call(state: Routing, j: int, call: int, rows: int, positions: in
 
 
 @contextlib.contextmanager
-def routed(model, routes: Optional[torch.Tensor] = None, *, record: bool = True,
-           keep_logits: bool = False) -> Iterator[Routing]:
+def routed(model, routes: Optional[torch.Tensor] = None, *, record: bool = True, keep_logits: bool = False,
+           replay: bool = True) -> Iterator[Routing]:
     """Run the model's mixture-of-experts blocks through tidyrl's forward of them (module docstring) until the
     block ends: recording the experts chosen, keeping the router's logits, and with `routes` (a route tensor of
     each forward's batch: call `replay` between forwards of other batches) sending each position with a route to
-    its experts. Yields the `Routing`; a dense model runs as it is (no layers)."""
-    state = Routing(moe_layers(model), routes, record, keep_logits)
+    its experts (with `replay` False: only compared with the forward's own choice). Yields the `Routing`; a dense
+    model runs as it is (no layers)."""
+    state = Routing(moe_layers(model), routes, record, keep_logits, replay)
     patched = []
     try:
         for j, layer in enumerate(state.layers):
@@ -291,6 +302,18 @@ def routed(model, routes: Optional[torch.Tensor] = None, *, record: bool = True,
     finally:
         for block in patched:
             del block.forward  # (the instance attribute: the class's forward again)
+
+
+@contextlib.contextmanager
+def replaying(model, routes: Optional[torch.Tensor], replay: bool = True) -> Iterator[Optional[Routing]]:
+    """`routed(model, routes)` for a mixture-of-experts model given routes (ROUTE_DTYPE or any integers), with
+    `replay` False comparing them only; None (and the model as it is) for a dense model or no routes. What the
+    training forwards (`models.forward.completion_logprobs(..., routing=)`) run inside."""
+    if routes is None or not moe_layers(model):
+        yield None
+        return
+    with routed(model, routes.long(), record=False, replay=replay) as state:
+        yield state
 
 
 def _bound(state: Routing, j: int):

@@ -49,6 +49,12 @@ class Conversation:
     """Its environment's `close()` ran (or it has none): the episode's end was handled."""
     close_error: Optional[str] = None
     """What `close()` raised, recorded (never raised into the run)."""
+    prompt_routes: Optional[torch.Tensor] = None
+    """With SamplingSettings.record_routes, a mixture of experts' routes of the prompt's tokens (prompt, MoE layers,
+    k) from the first turn's prefill."""
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """... and of `ids` as far as recorded, in pieces: each model turn's tokens from its decode steps, each
+    environment message's from the next turn's prefill (none where no turn followed it)."""
 
 
 def environment_message_ids(tokenizer, messages: list[dict], turn_text: str, generated_text: str, message: dict,
@@ -106,13 +112,15 @@ def run_episodes(engine, tokenizer, prompt_ids: Sequence[Sequence[int]], setting
         if not active:
             break
         turn_tokens = min(settings.max_turn_tokens or budget, min(budget - len(conversations[i].ids) for i in active))
-        ids, mask, truncated, logprobs = engine.generate(
+        ids, mask, truncated, logprobs, *routes = engine.generate(
             [list(prompt_ids[i]) + conversations[i].ids for i in active], [sample_key(i, t) for i in active],
             replace(settings.sampling, max_new_tokens=max(turn_tokens, 1)))
         replies = []
         for row, i in enumerate(active):
             c = conversations[i]
             n = int(mask[row].sum())
+            if routes and routes[0] is not None:
+                _record_routes(c, len(prompt_ids[i]), routes[0][row], routes[1][row, :n])
             turn = ids[row, :n].tolist()
             c.ids += turn
             c.action += [1] * n
@@ -138,6 +146,19 @@ def run_episodes(engine, tokenizer, prompt_ids: Sequence[Sequence[int]], setting
             c.done = True
         close_ended(conversations, environments, pool)
     return conversations
+
+
+def _record_routes(c: Conversation, prompt: int, input_routes: torch.Tensor, turn_routes: torch.Tensor) -> None:
+    """A turn's routes into the conversation: its input's (right-aligned: the prompt, then `c.ids`) for the
+    prompt on the first turn and for the environment's tokens since the last turn, then the turn's own."""
+    width = prompt + len(c.ids)
+    given = input_routes[input_routes.shape[0] - width:]
+    if c.prompt_routes is None:
+        c.prompt_routes = given[:prompt]
+    recorded = sum(len(r) for r in c.routes)
+    if recorded < len(c.ids):
+        c.routes.append(given[prompt + recorded:])
+    c.routes.append(turn_routes)
 
 
 def close_ended(conversations: Sequence[Conversation], environments: Sequence[Any], pool: EnvironmentPool) -> None:
@@ -203,6 +224,8 @@ def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int,
     logprobs = _rows_into(written, [c.logprobs for c in conversations], torch.zeros((B, T)))
     truncated = torch.tensor([c.truncated for c in conversations], dtype=torch.bool)
     episodes = Rollout(completion_ids=ids, completion_mask=mask, truncated=truncated, sampled_logprobs=logprobs)
+    if any(c.prompt_routes is not None for c in conversations):
+        episodes = replace(episodes, **_routes(conversations, T))
     if not multi_turn:
         return episodes
     return replace(episodes, action_mask=_rows_into(written, [c.action for c in conversations], torch.zeros((B, T))),
@@ -210,6 +233,22 @@ def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int,
                    turns=torch.tensor([float(c.turns) for c in conversations]),
                    env_errors=torch.tensor([float(c.error is not None) for c in conversations]),
                    error_texts=[c.error for c in conversations], close_errors=[c.close_error for c in conversations])
+
+
+def _routes(conversations: Sequence[Conversation], budget: int) -> dict:
+    """The conversations' routes as the rollout's fields: prompt_routes left-padded to the longest prompt (as the
+    prompts are), completion_routes over the budget; -1 where none was recorded."""
+    shape = next(c.prompt_routes for c in conversations if c.prompt_routes is not None).shape[1:]
+    widest = max(len(c.prompt_routes) for c in conversations if c.prompt_routes is not None)
+    prompt = torch.full((len(conversations), widest, *shape), -1, dtype=torch.int16)
+    completion = torch.full((len(conversations), budget, *shape), -1, dtype=torch.int16)
+    for b, c in enumerate(conversations):
+        if c.prompt_routes is not None:
+            prompt[b, widest - len(c.prompt_routes):] = c.prompt_routes
+        if c.routes:
+            routes = torch.cat(c.routes)[:budget]
+            completion[b, :len(routes)] = routes
+    return {"prompt_routes": prompt, "completion_routes": completion}
 
 
 def _rows_into(written: torch.Tensor, rows: Sequence[Sequence], out: torch.Tensor) -> torch.Tensor:

@@ -107,20 +107,25 @@ class Producer:
                 if isinstance(func.fn, RewardModel) and func.fn.model is not None:
                     func.fn(prompts=[], completions=[])
         p_ids, p_mask = left_pad(prompt_ids, settings.sampling.pad_id)
+        if episodes.prompt_routes is not None and episodes.prompt_routes.shape[1] < p_ids.shape[1]:
+            # (the longest prompt's episode recorded none: its environment failed before any turn)
+            extra = p_ids.shape[1] - episodes.prompt_routes.shape[1]
+            episodes.prompt_routes = torch.nn.functional.pad(episodes.prompt_routes, (0, 0, 0, 0, extra, 0), value=-1)
         return replace(episodes, prompt_ids=p_ids, prompt_mask=p_mask, completions=completions,
                        rewards={**rewards, **episodes.rewards},  # the environment's reward last, beside the functions'
                        info={"time/reward_s": time.perf_counter() - t0})
 
 
-def make_producers(cfg, inputs, engine, eos_ids, pad_id: int, pool):
+def make_producers(cfg, inputs, engine, eos_ids, pad_id: int, pool, record_routes: bool = False):
     """The producers of an RL run's episodes through `engine`, from its checked inputs (`inputs`: the tokenizer,
-    the training and held-out prompt sets, rewards, environment and tools): the training prompts' and the held-out
-    prompts' (log.eval_decoding's settings), or None without those."""
+    the training and held-out prompt sets, rewards, environment and tools): the training prompts' (with
+    `record_routes`, their mixture of experts' routes too) and the held-out prompts' (log.eval_decoding's
+    settings), or None without those."""
     from tidyrl.data import other_columns
 
     common = dict(environment=inputs.environment, tools=inputs.tools, reward_fns=inputs.reward_fns, pool=pool)
     producer = make_producer(cfg, engine, inputs.tokenizer, inputs.dataset, inputs.prompt_ids, eos_ids, pad_id,
-                             columns=inputs.columns, **common)
+                             columns=inputs.columns, record_routes=record_routes, **common)
     if not inputs.eval_prompt_ids:
         return producer, None
     return producer, make_producer(cfg, engine, inputs.tokenizer, inputs.eval_dataset, inputs.eval_prompt_ids,
@@ -130,15 +135,16 @@ def make_producers(cfg, inputs, engine, eos_ids, pad_id: int, pool):
 
 def make_producer(cfg, engine, tokenizer, dataset, prompt_ids: list, eos_ids, pad_id: int, *,
                   columns: list, reward_fns: list, environment=None, tools=None, pool=None, greedy: bool = False,
-                  seed: Optional[int] = None):
+                  seed: Optional[int] = None, record_routes: bool = False):
     """The producer of `dataset`'s episodes through `engine` with the run config's (`cfg`) rollout settings, its
     seed and prompt column (and the environment's settings, if any); `greedy`: the most likely token at every step
-    (top_k = 1); `seed`: the sampling keys' (default: the config's). Training, its held-out evaluation and `tidyrl
-    eval` make theirs here."""
+    (top_k = 1); `seed`: the sampling keys' (default: the config's); `record_routes`: the engine returns a mixture
+    of experts' routes (`SamplingSettings.record_routes`). Training, its held-out evaluation and `tidyrl eval` make
+    theirs here."""
     from tidyrl.engines import SamplingSettings
 
     ro, env = cfg.rollout, cfg.environment
-    sampling = SamplingSettings.of_rollout(ro, eos_ids, pad_id)
+    sampling = replace(SamplingSettings.of_rollout(ro, eos_ids, pad_id), record_routes=record_routes)
     if greedy:
         sampling = replace(sampling, top_k=1)
     settings = EpisodeSettings(sampling)

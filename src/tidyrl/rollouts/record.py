@@ -51,6 +51,10 @@ class Rollout:
     env_errors: Optional[torch.Tensor] = _per(EPISODE)  # (R,) float multi-turn: 1 = ended on an environment error
     error_texts: Optional[list] = _per(EPISODE)  # R texts or None: each episode's environment error
     close_errors: Optional[list] = _per(EPISODE)  # R texts or None: what its environment's close() raised
+    prompt_routes: Optional[torch.Tensor] = _per(PROMPT)  # (R, Lp, MoE layers, k) int16 a mixture of experts'
+    # routes in the sampler's prefill (models.routing), -1 = none; None unless routing replay records them
+    completion_routes: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc, MoE layers, k) int16 the routes of each
+    # token when the sampler fed it back (the last one never was: -1)
 
     # ---- the rollout (rollouts.making)
     version: int = _per(ROLLOUT, 0)  # the weights that made it: the learner's after `version` rollouts' updates
@@ -79,6 +83,14 @@ class Rollout:
         return self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask
 
     @property
+    def routes(self) -> Optional[torch.Tensor]:
+        """A mixture of experts' routes over the rows [prompt, completion] (R, Lp + Tc, MoE layers, k), what the
+        training forwards replay (`models.routing.replaying`); None where none were recorded."""
+        if self.prompt_routes is None or self.completion_routes is None:
+            return None
+        return torch.cat([self.prompt_routes, self.completion_routes], dim=1)
+
+    @property
     def completion_lengths(self) -> list[int]:
         return self.completion_mask.sum(1).long().tolist()
 
@@ -89,7 +101,7 @@ class Rollout:
         cm = self.completion_mask[idx]
         first = int((pm.sum(0) > 0).nonzero()[0]) if pm.numel() else 0  # left padding shared by all
         width = max(int(cm.sum(1).max().item()) if cm.numel() else 0, 1)
-        return self._each(lambda t: t[idx][:, first:], lambda t: t[idx][:, :width] if t.dim() == 2 else t[idx],
+        return self._each(lambda t: t[idx][:, first:], lambda t: t[idx][:, :width] if t.dim() >= 2 else t[idx],
                           lambda values: [values[i] for i in idx.tolist()])
 
     def rows(self, start: int, stop: int) -> "Rollout":
@@ -126,7 +138,7 @@ class Rollout:
                 return {n: cat(name, kind, [v[n] for v in values]) for n in values[0]}
             if isinstance(values[0], list):
                 return [x for v in values for x in v]
-            if values[0].dim() == 2:
+            if values[0].dim() >= 2:
                 width = max(v.shape[1] for v in values)
                 values = [_padded(v, width, _filler(name, pad_id), left=kind == PROMPT) for v in values]
             return torch.cat(values)
@@ -149,7 +161,7 @@ class Rollout:
             if isinstance(value, list):
                 return gather_object(list(value))
             t = value.to(accelerator.device)
-            if t.dim() == 2:
+            if t.dim() >= 2:
                 t = accelerator.pad_across_processes(t, dim=1, pad_index=_filler(name, pad_id),
                                                      pad_first=kind == PROMPT)
             return accelerator.gather(t).cpu()
@@ -162,7 +174,10 @@ class Rollout:
 
 
 def _filler(name: str, pad_id: int) -> int:
-    """What pads a 2D field to a common width: the pad id for token ids, 0 for masks and per-token values."""
+    """What pads a field to a common width: the pad id for token ids, -1 (none) for routes, 0 for masks and
+    per-token values."""
+    if name.endswith("_routes"):
+        return -1
     return pad_id if name in ("prompt_ids", "completion_ids") else 0
 
 
@@ -170,7 +185,7 @@ def _padded(t: torch.Tensor, width: int, fill, left: bool) -> torch.Tensor:
     extra = width - t.shape[1]
     if extra == 0:
         return t
-    pad = torch.full((t.shape[0], extra), fill, dtype=t.dtype)
+    pad = torch.full((t.shape[0], extra, *t.shape[2:]), fill, dtype=t.dtype)
     return torch.cat([pad, t] if left else [t, pad], dim=1)
 
 

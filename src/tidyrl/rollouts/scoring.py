@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -17,20 +17,31 @@ from tidyrl.algorithms.losses import truncated_importance_weights
 from tidyrl.models.collectives import Sums, reduce_max
 from tidyrl.models.devices import to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
+from tidyrl.models.routing import replaying
 from tidyrl.models.sharding import full_weights
 from tidyrl.rollouts.record import Rollout, chunks
 
 
+ROUTING_SUMS = ("routes_changed", "route_decisions")
+"""What a forward that was given a mixture of experts' routes sums (`models.routing.Routing.changed_decisions`)."""
+
+
 @torch.no_grad()
-def score_logprobs(model, rollout: Rollout, temperature: float, chunk_size: int, fast_path: bool = True
-                   ) -> torch.Tensor:
+def score_logprobs(model, rollout: Rollout, temperature: float, chunk_size: int, fast_path: bool = True,
+                   replay: bool = True, routing_sums: Optional[Sums] = None) -> torch.Tensor:
     """No-grad log-probs (R, Tc) of every completion token, in chunks of `chunk_size`, so that at most one
-    chunk's (chunk, Tc, V) logits exist at a time. Positions past EOS are 0."""
+    chunk's (chunk, Tc, V) logits exist at a time. Positions past EOS are 0. The routes the rollout carries (a
+    mixture of experts') are replayed, or with `replay` False only compared; `routing_sums` (ROUTING_SUMS) adds
+    the decisions the model's own router would have changed."""
     out = None  # on the model's device: one copy to the host at the end, no synchronisation per chunk
     for idx in chunks(range(len(rollout)), chunk_size):
         part = rollout.select(idx)
-        with liveness.working("scoring", _shapes(part, idx, rollout)):
-            lp, _ = completion_logprobs(model, *part.sequences, temperature, fast_path=fast_path)
+        with liveness.working("scoring", _shapes(part, idx, rollout)), \
+                replaying(model, part.routes, replay) as routing:
+            lp, _ = completion_logprobs(model, *part.sequences, temperature, fast_path=fast_path, routing=routing)
+            if routing is not None and routing_sums is not None:
+                changed, decisions = routing.changed_decisions()
+                routing_sums.add(routes_changed=changed, route_decisions=decisions)
         if out is None:
             out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=lp.device)
         out[idx[0]: idx[-1] + 1, : lp.shape[1]] = lp.float() * to_device(part.completion_mask, lp.device)
@@ -108,6 +119,8 @@ class Scorers:
     chunk_size: int
     fast_path: bool
     keep_old: bool
+    replay: bool = True
+    """rollout.routing_replay: the routes a rollout carries are replayed (else only compared)."""
     use_reference: bool = False
     reference: Any = None
     critic: Any = None
@@ -131,14 +144,14 @@ def score_rollout(rollout: Rollout, scorers: Scorers, accelerator, prompts=None)
     is_weights, info = None, {}
     if c.where == "scoring":
         old, is_weights, info = behaviour_correction(s.policy, rollout, sampled, c, s.temperature, s.chunk_size,
-                                                     s.fast_path, accelerator)
+                                                     s.fast_path, accelerator, s.replay)
     ref = values = None
     if s.use_reference:
         # The policy is gathered whole where it is the reference (LoRA, its adapter off); a frozen reference sharded
         # under FSDP2 gathers a layer at a time in each forward, as many on every process (equal shares, equal chunks).
         whole = full_weights(s.policy) if s.reference is None else contextlib.nullcontext()
         with whole, reference_of(s.policy, s.reference) as model:
-            ref = score_logprobs(model, rollout, s.temperature, s.chunk_size, fast_path=s.fast_path)
+            ref = score_logprobs(model, rollout, s.temperature, s.chunk_size, fast_path=s.fast_path, replay=s.replay)
     if s.critic is not None:
         s.critic.eval()
         with full_weights(s.critic):
@@ -154,17 +167,19 @@ def score_rollout(rollout: Rollout, scorers: Scorers, accelerator, prompts=None)
 
 
 def behaviour_correction(policy, rollout: Rollout, sampled_logprobs, correction: Correction, temperature: float,
-                         chunk_size: int, fast_path: bool, accelerator) -> tuple[Any, Any, dict]:
+                         chunk_size: int, fast_path: bool, accelerator, replay: bool = True) -> tuple[Any, Any, dict]:
     """The trainer's log-probs of the sampled tokens, recomputed by the policy's forward: the old log-probs of the
     PPO ratio, and with behaviour_logprobs=sampler (and a cap) the truncated importance weights
     w = min(pi_trainer / pi_sampler, tis_cap) (`Correction`). Returns (the old log-probs, the weights or None, the
-    mismatch metrics: this process's tokens, summed over processes)."""
+    mismatch metrics: this process's tokens, summed over processes; with a mixture of experts' routes, the fraction
+    of their decisions the trainer's own router would have changed)."""
+    totals = Sums("abs", "tokens", "capped", *ROUTING_SUMS)
     with full_weights(policy):
-        trainer = score_logprobs(policy, rollout, temperature, chunk_size, fast_path=fast_path)
+        trainer = score_logprobs(policy, rollout, temperature, chunk_size, fast_path=fast_path, replay=replay,
+                                 routing_sums=totals)
     mask = rollout.completion_mask.bool()
     weights, delta, capped = truncated_importance_weights(trainer, sampled_logprobs, mask, correction.tis_cap)
     is_weights = weights if correction.behaviour == "sampler" and correction.tis_cap > 0 else None
-    totals = Sums("abs", "tokens", "capped")
     totals.add(abs=delta.abs().sum(), tokens=mask.sum(), capped=capped.sum() if is_weights is not None else 0.0)
     summed = totals.reduced(accelerator)
     peak = reduce_max(accelerator, float(delta.abs().max()) if delta.numel() else 0.0)
@@ -172,6 +187,8 @@ def behaviour_correction(policy, rollout: Rollout, sampled_logprobs, correction:
     stats = {"mismatch/logprob_abs_mean": summed["abs"] / tokens, "mismatch/logprob_abs_max": peak}
     if is_weights is not None:
         stats["mismatch/capped_fraction"] = summed["capped"] / tokens
+    if summed["route_decisions"]:
+        stats["routing/changed_fraction"] = summed["routes_changed"] / summed["route_decisions"]
     return trainer, is_weights, stats
 
 

@@ -37,6 +37,7 @@ from tidyrl.loops.run.steps import Steps, check_resume, continue_longer, keep_if
 from tidyrl.models.collectives import reduce_min
 from tidyrl.models.loading import load_causal_lm, load_policy
 from tidyrl.models.lora import adapter_note
+from tidyrl.models.routing import expert_load, load_metrics, moe_layers
 from tidyrl.models.sharding import is_sharded
 from tidyrl.plan import epochs_done
 from tidyrl.rollouts.making import DynamicSampling, Rescoring, RolloutSource
@@ -168,8 +169,11 @@ class RLRun:
                                   self.accelerator.device.type, longest + ro.max_new_tokens)
         # Truncated importance sampling (Yao et al. 2025): where and with what cap, decided once for every reader.
         self.correction = correction_of(ro, plan.minibatches_per_epoch, self.engine.capabilities.default_tis_cap)
+        # A mixture of experts' routes, where the engine returns them: replayed (rollout.routing_replay) or compared
+        self.moe_layers = moe_layers(policy)
+        self.records_routes = bool(self.moe_layers) and self.engine.capabilities.records_routes
         producer, self.eval_producer = make_producers(cfg, self.inputs, self.engine, self.eos_ids, self.pad_id,
-                                                      self.env_pool)
+                                                      self.env_pool, record_routes=self.records_routes)
         per_proc = plan.episodes_per_rollout_per_process
         # rollout.lag with top_k/top_p on an engine with its own weights: its log-probs are renormalised over the
         # kept tokens, so the behaviour log-probs are recomputed by the frozen copy (`making.with_behaviour_logprobs`)
@@ -349,7 +353,7 @@ class RLRun:
         keep_old = (plan.optimizer_steps_per_rollout > 1 or (self.use_reference and self.spec.kl_in == "reward")
                     or self.teacher is not None)
         return Scorers(policy, self.correction, ro.temperature, ro.forward_batch_size, self.cfg.model_fast_paths,
-                       keep_old, use_reference=self.use_reference, reference=self.ref_model,
+                       keep_old, replay=ro.routing_replay, use_reference=self.use_reference, reference=self.ref_model,
                        critic=None if critic is None else self.accelerator.unwrap_model(critic), teacher=self.teacher)
 
     def take_rollout(self, r: int):
@@ -382,6 +386,11 @@ class RLRun:
             for note in notes:
                 self._say(note)
         stats.update(rollout.info)  # its making's and scoring's metrics (rollouts.taking)
+        if rollout.completion_routes is not None:  # the experts the sampler sent the model's tokens to
+            mask = rollout.completion_mask if rollout.action_mask is None else \
+                rollout.completion_mask * rollout.action_mask
+            stats.update(load_metrics(expert_load(rollout.completion_routes, self.moe_layers[0].num_experts, mask),
+                                      self.moe_layers))
         k = self.plan.samples_per_prompt
         # One sample of each of the first prompts (then second samples...), by global index: the same on any W.
         shown = sample_episodes(len(rollout) // k, k, self.cfg.log.samples_per_rollout) if self.is_main else []

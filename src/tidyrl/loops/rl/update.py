@@ -24,10 +24,12 @@ from tidyrl.models.collectives import Sums, reduce_max, reduce_sum
 from tidyrl.loops.run.steps import apply_update, no_sync
 from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
+from tidyrl.models.routing import replaying
 from tidyrl.rollouts.record import Rollout, chunks
+from tidyrl.rollouts.scoring import ROUTING_SUMS
 
 SUMS = ("loss", "kl_x_tokens", "entropy_x_tokens", "clipped_tokens", "tokens", "value_loss", "value_clipped_tokens",
-        "mismatch_abs", "mismatch_capped")
+        "mismatch_abs", "mismatch_capped", *ROUTING_SUMS)
 """What a step sums over its micro-batches and processes, for its metrics."""
 
 
@@ -59,6 +61,8 @@ class UpdateSettings:
     sync_each_microbatch: bool
     max_grad_norm: float
     exact_gradients: bool = False
+    routing_replay: bool = True
+    """rollout.routing_replay: a mixture of experts' recorded routes replayed in the forward (else compared)."""
 
     @classmethod
     def of_run(cls, cfg, options, spec, correction) -> "UpdateSettings":
@@ -69,7 +73,8 @@ class UpdateSettings:
                    kl_in_loss=spec.kl_in == "loss", correction=correction, temperature=ro.temperature, max_new_tokens=ro.max_new_tokens,
                    # (exact sums: the policy is marked by models.forward.exact_forward, which turns its fast paths off)
                    fast_path=cfg.model_fast_paths, sync_each_microbatch=train.sync_each_microbatch,
-                   max_grad_norm=train.max_grad_norm, exact_gradients=train.exact_gradients)
+                   max_grad_norm=train.max_grad_norm, exact_gradients=train.exact_gradients,
+                   routing_replay=ro.routing_replay)
 
 
 def loss_mask(completion_mask, truncated, action_mask, mask_truncated: bool):
@@ -150,8 +155,12 @@ def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator,
     # the step reads goes to the device without a synchronisation (tidyrl.models.devices).
     part = rollout.select(idx)
     mask = to_device(loss_mask(part.completion_mask, part.truncated, part.action_mask, o.mask_truncated), device)
-    logprobs, entropy = completion_logprobs(model, *part.sequences, settings.temperature, with_entropy=True,
-                                            fast_path=settings.fast_path)
+    with replaying(model, part.routes, settings.routing_replay) as routing:
+        logprobs, entropy = completion_logprobs(model, *part.sequences, settings.temperature, with_entropy=True,
+                                                fast_path=settings.fast_path, routing=routing)
+    if routing is not None:
+        changed, decisions = routing.changed_decisions()
+        sums.add(routes_changed=changed, route_decisions=decisions)
     # The ratio's old log-probs are the trainer's at sampling time. With one step per rollout that is this very
     # forward (the weights have not moved), also where old_logprobs holds the sampler's for a KL in the reward:
     # against those the ratio would count the sampler/trainer mismatch that the importance weights below already
@@ -224,6 +233,8 @@ def _step_and_metrics(sums: dict, step, trainee, settings, accelerator, out, t0,
         metrics.update({"mismatch/logprob_abs_mean": sums["mismatch_abs"] / tokens,
                         "mismatch/logprob_abs_max": reduce_max(accelerator, float(peak)),
                         "mismatch/capped_fraction": sums["mismatch_capped"] / tokens})
+    if sums["route_decisions"]:  # a mixture of experts' recorded routes: the trainer's own router's other choices
+        metrics["routing/update_changed_fraction"] = sums["routes_changed"] / sums["route_decisions"]
     if trainee.critic is not None:
         metrics["critic_lr"] = updates[1][0]
         metrics.update({"value_loss": sums["value_loss"], "value_clip_fraction": sums["value_clipped_tokens"] / tokens,
