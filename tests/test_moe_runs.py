@@ -13,11 +13,7 @@ import tidyrl
 from tidyrl.models.tiny import MOE_FAMILIES, save_tiny_model
 from tidyrl.rollouts import producer as producer_module
 
-from conftest import grpo_config
-
-
-def rows(path):
-    return [json.loads(line) for line in open(path)]
+from conftest import grpo_config, read_jsonl as rows
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
@@ -72,3 +68,29 @@ def test_replay_takes_the_recorded_routes_and_without_it_they_are_only_compared(
         assert m["mismatch/logprob_abs_mean"] > 1e-3
     else:
         assert m["mismatch/logprob_abs_max"] < 1e-4
+
+
+def test_the_load_balancing_loss_is_added_where_set_in_grpo_sft_and_dpo(moe_dir, prompt_file, tmp_path):
+    """train.router_aux_loss_coef: moe/aux_loss in every stage's step metrics, near 1 for a near-balanced router
+    (E x sum over e of 1/E x 1/E = 1 at uniform load and probabilities); unset, the tiny checkpoints' own weight
+    (their output_router_logits is false) is 0 and no such loss is added."""
+    tidyrl.train(grpo_config(moe_dir, prompt_file, tmp_path / "grpo", 1, train={"router_aux_loss_coef": 0.01}))
+    steps = [m for m in rows(tmp_path / "grpo" / "metrics.jsonl") if "loss" in m]
+    assert steps and all(0.5 < m["moe/aux_loss"] < 4.0 for m in steps)
+    tidyrl.train(grpo_config(moe_dir, prompt_file, tmp_path / "plain", 1))
+    assert not any("moe/aux_loss" in m for m in rows(tmp_path / "plain" / "metrics.jsonl"))
+    sft_data, pairs = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
+    with open(sft_data, "w") as f:
+        for w in ("apple", "pear", "fig", "kiwi"):
+            f.write(json.dumps({"prompt": f"{w}:", "completion": w}) + "\n")
+    with open(pairs, "w") as f:
+        for w in ("apple", "pear", "fig", "kiwi"):
+            f.write(json.dumps({"prompt": f"{w}:", "chosen": w, "rejected": w[::-1]}) + "\n")
+    for stage, data in (("sft", sft_data), ("dpo", pairs)):
+        out = tmp_path / stage
+        tidyrl.train({"algorithm": stage, "model": str(moe_dir), "output_dir": str(out), "data": {"path": str(data)},
+                      "train": {"dataset_epochs": 1, "batch_size": 2, "micro_batch_size": 1, "learning_rate": 1e-3,
+                                "router_aux_loss_coef": 0.01},
+                      "log": {"progress_bar": False}})
+        steps = [m for m in rows(out / "metrics.jsonl") if "loss" in m and "step" in m]
+        assert len(steps) == 2 and all(0.5 < m["moe/aux_loss"] < 4.0 for m in steps), (stage, steps)

@@ -280,3 +280,28 @@ def test_a_dense_model_records_no_routes():
     out = generate(model, [[5, 6]], sample_keys=[1], max_new_tokens=3, eos_ids=[2], pad_id=0, batch_size=1,
                    return_logprobs=True, return_routes=True)
     assert len(out) == 6 and out[4] is None and out[5] is None
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_load_balancing_loss_is_the_models_own_over_the_real_tokens_with_its_gradient(family):
+    from tidyrl.models.routing import add_aux_loss, aux_loss_coef
+
+    model = tiny(family).train()
+    ids, mask = batch()
+    own = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+    with routed(model, record=False, keep_logits=True) as state:
+        model(input_ids=ids, attention_mask=mask)
+        add_aux_loss(state, [mask.reshape(-1) > 0])
+    assert len(state.aux) == 1 and torch.allclose(state.aux[0], own, atol=1e-6)
+    model.zero_grad()
+    state.aux[0].backward()
+    assert moe_layers(model)[0].block.gate.weight.grad.abs().sum() > 0
+    with torch.no_grad(), routed(model, record=False, keep_logits=True) as state:  # no gradients: nothing kept
+        model(input_ids=ids, attention_mask=mask)
+        add_aux_loss(state)
+    assert state.aux == []
+    # the weight: as set; unset, the model's own training's (its output_router_logits), 0 for a dense model
+    assert aux_loss_coef(0.5, model) == 0.5 and aux_loss_coef(None, model) == 0.0
+    model.config.output_router_logits = True
+    assert aux_loss_coef(None, model) == model.config.router_aux_loss_coef > 0
+    assert aux_loss_coef(0.5, build_tiny_llama(VOCAB, hidden_size=16, num_heads=2)) == 0.0

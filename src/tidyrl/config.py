@@ -293,6 +293,8 @@ class TrainConfig:
     """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 = no clipping; the norm is still logged)."""
+    router_aux_loss_coef: Optional[float] = None
+    """A mixture-of-experts policy's load-balancing loss (Switch Transformers, Fedus et al. 2021, eq. 4; transformers' own `load_balancing_loss_func`) added to every stage's training loss with this weight, over the real tokens of each trained forward. null = what the model's own training used: its config's router_aux_loss_coef where its output_router_logits is true, else 0 (Qwen3-MoE and OLMoE checkpoints ship with it false); 0 = off. A dense model has none. docs/moe.md."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     sync_each_microbatch: bool = False

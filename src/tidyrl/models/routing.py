@@ -105,6 +105,8 @@ class Routing:
     logits: list[list[torch.Tensor]] = field(default_factory=list)
     given: list[Optional[torch.Tensor]] = field(default_factory=list)
     made: list[int] = field(default_factory=list)
+    aux: list[torch.Tensor] = field(default_factory=list)
+    """With `keep_logits`, each trained forward's load-balancing loss (`add_aux_loss`), until read."""
 
     def __post_init__(self) -> None:
         if self.routes is not None:
@@ -263,7 +265,7 @@ def _block_forward(state: Routing, j: int, hidden_states: torch.Tensor):
         weights = _normalised(top, layer.norm_topk_prob, dtype) if isinstance(block.gate, nn.Linear) else top
     if state.record and fresh:
         state.chosen[j].append(chosen.detach())
-    if state.keep_logits and fresh:
+    if state.keep_logits and fresh and logits.requires_grad:  # (a forward with gradients: the one trained)
         state.logits[j].append(logits)
     out = _experts_forward(block, x, chosen, weights).reshape(B, T, h)
     return (out, logits) if isinstance(block.gate, nn.Linear) else out
@@ -305,21 +307,73 @@ def routed(model, routes: Optional[torch.Tensor] = None, *, record: bool = True,
 
 
 @contextlib.contextmanager
-def replaying(model, routes: Optional[torch.Tensor], replay: bool = True) -> Iterator[Optional[Routing]]:
+def replaying(model, routes: Optional[torch.Tensor], replay: bool = True,
+              keep_logits: bool = False) -> Iterator[Optional[Routing]]:
     """`routed(model, routes)` for a mixture-of-experts model given routes (ROUTE_DTYPE or any integers), with
-    `replay` False comparing them only; None (and the model as it is) for a dense model or no routes. What the
-    training forwards (`models.forward.completion_logprobs(..., routing=)`) run inside."""
-    if routes is None or not moe_layers(model):
+    `replay` False comparing them only, and `keep_logits` for a load-balancing loss (`add_aux_loss`); None (and
+    the model as it is) for a dense model, or without routes or logits to keep. What the training forwards
+    (`models.forward.completion_logprobs(..., routing=)`) run inside."""
+    if (routes is None and not keep_logits) or not moe_layers(model):
         yield None
         return
-    with routed(model, routes.long(), record=False, replay=replay) as state:
+    with routed(model, None if routes is None else routes.long(), record=False, replay=replay,
+                keep_logits=keep_logits) as state:
         yield state
 
 
 def _bound(state: Routing, j: int):
     def forward(hidden_states):
         return _block_forward(state, j, hidden_states)
+    forward.routing = state
     return forward
+
+
+def add_aux_loss(state: Routing, masks: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """The load-balancing loss of the forward just run (its kept router logits, of the tokens each call's mask in
+    `masks` keeps: padding left out) onto `state.aux`, its logits then dropped. The loss is the model's own
+    (transformers' `load_balancing_loss_func` of its modeling module: Switch Transformers', Fedus et al. 2021,
+    eq. 4, over every MoE layer's tokens together: E * sum over e of (share of top-k assignments to e) x (mean
+    router probability of e)). Nothing where the forward kept no logits (no gradients)."""
+    import sys
+
+    kept = [logits for logits in state.logits if logits]
+    if kept:
+        if masks is not None:
+            kept = [[c[m.to(c.device)] for c, m in zip(calls, masks)] for calls in kept]
+        gate_logits = tuple(torch.cat(calls) for calls in kept)
+        module = sys.modules[type(state.layers[0].block).__module__]
+        state.aux.append(module.load_balancing_loss_func(gate_logits, state.layers[0].num_experts,
+                                                         state.layers[0].top_k))
+    for logits in state.logits:
+        logits.clear()
+
+
+def aux_loss_coef(coef: Optional[float], model) -> float:
+    """train.router_aux_loss_coef for `model`: `coef` where set, else its config's router_aux_loss_coef where its
+    output_router_logits says its own training added the loss, else 0; 0 for a dense model."""
+    if not moe_layers(model):
+        return 0.0
+    if coef is not None:
+        return float(coef)
+    config = _config_of(model)
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(
+        config, "output_router_logits", False) else 0.0
+
+
+def _config_of(model):
+    for candidate in (model, getattr(model, "module", None), getattr(getattr(model, "base_model", None), "model", None)):
+        if candidate is not None and getattr(candidate, "config", None) is not None:
+            return candidate.config
+    return None
+
+
+def active(model) -> Optional[Routing]:
+    """The `Routing` of the `routed` block the model's mixture-of-experts blocks run in, or None."""
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if forward is not None and hasattr(forward, "routing"):
+            return forward.routing
+    return None
 
 
 def take(state: Routing) -> torch.Tensor:

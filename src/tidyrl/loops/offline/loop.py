@@ -126,8 +126,13 @@ def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     from tidyrl.models.kernels import kernels_of
     from tidyrl.models.ops import gather_logprobs
 
+    from tidyrl.models.routing import active, add_aux_loss
+
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     logits_BTV = model(**inputs, use_cache=False).logits
+    routing = active(model)
+    if routing is not None and routing.keep_logits:  # a mixture of experts' load-balancing loss: real tokens only
+        add_aux_loss(routing, [inputs["attention_mask"].reshape(-1) > 0] if "attention_mask" in inputs else None)
     # The last position predicts nothing: read with token 0 and dropped, rather than slicing the logits (whose
     # backward would be a zero-filled copy of them all).
     logprobs_BT = gather_logprobs(logits_BTV, F.pad(batch["input_ids"][:, 1:], (0, 1)),
@@ -424,7 +429,8 @@ class OfflineRun:
         synchronisation, no scale by W."""
         from tidyrl.loops.run.exact_sums import exact_accumulator
         from tidyrl.loops.run.steps import apply_update, no_sync
-        from tidyrl.models.collectives import Sums
+        from tidyrl.models.collectives import Sums, reduce_sum
+        from tidyrl.models.routing import aux_loss_coef, replaying
 
         cfg, acc = self.cfg, self.accelerator
         t0 = time.perf_counter()
@@ -434,13 +440,19 @@ class OfflineRun:
         parts = micro_batches(batch, plan, self.rank, stage.length if cfg.train.group_by_length else None,
                               whole_batch_first=exact is not None)
         sums = Sums(*stage.sums)
+        aux_coef, aux_total = aux_loss_coef(cfg.train.router_aux_loss_coef, model), 0.0
         for k, idx in enumerate(parts):
             last = k == len(parts) - 1
             sync = exact.micro_batch_sync(last) if exact is not None else cfg.train.sync_each_microbatch or last
             shapes = (f"micro-batch {k + 1} of {len(parts)} of optimizer step {step}: {len(idx)} examples of up to "
                       f"{max(stage.length(i) for i in idx)} tokens")
-            with liveness.working("update", shapes), no_sync(acc, [model], sync):
+            with liveness.working("update", shapes), no_sync(acc, [model], sync), \
+                    replaying(model, None, keep_logits=aux_coef > 0) as routing:
                 loss, values = stage.micro_batch(idx)
+                if routing is not None and routing.aux:  # this micro-batch's share of the batch's load-balancing loss
+                    aux = sum(routing.aux) * len(idx) / plan.batch_size
+                    loss = loss + aux_coef * aux
+                    aux_total += float(aux.detach())
                 acc.backward(loss if exact is not None else loss * self.world_size)
             if exact is not None:  # this micro-batch's gradient onto the grid (no floating-point sum across them)
                 exact.add()
@@ -463,6 +475,8 @@ class OfflineRun:
             **stage.metrics(totals, batch),
             "time/update_s": time.perf_counter() - t0,
         }
+        if aux_coef > 0:
+            row["moe/aux_loss"] = float(reduce_sum(acc, torch.tensor(aux_total, dtype=torch.float64)))
         if "real_tokens" in totals:  # what padding costs (packing lowers it), and the throughput
             row["padding_fraction"] = 1.0 - totals["real_tokens"] / max(totals["token_cells"], 1.0)
             row["tokens_per_s"] = totals["real_tokens"] / max(row["time/update_s"], 1e-9)

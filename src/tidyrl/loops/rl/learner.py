@@ -37,7 +37,7 @@ from tidyrl.loops.run.steps import Steps, check_resume, continue_longer, keep_if
 from tidyrl.models.collectives import reduce_min
 from tidyrl.models.loading import load_causal_lm, load_policy
 from tidyrl.models.lora import adapter_note
-from tidyrl.models.routing import expert_load, load_metrics, moe_layers
+from tidyrl.models.routing import aux_loss_coef, expert_load, load_metrics, moe_layers
 from tidyrl.models.sharding import is_sharded
 from tidyrl.plan import epochs_done
 from tidyrl.rollouts.making import DynamicSampling, Rescoring, RolloutSource
@@ -191,7 +191,8 @@ class RLRun:
             is_sharded(r.fn.model) for r in self.inputs.reward_fns if isinstance(r.fn, RewardModel))
         self.rollouts = Rollouts(self.source, lag=ro.lag, total=plan.rollouts, pad_id=self.pad_id,
                                  background=self.world_size == 1 or not collective)
-        self.update_settings = UpdateSettings.of_run(cfg, self.algo, self.spec, self.correction)
+        self.update_settings = UpdateSettings.of_run(cfg, self.algo, self.spec, self.correction,
+                                                     aux_loss_coef(cfg.train.router_aux_loss_coef, policy))
 
     def run(self) -> TrainResult:
         """The loop (`_run`); an out-of-memory error ends it with where it struck, the planned and the measured

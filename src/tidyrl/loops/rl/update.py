@@ -24,12 +24,12 @@ from tidyrl.models.collectives import Sums, reduce_max, reduce_sum
 from tidyrl.loops.run.steps import apply_update, no_sync
 from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
-from tidyrl.models.routing import replaying
+from tidyrl.models.routing import add_aux_loss, replaying
 from tidyrl.rollouts.record import Rollout, chunks
 from tidyrl.rollouts.scoring import ROUTING_SUMS
 
 SUMS = ("loss", "kl_x_tokens", "entropy_x_tokens", "clipped_tokens", "tokens", "value_loss", "value_clipped_tokens",
-        "mismatch_abs", "mismatch_capped", *ROUTING_SUMS)
+        "mismatch_abs", "mismatch_capped", "aux_loss", *ROUTING_SUMS)
 """What a step sums over its micro-batches and processes, for its metrics."""
 
 
@@ -63,18 +63,20 @@ class UpdateSettings:
     exact_gradients: bool = False
     routing_replay: bool = True
     """rollout.routing_replay: a mixture of experts' recorded routes replayed in the forward (else compared)."""
+    router_aux_loss_coef: float = 0.0
+    """train.router_aux_loss_coef as the policy resolves it (`models.routing.aux_loss_coef`)."""
 
     @classmethod
-    def of_run(cls, cfg, options, spec, correction) -> "UpdateSettings":
-        """A run's settings: its config, the algorithm's config section (`options`) and table entry (`spec`), and
-        where the mismatch is corrected (`correction`)."""
+    def of_run(cls, cfg, options, spec, correction, router_aux_loss_coef: float = 0.0) -> "UpdateSettings":
+        """A run's settings: its config, the algorithm's config section (`options`) and table entry (`spec`),
+        where the mismatch is corrected (`correction`), and the policy's load-balancing weight."""
         ro, train = cfg.rollout, cfg.train
         return cls(options=options, policy_loss=options.policy_loss or spec.policy_loss,
                    kl_in_loss=spec.kl_in == "loss", correction=correction, temperature=ro.temperature, max_new_tokens=ro.max_new_tokens,
                    # (exact sums: the policy is marked by models.forward.exact_forward, which turns its fast paths off)
                    fast_path=cfg.model_fast_paths, sync_each_microbatch=train.sync_each_microbatch,
                    max_grad_norm=train.max_grad_norm, exact_gradients=train.exact_gradients,
-                   routing_replay=ro.routing_replay)
+                   routing_replay=ro.routing_replay, router_aux_loss_coef=router_aux_loss_coef)
 
 
 def loss_mask(completion_mask, truncated, action_mask, mask_truncated: bool):
@@ -133,7 +135,7 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
         # (the last micro-batch synchronises, DESIGN §2)
         with liveness.working("update", shapes), no_sync(accelerator, models, sync):
             peak = _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator, sums, peak,
-                                trainer_logprobs, in_update_weights)
+                                trainer_logprobs, in_update_weights, share=len(idx) / len(minibatch))
         if exact is not None:  # this micro-batch's gradient onto the grid (no floating-point sum across them)
             exact.add()
         liveness.mark(f"micro-batch {i + 1} of {len(micro_batches)} of optimizer step {step}")
@@ -147,18 +149,21 @@ def optimizer_step(rollout: Rollout, minibatch, step: int, *, trainee: Trainee, 
 
 
 def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator, sums, peak, trainer_logprobs,
-                 in_update_weights):
-    """Forward and backward of one micro-batch (episodes `idx`); adds its metric sums. Returns the running peak
-    of the sampler/trainer log-prob gap."""
+                 in_update_weights, share: float = 1.0):
+    """Forward and backward of one micro-batch (episodes `idx`, `share` of the global mini-batch); adds its metric
+    sums. Returns the running peak of the sampler/trainer log-prob gap."""
     o, device, model, critic = settings.options, accelerator.device, trainee.model, trainee.critic
     # The micro-batch stays on the host (where its padding is trimmed and its shared prompts found); each tensor
     # the step reads goes to the device without a synchronisation (tidyrl.models.devices).
     part = rollout.select(idx)
     mask = to_device(loss_mask(part.completion_mask, part.truncated, part.action_mask, o.mask_truncated), device)
-    with replaying(model, part.routes, settings.routing_replay) as routing:
+    aux = settings.router_aux_loss_coef > 0
+    with replaying(model, part.routes, settings.routing_replay, keep_logits=aux) as routing:
         logprobs, entropy = completion_logprobs(model, *part.sequences, settings.temperature, with_entropy=True,
                                                 fast_path=settings.fast_path, routing=routing)
-    if routing is not None:
+        if routing is not None and aux:  # over the forward's real tokens: prompts and completions
+            add_aux_loss(routing, routing.masks(torch.cat([part.prompt_mask, part.completion_mask.long()], 1)))
+    if routing is not None and part.routes is not None:
         changed, decisions = routing.changed_decisions()
         sums.add(routes_changed=changed, route_decisions=decisions)
     # The ratio's old log-probs are the trainer's at sampling time. With one step per rollout that is this very
@@ -190,6 +195,10 @@ def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator,
         if settings.kl_in_loss:  # e.g. GRPO: the KL a term of the loss (Shao et al. 2024, eq. 3)
             token_loss = token_loss + o.kl_coef * kl
     loss = aggregate_loss(token_loss, mask, o.loss_aggregation, normaliser)
+    if routing is not None and routing.aux:  # the load-balancing loss, this micro-batch's share of the mini-batch's
+        aux_loss = sum(routing.aux) * share
+        loss = loss + settings.router_aux_loss_coef * aux_loss
+        sums.add(aux_loss=aux_loss.detach())
     value_loss, value_clipped = torch.zeros(()), torch.zeros_like(mask)
     if critic is not None:  # PPO: the clipped value loss on the GAE returns, same normaliser
         values = completion_values(critic, *part.sequences)
@@ -233,6 +242,8 @@ def _step_and_metrics(sums: dict, step, trainee, settings, accelerator, out, t0,
         metrics.update({"mismatch/logprob_abs_mean": sums["mismatch_abs"] / tokens,
                         "mismatch/logprob_abs_max": reduce_max(accelerator, float(peak)),
                         "mismatch/capped_fraction": sums["mismatch_capped"] / tokens})
+    if settings.router_aux_loss_coef > 0:
+        metrics["moe/aux_loss"] = sums["aux_loss"]
     if sums["route_decisions"]:  # a mixture of experts' recorded routes: the trainer's own router's other choices
         metrics["routing/update_changed_fraction"] = sums["routes_changed"] / sums["route_decisions"]
     if trainee.critic is not None:
