@@ -94,3 +94,34 @@ def test_the_load_balancing_loss_is_added_where_set_in_grpo_sft_and_dpo(moe_dir,
                       "log": {"progress_bar": False}})
         steps = [m for m in rows(out / "metrics.jsonl") if "loss" in m and "step" in m]
         assert len(steps) == 2 and all(0.5 < m["moe/aux_loss"] < 4.0 for m in steps), (stage, steps)
+
+
+def test_grpo_on_a_mixture_of_experts_under_fsdp2_matches_one_process(moe_dir, tmp_path):
+    """FSDP2 shards every expert's weights and the routers (2 gloo processes): the same completions and, with the
+    routes replayed in the scoring and the update, the one-process run's weights to float32 rounding."""
+    import yaml
+    from test_fsdp import TOL, _accelerate_launches_fsdp2, completions, max_diff, train
+
+    if not _accelerate_launches_fsdp2():
+        pytest.skip("this accelerate launches FSDP1 only")
+    words = ["apple", "pear", "fig", "kiwi"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in words))
+    cfg = {"algorithm": "grpo", "model": str(moe_dir), "seed": 1, "data": {"path": str(prompts)},
+           "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+           "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 5, "tis_cap": 2.0},
+           "train": {"rollouts": 2, "minibatches_per_epoch": 2, "micro_batch_size": 1, "learning_rate": 1e-3,
+                     "router_aux_loss_coef": 0.01},
+           "log": {"progress_bar": False, "samples_per_rollout": 4}}
+    config = tmp_path / "moe.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    one, sharded = tmp_path / "one", tmp_path / "fsdp"
+    train(config, one, 1)
+    train(config, sharded, 2)
+    assert json.loads((sharded / "plan.json").read_text())["distribution"] == "fsdp2, 2 shards"
+    assert completions(one) == completions(sharded)
+    a, b = rows(one / "metrics.jsonl"), rows(sharded / "metrics.jsonl")
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "moe/aux_loss", "moe/max_over_mean", "routing/changed_fraction"):
+            assert x[key] == pytest.approx(y[key], abs=TOL), key
+    assert max_diff(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors") < TOL

@@ -305,3 +305,45 @@ def test_the_load_balancing_loss_is_the_models_own_over_the_real_tokens_with_its
     model.config.output_router_logits = True
     assert aux_loss_coef(None, model) == model.config.router_aux_loss_coef > 0
     assert aux_loss_coef(0.5, build_tiny_llama(VOCAB, hidden_size=16, num_heads=2)) == 0.0
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_load_balancing_loss_and_the_changed_decisions_are_the_same_in_every_layout(family, monkeypatch):
+    """A prompt run once for its k rows counts k times: the load-balancing loss over the inputs of the scored
+    predictions, and the count of decisions compared, equal across the lean, shared-prompt and one-pass layouts
+    (the loss to rounding; of those decisions, the ones the router's own choice changes differ by its near-ties),
+    and the loss equals the model's own over whole rows."""
+    from tidyrl.loops.rl.update import aux_tokens
+    from tidyrl.models import forward
+    from tidyrl.models.forward import completion_logprobs
+    from tidyrl.models.routing import add_aux_loss, replaying
+    from tidyrl.rollouts.record import Rollout
+
+    model = tiny(family).train()
+    prompt_ids, prompt_mask, completion_ids, completion_mask = episodes()
+    part = Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                   completion_mask=completion_mask.float(), truncated=torch.zeros(6, dtype=torch.bool))
+    routes = sampler_routes(prompt_ids, completion_ids, 3, 6, 2)
+    got = {}
+    for layout, (layouts, fast_path) in LAYOUT_CASES.items():
+        monkeypatch.setattr(forward, "DEFAULT_LAYOUTS", layouts)
+        with replaying(model, routes, replay=False, keep_logits=True) as state:
+            completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
+                                fast_path=fast_path, routing=state)
+            add_aux_loss(state, state.weights(aux_tokens(part)))
+        got[layout] = (float(state.aux[0].detach()), *(float(x) for x in state.changed_decisions()))
+    # the model's own: whole rows, every input of a scored prediction (the last real completion token left out)
+    rows = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    own = model(input_ids=rows, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                output_router_logits=True)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    want = float(load_balancing_loss_func(own.router_logits, 6, 2, aux_tokens(part).float()).detach())
+    for layout, (aux, changed, decisions) in got.items():
+        assert aux == pytest.approx(want, abs=1e-5), layout
+        assert decisions == got["onepass-own-head"][2], layout
+        # (the router's own choice flips at near-ties by each layout's rounding: a few of ~250)
+        assert abs(changed - got["onepass-own-head"][1]) <= 0.02 * decisions, layout
+    # decisions: every routed position of the whole rows (but the last column, which has no route), k each
+    assert got["lean"][2] == 2 * int((routes[..., 0, 0] >= 0).sum()) * 3

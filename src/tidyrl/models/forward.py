@@ -258,10 +258,11 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, comple
     if routing is not None:  # the prompts' pass, then the completions' but their last token
         width = lp + completion_ids.shape[1]
         columns = torch.arange(width)
-        first = _first_rows(inverse, len(unique))
+        first, rows_of = _first_rows(inverse, len(unique)), torch.bincount(inverse.cpu(), minlength=len(unique))
         routing_calls = [first[:, None] * width + columns[None, :lp],
                          torch.arange(len(prompt_ids))[:, None] * width + columns[None, lp:-1]]
-        expect(routing, [index.reshape(-1) for index in routing_calls])
+        expect(routing, [index.reshape(-1) for index in routing_calls],
+               [rows_of[:, None].expand(-1, lp).reshape(-1), torch.ones(routing_calls[1].numel())])
     u_ids, u_mask = to_device(unique[:, :lp], device), to_device(unique[:, lp:], device)
     u_pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
     # The prompt pass runs the module inside DDP, so that every process makes exactly one DDP forward per
@@ -330,7 +331,9 @@ def _expect_lean(routing: Routing, padded, prompt: int, completion: int) -> None
     p_index = torch.where(p_at >= 0, first[:, None] * width + p_at[None, :], -1)
     c_at = torch.arange(completion + right - 1)
     c_index = torch.where(c_at < completion, torch.arange(len(inverse))[:, None] * width + prompt + c_at[None, :], -1)
-    expect(routing, [torch.cat([p_index.reshape(-1), c_index.reshape(-1)])])
+    rows_of = torch.bincount(inverse.cpu(), minlength=len(unique))  # (a prompt's tokens stand for its rows')
+    expect(routing, [torch.cat([p_index.reshape(-1), c_index.reshape(-1)])],
+           [torch.cat([rows_of[:, None].expand(p_index.shape).reshape(-1), torch.ones(c_index.numel())])])
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,

@@ -99,6 +99,9 @@ class Routing:
     replay: bool = True
     """False: the routes are only compared with the forward's own choice (`changed_fraction`), which it takes."""
     calls: list[torch.Tensor] = field(default_factory=list)
+    counts: list[torch.Tensor] = field(default_factory=list)
+    """Per expected call, how many of the rows' positions each of its tokens stands for (a prompt run once for its
+    k rows: k), so that what is summed over tokens is the same in every layout."""
     chosen: list[list[torch.Tensor]] = field(default_factory=list)
     own: list[list[torch.Tensor]] = field(default_factory=list)
     replayed: list[list[torch.Tensor]] = field(default_factory=list)
@@ -142,10 +145,11 @@ class Routing:
         changed = total = 0
         for j, (own, replayed) in enumerate(zip(self.own, self.replayed)):
             for call, (o, r) in enumerate(zip(own, replayed)):
+                count = self.counts[call].to(o.device)[r] if self.calls else torch.ones((), device=o.device)
                 c = self._given_in(j, call, o.shape[0]).to(o.device)[r]
                 o = o[r]
-                changed = changed + (~(c[:, :, None] == o[:, None, :]).any(-1)).sum()
-                total = total + r.sum() * c.shape[-1]
+                changed = changed + ((~(c[:, :, None] == o[:, None, :]).any(-1)).sum(-1) * count).sum()
+                total = total + (torch.ones_like(c[:, 0]) * count).sum() * c.shape[-1]
         return changed, total
 
     def _given_in(self, j: int, call: int, tokens: int) -> torch.Tensor:
@@ -154,20 +158,24 @@ class Routing:
             return self.routes[:, :, j].reshape(tokens, -1)
         return self.given[call][:, j]
 
-    def masks(self, mask: torch.Tensor) -> list[torch.Tensor]:
-        """Per expected forward call (`expect`), which of its tokens sit where `mask` (the routes' rows x positions)
-        is nonzero: (tokens,) booleans."""
-        flat = mask.reshape(-1) != 0
-        return [(index >= 0) & flat.to(index.device)[index.clamp(min=0)] for index in self.calls]
+    def weights(self, mask: torch.Tensor) -> list[torch.Tensor]:
+        """Per expected forward call (`expect`), the weight of each of its tokens in a sum over the rows' positions
+        where `mask` (the routes' rows x positions) is nonzero: its count there, 0 elsewhere; (tokens,) floats."""
+        flat = (mask.reshape(-1) != 0).float()
+        return [torch.where(index >= 0, flat.to(index.device)[index.clamp(min=0)], 0.0) * count
+                for index, count in zip(self.calls, self.counts)]
 
 
-def expect(state: Routing, calls: Sequence[torch.Tensor]) -> None:
+def expect(state: Routing, calls: Sequence[torch.Tensor], counts: Optional[Sequence[torch.Tensor]] = None) -> None:
     """The forward calls the next pass makes, in order: for each, where each of its tokens (in the order its blocks
     see them, rows x positions flattened) sits among the routes' rows x positions flattened (-1: nowhere, a
     position the forward routes itself). Clears what earlier forwards recorded. A block called more often than
     this (a layer recomputed in backward under gradient checkpointing) takes the routes of its call modulo their
-    number again and records nothing more."""
+    number again and records nothing more. `counts`: per call, how many rows' positions each token stands for
+    (default 1 each)."""
     state.calls = [torch.as_tensor(index, dtype=torch.long) for index in calls]
+    state.counts = [torch.ones(len(index)) for index in state.calls] if counts is None else \
+        [torch.as_tensor(c, dtype=torch.float) for c in counts]
     state._clear()
 
 
@@ -328,9 +336,10 @@ def _bound(state: Routing, j: int):
     return forward
 
 
-def add_aux_loss(state: Routing, masks: Optional[Sequence[torch.Tensor]] = None) -> None:
-    """The load-balancing loss of the forward just run (its kept router logits, of the tokens each call's mask in
-    `masks` keeps: padding left out) onto `state.aux`, its logits then dropped. The loss is the model's own
+def add_aux_loss(state: Routing, weights: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """The load-balancing loss of the forward just run (its kept router logits, each call's tokens weighted by
+    `weights`: 0 for padding, k for a prompt run once for k rows, `Routing.weights`) onto `state.aux`, its logits
+    then dropped. The loss is the model's own
     (transformers' `load_balancing_loss_func` of its modeling module: Switch Transformers', Fedus et al. 2021,
     eq. 4, over every MoE layer's tokens together: E * sum over e of (share of top-k assignments to e) x (mean
     router probability of e)). Nothing where the forward kept no logits (no gradients)."""
@@ -338,12 +347,11 @@ def add_aux_loss(state: Routing, masks: Optional[Sequence[torch.Tensor]] = None)
 
     kept = [logits for logits in state.logits if logits]
     if kept:
-        if masks is not None:
-            kept = [[c[m.to(c.device)] for c, m in zip(calls, masks)] for calls in kept]
         gate_logits = tuple(torch.cat(calls) for calls in kept)
+        weight = None if weights is None else torch.cat(list(weights)).to(gate_logits[0].device)[None]
         module = sys.modules[type(state.layers[0].block).__module__]
         state.aux.append(module.load_balancing_loss_func(gate_logits, state.layers[0].num_experts,
-                                                         state.layers[0].top_k))
+                                                         state.layers[0].top_k, weight))
     for logits in state.logits:
         logits.clear()
 

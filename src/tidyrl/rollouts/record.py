@@ -161,10 +161,12 @@ class Rollout:
             if isinstance(value, list):
                 return gather_object(list(value))
             t = value.to(accelerator.device)
+            if t.dtype == torch.int16:  # (routes: gloo gathers no int16)
+                t = t.int()
             if t.dim() >= 2:
                 t = accelerator.pad_across_processes(t, dim=1, pad_index=_filler(name, pad_id),
                                                      pad_first=kind == PROMPT)
-            return accelerator.gather(t).cpu()
+            return accelerator.gather(t).cpu().to(value.dtype)
 
         return replace(self, **{f.name: cat(f.name, f.metadata["per"], getattr(self, f.name)) for f in fields(self)})
 

@@ -132,7 +132,8 @@ def target_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     logits_BTV = model(**inputs, use_cache=False).logits
     routing = active(model)
     if routing is not None and routing.keep_logits:  # a mixture of experts' load-balancing loss: real tokens only
-        add_aux_loss(routing, [inputs["attention_mask"].reshape(-1) > 0] if "attention_mask" in inputs else None)
+        add_aux_loss(routing, [(inputs["attention_mask"].reshape(-1) > 0).float()] if "attention_mask" in inputs
+                     else None)
     # The last position predicts nothing: read with token 0 and dropped, rather than slicing the logits (whose
     # backward would be a zero-filled copy of them all).
     logprobs_BT = gather_logprobs(logits_BTV, F.pad(batch["input_ids"][:, 1:], (0, 1)),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from tidyrl import liveness
 from tidyrl.algorithms.kl import kl_per_token
@@ -161,8 +162,8 @@ def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator,
     with replaying(model, part.routes, settings.routing_replay, keep_logits=aux) as routing:
         logprobs, entropy = completion_logprobs(model, *part.sequences, settings.temperature, with_entropy=True,
                                                 fast_path=settings.fast_path, routing=routing)
-        if routing is not None and aux:  # over the forward's real tokens: prompts and completions
-            add_aux_loss(routing, routing.masks(torch.cat([part.prompt_mask, part.completion_mask.long()], 1)))
+        if routing is not None and aux:  # over the inputs of the scored predictions, whatever the layout
+            add_aux_loss(routing, routing.weights(aux_tokens(part)))
     if routing is not None and part.routes is not None:
         changed, decisions = routing.changed_decisions()
         sums.add(routes_changed=changed, route_decisions=decisions)
@@ -215,6 +216,15 @@ def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator,
                  entropy_x_tokens=(entropy * mask).sum(), clipped_tokens=(clipped.float() * mask).sum(),
                  tokens=mask.sum(), value_loss=value_loss, value_clipped_tokens=(value_clipped.float() * mask).sum())
     return peak
+
+
+def aux_tokens(part: Rollout) -> torch.Tensor:
+    """The positions of [prompt, completion] (R, Lp + Tc) a load-balancing loss covers: the inputs of the scored
+    predictions, every real prompt token and every completion token but each row's last (which predicts nothing,
+    and which the lean pass never runs)."""
+    completion = part.completion_mask > 0
+    last = completion & ~F.pad(completion[:, 1:], (0, 1), value=False)
+    return torch.cat([part.prompt_mask > 0, completion & ~last], dim=1)
 
 
 def _step_and_metrics(sums: dict, step, trainee, settings, accelerator, out, t0, in_update_weights, peak,
