@@ -463,3 +463,14 @@ def test_a_label_smoothing_is_refused_for_the_loss_types_that_take_none():
         else:
             assert problems(load_config, data) == [
                 f"dpo.label_smoothing: only with dpo.loss_type=sigmoid or robust; set it to 0 for {loss_type}"]
+
+
+def test_an_optional_list_of_names_is_read_as_a_list_of_names():
+    cfg = load_config({"algorithm": "grpo", "model": "m", "data": {"path": "p.jsonl"},
+                       "rewards": [{"function": "tidyrl.demo:anagram_reward"}], "train": {"rollouts": 1},
+                       "lora": {"enabled": True, "target_modules": ["q_proj", "v_proj"],
+                                "target_parameters": ["experts.gate_up_proj"]}})
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.lora.target_parameters == ["experts.gate_up_proj"]
+    with pytest.raises(ConfigError, match=r"lora.target_modules.0 must be a string"):
+        load_config({"algorithm": "grpo", "model": "m", "data": {"path": "p.jsonl"}, "train": {"rollouts": 1},
+                     "rewards": [{"function": "tidyrl.demo:anagram_reward"}], "lora": {"target_modules": [3]}})

@@ -125,3 +125,36 @@ def test_grpo_on_a_mixture_of_experts_under_fsdp2_matches_one_process(moe_dir, t
         for key in ("loss", "grad_norm", "moe/aux_loss", "moe/max_over_mean", "routing/changed_fraction"):
             assert x[key] == pytest.approx(y[key], abs=TOL), key
     assert max_diff(one / "final" / "model.safetensors", sharded / "final" / "model.safetensors") < TOL
+
+
+def test_lora_adapts_the_attention_and_the_experts_of_a_mixture_of_experts(moe_dir, prompt_file, tmp_path):
+    """LoRA on the attention's q/v and on every expert (transformers 5's stacked experts through peft's
+    target_parameters; 4.x's expert linears through target_modules), routes replayed: the adapter holds both
+    kinds and both moved; where the installed peft has no target_parameters, the run is refused before loading."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from tidyrl.models.lora import MissingPeftError, require_target_parameters
+
+    stacked = int(transformers.__version__.split(".")[0]) >= 5
+    lora = {"enabled": True, "r": 4, "alpha": 8}
+    if stacked:
+        lora |= {"target_modules": ["q_proj", "v_proj"], "target_parameters": ["experts.gate_up_proj",
+                                                                              "experts.down_proj"]}
+        try:
+            require_target_parameters()
+        except MissingPeftError as err:
+            with pytest.raises(MissingPeftError, match="peft >= 0.17"):
+                tidyrl.train(grpo_config(moe_dir, prompt_file, tmp_path / "old", 1, lora=lora))
+            pytest.skip(str(err))
+    else:
+        lora |= {"target_modules": ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]}
+    out = tmp_path / "run"
+    tidyrl.train(grpo_config(moe_dir, prompt_file, out, 2, lora=lora, rollout={"tis_cap": 2.0}))
+    adapter = load_file(out / "final" / "adapter_model.safetensors")
+    experts = [n for n in adapter if "experts" in n and "lora_B" in n]
+    attention = [n for n in adapter if "q_proj" in n and "lora_B" in n]
+    assert experts and attention
+    assert all(adapter[n].abs().sum() > 0 for n in experts + attention)  # (lora_B starts at 0: trained)
+    m = next(m for m in rows(out / "metrics.jsonl") if "routing/changed_fraction" in m)
+    assert m["routing/changed_fraction"] <= 0.01 and m["mismatch/logprob_abs_max"] < 1e-4

@@ -49,9 +49,11 @@ def train(config: Config | dict | str | Path, overrides: Sequence[str] = ()) -> 
     cfg = load_config(config, overrides)
     check_parts(cfg)
     if cfg.lora.enabled:
-        from tidyrl.models.lora import require_peft
+        from tidyrl.models.lora import require_peft, require_target_parameters
 
         require_peft()  # before any data or weights are read
+        if cfg.lora.target_parameters:
+            require_target_parameters()
     loop = importlib.import_module(LOOPS[cfg.algorithm])
     try:
         return loop.run(cfg, config_base_dir(config))

@@ -727,6 +727,8 @@ class LoRAConfig:
     """Dropout on the adapter's input. RL compares forward passes (ratios, KL), so keep 0 there."""
     target_modules: Optional[list[str]] = None
     """Names of the linear layers to adapt (e.g. [q_proj, v_proj]); null = every linear layer but the output head."""
+    target_parameters: Optional[list[str]] = None
+    """Names of parameters to adapt that are not linear layers (peft's target_parameters, peft >= 0.17): the stacked experts of a mixture of experts in transformers 5, e.g. [experts.gate_up_proj, experts.down_proj] (each expert its own low-rank update). In transformers 4.x every expert is its own linear layers, which target_modules names (gate_proj, up_proj, down_proj). null = none. docs/moe.md."""
     save_merged: bool = False
     """Also write final/merged/: the base weights with the adapter folded in, a plain model folder."""
 
@@ -738,6 +740,8 @@ class LoRAConfig:
         need(0 <= self.dropout < 1, "lora.dropout", f"must be in [0, 1), got {self.dropout}")
         need(self.target_modules is None or len(self.target_modules) > 0, "lora.target_modules",
              "list at least one module name (e.g. [q_proj, v_proj]) or null for every linear layer")
+        need(self.target_parameters is None or len(self.target_parameters) > 0, "lora.target_parameters",
+             "list at least one parameter name (e.g. [experts.gate_up_proj, experts.down_proj]) or null")
 
 
 @dataclass
@@ -1287,6 +1291,7 @@ def _coerce(hint, value, key: str, problems: list[str]):
         if value is None:
             return None
         hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)  # (an Optional[list[X]]'s items are X)
     if hint is Any:
         return value
     if dataclasses.is_dataclass(hint):

@@ -69,12 +69,26 @@ def require_peft() -> None:
     _peft()
 
 
+def require_target_parameters() -> None:
+    """Fail before any expensive work where lora.target_parameters is set and the installed peft has none."""
+    import dataclasses
+
+    peft = _peft()
+    if "target_parameters" not in {f.name for f in dataclasses.fields(peft.LoraConfig)}:
+        raise MissingPeftError(f"lora.target_parameters needs peft >= 0.17 (installed: {peft.__version__}): "
+                               "pip install -U peft")
+
+
 def apply_lora(model, lora_cfg, base_path: str, task: str = "causal_lm"):
     """Wrap `model` in a fresh, trainable LoRA adapter (peft.get_peft_model). `task` is causal_lm or
     sequence_classification (the reward model: its new score head is trained in full, as peft's
     modules_to_save). `base_path` is recorded in the adapter config, absolute when local, so the adapter
     loads from anywhere."""
     peft = _peft()
+    extra = {}
+    if getattr(lora_cfg, "target_parameters", None):
+        require_target_parameters()
+        extra["target_parameters"] = list(lora_cfg.target_parameters)
     config = peft.LoraConfig(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,
@@ -82,6 +96,7 @@ def apply_lora(model, lora_cfg, base_path: str, task: str = "causal_lm"):
         target_modules=lora_cfg.target_modules or "all-linear",
         bias="none",
         task_type="SEQ_CLS" if task == "sequence_classification" else "CAUSAL_LM",
+        **extra,
     )
     wrapped = peft.get_peft_model(model, config)
     wrapped.peft_config["default"].base_model_name_or_path = _portable(base_path)
