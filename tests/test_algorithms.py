@@ -346,12 +346,12 @@ def test_masked_mean():
 
 def test_truncated_importance_weights_by_hand():
     """w = min(exp(log pi_trainer - log pi_sampler), cap) on the mask, 1 off it (Yao et al. 2025)."""
-    from tidyrl.algorithms.losses import truncated_importance_weights
+    from tidyrl.algorithms.corrections import mismatch_weights
 
     trainer = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
     sampler = torch.tensor([[-1.5, -1.0, -0.5], [-2.1, -3.0, -9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    weights, delta, capped = truncated_importance_weights(trainer, sampler, mask, cap=2.0)
+    weights, delta, _, capped, _, _ = mismatch_weights(trainer, sampler, mask, "token_truncate", cap=2.0)
     # deltas: 0.5, -1, 0 | 2 (exp 7.39 -> capped at 2), 0 | off the mask
     torch.testing.assert_close(delta, torch.tensor([[0.5, -1.0, 0.0], [2.0, 0.0, 0.0]]))
     e = torch.e

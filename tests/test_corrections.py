@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tidyrl.algorithms.corrections import DEFAULTS, MODES, TWO_SIDED, mismatch_weights
-from tidyrl.algorithms.losses import truncated_importance_weights
 
 # Three sequences of four positions; the token ratios r_t = pi_trainer / pi_sampler on the mask are
 #   row 0: 4, 0.25, 1, (pad)     R = prod r = 1      G = R^(1/3) = 1
@@ -75,21 +74,6 @@ def test_token_truncate():
     flags(out.clipped, [[T, T, F, F], [F, F, F, F], [T, F, F, F]])
     assert out.clipped.sum() == 3  # 3 of the 9 tokens: "fraction clipped" = 1/3
     flags(out.masked_sequences, [F, F, F])
-
-
-def test_token_truncate_is_the_existing_truncated_importance_weights_exactly():
-    trainer, sampler, mask = example()
-    for cap in (3.0, 2.0, 1.5):
-        weights, delta, capped = truncated_importance_weights(trainer, sampler, mask, cap)
-        out = mismatch_weights(trainer, sampler, mask, "token_truncate", cap)
-        assert torch.equal(out.weights, weights) and torch.equal(out.delta, delta)
-        assert torch.equal(out.clipped, capped)
-    g = torch.Generator().manual_seed(0)
-    trainer, sampler = -torch.rand(4, 7, generator=g) * 3, -torch.rand(4, 7, generator=g) * 3
-    mask = (torch.rand(4, 7, generator=g) > 0.3).long()
-    weights, delta, capped = truncated_importance_weights(trainer, sampler, mask, 2.0)
-    out = mismatch_weights(trainer, sampler, mask, "token_truncate", 2.0)
-    assert torch.equal(out.weights, weights) and torch.equal(out.delta, delta) and torch.equal(out.clipped, capped)
 
 
 def test_token_mask_keeps_the_ratio_inside_and_zeroes_outside():
@@ -194,3 +178,40 @@ def test_a_bad_mode_or_bad_bounds_are_refused_with_the_valid_values():
     for low in (3.0, 4.0, -0.1, NAN):
         with pytest.raises(ValueError, match=bounds):
             run("icepop", cap=3.0, low=low)
+
+
+def test_the_runs_correction_takes_its_mode_and_bounds_from_the_rollout_section():
+    """rollout.correction and its bounds: tis_cap where set; unset, on where the sampler is not the trainer (an
+    engine's default cap, a lag) with token_truncate's 2.0 or the mode's default; correction_low else the mode's."""
+    from types import SimpleNamespace
+
+    from tidyrl.rollouts.scoring import correction_of
+
+    def of(default_tis_cap=0.0, **ro):
+        ro = {"tis_cap": None, "lag": 0, "behaviour_logprobs": "sampler", "correction": "token_truncate",
+              "correction_low": None, **ro}
+        c = correction_of(SimpleNamespace(**ro), 2, default_tis_cap)
+        return c.mode, c.tis_cap, c.low, c.where
+
+    assert of() == ("token_truncate", 0.0, None, "none")  # builtin, on-policy: off
+    assert of(2.0) == ("token_truncate", 2.0, None, "scoring")  # vLLM
+    assert of(lag=1) == ("token_truncate", 2.0, None, "scoring")
+    assert of(lag=1, correction="sequence_mask") == ("sequence_mask", 3.0, None, "scoring")
+    assert of(2.0, correction="icepop") == ("icepop", 5.0, 0.5, "scoring")
+    assert of(2.0, correction="sequence_reject", correction_low=0.99, tis_cap=1.01) == \
+        ("sequence_reject", 1.01, 0.99, "scoring")
+    assert of(correction="icepop") == ("icepop", 0.0, 0.5, "none")  # nothing to correct: off
+
+
+def test_a_lagged_run_with_a_sequence_mask_reports_what_it_masked(tmp_path, prompt_file, tiny_model_dir):
+    import tidyrl
+    from conftest import grpo_config, read_jsonl
+
+    out = tmp_path / "run"
+    tidyrl.train(grpo_config(tiny_model_dir, prompt_file, out, 3, rollout={"lag": 1, "correction": "sequence_mask"}))
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "mismatch/masked_sequence_fraction" in m]
+    assert rows and all(0.0 <= m["mismatch/masked_sequence_fraction"] <= 1.0 and
+                        0.0 <= m["mismatch/masked_fraction"] <= 1.0 for m in rows)
+    assert not any("mismatch/capped_fraction" in m for m in rows)
+    with pytest.raises(Exception, match="rollout.correction"):
+        tidyrl.train(grpo_config(tiny_model_dir, prompt_file, tmp_path / "bad", 1, rollout={"correction": "tis"}))

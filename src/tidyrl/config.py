@@ -156,7 +156,11 @@ class RolloutConfig:
     engine: str = "builtin"
     """What generates the completions: an engine of the engine registry (tidyrl.engines.ENGINES; docs/engines.md says what each does and needs): tidyrl's own decode loop on the policy, vLLM in each process (tuned by the `vllm` section) or vLLM servers in their own processes (addressed by the `server` section)."""
     tis_cap: Optional[float] = None
-    """Truncated importance sampling against the sampler/trainer mismatch (Yao et al. 2025): each token's loss is weighted by min(pi_trainer / pi_sampler, tis_cap) on the sampled token. null = 2.0 with engine vllm or vllm-server or with rollout.lag >= 1, off with builtin; 0 = off."""
+    """The correction of the sampler/trainer mismatch (rollout.correction) and its upper bound C: by default truncated importance sampling (Yao et al. 2025), each token's loss weighted by min(pi_trainer / pi_sampler, tis_cap) on the sampled token. null = on with engine vllm or vllm-server or with rollout.lag >= 1 (2.0 for token_truncate, the mode's default bound otherwise: docs/algorithms.md), off with builtin; 0 = off."""
+    correction: str = "token_truncate"
+    """How the mismatch is corrected where it is (rollout.tis_cap): token_truncate (min(r_t, C)), token_mask (r_t, 0 above C), sequence_truncate / sequence_mask (the sequence's product of ratios, truncated / 0 above C; TRL's four modes by its names), icepop (r_t, 0 outside [correction_low, C]: IcePop), sequence_reject (1, 0 where the sequence's geometric-mean ratio is outside [correction_low, C]: verl's rejection), sequence_reject_token_is (r_t inside, OpenRLHF's seq-mask-tis). docs/algorithms.md has each formula, its source and why token_truncate is the default."""
+    correction_low: Optional[float] = None
+    """The lower bound of icepop, sequence_reject and sequence_reject_token_is (and an optional floor of the others); null = the mode's default (0.5, 0.999, 0.5; none for TRL's modes)."""
     lag: int = 0
     """L: rollouts made ahead, beside training. Rollout r is generated with the weights after rollout r - 1 - L's updates (the starting weights for r <= L) while the learner trains on earlier ones; fixed by the config, never by timing, so the run is the same whatever the speed of either side. 0 = on-policy (generate, then train). The gap is corrected by the truncated importance weights (rollout.tis_cap). docs/async.md."""
     routing_replay: bool = True
@@ -196,6 +200,12 @@ class RolloutConfig:
 
     def check_rl(self, need, cfg: "Config") -> None:
         """The RL stages' rollout options (the engine's own checks live with the engine: tidyrl.engines)."""
+        from tidyrl.algorithms.corrections import MODES
+
+        need(self.correction in MODES, "rollout.correction",
+             f"{self.correction!r} is not one of {', '.join(MODES)}")
+        low_ok = self.correction_low is None or 0 <= self.correction_low < 1
+        need(low_ok, "rollout.correction_low", f"must be in [0, 1) or null, got {self.correction_low}")
         need(self.tis_cap is None or self.tis_cap == 0 or self.tis_cap >= 1, "rollout.tis_cap",
              f"must be >= 1 (a cap on pi_trainer / pi_sampler), 0 (off) or null, got {self.tis_cap}")
         need(self.behaviour_logprobs in ("sampler", "trainer"), "rollout.behaviour_logprobs",

@@ -8,8 +8,8 @@ slightly off-policy. Every correction here starts from the per-token log-ratio
 and either truncates a ratio into [low, cap] or gives weight 0 to what falls outside [low, cap]. They differ in
 which ratio is tested (the token's own, its sequence's product, or its sequence's geometric mean) and in the
 weight a token keeps inside the bounds. `mismatch_weights` computes any of them; `MODES` lists them and
-`DEFAULTS` gives each its default (low, cap), with the peer it comes from. `losses.truncated_importance_weights`
-is the mode `token_truncate` with no lower bound.
+`DEFAULTS` gives each its default (low, cap), with the peer it comes from. The run's is `rollout.correction`
+(`rollouts.scoring.Correction`), its upper bound `rollout.tis_cap`.
 
 Pure tensor maths, no gradient: both log-probs are of the behaviour, not of the policy being trained.
 """

@@ -201,25 +201,6 @@ def policy_loss(name: str, logprobs_BT: Tensor, old_logprobs_BT: Tensor, advanta
     raise ValueError(f"unknown policy loss {name!r}; valid values: token, sequence, cispo")
 
 
-def truncated_importance_weights(trainer_BT: Tensor, sampler_BT: Tensor, mask_BT: Tensor,
-                                 cap: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Truncated importance sampling against the sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL
-    framework secretly brings you off-policy RL training"):
-
-        w_t = min(pi_trainer(y_t) / pi_sampler(y_t), cap) = min(exp(delta_t), cap),
-        delta_t = log pi_trainer(y_t) - log pi_sampler(y_t)
-
-    on the tokens of `mask_BT` (1 elsewhere). Returns (w, delta (0 off the mask), which tokens were capped).
-    No gradient: both log-probs are of the behaviour, not of the policy being trained.
-    """
-    mask = mask_BT.bool()
-    with torch.no_grad():
-        delta = torch.where(mask, trainer_BT - sampler_BT.to(trainer_BT.device), torch.zeros((), device=mask.device))
-        ratio = torch.exp(delta)
-        weights = torch.where(mask, ratio.clamp(max=cap), torch.ones((), device=mask.device))
-    return weights, delta, (ratio > cap) & mask
-
-
 def overlong_penalty(lengths_B: Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
     """DAPO's soft overlong punishment, added to each completion's reward.
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from tidyrl import liveness
-from tidyrl.algorithms.losses import truncated_importance_weights
+from tidyrl.algorithms.corrections import DEFAULTS, MismatchWeights, mismatch_weights
 from tidyrl.models.collectives import Sums, reduce_max
 from tidyrl.models.devices import to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
@@ -87,6 +87,14 @@ class Correction:
     behaviour: str
     """rollout.behaviour_logprobs: "sampler" or "trainer"."""
     where: str
+    mode: str = "token_truncate"
+    """rollout.correction: which ratio is tested and how (`algorithms.corrections.mismatch_weights`)."""
+    low: Optional[float] = None
+    """Its lower bound (rollout.correction_low, else the mode's default)."""
+
+    def weights(self, trainer_BT, sampler_BT, mask_BT) -> MismatchWeights:
+        """The per-token loss weights of this correction (`mismatch_weights`), tis_cap its upper bound."""
+        return mismatch_weights(trainer_BT, sampler_BT, mask_BT, self.mode, self.tis_cap, self.low)
 
     @property
     def old_from_sampler(self) -> bool:
@@ -98,10 +106,17 @@ def correction_of(rollout_cfg, minibatches_per_epoch: int, default_tis_cap: floa
     """The run's `Correction`: rollout.tis_cap, or where unset the engine's default (`default_tis_cap`), at least 2.0
     with a lag (the weights that sampled are then older than the learner's)."""
     ro = rollout_cfg
-    cap = ro.tis_cap if ro.tis_cap is not None else max(default_tis_cap, 2.0 if ro.lag else 0.0)
+    mode = getattr(ro, "correction", "token_truncate")
+    cap = ro.tis_cap
+    if cap is None:  # on where the sampler is not the trainer: token_truncate's 2.0 or the engine's, else the mode's
+        on = default_tis_cap > 0 or ro.lag
+        cap = (max(default_tis_cap, 2.0 if ro.lag else 0.0) if mode == "token_truncate" else DEFAULTS[mode][1]) \
+            if on else 0.0
+    low = getattr(ro, "correction_low", None)
+    low = DEFAULTS[mode][0] if low is None else low
     if ro.behaviour_logprobs == "sampler" and (cap == 0 or minibatches_per_epoch == 1):
-        return Correction(cap, ro.behaviour_logprobs, "update" if cap > 0 else "none")
-    return Correction(cap, ro.behaviour_logprobs, "scoring")
+        return Correction(cap, ro.behaviour_logprobs, "update" if cap > 0 else "none", mode, low)
+    return Correction(cap, ro.behaviour_logprobs, "scoring", mode, low)
 
 
 @dataclass
@@ -173,23 +188,47 @@ def behaviour_correction(policy, rollout: Rollout, sampled_logprobs, correction:
     w = min(pi_trainer / pi_sampler, tis_cap) (`Correction`). Returns (the old log-probs, the weights or None, the
     mismatch metrics: this process's tokens, summed over processes; with a mixture of experts' routes, the fraction
     of their decisions the trainer's own router would have changed)."""
-    totals = Sums("abs", "tokens", "capped", *ROUTING_SUMS)
+    totals = Sums("abs", "tokens", "capped", "masked", "sequences", "masked_sequences", *ROUTING_SUMS)
     with full_weights(policy):
         trainer = score_logprobs(policy, rollout, temperature, chunk_size, fast_path=fast_path, replay=replay,
                                  routing_sums=totals)
-    mask = rollout.completion_mask.bool()
-    weights, delta, capped = truncated_importance_weights(trainer, sampled_logprobs, mask, correction.tis_cap)
-    is_weights = weights if correction.behaviour == "sampler" and correction.tis_cap > 0 else None
-    totals.add(abs=delta.abs().sum(), tokens=mask.sum(), capped=capped.sum() if is_weights is not None else 0.0)
+    mask = correction_mask(rollout).bool()
+    corrected = correction.tis_cap > 0
+    w = correction.weights(trainer, sampled_logprobs, mask) if corrected else None
+    delta = w.delta if corrected else torch.where(mask, trainer - sampled_logprobs, torch.zeros(()))
+    is_weights = w.weights if correction.behaviour == "sampler" and corrected else None
+    totals.add(abs=delta.abs().sum(), tokens=mask.sum())
+    if is_weights is not None:
+        totals.add(capped=w.clipped.sum(), masked=w.masked.sum(), sequences=len(mask),
+                   masked_sequences=w.masked_sequences.sum())
     summed = totals.reduced(accelerator)
     peak = reduce_max(accelerator, float(delta.abs().max()) if delta.numel() else 0.0)
     tokens = max(summed["tokens"], 1.0)
     stats = {"mismatch/logprob_abs_mean": summed["abs"] / tokens, "mismatch/logprob_abs_max": peak}
     if is_weights is not None:
-        stats["mismatch/capped_fraction"] = summed["capped"] / tokens
+        stats.update(correction_metrics(summed, correction.mode))
     if summed["route_decisions"]:
         stats["routing/changed_fraction"] = summed["routes_changed"] / summed["route_decisions"]
     return trainer, is_weights, stats
+
+
+def correction_mask(rollout: Rollout):
+    """The tokens a mismatch correction tests: the model's own sampled tokens (an environment's have no sampler
+    log-prob)."""
+    if rollout.action_mask is None:
+        return rollout.completion_mask
+    return rollout.completion_mask * rollout.action_mask.to(rollout.completion_mask.dtype)
+
+
+def correction_metrics(summed: dict, mode: str) -> dict:
+    """What a correction truncated or masked, from its sums (tokens, capped, masked, sequences, masked_sequences):
+    mismatch/capped_fraction (of the tokens, the truncating modes), mismatch/masked_fraction (of the tokens) and
+    mismatch/masked_sequence_fraction (of the sequences) for the masking ones."""
+    tokens = max(summed["tokens"], 1.0)
+    if mode.endswith("truncate"):
+        return {"mismatch/capped_fraction": summed["capped"] / tokens}
+    return {"mismatch/masked_fraction": summed["masked"] / tokens,
+            "mismatch/masked_sequence_fraction": summed["masked_sequences"] / max(summed["sequences"], 1.0)}
 
 
 def teacher_logprobs(teacher, rollout: Rollout, temperature: float, chunk_size: int, fast_path: bool, prompts=None,

@@ -263,7 +263,7 @@ class RLRun:
                                                           trainee=self.trainee, settings=self.update_settings,
                                                           plan=plan, accelerator=self.accelerator, out=self.out)
                         if seen is not None:  # the importance weights of its first step, for the later epochs
-                            rollout = weights_for_later_epochs(rollout, seen, self.correction.tis_cap)
+                            rollout = weights_for_later_epochs(rollout, seen, self.correction)
                         # Measured in the rollout's first step (importance weights from its forward): the rollout's
                         # own figures, on every row of it, as when measured before the update.
                         stats.update({k: v for k, v in step_stats.items() if k.startswith("mismatch/")})

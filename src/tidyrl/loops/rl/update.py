@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tidyrl import liveness
 from tidyrl.algorithms.kl import kl_per_token
-from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss, truncated_importance_weights
+from tidyrl.algorithms.losses import aggregate_loss, loss_normaliser, policy_loss
 from tidyrl.algorithms.ppo import clipped_value_loss
 from tidyrl.loops.run.exact_sums import exact_accumulator, global_micro_batches
 from tidyrl.models.collectives import Sums, reduce_max, reduce_sum
@@ -27,10 +27,11 @@ from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
 from tidyrl.models.routing import add_aux_loss, replaying
 from tidyrl.rollouts.record import Rollout, chunks
-from tidyrl.rollouts.scoring import ROUTING_SUMS
+from tidyrl.rollouts.scoring import ROUTING_SUMS, correction_mask, correction_metrics
 
 SUMS = ("loss", "kl_x_tokens", "entropy_x_tokens", "clipped_tokens", "tokens", "value_loss", "value_clipped_tokens",
-        "mismatch_abs", "mismatch_capped", "aux_loss", *ROUTING_SUMS)
+        "mismatch_abs", "mismatch_capped", "mismatch_masked", "mismatch_sequences", "mismatch_masked_sequences",
+        "aux_loss", *ROUTING_SUMS)
 """What a step sums over its micro-batches and processes, for its metrics."""
 
 
@@ -177,11 +178,11 @@ def _micro_batch(rollout, idx, step, normaliser, trainee, settings, accelerator,
     if part.is_weights is not None:  # truncated importance sampling: the sampler was not the trainer
         token_loss = token_loss * to_device(part.is_weights, device).to(token_loss.dtype)
     elif in_update_weights:  # the same, its weights from this forward
-        weights, delta, capped = truncated_importance_weights(
-            logprobs.detach(), to_device(part.sampled_logprobs, device), mask, settings.correction.tis_cap)
-        token_loss = token_loss * weights
-        sums.add(mismatch_abs=delta.abs().sum(), mismatch_capped=capped.sum())
-        peak = torch.maximum(delta.abs().max(), torch.as_tensor(peak))
+        w = settings.correction.weights(logprobs.detach(), to_device(part.sampled_logprobs, device), mask)
+        token_loss = token_loss * w.weights
+        sums.add(mismatch_abs=w.delta.abs().sum(), mismatch_capped=w.clipped.sum(), mismatch_masked=w.masked.sum(),
+                 mismatch_sequences=len(idx), mismatch_masked_sequences=w.masked_sequences.sum())
+        peak = torch.maximum(w.delta.abs().max(), torch.as_tensor(peak))
         if trainer_logprobs is not None:  # (index_copy_ with a device index: a list index would sync)
             trainer_logprobs[:, : logprobs.shape[1]].index_copy_(
                 0, to_device(torch.as_tensor(idx), device), logprobs.detach().float() * to_device(part.completion_mask,
@@ -251,7 +252,11 @@ def _step_and_metrics(sums: dict, step, trainee, settings, accelerator, out, t0,
     if in_update_weights:  # truncated importance sampling inside the update (the rollout's first step)
         metrics.update({"mismatch/logprob_abs_mean": sums["mismatch_abs"] / tokens,
                         "mismatch/logprob_abs_max": reduce_max(accelerator, float(peak)),
-                        "mismatch/capped_fraction": sums["mismatch_capped"] / tokens})
+                        **correction_metrics({"tokens": tokens, "capped": sums["mismatch_capped"],
+                                              "masked": sums["mismatch_masked"],
+                                              "sequences": sums["mismatch_sequences"],
+                                              "masked_sequences": sums["mismatch_masked_sequences"]},
+                                             settings.correction.mode)})
     if settings.router_aux_loss_coef > 0:
         metrics["moe/aux_loss"] = sums["aux_loss"]
     if sums["route_decisions"]:  # a mixture of experts' recorded routes: the trainer's own router's other choices
@@ -263,13 +268,13 @@ def _step_and_metrics(sums: dict, step, trainee, settings, accelerator, out, t0,
     return metrics
 
 
-def weights_for_later_epochs(rollout: Rollout, trainer_logprobs, tis_cap: float) -> Rollout:
+def weights_for_later_epochs(rollout: Rollout, trainer_logprobs, correction) -> Rollout:
     """After the rollout's first step took its importance weights from its own forward: the trainer's log-probs
     of that forward (`optimizer_step`'s second value) become the old log-probs of the later epochs, and their
-    weights min(pi_trainer / pi_sampler, tis_cap) are kept (as a separate scoring pass would have computed them,
-    with one more forward). Saved with the rollout in a checkpoint, so a resume continues with them."""
-    weights, _, _ = truncated_importance_weights(trainer_logprobs, rollout.sampled_logprobs, rollout.completion_mask,
-                                                 tis_cap)
+    weights (`correction`'s: `rollouts.scoring.Correction.weights`) are kept (as a separate scoring pass would have
+    computed them, with one more forward). Saved with the rollout in a checkpoint, so a resume continues with
+    them."""
+    weights = correction.weights(trainer_logprobs, rollout.sampled_logprobs, correction_mask(rollout)).weights
     return replace(rollout, is_weights=weights, old_logprobs=trainer_logprobs)
 
 
