@@ -469,3 +469,16 @@ def test_bench_learning_gives_trl_the_tidyrl_configs_numbers_and_prompt_order_wi
         done = subprocess.run([sys.executable, str(BENCH / "bench_learning.py"), "--output", str(tmp_path / "o"),
                                *bad], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and says in done.stderr, done.stderr
+
+
+def test_bench_moe_mismatch_prints_each_variants_mismatch_and_router_changes():
+    out = run("bench_moe_mismatch.py", "--rollouts", "2", "--window", "1", "--dtype", "float32",
+              "--variants", "sequence_mask,no-replay", "--dense", "token_truncate")
+    rows = {line.split()[0] + " " + line.split()[1]: line.split() for line in out.splitlines()
+            if line.startswith(("moe ", "dense "))}
+    assert set(rows) == {"moe sequence_mask", "moe no-replay", "dense token_truncate"}
+    # from the end: s/rollout, seq masked, clip/mask, changed
+    assert float(rows["moe no-replay"][-4]) >= 0  # routing/changed_fraction: a mixture's, compared
+    assert rows["dense token_truncate"][-4] == "-"  # a dense model has no router
+    assert 0 <= float(rows["moe sequence_mask"][-2]) <= 1  # what the mask took, of the sequences
+    assert rows["moe no-replay"][-2] == "-"  # (token_truncate masks no sequence)

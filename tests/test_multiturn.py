@@ -581,3 +581,44 @@ def test_a_run_whose_episodes_all_fail_stops_with_a_checkpoint_that_resumes_exac
     resumed = tidyrl.train(config("stopped"), ["resume_from=latest"])
     a, b = load_file(whole.final_dir / "model.safetensors"), load_file(resumed.final_dir / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_mixture_of_experts_conversation_carries_every_tokens_route_and_replaying_them_scores_its_turns(
+        tmp_path, env_file):
+    """Multi-turn with routes recorded: the prompt's from the first turn's prefill, each model turn's from its
+    decode steps, each environment message's from the next turn's prefill; replayed over [prompt, every token],
+    the trainer's log-probs of the model's tokens are the sampler's (to rounding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tidyrl.models.forward import completion_logprobs
+    from tidyrl.models.routing import routed
+    from tidyrl.models.sequences import left_pad
+    from tidyrl.models.tiny import save_tiny_model
+    from tidyrl.rollouts.episodes import as_episodes
+
+    folder = save_tiny_model(tmp_path / "moe", hidden_size=32, num_layers=2, num_heads=2, family="qwen3_moe")
+    model, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    Counter = load_class(env_file, "Counter")
+    words = ["apple", "fig"]
+    messages = [[{"role": "user", "content": w + ":"}] for w in words]
+    prompts = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for m in messages]
+    pool = EnvironmentPool(timeout_s=10)
+    envs = build_environments(Counter, [{"word": w} for w in words], [1, 2], pool)
+    settings = EpisodeSettings(SamplingSettings(max_new_tokens=200, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id,
+                                                batch_size=8, record_routes=True), max_turns=3, max_turn_tokens=4)
+    conversations = run_episodes(BuiltinEngine(model), tok, prompts, settings, sample_key=lambda i, t: 10 * i + t,
+                                 environments=envs, messages=messages, pool=pool, env_names=["Counter"] * 2)
+    for c, p in zip(conversations, prompts):
+        assert c.turns == 3 and len(c.prompt_routes) == len(p)
+    episodes = as_episodes(conversations, 200, tok.pad_token_id, multi_turn=True)
+    p_ids, p_mask = left_pad(prompts, tok.pad_token_id)
+    routes = torch.cat([episodes.prompt_routes, episodes.completion_routes], 1).long()
+    for b, c in enumerate(conversations):  # every token routed but the last one sampled (never fed back)
+        routed_positions = (episodes.completion_routes[b] >= 0).all(-1).all(-1)
+        assert routed_positions[: len(c.ids) - 1].all() and not routed_positions[len(c.ids) - 1:].any()
+    with torch.no_grad(), routed(model, routes) as state:
+        trainer, _ = completion_logprobs(model, p_ids, p_mask, episodes.completion_ids, episodes.completion_mask, 1.0,
+                                         routing=state)
+    own = (episodes.action_mask > 0) & (episodes.completion_mask > 0)
+    assert torch.allclose(trainer[own], episodes.sampled_logprobs[own], atol=1e-5)

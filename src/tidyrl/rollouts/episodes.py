@@ -150,15 +150,16 @@ def run_episodes(engine, tokenizer, prompt_ids: Sequence[Sequence[int]], setting
 
 def _record_routes(c: Conversation, prompt: int, input_routes: torch.Tensor, turn_routes: torch.Tensor) -> None:
     """A turn's routes into the conversation: its input's (right-aligned: the prompt, then `c.ids`) for the
-    prompt on the first turn and for the environment's tokens since the last turn, then the turn's own."""
+    prompt on the first turn, and for every earlier token still without one (the environment's since the last
+    turn, and the last turn's last token, which its own decode never fed back); then the turn's own."""
     width = prompt + len(c.ids)
     given = input_routes[input_routes.shape[0] - width:]
     if c.prompt_routes is None:
         c.prompt_routes = given[:prompt]
-    recorded = sum(len(r) for r in c.routes)
-    if recorded < len(c.ids):
-        c.routes.append(given[prompt + recorded:])
-    c.routes.append(turn_routes)
+    earlier = torch.cat(c.routes) if c.routes else given[prompt:prompt]
+    earlier = torch.cat([earlier, given[prompt + len(earlier):]])  # (the environment's new tokens)
+    none = (earlier < 0).all(-1, keepdim=True)
+    c.routes = [torch.where(none, given[prompt:], earlier), turn_routes]
 
 
 def close_ended(conversations: Sequence[Conversation], environments: Sequence[Any], pool: EnvironmentPool) -> None:
