@@ -158,3 +158,19 @@ def test_lora_adapts_the_attention_and_the_experts_of_a_mixture_of_experts(moe_d
     assert all(adapter[n].abs().sum() > 0 for n in experts + attention)  # (lora_B starts at 0: trained)
     m = next(m for m in rows(out / "metrics.jsonl") if "routing/changed_fraction" in m)
     assert m["routing/changed_fraction"] <= 0.01 and m["mismatch/logprob_abs_max"] < 1e-4
+
+
+def test_an_engine_that_returns_no_routes_is_said_and_the_trainer_routes_itself(moe_dir, prompt_file, tmp_path,
+                                                                               monkeypatch, capsys):
+    import dataclasses
+
+    from tidyrl.engines import builtin
+
+    monkeypatch.setattr(builtin.BuiltinEngine, "capabilities",
+                        dataclasses.replace(builtin.CAPABILITIES, records_routes=False))
+    out = tmp_path / "run"
+    tidyrl.train(grpo_config(moe_dir, prompt_file, out, 1, rollout={"tis_cap": 2.0}))
+    assert "routing replay: off, the builtin engine returns no routes" in capsys.readouterr().out
+    metrics = rows(out / "metrics.jsonl")
+    assert not any("routing/changed_fraction" in m or "moe/max_over_mean" in m for m in metrics)
+    assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in metrics if "mismatch/logprob_abs_max" in m)

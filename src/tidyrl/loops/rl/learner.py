@@ -172,6 +172,9 @@ class RLRun:
         # A mixture of experts' routes, where the engine returns them: replayed (rollout.routing_replay) or compared
         self.moe_layers = moe_layers(policy)
         self.records_routes = bool(self.moe_layers) and self.engine.capabilities.records_routes
+        if self.moe_layers and ro.routing_replay and not self.records_routes:
+            self._say(f"routing replay: off, the {self.engine.name} engine returns no routes of a mixture of "
+                      "experts; the trainer routes every token itself (docs/moe.md)")
         producer, self.eval_producer = make_producers(cfg, self.inputs, self.engine, self.eos_ids, self.pad_id,
                                                       self.env_pool, record_routes=self.records_routes)
         per_proc = plan.episodes_per_rollout_per_process
