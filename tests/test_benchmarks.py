@@ -482,3 +482,12 @@ def test_bench_moe_mismatch_prints_each_variants_mismatch_and_router_changes():
     assert rows["dense token_truncate"][-4] == "-"  # a dense model has no router
     assert 0 <= float(rows["moe sequence_mask"][-2]) <= 1  # what the mask took, of the sequences
     assert rows["moe no-replay"][-2] == "-"  # (token_truncate masks no sequence)
+
+
+def test_bench_routes_times_each_phase_with_and_without_routes_and_counts_their_bytes():
+    out = run("bench_routes.py", "--hidden", "32", "--layers", "2", "--prompts", "2", "--samples", "2",
+              "--prompt-tokens", "4", "--new-tokens", "4", "--repeats", "1")
+    for phase in ("generate", "score", "update"):
+        assert number(phase, out) > 0
+    # 2 layers x top-2 x 2 bytes = 8 a position, over 4 episodes x (4 + 4) positions
+    assert re.search(r"^bytes\s+routes 256 \(8 a position\)", out, re.MULTILINE), out
