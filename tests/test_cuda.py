@@ -473,3 +473,34 @@ def test_compiled_layers_keep_the_model_s_log_probs_and_accumulated_gradients_to
     assert worst_lp <= 4 and worst_grad[0] <= 8, (worst_lp, worst_grad)
     assert layer_kernels.prepare(compiled) == "compile"  # (once: the second call finds it applied)
     assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)
+
+
+def test_a_mixture_of_experts_routes_recorded_on_cuda_replay_to_the_samplers_log_probs_in_bfloat16():
+    """The built-in engine on a GPU in bfloat16 records a tiny Qwen3-MoE's routes (growing shapes, no graph); the
+    trainer's lean pass replaying them takes the recorded experts at every routed position and scores the
+    sampler's log-probs closer than its own routing does."""
+    from tidyrl.models.forward import completion_logprobs
+    from tidyrl.models.generation import generate
+    from tidyrl.models.routing import replaying
+    from tidyrl.models.sequences import left_pad
+    from tidyrl.models.tiny import build_tiny_moe
+
+    model = build_tiny_moe("qwen3_moe", 256, hidden_size=128, num_layers=4, num_heads=4, num_experts=8,
+                           experts_per_token=2, seed=0).to("cuda", torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (12,), generator=g).tolist() for _ in range(4) for _ in range(4)]
+    ids, mask, _, sampled, p_routes, c_routes = generate(
+        model, prompts, sample_keys=list(range(16)), max_new_tokens=24, eos_ids=[2], pad_id=0, batch_size=16,
+        return_logprobs=True, return_routes=True)
+    p_ids, p_mask = left_pad(prompts, 0)
+    routes = torch.cat([p_routes, c_routes], 1)
+    gaps = {}
+    for replay in (True, False):
+        with torch.no_grad(), replaying(model, routes, replay) as state:
+            trainer, _ = completion_logprobs(model, p_ids, p_mask, ids, mask, 1.0, routing=state)
+        real = mask > 0
+        gaps[replay] = float((trainer.cpu()[real] - sampled[real]).abs().mean())
+        if replay:
+            assert state.changed_fraction() is not None
+    assert gaps[True] <= gaps[False] + 1e-6, gaps
+    print("bf16 |dlogp| mean with replay", gaps[True], "without", gaps[False])

@@ -308,3 +308,25 @@ def test_a_new_engine_is_one_module_and_serves_training_and_evaluation(tiny_mode
     assert rows[-1]["eval/truncated_fraction"] == 1.0 and rows[-1]["truncated_fraction"] == 1.0
     assert all(s["completion"] == ":::" for s in read_jsonl(result.output_dir / "samples.jsonl"))
     assert json.loads((result.output_dir / "plan.json").read_text())["engine"] == "echo"
+
+
+def test_vllms_routed_experts_become_the_routes_tidyrl_carries():
+    """vLLM's CompletionOutput.routed_experts (every fed token: prompt + completion - 1 rows, every decoder layer):
+    the MoE layers' rows, the prompt's and the completion's, the last completion token without one; a count that
+    does not add up is refused, as is a sample without them."""
+    import numpy as np
+
+    from tidyrl.engines.base import EngineError
+    from tidyrl.engines.vllm import routes_of_sample
+
+    # 3 prompt + 3 completion tokens fed 5 rows; 3 decoder layers of which 0 and 2 are MoE; top-2
+    routed = np.arange(5 * 3 * 2, dtype=np.uint8).reshape(5, 3, 2)
+    prompt, completion = routes_of_sample(routed, 3, 3, [0, 2])
+    assert prompt.dtype == torch.int16 and prompt.shape == (3, 2, 2) and completion.shape == (3, 2, 2)
+    assert prompt[1].tolist() == [[6, 7], [10, 11]]  # row 1, layers 0 and 2
+    assert completion[0].tolist() == [[18, 19], [22, 23]] and completion[1].tolist() == [[24, 25], [28, 29]]
+    assert (completion[2] == -1).all()  # the last sampled token: never fed
+    with pytest.raises(EngineError, match="for 5 tokens where 3 prompt \\+ 4 completion tokens fed 6"):
+        routes_of_sample(routed, 3, 4, [0, 2])
+    with pytest.raises(EngineError, match="without its routed experts"):
+        routes_of_sample(None, 3, 3, [0, 2])

