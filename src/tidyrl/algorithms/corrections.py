@@ -17,10 +17,10 @@ Pure tensor maths, no gradient: both log-probs are of the behaviour, not of the 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # (the modes and defaults are read by the config's checks, which import no torch)
+    from torch import Tensor
 
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "sequence_reject",
          "sequence_reject_token_is")
@@ -107,6 +107,8 @@ def mismatch_weights(trainer_BT: Tensor, sampler_BT: Tensor, mask_BT: Tensor, mo
         A `MismatchWeights`: weights (1 off the mask), delta (0 off the mask), the ratio tested, and which tokens
         were clipped or masked and which sequences masked.
     """
+    import torch
+
     _check(mode, cap, low)
     mask = mask_BT.bool()
     with torch.no_grad():
