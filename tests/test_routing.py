@@ -349,3 +349,32 @@ def test_the_load_balancing_loss_and_the_changed_decisions_are_the_same_in_every
         assert abs(changed - got["onepass-own-head"][1]) <= 0.02 * decisions, layout
     # decisions: every routed position of the whole rows (but the last column, which has no route), k each
     assert got["lean"][2] == 2 * int((routes[..., 0, 0] >= 0).sum()) * 3
+
+
+def test_under_gradient_checkpointing_a_recomputed_layer_replays_its_own_routes():
+    """The one-pass forward with gradient checkpointing (each layer run again in backward): the same log-probs and
+    gradients as without it, with the routes replayed, and each call's decisions counted once."""
+    from tidyrl.models.forward import completion_logprobs
+    from tidyrl.models.loading import enable_gradient_checkpointing
+    from tidyrl.models.routing import replaying
+
+    prompt_ids, prompt_mask, completion_ids, completion_mask = episodes()
+    routes = sampler_routes(prompt_ids, completion_ids, 3, 6, 2)
+    out = {}
+    for checkpointing in (False, True):
+        model = tiny("qwen3_moe").train()
+        model.config.use_cache = False
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        with replaying(model, routes) as state:
+            logprobs, _ = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 1.0,
+                                              fast_path=not checkpointing, routing=state)
+            (logprobs * completion_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[checkpointing] = (logprobs.detach(), grads, [float(x) for x in state.changed_decisions()],
+                              [len(o) for o in state.own])
+    (lp0, g0, d0, n0), (lp1, g1, d1, n1) = out[False], out[True]
+    assert torch.allclose(lp0, lp1, atol=1e-5)
+    assert g0.keys() == g1.keys() and all(torch.allclose(g0[n], g1[n], atol=1e-5) for n in g0)
+    assert n1 == [1, 1, 1]  # one recorded call per layer, the recomputation not counted again
+    assert d1[1] == 2 * 3 * int((routes[..., 0, 0] >= 0).sum())  # every routed position, k each, in 3 layers
