@@ -174,3 +174,29 @@ def test_an_engine_that_returns_no_routes_is_said_and_the_trainer_routes_itself(
     metrics = rows(out / "metrics.jsonl")
     assert not any("routing/changed_fraction" in m or "moe/max_over_mean" in m for m in metrics)
     assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in metrics if "mismatch/logprob_abs_max" in m)
+
+
+def test_grpo_on_a_mixture_of_experts_under_ddp_matches_one_process(moe_dir, tmp_path):
+    """2 gloo processes under DDP (torchrun): each process replays its share's routes through the shared-prompt
+    passes or the one-pass forward (DDP takes no lean pass), and the run is the one-process run's to float32
+    rounding."""
+    from conftest import torchrun_train
+    from test_fsdp import TOL, completions, max_diff
+
+    words = ["apple", "pear", "fig", "kiwi"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in words))
+    cfg = {"algorithm": "grpo", "model": str(moe_dir), "seed": 1, "data": {"path": str(prompts)},
+           "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+           "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 5, "tis_cap": 2.0},
+           "train": {"rollouts": 2, "minibatches_per_epoch": 2, "micro_batch_size": 1, "learning_rate": 1e-3,
+                     "router_aux_loss_coef": 0.01},
+           "log": {"progress_bar": False, "samples_per_rollout": 4}}
+    one, two = tmp_path / "one", tmp_path / "two"
+    tidyrl.train({**cfg, "output_dir": str(one)})
+    torchrun_train({**cfg, "output_dir": str(two)}, tmp_path, world=2)
+    assert completions(one) == completions(two)
+    for x, y in zip(rows(one / "metrics.jsonl"), rows(two / "metrics.jsonl")):
+        for key in ("loss", "grad_norm", "moe/aux_loss", "moe/max_over_mean", "routing/changed_fraction"):
+            assert x[key] == pytest.approx(y[key], abs=TOL), key
+    assert max_diff(one / "final" / "model.safetensors", two / "final" / "model.safetensors") < TOL
