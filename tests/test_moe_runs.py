@@ -22,6 +22,13 @@ def moe_dir(request, tmp_path_factory):
                            num_heads=2, family=request.param)
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory):
+    """One family for the multi-process runs (a launch each: the families differ in no collective)."""
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3_moe_one") / "model", seed=0, hidden_size=32, num_layers=2,
+                           num_heads=2, family="qwen3_moe")
+
+
 def test_grpo_trains_a_mixture_of_experts_with_its_routes_replayed(moe_dir, prompt_file, tmp_path):
     """Two rollouts, the trainer's log-probs recomputed (tis_cap 2): the sampler's routes replayed, the expert load
     per layer in the metrics (each layer's shares summing to 1), the trainer's router agreeing with the sampler's
@@ -96,7 +103,7 @@ def test_the_load_balancing_loss_is_added_where_set_in_grpo_sft_and_dpo(moe_dir,
         assert len(steps) == 2 and all(0.5 < m["moe/aux_loss"] < 4.0 for m in steps), (stage, steps)
 
 
-def test_grpo_on_a_mixture_of_experts_under_fsdp2_matches_one_process(moe_dir, tmp_path):
+def test_grpo_on_a_mixture_of_experts_under_fsdp2_matches_one_process(qwen3_moe_dir, tmp_path):
     """FSDP2 shards every expert's weights and the routers (2 gloo processes): the same completions and, with the
     routes replayed in the scoring and the update, the one-process run's weights to float32 rounding."""
     import yaml
@@ -107,7 +114,7 @@ def test_grpo_on_a_mixture_of_experts_under_fsdp2_matches_one_process(moe_dir, t
     words = ["apple", "pear", "fig", "kiwi"]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in words))
-    cfg = {"algorithm": "grpo", "model": str(moe_dir), "seed": 1, "data": {"path": str(prompts)},
+    cfg = {"algorithm": "grpo", "model": str(qwen3_moe_dir), "seed": 1, "data": {"path": str(prompts)},
            "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
            "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 5, "tis_cap": 2.0},
            "train": {"rollouts": 2, "minibatches_per_epoch": 2, "micro_batch_size": 1, "learning_rate": 1e-3,
@@ -176,7 +183,7 @@ def test_an_engine_that_returns_no_routes_is_said_and_the_trainer_routes_itself(
     assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in metrics if "mismatch/logprob_abs_max" in m)
 
 
-def test_grpo_on_a_mixture_of_experts_under_ddp_matches_one_process(moe_dir, tmp_path):
+def test_grpo_on_a_mixture_of_experts_under_ddp_matches_one_process(qwen3_moe_dir, tmp_path):
     """2 gloo processes under DDP (torchrun): each process replays its share's routes through the shared-prompt
     passes or the one-pass forward (DDP takes no lean pass), and the run is the one-process run's to float32
     rounding."""
@@ -186,7 +193,7 @@ def test_grpo_on_a_mixture_of_experts_under_ddp_matches_one_process(moe_dir, tmp
     words = ["apple", "pear", "fig", "kiwi"]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in words))
-    cfg = {"algorithm": "grpo", "model": str(moe_dir), "seed": 1, "data": {"path": str(prompts)},
+    cfg = {"algorithm": "grpo", "model": str(qwen3_moe_dir), "seed": 1, "data": {"path": str(prompts)},
            "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
            "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 5, "tis_cap": 2.0},
            "train": {"rollouts": 2, "minibatches_per_epoch": 2, "micro_batch_size": 1, "learning_rate": 1e-3,
