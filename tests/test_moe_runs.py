@@ -103,6 +103,19 @@ def test_the_load_balancing_loss_is_added_where_set_in_grpo_sft_and_dpo(moe_dir,
         assert len(steps) == 2 and all(0.5 < m["moe/aux_loss"] < 4.0 for m in steps), (stage, steps)
 
 
+def multi_process_config(model_dir, tmp_path) -> dict:
+    """The GRPO run the multi-process tests launch: routes replayed, the mismatch scored, the load-balancing loss."""
+    words = ["apple", "pear", "fig", "kiwi"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in words))
+    return {"algorithm": "grpo", "model": str(model_dir), "seed": 1, "data": {"path": str(prompts)},
+            "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
+            "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 5, "tis_cap": 2.0},
+            "train": {"rollouts": 2, "minibatches_per_epoch": 2, "micro_batch_size": 1, "learning_rate": 1e-3,
+                      "router_aux_loss_coef": 0.01},
+            "log": {"progress_bar": False, "samples_per_rollout": 4}}
+
+
 def test_grpo_on_a_mixture_of_experts_under_fsdp2_matches_one_process(qwen3_moe_dir, tmp_path):
     """FSDP2 shards every expert's weights and the routers (2 gloo processes): the same completions and, with the
     routes replayed in the scoring and the update, the one-process run's weights to float32 rounding."""
@@ -111,15 +124,7 @@ def test_grpo_on_a_mixture_of_experts_under_fsdp2_matches_one_process(qwen3_moe_
 
     if not _accelerate_launches_fsdp2():
         pytest.skip("this accelerate launches FSDP1 only")
-    words = ["apple", "pear", "fig", "kiwi"]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in words))
-    cfg = {"algorithm": "grpo", "model": str(qwen3_moe_dir), "seed": 1, "data": {"path": str(prompts)},
-           "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
-           "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 5, "tis_cap": 2.0},
-           "train": {"rollouts": 2, "minibatches_per_epoch": 2, "micro_batch_size": 1, "learning_rate": 1e-3,
-                     "router_aux_loss_coef": 0.01},
-           "log": {"progress_bar": False, "samples_per_rollout": 4}}
+    cfg = multi_process_config(qwen3_moe_dir, tmp_path)
     config = tmp_path / "moe.yaml"
     config.write_text(yaml.safe_dump(cfg))
     one, sharded = tmp_path / "one", tmp_path / "fsdp"
@@ -190,15 +195,7 @@ def test_grpo_on_a_mixture_of_experts_under_ddp_matches_one_process(qwen3_moe_di
     from conftest import torchrun_train
     from test_fsdp import TOL, completions, max_diff
 
-    words = ["apple", "pear", "fig", "kiwi"]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{w}:", "word": w}) + "\n" for w in words))
-    cfg = {"algorithm": "grpo", "model": str(qwen3_moe_dir), "seed": 1, "data": {"path": str(prompts)},
-           "rewards": [{"function": "tidyrl.demo:anagram_reward"}],
-           "rollout": {"prompts_per_rollout": 2, "samples_per_prompt": 2, "max_new_tokens": 5, "tis_cap": 2.0},
-           "train": {"rollouts": 2, "minibatches_per_epoch": 2, "micro_batch_size": 1, "learning_rate": 1e-3,
-                     "router_aux_loss_coef": 0.01},
-           "log": {"progress_bar": False, "samples_per_rollout": 4}}
+    cfg = multi_process_config(qwen3_moe_dir, tmp_path)
     one, two = tmp_path / "one", tmp_path / "two"
     tidyrl.train({**cfg, "output_dir": str(one)})
     torchrun_train({**cfg, "output_dir": str(two)}, tmp_path, world=2)
