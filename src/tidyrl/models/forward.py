@@ -258,11 +258,9 @@ def _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, comple
     if routing is not None:  # the prompts' pass, then the completions' but their last token
         width = lp + completion_ids.shape[1]
         columns = torch.arange(width)
-        first, rows_of = _first_rows(inverse, len(unique)), torch.bincount(inverse.cpu(), minlength=len(unique))
-        routing_calls = [first[:, None] * width + columns[None, :lp],
-                         torch.arange(len(prompt_ids))[:, None] * width + columns[None, lp:-1]]
-        expect(routing, [index.reshape(-1) for index in routing_calls],
-               [rows_of[:, None].expand(-1, lp).reshape(-1), torch.ones(routing_calls[1].numel())])
+        p_index, p_counts = _once_run_prompts(inverse, len(unique), width, columns[:lp])
+        c_index = torch.arange(len(prompt_ids))[:, None] * width + columns[None, lp:-1]
+        expect(routing, [p_index, c_index.reshape(-1)], [p_counts, torch.ones(c_index.numel())])
     u_ids, u_mask = to_device(unique[:, :lp], device), to_device(unique[:, lp:], device)
     u_pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
     # The prompt pass runs the module inside DDP, so that every process makes exactly one DDP forward per
@@ -299,11 +297,18 @@ def _can_share_prompts(model) -> bool:
     return plain_kv_cache(inner)
 
 
-def _first_rows(inverse: torch.Tensor, distinct: int) -> torch.Tensor:
-    """Each distinct prompt's first row (distinct,): the row whose routes its once-run prompt replays (the k rows of
-    a group share the prompt and, from one sampler's prefill, its routes)."""
+def _once_run_prompts(inverse: torch.Tensor, distinct: int, width: int, at: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct prompts run once, their columns `at` (-1: padding of the pass's own), among the rows
+    [prompt, completion] of `width`: each token's index there, its prompt's first row's (whose routes it replays:
+    the k rows of a group share the prompt and, from one sampler's prefill, its routes), and how many rows it stands
+    for; both flattened (distinct x len(at))."""
+    inverse = inverse.cpu()
     rows = torch.arange(len(inverse))
-    return torch.full((distinct,), len(inverse), dtype=torch.long).scatter_reduce(0, inverse.cpu(), rows, "amin")
+    first = torch.full((distinct,), len(inverse), dtype=torch.long).scatter_reduce(0, inverse, rows, "amin")
+    index = torch.where(at >= 0, first[:, None] * width + at[None, :], -1)
+    counts = torch.bincount(inverse, minlength=distinct)[:, None].expand(index.shape)
+    return index.reshape(-1), counts.reshape(-1)
 
 
 def _expect_rows(routing: Optional[Routing], shape, prompt: int, completion: int) -> None:
@@ -326,14 +331,10 @@ def _expect_lean(routing: Routing, padded, prompt: int, completion: int) -> None
     left, right = prompt_ids.shape[1] - prompt, completion_ids.shape[1] - completion
     width = prompt + completion
     unique, inverse = distinct_prompts(prompt_ids, prompt_mask)
-    first = _first_rows(inverse, len(unique))
-    p_at = torch.arange(prompt_ids.shape[1]) - left
-    p_index = torch.where(p_at >= 0, first[:, None] * width + p_at[None, :], -1)
+    p_index, p_counts = _once_run_prompts(inverse, len(unique), width, torch.arange(prompt_ids.shape[1]) - left)
     c_at = torch.arange(completion + right - 1)
     c_index = torch.where(c_at < completion, torch.arange(len(inverse))[:, None] * width + prompt + c_at[None, :], -1)
-    rows_of = torch.bincount(inverse.cpu(), minlength=len(unique))  # (a prompt's tokens stand for its rows')
-    expect(routing, [torch.cat([p_index.reshape(-1), c_index.reshape(-1)])],
-           [torch.cat([rows_of[:, None].expand(p_index.shape).reshape(-1), torch.ones(c_index.numel())])])
+    expect(routing, [torch.cat([p_index, c_index.reshape(-1)])], [torch.cat([p_counts, torch.ones(c_index.numel())])])
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float,

@@ -339,7 +339,7 @@ def _generate_chunk(model, prompts, keys, *, max_new_tokens, eos_ids, pad_id, mi
                             position_ids=next_pos, **{cache_arg: cache}, use_cache=True)
                 logits = out.logits[:, -1, :]
             if routing is not None:  # the experts of the token just fed back
-                completion_routes[at, step] = take(routing).to(completion_routes.dtype)
+                completion_routes[at, step] = take(routing)
             next_pos = next_pos + 1
     ids = ids[:, :steps]
     # A position is part of the completion up to and including the first EOS: where no EOS came before it (rows

@@ -59,11 +59,8 @@ class MoeLayer:
 def moe_layers(model) -> list[MoeLayer]:
     """The model's mixture-of-experts blocks in layer order (a wrapper such as DDP, FSDP2 or peft around the model
     alike); [] for a dense model or an architecture without a declared family that has them."""
-    config = getattr(model, "config", None)
+    config = _config_of(model)
     family = family_of(config) if config is not None else None
-    if family is None:
-        inner = getattr(model, "module", None) or getattr(getattr(model, "base_model", None), "model", None)
-        family = family_of(inner.config) if inner is not None and hasattr(inner, "config") else None
     if family is None or not family.moe:
         return []
     found = []
@@ -303,15 +300,23 @@ def routed(model, routes: Optional[torch.Tensor] = None, *, record: bool = True,
     its experts (with `replay` False: only compared with the forward's own choice). Yields the `Routing`; a dense
     model runs as it is (no layers)."""
     state = Routing(moe_layers(model), routes, record, keep_logits, replay)
-    patched = []
+    patched, outer = [], vars(model).get(_ACTIVE)
     try:
         for j, layer in enumerate(state.layers):
             layer.block.forward = _bound(state, j)
             patched.append(layer.block)
+        vars(model)[_ACTIVE] = state
         yield state
     finally:
         for block in patched:
             del block.forward  # (the instance attribute: the class's forward again)
+        vars(model).pop(_ACTIVE, None)
+        if outer is not None:
+            vars(model)[_ACTIVE] = outer
+
+
+_ACTIVE = "_tidyrl_routing"
+"""Where `routed` leaves its state on the model it was given, for `active`."""
 
 
 @contextlib.contextmanager
@@ -332,7 +337,6 @@ def replaying(model, routes: Optional[torch.Tensor], replay: bool = True,
 def _bound(state: Routing, j: int):
     def forward(hidden_states):
         return _block_forward(state, j, hidden_states)
-    forward.routing = state
     return forward
 
 
@@ -376,12 +380,9 @@ def _config_of(model):
 
 
 def active(model) -> Optional[Routing]:
-    """The `Routing` of the `routed` block the model's mixture-of-experts blocks run in, or None."""
-    for module in model.modules():
-        forward = vars(module).get("forward")
-        if forward is not None and hasattr(forward, "routing"):
-            return forward.routing
-    return None
+    """The `Routing` of the `routed` block that was given this model (the same object), or None: a lookup, not a
+    walk over its modules (the offline stages' every forward asks)."""
+    return vars(model).get(_ACTIVE)
 
 
 def take(state: Routing) -> torch.Tensor:

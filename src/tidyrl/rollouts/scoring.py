@@ -192,7 +192,7 @@ def behaviour_correction(policy, rollout: Rollout, sampled_logprobs, correction:
     with full_weights(policy):
         trainer = score_logprobs(policy, rollout, temperature, chunk_size, fast_path=fast_path, replay=replay,
                                  routing_sums=totals)
-    mask = correction_mask(rollout).bool()
+    mask = model_tokens(rollout).bool()
     corrected = correction.tis_cap > 0
     w = correction.weights(trainer, sampled_logprobs, mask) if corrected else None
     delta = w.delta if corrected else torch.where(mask, trainer - sampled_logprobs, torch.zeros(()))
@@ -212,9 +212,9 @@ def behaviour_correction(policy, rollout: Rollout, sampled_logprobs, correction:
     return trainer, is_weights, stats
 
 
-def correction_mask(rollout: Rollout):
-    """The tokens a mismatch correction tests: the model's own sampled tokens (an environment's have no sampler
-    log-prob)."""
+def model_tokens(rollout: Rollout):
+    """The model's own sampled tokens of a rollout's completions (R, Tc): not an environment's, which have no
+    sampler log-prob (the tokens a mismatch correction tests, and an expert load counts)."""
     if rollout.action_mask is None:
         return rollout.completion_mask
     return rollout.completion_mask * rollout.action_mask.to(rollout.completion_mask.dtype)

@@ -280,8 +280,11 @@ class OfflineRun:
         what to change (`loops.run.out_of_memory`)."""
         from tidyrl.loops.run.out_of_memory import out_of_memory
         from tidyrl.models.peak_memory import is_out_of_memory
+        from tidyrl.models.routing import aux_loss_coef
 
         self.probing = False
+        # a mixture of experts' load-balancing weight (train.router_aux_loss_coef as the model resolves it), once
+        self.aux_coef = aux_loss_coef(self.cfg.train.router_aux_loss_coef, model)
         try:
             return self._train(stage, model, optimizer, scheduler, tokenizer, plan, num_examples, eval_examples,
                                header)
@@ -431,7 +434,7 @@ class OfflineRun:
         from tidyrl.loops.run.exact_sums import exact_accumulator
         from tidyrl.loops.run.steps import apply_update, no_sync
         from tidyrl.models.collectives import Sums, reduce_sum
-        from tidyrl.models.routing import aux_loss_coef, replaying
+        from tidyrl.models.routing import replaying
 
         cfg, acc = self.cfg, self.accelerator
         t0 = time.perf_counter()
@@ -441,7 +444,7 @@ class OfflineRun:
         parts = micro_batches(batch, plan, self.rank, stage.length if cfg.train.group_by_length else None,
                               whole_batch_first=exact is not None)
         sums = Sums(*stage.sums)
-        aux_coef, aux_total = aux_loss_coef(cfg.train.router_aux_loss_coef, model), 0.0
+        aux_coef, aux_total = self.aux_coef, 0.0
         for k, idx in enumerate(parts):
             last = k == len(parts) - 1
             sync = exact.micro_batch_sync(last) if exact is not None else cfg.train.sync_each_microbatch or last

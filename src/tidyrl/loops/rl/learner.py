@@ -42,7 +42,7 @@ from tidyrl.models.sharding import is_sharded
 from tidyrl.plan import epochs_done
 from tidyrl.rollouts.making import DynamicSampling, Rescoring, RolloutSource
 from tidyrl.rollouts.producer import DynamicSamplingError, make_producers
-from tidyrl.rollouts.scoring import Scorers, correction_of
+from tidyrl.rollouts.scoring import Scorers, correction_of, model_tokens
 from tidyrl.rollouts.taking import Rollouts
 from tidyrl.rollouts.weights import behaviour_copy
 
@@ -391,10 +391,8 @@ class RLRun:
                 self._say(note)
         stats.update(rollout.info)  # its making's and scoring's metrics (rollouts.taking)
         if rollout.completion_routes is not None:  # the experts the sampler sent the model's tokens to
-            mask = rollout.completion_mask if rollout.action_mask is None else \
-                rollout.completion_mask * rollout.action_mask
-            stats.update(load_metrics(expert_load(rollout.completion_routes, self.moe_layers[0].num_experts, mask),
-                                      self.moe_layers))
+            load = expert_load(rollout.completion_routes, self.moe_layers[0].num_experts, model_tokens(rollout))
+            stats.update(load_metrics(load, self.moe_layers))
         k = self.plan.samples_per_prompt
         # One sample of each of the first prompts (then second samples...), by global index: the same on any W.
         shown = sample_episodes(len(rollout) // k, k, self.cfg.log.samples_per_rollout) if self.is_main else []

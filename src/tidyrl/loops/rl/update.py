@@ -27,7 +27,7 @@ from tidyrl.models.devices import phase_done, to_device
 from tidyrl.models.forward import completion_logprobs, completion_values
 from tidyrl.models.routing import add_aux_loss, replaying
 from tidyrl.rollouts.record import Rollout, chunks
-from tidyrl.rollouts.scoring import ROUTING_SUMS, correction_mask, correction_metrics
+from tidyrl.rollouts.scoring import ROUTING_SUMS, correction_metrics, model_tokens
 
 SUMS = ("loss", "kl_x_tokens", "entropy_x_tokens", "clipped_tokens", "tokens", "value_loss", "value_clipped_tokens",
         "mismatch_abs", "mismatch_capped", "mismatch_masked", "mismatch_sequences", "mismatch_masked_sequences",
@@ -274,7 +274,7 @@ def weights_for_later_epochs(rollout: Rollout, trainer_logprobs, correction) -> 
     weights (`correction`'s: `rollouts.scoring.Correction.weights`) are kept (as a separate scoring pass would have
     computed them, with one more forward). Saved with the rollout in a checkpoint, so a resume continues with
     them."""
-    weights = correction.weights(trainer_logprobs, rollout.sampled_logprobs, correction_mask(rollout)).weights
+    weights = correction.weights(trainer_logprobs, rollout.sampled_logprobs, model_tokens(rollout)).weights
     return replace(rollout, is_weights=weights, old_logprobs=trainer_logprobs)
 
 
