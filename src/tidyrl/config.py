@@ -524,7 +524,7 @@ class DistillConfig(PolicyLossConfig):
              f"must be a number >= 0 (0 = pure distillation), got {self.task_reward_weight}")
         need(self.scale_rewards in GRPO_SCALES, "distill.scale_rewards",
              f"{self.scale_rewards!r} is not one of {', '.join(GRPO_SCALES)}")
-        has_rewards = bool(cfg.rewards) or cfg.environment.factory is not None
+        has_rewards = bool(cfg.rewards) or cfg.environment.configured
         need(not self.task_reward_weight or has_rewards, "distill.task_reward_weight",
              f"{self.task_reward_weight} weighs task rewards, but there are none: add rewards (or an environment), or "
              "set it to 0 for pure distillation")
@@ -643,12 +643,14 @@ class KTOConfig:
 class EnvironmentConfig:
     factory: Optional[Any] = None
     """Multi-turn rollouts: the environment class (`my_envs.py:Guess`, `package.module:Class`, or from Python the class), built once per episode as factory(row, seed); null = one completion per prompt. See docs/environments.md."""
+    agent: Optional[Any] = None
+    """Agent rollouts: a function written against the `openai` client (`my_agent.py:solve`, `package.module:function`, or from Python the function), called once per episode in an environment worker with some of base_url, api_key, model, prompt, row, seed (by name); tidyrl serves the engine behind base_url (an OpenAI-compatible endpoint on 127.0.0.1, one per episode) and trains on the tokens it sampled. It returns the episode's reward (a number, a dict of reward terms summed, or None), added to the reward functions'. max_turns bounds its model calls, timeout_s its own time between them. Not with factory. See docs/agents.md."""
     max_turns: int = 4
-    """Model turns per episode at most."""
+    """Model turns per episode at most (an agent's model calls: later ones are refused, and the episode is truncated)."""
     max_turn_tokens: Optional[int] = None
     """Tokens per model turn at most; null = rollout.max_new_tokens, which bounds the whole trajectory (model and environment tokens)."""
     timeout_s: float = 30.0
-    """Seconds an environment call (its constructor, each step) may take; past it the episode ends with error_reward."""
+    """Seconds an environment call (its constructor, each step) may take, and an agent between its model calls (its own time: not the time it waits for an answer); past it the episode ends with error_reward."""
     error_reward: float = 0.0
     """The episode's environment reward when its environment raised, timed out or answered wrongly."""
     workers: int = 8
@@ -656,9 +658,16 @@ class EnvironmentConfig:
     max_error_fraction: float = 0.5
     """The run stops (after saving a checkpoint) when more than this share of a rollout's episodes ended on an environment error: it would learn from nothing. 1.0 = never stop."""
 
+    @property
+    def configured(self) -> bool:
+        """Episodes of more than one model turn: an environment class or an agent."""
+        return self.factory is not None or self.agent is not None
+
     def check(self, need, cfg: "Config") -> None:
-        if self.factory is None:
+        if not self.configured:
             return
+        need(self.factory is None or self.agent is None, "environment.agent",
+             "an agent drives its own episodes: set environment.factory or environment.agent, not both")
         need(self.max_turns >= 1, "environment.max_turns", f"must be >= 1, got {self.max_turns}")
         need(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "environment.max_turn_tokens",
              f"must be >= 1 or null, got {self.max_turn_tokens}")
@@ -1055,7 +1064,7 @@ def validate(cfg: Config) -> None:
              f"only for sft, dpo and kto; {cfg.algorithm} scores its rollouts with the rollout.forward_batch_size knob")
     _check_evaluation(cfg, need, offline)
     teacher = cfg.algorithm in RL_TABLE and RL_TABLE[cfg.algorithm].teacher  # the teacher's log-probs reward
-    need(offline or teacher or len(cfg.rewards) > 0 or cfg.environment.factory is not None, "rewards",
+    need(offline or teacher or len(cfg.rewards) > 0 or cfg.environment.configured, "rewards",
          "add at least one reward, e.g. rewards: [{function: my_rewards.py:exact_match}]")
     cfg.teacher.check(need, cfg)
     cfg.environment.check(need, cfg)
@@ -1139,7 +1148,7 @@ def _validate_offline(cfg: Config, need) -> None:
     train.dataset_epochs or train.max_steps, the optimizer batch train.batch_size."""
     a, t, d = cfg.algorithm, cfg.train, cfg.data
     need(not cfg.rewards, "rewards", f"not used by algorithm {a} (it trains on data.path); remove the section")
-    need(cfg.environment.factory is None, "environment", f"not used by algorithm {a} (it generates nothing); remove it")
+    need(not cfg.environment.configured, "environment", f"not used by algorithm {a} (it generates nothing); remove it")
     need(cfg.rollout == RolloutConfig(), "rollout",
          f"not used by algorithm {a} (it generates nothing); remove the section")
     need(t.rollouts is None, "train.rollouts",

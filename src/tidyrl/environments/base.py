@@ -78,6 +78,18 @@ class EnvironmentPool:
     def __init__(self, timeout_s: float, workers: int = 8):
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tidyrl-env")
+        self._kept: dict[str, Any] = {}
+
+    def submit(self, fn: Callable[[], Any]):
+        """Run `fn` in a worker; its `concurrent.futures.Future` (the caller bounds its time)."""
+        return self._pool.submit(fn)
+
+    def kept(self, name: str, make: Callable[[], Any]):
+        """What the episodes share for the pool's life (e.g. an agent's endpoint): made by `make()` the first time
+        `name` is asked for, closed (its `close()`) with the pool."""
+        if name not in self._kept:
+            self._kept[name] = make()
+        return self._kept[name]
 
     def call(self, fns: Sequence[Callable[[], Any]]) -> list[tuple[Any, Optional[str]]]:
         """Run the calls concurrently; (result, None) or (None, error text) for each, in order."""
@@ -93,6 +105,9 @@ class EnvironmentPool:
         return results
 
     def close(self) -> None:
+        for resource in self._kept.values():
+            resource.close()
+        self._kept.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -55,6 +55,11 @@ class Conversation:
     routes: list[torch.Tensor] = field(default_factory=list)
     """... and of `ids` as far as recorded, in pieces: each model turn's tokens from its decode steps, each
     environment message's from the next turn's prefill (none where no turn followed it)."""
+    prompt_ids: Optional[list[int]] = None
+    """An agent's episode: its prompt as the agent's first call rendered it (`rollouts.agents`); None: the data
+    row's prompt."""
+    segments: int = 1
+    """An agent's episode: its segments (1 + the calls whose history did not continue the record)."""
 
 
 def environment_message_ids(tokenizer, messages: list[dict], turn_text: str, generated_text: str, message: dict,
@@ -214,9 +219,10 @@ def _environment_turn(conversations, replies, environments, settings: EpisodeSet
             c.truncated, c.done = True, True
 
 
-def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int, multi_turn: bool) -> Rollout:
+def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int, multi_turn: bool,
+                agent: bool = False) -> Rollout:
     """The conversations as a rollout's episode fields (`Rollout`, its prompts not yet set), each padded to the
-    budget; with an environment its reward is `rewards["env"]`."""
+    budget; with an environment (or an agent) its reward is `rewards["env"]`; an agent's, its segments too."""
     B, T = len(conversations), budget
     # each row's values at its first positions, one copy per tensor (a row at a time: 7 ms for 128 x 256, this 3)
     written = torch.arange(T) < torch.tensor([len(c.ids) for c in conversations], dtype=torch.long)[:, None]
@@ -229,6 +235,8 @@ def as_episodes(conversations: Sequence[Conversation], budget: int, pad_id: int,
         episodes = replace(episodes, **_routes(conversations, T))
     if not multi_turn:
         return episodes
+    if agent:
+        episodes = replace(episodes, segments=torch.tensor([float(c.segments) for c in conversations]))
     return replace(episodes, action_mask=_rows_into(written, [c.action for c in conversations], torch.zeros((B, T))),
                    rewards={"env": torch.tensor([c.reward for c in conversations])},
                    turns=torch.tensor([float(c.turns) for c in conversations]),

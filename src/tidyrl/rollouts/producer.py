@@ -27,6 +27,7 @@ import torch
 from tidyrl.models.sequences import left_pad, sample_seed
 from tidyrl.rewards.functions import compute_rewards, weighted_sum
 from tidyrl.rewards.reward_models import RewardModel
+from tidyrl.rollouts.agents import Agent, run_agent_episodes
 from tidyrl.rollouts.episodes import EpisodeSettings, as_episodes, build_environments, run_episodes
 from tidyrl.rollouts.record import Rollout
 
@@ -74,10 +75,17 @@ class Producer:
         columns = {c: table[c] for c in self.columns} if len(rows) else {c: [] for c in self.columns}
         prompt_ids = [self.prompt_ids[row] for row in rows]
         multi_turn = self.environment is not None
+        agent = isinstance(self.environment, Agent)
         extra = {}
-        if multi_turn:
-            env_rows = [{c: columns[c][i] for c in columns} | {self.prompt_column: prompts[i]}
-                        for i in range(len(keys))]
+        env_rows = [{c: columns[c][i] for c in columns} | {self.prompt_column: prompts[i]}
+                    for i in range(len(keys))] if multi_turn else []
+        if agent:
+            conversations = run_agent_episodes(
+                self.environment, self.engine, self.tokenizer, settings, env_rows, prompts,
+                [sample_seed(self.seed, slot, f"{key}.env") for key in keys],
+                lambda i, t: sample_seed(self.seed, slot, f"{keys[i]}.{t}"), self.pool)
+            prompt_ids = [c.prompt_ids or p for c, p in zip(conversations, prompt_ids)]
+        elif multi_turn:
             extra = dict(
                 environments=build_environments(self.environment, env_rows,
                                                 [sample_seed(self.seed, slot, f"{key}.env") for key in keys],
@@ -87,8 +95,11 @@ class Producer:
             key_of = lambda i, t: sample_seed(self.seed, slot, f"{keys[i]}.{t}")  # noqa: E731
         else:
             key_of = lambda i, t: sample_seed(self.seed, slot, keys[i])  # noqa: E731
-        conversations = run_episodes(self.engine, self.tokenizer, prompt_ids, settings, sample_key=key_of, **extra)
-        episodes = as_episodes(conversations, settings.sampling.max_new_tokens, settings.sampling.pad_id, multi_turn)
+        if not agent:
+            conversations = run_episodes(self.engine, self.tokenizer, prompt_ids, settings, sample_key=key_of,
+                                         **extra)
+        episodes = as_episodes(conversations, settings.sampling.max_new_tokens, settings.sampling.pad_id, multi_turn,
+                               agent)
         if multi_turn:
             episodes.error_texts = [None if c.error is None else f"{c.error} (episode of prompt {_short_prompt(p)})"
                                     for c, p in zip(conversations, prompts)]

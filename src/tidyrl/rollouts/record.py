@@ -51,6 +51,7 @@ class Rollout:
     env_errors: Optional[torch.Tensor] = _per(EPISODE)  # (R,) float multi-turn: 1 = ended on an environment error
     error_texts: Optional[list] = _per(EPISODE)  # R texts or None: each episode's environment error
     close_errors: Optional[list] = _per(EPISODE)  # R texts or None: what its environment's close() raised
+    segments: Optional[torch.Tensor] = _per(EPISODE)  # (R,) float an agent's episodes: segments (rollouts.agents)
     prompt_routes: Optional[torch.Tensor] = _per(PROMPT)  # (R, Lp, MoE layers, k) int16 a mixture of experts'
     # routes in the sampler's prefill (models.routing), -1 = none; None unless routing replay records them
     completion_routes: Optional[torch.Tensor] = _per(TOKEN)  # (R, Tc, MoE layers, k) int16 the routes of each

@@ -42,8 +42,9 @@ def rollout_rewards(rollout: Rollout, reward_fns: list, moments: dict, rollout_c
 
 
 def multi_turn_stats(r: int, rollout: Rollout) -> tuple[dict, list, list]:
-    """Multi-turn episodes of rollout r (0-based), the global rollout: (turns_mean and env/error_fraction, the
-    environment errors, the lines that say them and any failed close() calls)."""
+    """Multi-turn episodes of rollout r (0-based), the global rollout: (turns_mean and env/error_fraction, with
+    an agent agent/segments_mean and agent/edited_fraction; the environment errors; the lines that say them and
+    any failed close() calls)."""
     errors = [text for text in rollout.error_texts or () if text]
     closing = [text for text in rollout.close_errors or () if text]
     notes = []
@@ -53,6 +54,9 @@ def multi_turn_stats(r: int, rollout: Rollout) -> tuple[dict, list, list]:
         notes.append(f"rollout {r + 1}: {len(closing)} environment close() call(s) failed (recorded, the run goes "
                      f"on), e.g. {closing[0]}")
     stats = {"turns_mean": float(rollout.turns.mean()), "env/error_fraction": float(rollout.env_errors.mean())}
+    if rollout.segments is not None:  # an agent's episodes (rollouts.agents): the calls that did not continue one
+        stats |= {"agent/segments_mean": float(rollout.segments.mean()),
+                  "agent/edited_fraction": float((rollout.segments > 1).float().mean())}
     return stats, errors, notes
 
 
@@ -70,7 +74,7 @@ def environment_failure(cfg, plan, r: int, step: int, failed: float, errors: lis
     return EnvironmentFailure(
         f"rollout {r + 1}: {failed:.0%} of the episodes ended on an environment error, more than "
         f"environment.max_error_fraction = {env.max_error_fraction}; the run would learn from nothing, so it "
-        f"stopped. Environment {env.factory}, first errors: {examples}. Check that it can serve "
+        f"stopped. {'Agent' if env.agent is not None else 'Environment'} {env.agent or env.factory}, first errors: {examples}. Check that it can serve "
         f"{plan.episodes_per_rollout_per_process} episodes at once per process (a server's session "
         f"capacity), that environment.timeout_s = {env.timeout_s} s fits its calls, and that the server is up. "
         f"{saved}.")

@@ -121,11 +121,23 @@ def held_out_source(cfg: Config) -> str:
 
 
 def read_environment(cfg: Config, base_dir: Optional[str], tokenizer):
-    """(environment.factory imported, its tool schemas) or (None, None): imported now, so that a typo fails before
-    any weights load; a template that cannot render the tools is refused."""
+    """(environment.factory imported, its tool schemas), (environment.agent imported and checked as a
+    `rollouts.agents.Agent`, None) or (None, None): imported now, so that a typo fails before any weights load; a
+    template that cannot render the tools is refused."""
+    from tidyrl.rewards import load_reward_function
+
+    if cfg.environment.agent is not None:  # an agent: its calls bring their own tools
+        from tidyrl.rollouts.agents import Agent, AgentError, check_agent
+
+        fn = load_reward_function(cfg.environment.agent, base_dir, key="environment.agent")
+        try:
+            check_agent(fn, cfg.environment.agent)
+        except AgentError as err:
+            raise ConfigError([str(err)]) from None
+        return Agent(fn, str(getattr(fn, "__name__", cfg.environment.agent) if callable(cfg.environment.agent)
+                             else cfg.environment.agent)), None
     if cfg.environment.factory is None:
         return None, None
-    from tidyrl.rewards import load_reward_function
 
     environment = load_reward_function(cfg.environment.factory, base_dir, key="environment.factory")
     schemas = getattr(environment, "tool_schemas", None)
