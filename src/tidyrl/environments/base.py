@@ -76,7 +76,7 @@ class EnvironmentPool:
     it is left behind and the episode ends.)"""
 
     def __init__(self, timeout_s: float, workers: int = 8):
-        self.timeout_s = timeout_s
+        self.timeout_s, self.workers = timeout_s, workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tidyrl-env")
         self._kept: dict[str, Any] = {}
 

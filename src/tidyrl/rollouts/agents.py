@@ -9,7 +9,8 @@ engine sampled.
 
 Each episode of a round gets a base_url of its own; the agents run in the environment workers, and their calls
 are gathered into the engine's generate calls on the rollout's thread (where the engine lives): a batch goes
-when every running agent is waiting on a call, or `BATCH_WINDOW_S` after its first call arrived. Call c of
+when every agent that can run (as many as the workers, of those not done) is waiting on a call, or no new
+call came for `QUIET_S`, or `MAX_WAIT_S` after its first call came. Call c of
 episode e samples with the key (seed, rollout, "e.c"), as a multi-turn environment's turn t does, so the samples
 do not depend on how calls were batched or how fast the agents are, and a resumed run makes the same ones.
 
@@ -48,9 +49,9 @@ from tidyrl.environments.tools import parse_tool_calls
 from tidyrl.rollouts.endpoint import ApiError, Endpoint
 from tidyrl.rollouts.episodes import Conversation, EpisodeSettings
 
-BATCH_WINDOW_S = 0.05
-"""How long a call waits for the other running agents' calls before its batch goes to the engine (speed only:
-the samples are keyed per call)."""
+QUIET_S, MAX_WAIT_S = 0.02, 0.5
+"""A batch of calls goes to the engine once no new call came for QUIET_S, or MAX_WAIT_S after its first call came,
+if not all the agents that can run are waiting before (speed only: the samples are keyed per call)."""
 POLL_S = 0.01
 AGENT_ARGUMENTS = ("base_url", "api_key", "model", "prompt", "row", "seed")
 """What an agent function may take (by name): its episode's base_url, the API key (the episode's key, for clients
@@ -206,9 +207,10 @@ class AgentEpisode:
 class AgentRound:
     """One round's agent episodes through `engine` (see the module docstring)."""
 
-    def __init__(self, engine, tokenizer, settings: EpisodeSettings, endpoint: Endpoint, timeout_s: float):
+    def __init__(self, engine, tokenizer, settings: EpisodeSettings, endpoint: Endpoint, timeout_s: float,
+                 workers: int):
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
-        self.endpoint, self.timeout_s = endpoint, timeout_s
+        self.endpoint, self.timeout_s, self.workers = endpoint, timeout_s, workers
         self.budget = settings.sampling.max_new_tokens
         self.calls: "queue.Queue[_Call]" = queue.Queue()
 
@@ -250,13 +252,15 @@ class AgentRound:
     def _serve(self, episodes, futures, sample_key, outcomes) -> None:
         pending: list[_Call] = []
         over = [False] * len(episodes)
+        start = time.monotonic()  # (calls that came while the agents were being started wait from here)
         while True:
             for i, future in enumerate(futures):
                 if not over[i] and future.done():
                     over[i] = True
                     err = future.exception()
-                    outcomes[i] = ("error", "".join(traceback.format_exception(err)).strip()) if err is not None \
-                        else ("returned", future.result())
+                    outcomes[i] = ("returned", future.result()) if err is None else \
+                        ("error", f"raised {type(err).__name__}: {err}\n"
+                                  + "".join(traceback.format_exception(err)).strip())
             now = time.monotonic()
             for i, ep in enumerate(episodes):  # an agent that neither calls nor returns within timeout_s
                 with ep.lock:
@@ -277,15 +281,21 @@ class AgentRound:
                 call.answer = ApiError(410, f"episode {call.episode.key} has ended")
                 call.done.set()
             pending = [c for c in pending if not over[c.episode.index]]
-            running = [ep for i, ep in enumerate(episodes) if not over[i] and ep.started is not None]
             if not pending:
                 if all(over):
                     return
                 continue
-            waiting = {c.episode.index for c in pending}
-            if all(ep.index in waiting for ep in running) or now - pending[0].arrived >= BATCH_WINDOW_S:
-                self._answer(pending, sample_key)
-                pending = []
+            # the agents that can call now: as many as the pool runs at once, of those not over
+            able = min(self.workers, len(episodes) - sum(over))
+            quiet = now - max(pending[-1].arrived, start) >= QUIET_S
+            if len(pending) >= able or quiet or now - max(pending[0].arrived, start) >= MAX_WAIT_S:
+                batch, seen = [], set()
+                for call in pending:  # an episode's calls one at a time, in the order they came
+                    if call.episode.index not in seen:
+                        seen.add(call.episode.index)
+                        batch.append(call)
+                self._answer(batch, sample_key)
+                pending = [c for c in pending if c not in batch]
 
     def _answer(self, calls: list[_Call], sample_key) -> None:
         """The calls' answers: each call's context as tokens, generated in one engine call per token limit."""
@@ -299,7 +309,7 @@ class AgentRound:
                 continue
             by_limit.setdefault(limit, []).append((call, context))
         for limit, group in sorted(by_limit.items()):
-            keys = [sample_key(call.episode.index, call.episode.answered) for call, _ in group]
+            keys = [sample_key(call.episode.index, call.episode.answered) for call, _ in group]  # (one call each)
             sampling = replace(self.settings.sampling, max_new_tokens=limit, record_routes=False)
             try:
                 ids, mask, truncated, logprobs, *_ = self.engine.generate([c for _, c in group], keys, sampling)
@@ -454,7 +464,7 @@ def run_agent_episodes(agent: Agent, engine, tokenizer, settings: EpisodeSetting
     """A round of agent episodes (see the module docstring) in the workers of `pool` (an EnvironmentPool: its
     timeout bounds an agent's time between calls), on the endpoint it keeps for the run."""
     endpoint = pool.kept("endpoint", lambda: Endpoint(MODEL_NAME))
-    return AgentRound(engine, tokenizer, settings, endpoint, pool.timeout_s).run(agent.fn, rows, prompts, seeds,
+    return AgentRound(engine, tokenizer, settings, endpoint, pool.timeout_s, pool.workers).run(agent.fn, rows, prompts, seeds,
                                                                             sample_key, pool)
 
 

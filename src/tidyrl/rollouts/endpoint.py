@@ -38,8 +38,7 @@ class Endpoint:
         self.model_name = model_name
         self._episodes: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer((host, 0), _handler_for(self))
-        self._server.daemon_threads = True
+        self._server = _Server((host, 0), _handler_for(self))
         self.host, self.port = self._server.server_address[:2]
         self._thread = threading.Thread(target=self._server.serve_forever, name="tidyrl-endpoint", daemon=True)
         self._thread.start()
@@ -69,6 +68,12 @@ class Endpoint:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024
+    """The listen backlog: every agent of a round may connect at once (the default, 5, resets connections)."""
 
 
 def _handler_for(endpoint: Endpoint):

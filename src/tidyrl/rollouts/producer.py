@@ -101,7 +101,7 @@ class Producer:
         episodes = as_episodes(conversations, settings.sampling.max_new_tokens, settings.sampling.pad_id, multi_turn,
                                agent)
         if multi_turn:
-            episodes.error_texts = [None if c.error is None else f"{c.error} (episode of prompt {_short_prompt(p)})"
+            episodes.error_texts = [None if c.error is None else _with_prompt(c.error, p)
                                     for c, p in zip(conversations, prompts)]
         lengths = episodes.completion_lengths
         completion_ids = [episodes.completion_ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
@@ -217,6 +217,12 @@ def dynamic_sampling(producer: Producer, r: int, indices: Sequence[int], episode
             "groups/filled": filled, "groups/dropped": generated - P, "time/reward_s": reward_s}
     return replace(whole.rows(episodes.start, episodes.stop), info=info,
                    prompts=[producer.dataset[rounds[q][1][p]][producer.prompt_column] for q, p in chosen])
+
+
+def _with_prompt(error: str, prompt) -> str:
+    """An episode's error with its prompt after the first line (an agent's traceback follows it)."""
+    first, newline, rest = error.partition("\n")
+    return f"{first} (episode of prompt {_short_prompt(prompt)}){newline}{rest}"
 
 
 def _short_prompt(prompt, limit: int = 60) -> str:

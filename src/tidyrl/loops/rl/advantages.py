@@ -49,7 +49,8 @@ def multi_turn_stats(r: int, rollout: Rollout) -> tuple[dict, list, list]:
     closing = [text for text in rollout.close_errors or () if text]
     notes = []
     if errors:
-        notes.append(f"rollout {r + 1}: {len(errors)} episode(s) ended on an environment error, e.g. {errors[0]}")
+        notes.append(f"rollout {r + 1}: {len(errors)} episode(s) ended on an environment error, e.g. "
+                     f"{errors[0].splitlines()[0]}")  # (an agent's traceback: in samples.jsonl)
     if closing:
         notes.append(f"rollout {r + 1}: {len(closing)} environment close() call(s) failed (recorded, the run goes "
                      f"on), e.g. {closing[0]}")
@@ -153,7 +154,7 @@ def rollout_stats(rollout: Rollout, scores, raw_per_fn: dict, overlong, algo_sta
 
 
 def sample_row(tokenizer, rollout: Rollout, e: int, k: int, prompt, scores, raw_per_fn) -> dict:
-    """One samples.jsonl row for global episode e."""
+    """One samples.jsonl row for global episode e (with its environment's or agent's error, if it ended on one)."""
     n = int(rollout.completion_mask[e].sum())
     adv = rollout.advantages
     return {
@@ -165,4 +166,5 @@ def sample_row(tokenizer, rollout: Rollout, e: int, k: int, prompt, scores, raw_
         # token-level advantages (PPO, REINFORCE++): the mean over the completion's tokens
         "advantage": float(adv[e] if adv.dim() == 1 else masked_mean(adv[e], rollout.completion_mask[e])),
         "truncated": bool(rollout.truncated[e]),
+        **({"error": rollout.error_texts[e]} if rollout.error_texts and rollout.error_texts[e] else {}),
     }

@@ -396,6 +396,8 @@ class RLRun:
         k = self.plan.samples_per_prompt
         # One sample of each of the first prompts (then second samples...), by global index: the same on any W.
         shown = sample_episodes(len(rollout) // k, k, self.cfg.log.samples_per_rollout) if self.is_main else []
+        if self.is_main and rollout.error_texts:  # and every episode that ended on an error, with it
+            shown += [e for e, text in enumerate(rollout.error_texts) if text and e not in shown]
         samples = [sample_row(self.tokenizer, rollout, e, k, rollout.prompts[e // k], scores, raw_per_fn)
                    for e in shown]
         return rollout, stats, samples
