@@ -346,3 +346,21 @@ def test_grpo_trains_an_agent_and_a_resumed_run_makes_the_same_episodes(bytes_mo
     assert read_jsonl(out / "samples.jsonl") == samples
     resumed = load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+
+
+def test_a_crashing_agent_s_traceback_is_in_samples_and_the_run_goes_on(bytes_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = agent_config(bytes_model, tmp_path, out, rollouts=1)
+    cfg["environment"] |= {"agent": f"{tmp_path}/agents.py:crashes", "error_reward": -1.0}
+    cfg["log"]["samples_per_rollout"] = 1
+    cfg["rollout"]["prompts_per_rollout"] = 4  # every row: (3, 4)'s agent raises
+    tidyrl.train(cfg)
+    failed = [s for s in read_jsonl(out / "samples.jsonl") if "error" in s]
+    assert failed and all(s["prompt"] == "What is 3 times 4?" and s["reward"] == -1.0 for s in failed)
+    first, _, trace = failed[0]["error"].partition("\n")
+    assert first == "agent: raised ValueError: the agent broke on What is 3 times 4? (episode of prompt " \
+                    "'What is 3 times 4?')"
+    assert trace.startswith("Traceback (most recent call last):") and 'in crashes' in trace
+    said = capsys.readouterr().out
+    assert "ended on an environment error, e.g. agent: raised ValueError" in said and "Traceback" not in said
+    assert read_jsonl(out / "metrics.jsonl")[0]["env/error_fraction"] > 0
