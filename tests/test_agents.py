@@ -364,3 +364,16 @@ def test_a_crashing_agent_s_traceback_is_in_samples_and_the_run_goes_on(bytes_mo
     said = capsys.readouterr().out
     assert "ended on an environment error, e.g. agent: raised ValueError" in said and "Traceback" not in said
     assert read_jsonl(out / "metrics.jsonl")[0]["env/error_fraction"] > 0
+
+
+def test_tools_that_the_chat_template_would_drop_are_refused(tiny_model_and_tokenizer, tmp_path):
+    """The character tokenizer's template has no tool section: a call with tools is answered 400 (the agent's
+    openai client raises; its episode fails with that message), never served as if the model saw them."""
+    agents = agent_module(tmp_path)
+    _, char_tok = tiny_model_and_tokenizer
+    pool = EnvironmentPool(timeout_s=10, workers=2)
+    try:
+        made = run_round(char_tok, ScriptedEngine(char_tok), agents.solve, rows_of([(3, 4)]), pool)
+    finally:
+        pool.close()
+    assert "the model's chat template has no tool section" in made[0].error and made[0].turns == 0

@@ -491,3 +491,10 @@ def test_bench_routes_times_each_phase_with_and_without_routes_and_counts_their_
         assert number(phase, out) > 0
     # 2 layers x top-2 x 2 bytes = 8 a position, over 4 episodes x (4 + 4) positions
     assert re.search(r"^bytes\s+routes 256 \(8 a position\)", out, re.MULTILINE), out
+
+
+def test_bench_agents_times_the_endpoint_against_the_engine_and_they_make_the_same_tokens():
+    pytest.importorskip("openai")
+    out = run("bench_agents.py", "--episodes", "4", "--calls", "2", "--new-tokens", "4", "--repeats", "1")
+    assert number("direct", out) > 0 and number("endpoint", out) > 0 and number("ratio", out) > 0
+    assert re.search(r"\(8 calls in \d engine batches\)", out) and "same tokens True" in out, out

@@ -213,6 +213,7 @@ class AgentRound:
         self.endpoint, self.timeout_s, self.workers = endpoint, timeout_s, workers
         self.budget = settings.sampling.max_new_tokens
         self.calls: "queue.Queue[_Call]" = queue.Queue()
+        self._tools_seen: dict[str, Optional[str]] = {}
 
     def run(self, agent: Callable, rows: Sequence[dict], prompts: Sequence[Any], seeds: Sequence[int],
             sample_key: Callable[[int, int], int], pool) -> list[Conversation]:
@@ -335,6 +336,8 @@ class AgentRound:
         tools = request.get("tools") or None
         if request.get("tool_choice") == "none":
             tools = None
+        if tools is not None:
+            self._check_tools(tools)
         seg = ep.segments[-1] if ep.segments else None
         extra = None
         if seg is not None and seg.tools == tools and len(messages) > len(seg.messages) \
@@ -356,6 +359,24 @@ class AgentRound:
         seg.messages = messages
         limit = min(room, self.settings.max_turn_tokens or room, _requested_limit(request) or room)
         return seg.prompt_ids + c.ids, limit
+
+    def _check_tools(self, tools: list) -> None:
+        """A request's tools must reach the model: refused (400) where the chat template renders a conversation the
+        same with and without them (it has no tool section), or cannot render them."""
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._tools_seen:
+            probe = [{"role": "user", "content": "hi"}]
+            try:
+                shown = render_chat(self.tokenizer, probe, add_generation_prompt=True, tools=tools) != \
+                    render_chat(self.tokenizer, probe, add_generation_prompt=True)
+                problem = None if shown else (
+                    "the model's chat template has no tool section: it renders a conversation the same with and "
+                    "without `tools`, so the model would never see them; describe the tools in a message instead")
+            except Exception as err:  # the template failed on the schemas
+                problem = f"the model's chat template cannot render these tools ({type(err).__name__}: {err})"
+            self._tools_seen[key] = problem
+        if self._tools_seen[key] is not None:
+            raise ApiError(400, self._tools_seen[key])
 
     def _record(self, call: _Call, context: list[int], turn: list[int], logprobs: list[float], truncated: bool
                 ) -> dict:
