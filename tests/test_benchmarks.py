@@ -105,6 +105,7 @@ def test_bench_logprobs_keeps_half_the_bytes_and_gives_autograds_numbers():
     assert kept == 0.5  # the bf16 logits instead of their float32 copy (plus [B, T] logsumexps, under rounding)
 
 
+@pytest.mark.extended
 def test_bench_vs_trl_runs_in_bfloat16_and_leaves_gpu_workloads_to_a_gpu(tmp_path):
     """--dtype bfloat16 loads both libraries' weights in bfloat16 (the GPU workloads' setting) and measures the
     peak in it; the Qwen-shaped workloads are not run on a CPU."""
@@ -471,6 +472,7 @@ def test_bench_learning_gives_trl_the_tidyrl_configs_numbers_and_prompt_order_wi
         assert done.returncode == 2 and says in done.stderr, done.stderr
 
 
+@pytest.mark.extended
 def test_bench_moe_mismatch_prints_each_variants_mismatch_and_router_changes():
     out = run("bench_moe_mismatch.py", "--rollouts", "2", "--window", "1", "--dtype", "float32",
               "--variants", "sequence_mask,no-replay", "--dense", "token_truncate")

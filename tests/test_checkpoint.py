@@ -88,7 +88,8 @@ def kill_after_checkpoint(cmd, out: Path, step: int, sig=signal.SIGKILL, cwd=Non
     return proc
 
 
-@pytest.mark.parametrize("save_every,first", [(3, 3), (4, 4)], ids=["inside-a-rollout", "rollout-boundary"])
+@pytest.mark.parametrize("save_every,first", [(3, 3), pytest.param(4, 4, marks=[pytest.mark.extended])],
+                         ids=["inside-a-rollout", "rollout-boundary"])
 def test_sigkill_then_resume_matches_the_uninterrupted_run(tmp_path, tiny_model_dir, prompt_file, reference_run,
                                                            save_every, first):
     config = write_config(tmp_path, tiny_model_dir, prompt_file, "killed")

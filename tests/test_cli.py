@@ -157,6 +157,7 @@ def test_train_from_yaml_on_the_command_line(yaml_run, tmp_path):
     assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["seed"] == 1
 
 
+@pytest.mark.extended
 def test_two_processes_with_torchrun_match_one_process(yaml_run, tmp_path):
     """W = 2 gloo processes on CPU: same plan totals, lr, counts, losses and final weights as W = 1.
     Each process generates half the episodes (keyed sampling makes them the same completions), every

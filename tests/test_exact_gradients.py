@@ -90,6 +90,7 @@ def test_micro_batches_are_formed_from_the_whole_mini_batch_then_shared_out():
     assert global_micro_batches(episodes, 2, 1, 2) == [[5, 2], [7, 6]]
 
 
+@pytest.mark.extended  # (the FSDP2 case, in the default suite, covers the exact sums across processes too)
 def test_reinforce_pp_on_two_processes_gives_the_one_process_weights_bit_for_bit(tiny_model_dir, prompt_file,
                                                                                tmp_path):
     """A dense reward, KL in the reward, two epochs of two mini-batches of two micro-batches per process: without

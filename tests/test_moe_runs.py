@@ -191,6 +191,7 @@ def test_an_engine_that_returns_no_routes_is_said_and_the_trainer_routes_itself(
     assert all(m["mismatch/logprob_abs_max"] < 1e-4 for m in metrics if "mismatch/logprob_abs_max" in m)
 
 
+@pytest.mark.extended  # (the FSDP2 case, in the default suite, replays routes across processes too)
 def test_grpo_on_a_mixture_of_experts_under_ddp_matches_one_process(qwen3_moe_dir, tmp_path):
     """2 gloo processes under DDP (torchrun): each process replays its share's routes through the shared-prompt
     passes or the one-pass forward (DDP takes no lean pass), and the run is the one-process run's to float32
