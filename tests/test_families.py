@@ -297,3 +297,14 @@ def test_a_loaded_model_whose_modules_refuse_the_fast_path_is_said():
     assert loaded_path_note("policy", model, predicted) == (
         "policy: its own forward after all, as loaded (model.layers.0.mlp has a hook or its own forward)")
     assert loaded_path_note("policy", model, {"policy": "its own forward (model_fast_paths is false)"}) is None
+
+
+def test_a_loaded_model_keeps_its_own_layers_not_the_hub_s_kernels(tiny_model_dir):
+    """transformers 5.25 kernelizes a from_pretrained model with the hub's kernels by default, again at every
+    train()/eval() (which raises on the meta device); tidyrl loads every model with its own layers (OWN_LAYERS)."""
+    from tidyrl.models.loading import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    assert not getattr(model, "use_kernels", False)
+    model.to("meta").train()
+    model.eval()

@@ -113,6 +113,7 @@ def test_z0_is_the_mean_log_ratio_of_the_global_batch_mismatched_pairs(tiny_mode
     assert any(r["kl"] > 0 for r in rows[1:])  # the policy moved away from the reference
 
 
+@pytest.mark.extended  # (SFT, DPO on two processes: the default suite's; KTO's sums are theirs)
 def test_micro_batch_size_and_two_processes_change_nothing(tiny_model_dir, kto_file, tmp_path):
     from safetensors.torch import load_file
 

@@ -156,6 +156,7 @@ def test_bad_pairs_are_reported_before_any_model_is_loaded(tiny_model_dir, tmp_p
           reward={"margin_column": "m"})
 
 
+@pytest.mark.extended  # (SFT, DPO on two processes: the default suite's)
 def test_two_processes_match_one(tiny_model_dir, tmp_path):
     """W = 2 with m = 2 against W = 1 with m = 4 (8 pairs per step): the same losses and score head. The new
     head is initialised from the seed in every process alike."""

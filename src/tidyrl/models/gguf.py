@@ -35,6 +35,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tidyrl.models.loading import OWN_LAYERS
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf_path}")
@@ -43,7 +45,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     for role, token_id in special.items():
         setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype), **OWN_LAYERS)
     config = loaded.config
     for role in ("bos", "eos", "pad"):
         if role in special:

@@ -121,6 +121,13 @@ def without_dropout(model_config):
     return model_config
 
 
+OWN_LAYERS = {"use_kernels": False}
+"""What every model tidyrl loads is loaded with: the model's own layers. transformers 5.25 swaps layers for the
+Hugging Face hub's kernels (`kernels`, a dependency of it) by default, fetched at load time: another computation
+than the one tidyrl's fast paths are proven equal to, a download at run time, and a re-kernelization at every
+`train()`/`eval()` (which fails on the meta device). `kernels:` (tidyrl's own) chooses tidyrl's kernels."""
+
+
 def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False, device=None, kernels=None):
     """`AutoModelForCausalLM.from_pretrained(path)`, dropout off unless asked for, placed on `device` (`placed`),
     carrying the choice `kernels` (`models.kernels.attach`; None: the defaults). A LoRA adapter folder loads as its
@@ -138,7 +145,7 @@ def load_causal_lm(path: str, dtype: str = "float32", dropout: bool = False, dev
     model_config = AutoConfig.from_pretrained(path)
     if not dropout:
         without_dropout(model_config)
-    model = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, config=model_config, dtype=torch_dtype(dtype), **OWN_LAYERS)
     return attach(placed(model, device), kernels)
 
 
@@ -170,7 +177,8 @@ def load_critic(path: str, dtype: str = "float32", device=None, kernels=None):
     config = without_dropout(AutoConfig.from_pretrained(path))
     config.classifier_dropout = 0.0
     config.num_labels = 1
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch_dtype(dtype))
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch_dtype(dtype),
+                                                            **OWN_LAYERS)
     return attach(placed(model, device), kernels)
 
 

@@ -69,10 +69,10 @@ class RewardModel:
         if self.model is None:
             from transformers import AutoModelForSequenceClassification
 
-            from tidyrl.models.loading import placed, torch_dtype, without_dropout
+            from tidyrl.models.loading import OWN_LAYERS, placed, torch_dtype, without_dropout
 
             self.model = placed(AutoModelForSequenceClassification.from_pretrained(
-                self.path, config=without_dropout(self.config), dtype=torch_dtype(self.dtype)), device)
+                self.path, config=without_dropout(self.config), dtype=torch_dtype(self.dtype), **OWN_LAYERS), device)
             self.model.eval().requires_grad_(False)
         if device is not None:
             self.model.to(device)

@@ -23,7 +23,7 @@ from typing import Optional
 
 from tidyrl.config import Config
 from tidyrl.loops.run.setup import TrainResult, prepare_for_training, weights_device
-from tidyrl.models.loading import load_model_config, load_tokenizer, placed, torch_dtype, without_dropout
+from tidyrl.models.loading import OWN_LAYERS, load_model_config, load_tokenizer, placed, torch_dtype, without_dropout
 
 
 def load_reward_model(path: str, pad_id: int, dtype: str = "float32", device=None, kernels=None):
@@ -43,7 +43,8 @@ def load_reward_model(path: str, pad_id: int, dtype: str = "float32", device=Non
     hf_logging.set_verbosity_error()  # "score.weight newly initialized": expected here, and said by the caller
     try:
         return attach(placed(AutoModelForSequenceClassification.from_pretrained(path, config=model_config,
-                                                                                dtype=torch_dtype(dtype)), device),
+                                                                                dtype=torch_dtype(dtype),
+                                                                                **OWN_LAYERS), device),
                       kernels)
     finally:
         hf_logging.set_verbosity(verbosity)
