@@ -540,3 +540,38 @@ def test_a_mixture_of_experts_trains_on_the_vllm_engine_which_returns_no_routes_
     # the mismatch is measured and corrected (vLLM's default cap 2.0); without routes it is large here: tiny random
     # routers sit near ties, which vLLM's MoE kernels and the trainer's forward break differently (docs/moe.md)
     assert len(rows) == 4 and all("mismatch/capped_fraction" in r and r["mismatch/logprob_abs_max"] > 0 for r in rows)
+
+
+AGENT = '''
+import openai
+
+def chat(base_url, prompt):
+    """Two calls through the openai client: the prompt, then "go on"; 1 when the second answer holds an 'a'."""
+    client = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0)
+    messages = [{"role": "user", "content": prompt}]
+    for _ in range(2):
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+    return float("a" in (messages[-2].get("content") or ""))
+'''
+
+
+def test_an_agent_trains_through_the_endpoint_on_the_vllm_engine(vllm_model_dir, words_file, tmp_path):
+    """One rollout path: the agent's calls are generate calls of the vLLM engine on the exact tokens so far; its
+    sampled log-probs are the policy's; a resume makes the same episodes."""
+    pytest.importorskip("openai")
+    (tmp_path / "agent.py").write_text(AGENT)
+    cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", log={"save_every": 1},
+                      environment={"agent": str(tmp_path / "agent.py") + ":chat", "max_turns": 2},
+                      rollout={"max_new_tokens": 60}, train={"epochs_per_rollout": 1})
+    cfg["rewards"] = []
+    result = tidyrl.train(cfg)
+    rows = read_jsonl(result.output_dir / "metrics.jsonl")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["turns_mean"] == 2.0 and row["env/error_fraction"] == 0.0 and row["agent/segments_mean"] == 1.0
+        assert row["tokens/env_mean"] > 0 and row["mismatch/logprob_abs_mean"] < 1e-4
+    samples = read_jsonl(result.output_dir / "samples.jsonl")
+    assert all("<user>go on" in s["completion"] for s in samples)
+    tidyrl.train(cfg, ["resume_from=" + str(tmp_path / "run" / "checkpoint-1")])
+    assert read_jsonl(result.output_dir / "samples.jsonl") == samples
