@@ -128,6 +128,16 @@ class ScriptedEngine:
         return ids, mask, torch.tensor([r[2] for r in rows]), logprobs
 
 
+@pytest.fixture
+def patient(monkeypatch):
+    """A batch goes only when every agent that can run waits (no time window): batch sizes that do not depend on
+    how fast a loaded machine runs the agents' threads."""
+    from tidyrl.rollouts import agents
+
+    monkeypatch.setattr(agents, "QUIET_S", 30.0)
+    monkeypatch.setattr(agents, "MAX_WAIT_S", 30.0)
+
+
 def settings_of(tok, budget=200, max_turns=4) -> EpisodeSettings:
     sampling = SamplingSettings(max_new_tokens=budget, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
     return EpisodeSettings(sampling, max_turns=max_turns, max_turn_tokens=budget)
@@ -153,7 +163,7 @@ def run_round(tok, engine, fn, rows, pool, budget=200, max_turns=4):
                               [r["prompt"] for r in rows], [7] * len(rows), lambda i, t: 1000 * i + t, pool)
 
 
-def test_every_trained_token_is_one_the_engine_sampled_with_its_logprob_across_tool_calls(tok, tmp_path):
+def test_every_trained_token_is_one_the_engine_sampled_with_its_logprob_across_tool_calls(tok, tmp_path, patient):
     """Three episodes of a tool-calling agent, streamed and not: each row is the first call's prompt, then per
     call the sampled tokens verbatim (action 1, the sampler's log-probs) and the template's text for the tool
     result (action 0); each call's context is the row so far, token for token."""
@@ -257,7 +267,7 @@ def test_new_message_ids_are_the_template_text_after_the_sampled_turn_less_its_s
         agent_reward({"right": "yes"})
 
 
-def test_samples_do_not_depend_on_how_calls_were_batched(tok, tmp_path):
+def test_samples_do_not_depend_on_how_calls_were_batched(tok, tmp_path, patient):
     """The same agents one at a time (one worker) and all at once: the same episodes, token for token."""
     agents = agent_module(tmp_path)
     made = []
