@@ -387,3 +387,21 @@ def test_tools_that_the_chat_template_would_drop_are_refused(tiny_model_and_toke
     finally:
         pool.close()
     assert "the model's chat template has no tool section" in made[0].error and made[0].turns == 0
+
+
+def test_a_lagged_agent_run_makes_its_rollouts_ahead_and_resumes_exactly(bytes_model, tmp_path):
+    """rollout.lag = 1: the agents of rollout 2 run on the lag's thread, beside the update, through the same
+    endpoint; the checkpoint holds the rollout made ahead, and the resumed run ends as the uninterrupted one."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    cfg = agent_config(bytes_model, tmp_path, out, rollouts=3)
+    cfg["rollout"]["lag"] = 1
+    tidyrl.train(cfg)
+    metrics, samples = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "samples.jsonl")
+    weights = load_file(out / "final" / "model.safetensors")
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["env/error_fraction"] == 0.0 for m in metrics)
+    tidyrl.train(cfg, ["resume_from=" + str(out / "checkpoint-1")])
+    assert read_jsonl(out / "samples.jsonl") == samples
+    resumed = load_file(out / "final" / "model.safetensors")
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
