@@ -80,6 +80,15 @@ AGENTS = textwrap.dedent('''
 
     def needs(base_url, budget):
         return 0.0
+
+    def chat(base_url, prompt):
+        """Two calls without tools: the prompt, then "go on"; 1.0 when the second answer holds an 'a'."""
+        client = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0)
+        messages = [{"role": "user", "content": prompt}]
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
+        return float("a" in (messages[-2].get("content") or ""))
 ''' % json.dumps(TOOLS))
 
 

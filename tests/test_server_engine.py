@@ -639,3 +639,31 @@ def test_a_lagged_run_on_servers_under_fsdp2_is_the_one_process_run_bit_for_bit(
     assert [r["async/policy_lag"] for r in rows[0][::2]] == [0, 1, 1]
     one, two = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("one", "two"))
     assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_an_agent_run_on_servers_is_the_builtin_agent_run_bit_for_bit(tiny_model_dir, builtin_run, tmp_path):
+    """The endpoint forwards each agent call to the servers as one keyed completion request: an agent's run on
+    vllm-server makes the builtin engine's samples, metrics and weights."""
+    pytest.importorskip("openai")
+    from safetensors.torch import load_file
+    from test_agents import agent_module
+
+    agent_module(tmp_path)
+    prompts = builtin_run[0]
+
+    def agent_config(engine, urls, out):
+        cfg = config(tiny_model_dir, prompts, out, engine, urls)
+        cfg["environment"] = {"agent": f"{tmp_path}/agents.py:chat", "max_turns": 2}
+        cfg["rewards"] = []
+        cfg["rollout"] |= {"max_new_tokens": 40, "generation_batch_size": 1}  # (each call alone, as a server's)
+        return cfg
+
+    builtin = tidyrl.train(agent_config("builtin", (), tmp_path / "builtin"))
+    with FakeVLLMServer(tiny_model_dir) as server:
+        served = tidyrl.train(agent_config("vllm-server", [server.url], tmp_path / "served"))
+        assert server.completions == 2 * 2 * 4 * 2  # rollouts x prompts x samples x calls
+    rows = read_jsonl(served.output_dir / "metrics.jsonl")
+    assert untimed(rows) == untimed(read_jsonl(builtin.output_dir / "metrics.jsonl"))
+    assert all(r["turns_mean"] == 2.0 and r["env/error_fraction"] == 0.0 for r in rows)
+    a, b = (load_file(r.final_dir / "model.safetensors") for r in (builtin, served))
+    assert all(torch.equal(a[k], b[k]) for k in a)
