@@ -29,6 +29,7 @@ def number(row: str, text: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.extended
 def test_bench_vs_trl_prints_the_table_and_the_run_has_the_time_split(tmp_path):
     out = run("bench_vs_trl.py", "--workload", "tiny", "--repeats", "1", "--steps", "2", "--warmup", "1",
               "--libraries", "tidyrl", "--keep", str(tmp_path))
