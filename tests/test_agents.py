@@ -312,6 +312,12 @@ def test_a_crashing_hanging_or_overlong_agent_ends_its_episode_not_the_round(tok
         assert c.truncated and c.error is None and c.reward == 0.0
     assert out_of_turns[0].turns == 1
     assert terms[0].reward == 1.25
+    one_worker = EnvironmentPool(timeout_s=1.0, workers=1)  # the hung agent holds the only worker
+    try:
+        starved = run_round(tok, ScriptedEngine(tok), agents.hangs, rows, one_worker)
+    finally:
+        one_worker.close()
+    assert "no call and did not return" in starved[0].error and "no free environment worker" in starved[1].error
 
 
 def test_config_refuses_an_agent_beside_an_environment_and_unknown_arguments(tmp_path, tiny_model_dir, prompt_file):

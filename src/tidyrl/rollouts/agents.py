@@ -254,6 +254,7 @@ class AgentRound:
         pending: list[_Call] = []
         over = [False] * len(episodes)
         start = time.monotonic()  # (calls that came while the agents were being started wait from here)
+        starved_since = None
         while True:
             for i, future in enumerate(futures):
                 if not over[i] and future.done():
@@ -272,6 +273,20 @@ class AgentRound:
                                             "(environment.timeout_s); its thread is left behind")
                     ep.ended = True
                     self.endpoint.shut(ep.key)
+            # agents that cannot start: every worker is held by an agent that hung (left behind) and none runs
+            unstarted = [i for i, ep in enumerate(episodes) if not over[i] and ep.started is None]
+            if unstarted and not pending and not any(not over[i] and ep.started is not None
+                                                     for i, ep in enumerate(episodes)):
+                starved_since = starved_since or now
+                if now - starved_since > self.timeout_s:
+                    for i in unstarted:
+                        over[i] = True
+                        outcomes[i] = ("error", f"the agent found no free environment worker for {self.timeout_s} s "
+                                                "(environment.timeout_s): the workers are held by agents that hung")
+                        episodes[i].ended = True
+                        self.endpoint.shut(episodes[i].key)
+            else:
+                starved_since = None
             try:
                 pending.append(self.calls.get(timeout=POLL_S))
                 while True:
