@@ -39,7 +39,7 @@ def main():
     from tidyrl.engines import SamplingSettings
     from tidyrl.engines.builtin import BuiltinEngine
     from tidyrl.environments import EnvironmentPool
-    from tidyrl.rollouts.agents import Agent, run_agent_episodes
+    from tidyrl.rollouts.agents import check_agent, run_agent_episodes
     from tidyrl.rollouts.episodes import EpisodeSettings
 
     folder = args.model
@@ -76,8 +76,8 @@ def main():
     def through_endpoint():
         engine.generate = recording
         try:
-            return run_agent_episodes(Agent(agent, "bench"), engine, tok, settings, rows, [r["prompt"] for r in rows],
-                                      [0] * len(rows), key, pool)
+            return run_agent_episodes(check_agent(agent, "bench"), engine, tok, settings, rows,
+                                      [r["prompt"] for r in rows], [0] * len(rows), key, pool)
         finally:
             engine.generate = generate
 

@@ -17,7 +17,7 @@ from tidyrl.engines import SamplingSettings
 from tidyrl.engines.builtin import CAPABILITIES
 from tidyrl.environments import EnvironmentPool
 from tidyrl.models.tiny import IM_END, build_bytes_tokenizer, save_tiny_model
-from tidyrl.rollouts.agents import Agent, agent_reward, new_message_ids, run_agent_episodes, template_message
+from tidyrl.rollouts.agents import agent_reward, check_agent, new_message_ids, run_agent_episodes, template_message
 from tidyrl.rollouts.endpoint import ApiError, Endpoint
 from tidyrl.rollouts.episodes import EpisodeSettings, as_episodes
 
@@ -168,7 +168,7 @@ def rows_of(pairs, **extra):
 
 
 def run_round(tok, engine, fn, rows, pool, budget=200, max_turns=4):
-    return run_agent_episodes(Agent(fn, "agent"), engine, tok, settings_of(tok, budget, max_turns), rows,
+    return run_agent_episodes(check_agent(fn, "agent"), engine, tok, settings_of(tok, budget, max_turns), rows,
                               [r["prompt"] for r in rows], [7] * len(rows), lambda i, t: 1000 * i + t, pool)
 
 
@@ -401,7 +401,7 @@ def test_tools_that_the_chat_template_would_drop_are_refused(tiny_model_and_toke
         made = run_round(char_tok, ScriptedEngine(char_tok), agents.solve, rows_of([(3, 4)]), pool)
     finally:
         pool.close()
-    assert "the model's chat template has no tool section" in made[0].error and made[0].turns == 0
+    assert "the model's chat template ignores `tools` (no tool section)" in made[0].error and made[0].turns == 0
 
 
 def test_a_lagged_agent_run_makes_its_rollouts_ahead_and_resumes_exactly(bytes_model, tmp_path):

@@ -310,6 +310,21 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool,
                                          **({"tools": tools} if tools else {}))
 
 
+def tools_problem(tokenizer, tools: list) -> Optional[str]:
+    """Why the tokenizer's chat template would not show `tools` (JSON schemas) to the model, or None: it has no
+    template, fails on them, or renders a conversation the same with and without them (no tool section)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return "the tokenizer has no chat template to render them"
+    probe = [{"role": "user", "content": "hi"}]
+    try:
+        with_tools = render_chat(tokenizer, probe, add_generation_prompt=True, tools=tools)
+    except Exception as err:  # the template failed on the schemas
+        return f"the chat template cannot render them ({type(err).__name__}: {err})"
+    if with_tools == render_chat(tokenizer, probe, add_generation_prompt=True):
+        return "the model's chat template ignores `tools` (no tool section): the model would never see them"
+    return None
+
+
 def encode_prompts(prompts: list, tokenizer, tools: Optional[list] = None) -> list[list[int]]:
     """Token ids of each prompt.
 

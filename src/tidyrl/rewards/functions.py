@@ -59,22 +59,23 @@ class RewardFunction:
     """Keyword arguments fixed by rewards[i].kwargs (never filled from the data)."""
 
     def __post_init__(self):
-        # inspect.signature once per function, not on every call.
-        try:
-            parameters = inspect.signature(self.fn).parameters.values()
-        except (TypeError, ValueError):  # some builtins and C callables have no signature
-            return
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-            self.accepts = None
-        else:
-            keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-            self.accepts = frozenset(p.name for p in parameters if p.kind in keyword_kinds)
-        self.required = frozenset(
-            p.name
-            for p in parameters
-            if p.default is inspect.Parameter.empty
-            and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        )
+        self.accepts, self.required = keyword_parameters(self.fn)  # once per function, not on every call
+
+
+def keyword_parameters(fn: Callable) -> tuple[Optional[frozenset], frozenset]:
+    """(the keyword arguments `fn` accepts, None when it takes **kwargs or cannot be inspected; those it needs,
+    without a default): what a function called by name (a reward function, an agent) is offered and must get."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return None, frozenset()
+    accepts = None
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        accepts = frozenset(p.name for p in parameters if p.kind in keyword_kinds)
+    required = frozenset(p.name for p in parameters if p.default is inspect.Parameter.empty
+                         and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD))
+    return accepts, required
 
 
 def load_reward_function(

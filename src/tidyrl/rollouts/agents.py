@@ -33,7 +33,6 @@ the episode is truncated, as a multi-turn episode that ran out of turns or token
 
 from __future__ import annotations
 
-import inspect
 import json
 import queue
 import re
@@ -44,8 +43,9 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
-from tidyrl.data.prompts import render_chat
+from tidyrl.data.prompts import render_chat, tools_problem
 from tidyrl.environments.tools import parse_tool_calls
+from tidyrl.rewards.functions import keyword_parameters
 from tidyrl.rollouts.endpoint import ApiError, Endpoint
 from tidyrl.rollouts.episodes import Conversation, EpisodeSettings
 
@@ -66,31 +66,17 @@ class AgentError(RuntimeError):
     """An agent function that cannot be called as one (checked before the run)."""
 
 
-def check_agent(fn: Callable, spec) -> None:
-    """Before any weights load: `fn` is callable and every argument it needs (no default) is one it is offered."""
+def check_agent(fn: Callable, spec) -> "Agent":
+    """Before any weights load: `fn` is callable and every argument it needs (no default) is one it is offered;
+    the `Agent` that calls it."""
     if not callable(fn):
         raise AgentError(f"environment.agent = {spec!r} is not a function")
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return
-    if any(p.kind == p.VAR_KEYWORD for p in params):
-        return
-    missing = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               and p.name not in AGENT_ARGUMENTS]
+    accepts, required = keyword_parameters(fn)
+    missing = sorted(required - set(AGENT_ARGUMENTS))
     if missing:
         raise AgentError(f"environment.agent = {spec!r} requires argument(s) {missing}; an agent is called with "
                          f"some of {list(AGENT_ARGUMENTS)} (by name)")
-
-
-def _offered(fn: Callable, values: dict) -> dict:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return values
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return values
-    return {k: v for k, v in values.items() if k in params}
+    return Agent(fn, str(getattr(fn, "__name__", spec) if callable(spec) else spec), accepts)
 
 
 # ------------------------------------------------------------------------------------------------ messages
@@ -215,7 +201,7 @@ class AgentRound:
         self.calls: "queue.Queue[_Call]" = queue.Queue()
         self._tools_seen: dict[str, Optional[str]] = {}
 
-    def run(self, agent: Callable, rows: Sequence[dict], prompts: Sequence[Any], seeds: Sequence[int],
+    def run(self, agent: "Agent", rows: Sequence[dict], prompts: Sequence[Any], seeds: Sequence[int],
             sample_key: Callable[[int, int], int], pool) -> list[Conversation]:
         """The episodes of `rows` (each with its prompt and agent seed): the agents run in `pool`, their calls are
         answered here, and each episode's conversation (its first segment) is returned."""
@@ -226,7 +212,7 @@ class AgentRound:
             self.endpoint.open(ep.key, ep)
             values = dict(base_url=self.endpoint.base_url(ep.key), api_key=ep.key, model=MODEL_NAME, prompt=prompt,
                           row=dict(row), seed=seed)
-            futures.append(pool.submit(self._agent_call(agent, ep, _offered(agent, values))))
+            futures.append(pool.submit(self._agent_call(agent, ep, values)))
         try:
             self._serve(episodes, futures, sample_key, outcomes)
         finally:
@@ -243,11 +229,11 @@ class AgentRound:
         return [self._conversation(ep, outcome) for ep, outcome in zip(episodes, outcomes)]
 
     @staticmethod
-    def _agent_call(agent, ep: AgentEpisode, kwargs: dict):
+    def _agent_call(agent: "Agent", ep: AgentEpisode, values: dict):
         def run():
             with ep.lock:
                 ep.started = ep.last_active = time.monotonic()
-            return agent(**kwargs)
+            return agent.call(values)
         return run
 
     def _serve(self, episodes, futures, sample_key, outcomes) -> None:
@@ -376,22 +362,13 @@ class AgentRound:
         return seg.prompt_ids + c.ids, limit
 
     def _check_tools(self, tools: list) -> None:
-        """A request's tools must reach the model: refused (400) where the chat template renders a conversation the
-        same with and without them (it has no tool section), or cannot render them."""
+        """A request's tools must reach the model: refused (400) where the chat template cannot render them or has
+        no tool section (`data.prompts.tools_problem`); checked once a round for each distinct list."""
         key = json.dumps(tools, sort_keys=True)
         if key not in self._tools_seen:
-            probe = [{"role": "user", "content": "hi"}]
-            try:
-                shown = render_chat(self.tokenizer, probe, add_generation_prompt=True, tools=tools) != \
-                    render_chat(self.tokenizer, probe, add_generation_prompt=True)
-                problem = None if shown else (
-                    "the model's chat template has no tool section: it renders a conversation the same with and "
-                    "without `tools`, so the model would never see them; describe the tools in a message instead")
-            except Exception as err:  # the template failed on the schemas
-                problem = f"the model's chat template cannot render these tools ({type(err).__name__}: {err})"
-            self._tools_seen[key] = problem
+            self._tools_seen[key] = tools_problem(self.tokenizer, tools)
         if self._tools_seen[key] is not None:
-            raise ApiError(400, self._tools_seen[key])
+            raise ApiError(400, f"{self._tools_seen[key]}; describe the tools in a message instead")
 
     def _record(self, call: _Call, context: list[int], turn: list[int], logprobs: list[float], truncated: bool
                 ) -> dict:
@@ -420,8 +397,8 @@ class AgentRound:
         if truncated and len(c.ids) >= self.budget:
             c.truncated = True
         finish = "tool_calls" if tool_calls else ("length" if truncated else "stop")
-        completion = {"id": f"chatcmpl-{ep.key}-{ep.answered}", "object": "chat.completion", "created": int(time.time()),
-                      "model": call.request.get("model") or MODEL_NAME,
+        completion = {"id": f"chatcmpl-{ep.key}-{ep.answered}", "object": "chat.completion",
+                      "created": int(time.time()), "model": call.request.get("model") or MODEL_NAME,
                       "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
                       "usage": {"prompt_tokens": len(context), "completion_tokens": len(turn),
                                 "total_tokens": len(context) + len(turn)}}
@@ -484,10 +461,16 @@ def _requested_limit(request: dict) -> Optional[int]:
 
 @dataclass(frozen=True)
 class Agent:
-    """environment.agent, imported and checked: what a producer runs its episodes with (`run_agent_episodes`)."""
+    """environment.agent, imported and checked (`check_agent`): what a producer runs its episodes with
+    (`run_agent_episodes`)."""
 
     fn: Callable
     spec: str
+    accepts: Optional[frozenset] = None
+    """The AGENT_ARGUMENTS it takes by name; None: all of them (**kwargs, or no signature to read)."""
+
+    def call(self, values: dict):
+        return self.fn(**{k: v for k, v in values.items() if self.accepts is None or k in self.accepts})
 
     @property
     def __name__(self) -> str:
@@ -500,8 +483,8 @@ def run_agent_episodes(agent: Agent, engine, tokenizer, settings: EpisodeSetting
     """A round of agent episodes (see the module docstring) in the workers of `pool` (an EnvironmentPool: its
     timeout bounds an agent's time between calls), on the endpoint it keeps for the run."""
     endpoint = pool.kept("endpoint", lambda: Endpoint(MODEL_NAME))
-    return AgentRound(engine, tokenizer, settings, endpoint, pool.timeout_s, pool.workers).run(agent.fn, rows, prompts, seeds,
-                                                                            sample_key, pool)
+    round_ = AgentRound(engine, tokenizer, settings, endpoint, pool.timeout_s, pool.workers)
+    return round_.run(agent, rows, prompts, seeds, sample_key, pool)
 
 
 __all__ = ["AGENT_ARGUMENTS", "Agent", "AgentError", "AgentRound", "agent_reward", "check_agent", "new_message_ids",

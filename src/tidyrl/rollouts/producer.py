@@ -76,26 +76,22 @@ class Producer:
         prompt_ids = [self.prompt_ids[row] for row in rows]
         multi_turn = self.environment is not None
         agent = isinstance(self.environment, Agent)
-        extra = {}
-        env_rows = [{c: columns[c][i] for c in columns} | {self.prompt_column: prompts[i]}
-                    for i in range(len(keys))] if multi_turn else []
-        if agent:
-            conversations = run_agent_episodes(
-                self.environment, self.engine, self.tokenizer, settings, env_rows, prompts,
-                [sample_seed(self.seed, slot, f"{key}.env") for key in keys],
-                lambda i, t: sample_seed(self.seed, slot, f"{keys[i]}.{t}"), self.pool)
-            prompt_ids = [c.prompt_ids or p for c, p in zip(conversations, prompt_ids)]
-        elif multi_turn:
-            extra = dict(
-                environments=build_environments(self.environment, env_rows,
-                                                [sample_seed(self.seed, slot, f"{key}.env") for key in keys],
-                                                self.pool),
-                messages=[list(p) if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts],
-                pool=self.pool, env_names=[self.env_name] * len(keys))
+        if multi_turn:  # turn t (an agent's call t) of episode e: its own key; its environment (agent) a seed
+            env_rows = [{c: columns[c][i] for c in columns} | {self.prompt_column: prompts[i]}
+                        for i in range(len(keys))]
+            env_seeds = [sample_seed(self.seed, slot, f"{key}.env") for key in keys]
             key_of = lambda i, t: sample_seed(self.seed, slot, f"{keys[i]}.{t}")  # noqa: E731
         else:
             key_of = lambda i, t: sample_seed(self.seed, slot, keys[i])  # noqa: E731
-        if not agent:
+        if agent:
+            conversations = run_agent_episodes(self.environment, self.engine, self.tokenizer, settings, env_rows,
+                                               prompts, env_seeds, key_of, self.pool)
+            prompt_ids = [c.prompt_ids or p for c, p in zip(conversations, prompt_ids)]
+        else:
+            extra = {} if not multi_turn else dict(
+                environments=build_environments(self.environment, env_rows, env_seeds, self.pool),
+                messages=[list(p) if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts],
+                pool=self.pool, env_names=[self.env_name] * len(keys))
             conversations = run_episodes(self.engine, self.tokenizer, prompt_ids, settings, sample_key=key_of,
                                          **extra)
         episodes = as_episodes(conversations, settings.sampling.max_new_tokens, settings.sampling.pad_id, multi_turn,

@@ -75,7 +75,8 @@ def environment_failure(cfg, plan, r: int, step: int, failed: float, errors: lis
     return EnvironmentFailure(
         f"rollout {r + 1}: {failed:.0%} of the episodes ended on an environment error, more than "
         f"environment.max_error_fraction = {env.max_error_fraction}; the run would learn from nothing, so it "
-        f"stopped. {'Agent' if env.agent is not None else 'Environment'} {env.agent or env.factory}, first errors: {examples}. Check that it can serve "
+        f"stopped. {'Agent' if env.agent is not None else 'Environment'} {env.agent or env.factory}, first errors: "
+        f"{examples}. Check that it can serve "
         f"{plan.episodes_per_rollout_per_process} episodes at once per process (a server's session "
         f"capacity), that environment.timeout_s = {env.timeout_s} s fits its calls, and that the server is up. "
         f"{saved}.")

@@ -127,15 +127,13 @@ def read_environment(cfg: Config, base_dir: Optional[str], tokenizer):
     from tidyrl.rewards import load_reward_function
 
     if cfg.environment.agent is not None:  # an agent: its calls bring their own tools
-        from tidyrl.rollouts.agents import Agent, AgentError, check_agent
+        from tidyrl.rollouts.agents import AgentError, check_agent
 
         fn = load_reward_function(cfg.environment.agent, base_dir, key="environment.agent")
         try:
-            check_agent(fn, cfg.environment.agent)
+            return check_agent(fn, cfg.environment.agent), None
         except AgentError as err:
             raise ConfigError([str(err)]) from None
-        return Agent(fn, str(getattr(fn, "__name__", cfg.environment.agent) if callable(cfg.environment.agent)
-                             else cfg.environment.agent)), None
     if cfg.environment.factory is None:
         return None, None
 
@@ -177,20 +175,14 @@ def check_engine_inputs(cfg: Config, model_config, prompt_ids: list, episodes_pe
 
 
 def check_template_renders_tools(tokenizer, tools: list, factory) -> None:
-    """A tool environment's schemas must reach the model: refuse a chat template that renders a conversation the
-    same with and without `tools` (it has no tool section, so the model would never learn the tools exist)."""
-    probe = [{"role": "user", "content": "hi"}]
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError([f"environment.factory: {factory} offers tools, but the tokenizer has no chat template to "
-                           "render them; use a model whose template supports tools"])
-    try:
-        with_tools = tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, add_generation_prompt=True)
-    except Exception as err:  # the template failed on the schemas
-        raise ConfigError([f"environment.factory: the chat template cannot render {factory}'s tool schemas "
-                           f"({type(err).__name__}: {err}); check the tools' type hints and docstrings"]) from None
-    without = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-    if with_tools == without:
+    """A tool environment's schemas must reach the model: refuse a chat template that cannot render them or renders a
+    conversation the same with and without `tools` (it has no tool section, so the model would never learn the tools
+    exist)."""
+    from tidyrl.data.prompts import tools_problem
+
+    problem = tools_problem(tokenizer, tools)
+    if problem is not None:
         raise ConfigError([f"environment.factory: {factory} offers tools ({', '.join(t['function']['name'] for t in tools)}), "
-                           "but the model's chat template ignores `tools` (no tool section): the model would never "
-                           "see them. Use a model whose template renders tools, or describe the tools in the prompt "
-                           "and use an environment without tool_schemas"])
+                           f"but {problem}. Use a model whose template renders tools (check the tools' type hints and "
+                           "docstrings where it failed on them), or describe the tools in the prompt and use an "
+                           "environment without tool_schemas"])
