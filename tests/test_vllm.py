@@ -542,27 +542,15 @@ def test_a_mixture_of_experts_trains_on_the_vllm_engine_which_returns_no_routes_
     assert len(rows) == 4 and all("mismatch/capped_fraction" in r and r["mismatch/logprob_abs_max"] > 0 for r in rows)
 
 
-AGENT = '''
-import openai
-
-def chat(base_url, prompt):
-    """Two calls through the openai client: the prompt, then "go on"; 1 when the second answer holds an 'a'."""
-    client = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0)
-    messages = [{"role": "user", "content": prompt}]
-    for _ in range(2):
-        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
-        messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "go on"}]
-    return float("a" in (messages[-2].get("content") or ""))
-'''
-
-
 def test_an_agent_trains_through_the_endpoint_on_the_vllm_engine(vllm_model_dir, words_file, tmp_path):
     """One rollout path: the agent's calls are generate calls of the vLLM engine on the exact tokens so far; its
     sampled log-probs are the policy's; a resume makes the same episodes."""
     pytest.importorskip("openai")
-    (tmp_path / "agent.py").write_text(AGENT)
+    from test_agents import agent_module  # its chat: two calls, the prompt then "go on"
+
+    agent_module(tmp_path)
     cfg = vllm_config(vllm_model_dir, words_file, tmp_path / "run", log={"save_every": 1},
-                      environment={"agent": str(tmp_path / "agent.py") + ":chat", "max_turns": 2},
+                      environment={"agent": str(tmp_path / "agents.py") + ":chat", "max_turns": 2},
                       rollout={"max_new_tokens": 60}, train={"epochs_per_rollout": 1})
     cfg["rewards"] = []
     result = tidyrl.train(cfg)
